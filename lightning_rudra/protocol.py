@@ -1,0 +1,381 @@
+"""The Rudra protocols as plain torch: the clock, staleness, when to apply an update, and learning-rate
+modulation. No RPC and no Lightning here, so the semantics can be driven and checked with scripted pushes.
+
+Words follow the paper (Gupta, Zhang, Wang, ICDM 2016): λ learners push gradients computed from weights
+with timestamp ``j``; the server's clock ``i`` counts weight updates; a gradient applied at clock ``i``
+has staleness σ = i - j.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+PROTOCOLS = ("hardsync", "softsync", "async")
+LR_MODULATIONS = ("none", "mean", "per_gradient")
+NONFINITE_POLICIES = ("skip", "raise")
+
+# Optimizer settings that pick a kernel for the learner's device; the server runs its own CPU copy.
+_IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
+
+
+def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported: expected one of {', '.join(map(repr, choices))}.")
+
+
+def validate_options(protocol: str, n: int, lr_modulation: str, max_staleness: Optional[int], nonfinite: str) -> None:
+    """Check the options that do not depend on the number of learners."""
+    _choice("protocol", protocol, PROTOCOLS)
+    _choice("lr_modulation", lr_modulation, LR_MODULATIONS)
+    _choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} is not valid: the softsync splitting parameter must be an integer >= 1.")
+    if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0):
+        raise ValueError(f"max_staleness={max_staleness!r} is not valid: expected None (no bound) or an integer >= 0.")
+
+
+def validate_n(protocol: str, n: int, num_learners: int) -> None:
+    """n-softsync needs 1 <= n <= λ; the other protocols ignore n."""
+    if protocol == "softsync" and n > num_learners:
+        raise ValueError(
+            f"n={n} is larger than the number of learners λ={num_learners}: n-softsync needs 1 <= n <= λ "
+            f"(it applies an update every ⌊λ/n⌋ gradients). Use n <= {num_learners}, or protocol='async'."
+        )
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """What the server needs to know to decide when and how to apply updates."""
+
+    num_learners: int
+    protocol: str = "softsync"
+    n: int = 1
+    lr_modulation: str = "mean"
+    max_staleness: Optional[int] = None
+    nonfinite: str = "skip"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_learners, bool) or not isinstance(self.num_learners, int) or self.num_learners < 1:
+            raise ValueError(f"num_learners={self.num_learners!r} is not valid: expected an integer >= 1.")
+        validate_options(self.protocol, self.n, self.lr_modulation, self.max_staleness, self.nonfinite)
+        validate_n(self.protocol, self.n, self.num_learners)
+
+    @property
+    def gradients_per_update(self) -> int:
+        """c: how many gradients one update averages (hardsync: one from every learner)."""
+        if self.protocol == "async":
+            return 1
+        if self.protocol == "softsync":
+            return self.num_learners // self.n
+        return self.num_learners
+
+
+@dataclass
+class Stats:
+    """What a user reads after training: updates applied (the clock), gradients received, dropped (staler than
+    ``max_staleness``), rejected (non-finite), and the staleness histogram σ -> count of applied gradients."""
+
+    clock: int = 0
+    gradients: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def mean_staleness(self) -> float:
+        count = sum(self.staleness.values())
+        return sum(s * c for s, c in self.staleness.items()) / count if count else 0.0
+
+    @property
+    def max_staleness(self) -> int:
+        return max(self.staleness, default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"clock": self.clock, "gradients": self.gradients, "dropped": self.dropped,
+                "rejected": self.rejected, "staleness": dict(sorted(self.staleness.items()))}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Stats":
+        return cls(**{**data, "staleness": {int(s): int(c) for s, c in data["staleness"].items()}})
+
+
+class FlatLayout:
+    """Packs a fixed list of tensors into one flat contiguous tensor per dtype, and back into views.
+
+    A push or a pull then moves a few large buffers instead of one message per parameter. Learner and
+    server build the layout from the same list, so the packing agrees on both sides.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.shapes = [t.shape for t in tensors]
+        self.groups: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            self.groups.setdefault(t.dtype, []).append(i)
+        self.numels = {dtype: sum(self.shapes[i].numel() for i in idx) for dtype, idx in self.groups.items()}
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def pack(self, tensors: Sequence[Tensor], device: Optional[torch.device] = None) -> list[Tensor]:
+        """One new contiguous tensor per dtype (a copy: safe to send while the originals change)."""
+        return [torch.cat([tensors[i].detach().reshape(-1).to(device) for i in idx]) if idx else
+                torch.empty(0, dtype=dtype) for dtype, idx in self.groups.items()]
+
+    def unpack(self, flats: Sequence[Tensor]) -> list[Tensor]:
+        """Views into ``flats``, in the original order and shapes."""
+        out: list[Optional[Tensor]] = [None] * len(self.shapes)
+        for flat, idx in zip(flats, self.groups.values()):
+            offset = 0
+            for i in idx:
+                numel = self.shapes[i].numel()
+                out[i] = flat[offset:offset + numel].view(self.shapes[i])
+                offset += numel
+        return out  # type: ignore[return-value]
+
+    def check(self, flats: Sequence[Tensor], what: str) -> None:
+        """Raise a ValueError naming the mismatch if ``flats`` was not packed with this layout."""
+        expected = [f"{dtype} x {numel}" for dtype, numel in self.numels.items()]
+        got = [f"{f.dtype} x {f.numel()}" + ("" if f.dim() == 1 else f" ({f.dim()}-D)") if isinstance(f, Tensor)
+               else type(f).__name__ for f in flats]
+        if got != expected:
+            raise ValueError(f"{what} has flat buffers [{', '.join(got)}]: expected [{', '.join(expected)}] "
+                             "(dtype x number of elements, one 1-D buffer per dtype).")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """How to rebuild a learner's optimizer on the server: its class, and per parameter group the indices of
+    its parameters (into the model's parameter list) and its hyper-parameters."""
+
+    cls: type
+    groups: list[tuple[list[int], dict[str, Any]]]
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> "OptimizerSpec":
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = []
+        for group in optimizer.param_groups:
+            missing = [tuple(p.shape) for p in group["params"] if id(p) not in index]
+            if missing:
+                raise ValueError(f"{type(optimizer).__name__} optimizes tensors of shapes {missing} that are not "
+                                 "parameters of the LightningModule: the server can only hold module parameters.")
+            groups.append(([index[id(p)] for p in group["params"]], hyperparameters(group)))
+        return cls(type(optimizer), groups)
+
+    def build(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
+        return self.cls([{"params": [params[i] for i in idx], **hp} for idx, hp in self.groups])
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's hyper-parameters (lr, momentum, ...), without its tensors or kernel choices."""
+    return {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+
+
+@dataclass(frozen=True)
+class Update:
+    """One weight update: which optimizer, the clock it produced, σ of each gradient averaged into it, and the
+    factor its learning rate was multiplied by (``mean``) or each gradient was scaled by (``per_gradient``)."""
+
+    optimizer: int
+    clock: int
+    staleness: tuple[int, ...]
+    lr_factor: float
+    gradient_scales: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What became of one pushed gradient. ``status`` is ``accepted``, ``dropped`` (staler than the bound) or
+    ``rejected`` (non-finite). ``closed`` says this push completed its optimizer's wait (a hardsync round, or c
+    softsync gradients); ``update`` is the update that applied, None if every gradient in it was refused."""
+
+    status: str
+    staleness: int
+    closed: bool = False
+    update: Optional[Update] = None
+
+
+@dataclass
+class _Pending:
+    """Gradients of one optimizer accepted since its last update, summed as they arrive."""
+
+    grads: Optional[list[Tensor]] = None
+    has_grad: Optional[Tensor] = None
+    buffers: Optional[list[Tensor]] = None
+    staleness: list[int] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
+    learners: set[int] = field(default_factory=set)  # who pushed (hardsync: one gradient each)
+    hparams: Optional[list[dict[str, Any]]] = None
+
+
+def _accumulator(t: Tensor, scale: float) -> Tensor:
+    """The running sum starts as the first tensor itself; half precision sums in float32."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()
+    return t.mul_(scale) if scale != 1.0 else t
+
+
+class Server:
+    """The parameter server's state and rules, driven in-process by :meth:`push`.
+
+    Holds the master copy of the parameters and buffers (flat, one buffer per dtype), the clock, one
+    server-side optimizer per learner optimizer, and the gradients waiting for the next update. It takes
+    ownership of pushed tensors (they are summed in place).
+
+    Buffers (e.g. BatchNorm running statistics) follow one rule: every push carries the learner's buffers,
+    and each update sets the master buffers to the average (floating point) or the last value (integer) of
+    the buffers pushed with the gradients in it.
+    """
+
+    def __init__(self, config: ProtocolConfig, params: Sequence[Tensor], buffers: Sequence[Tensor],
+                 optimizers: Sequence[OptimizerSpec], stats: Optional[Stats] = None) -> None:
+        self.config = config
+        self.stats = stats or Stats()
+        self.param_layout = FlatLayout(params)
+        self.buffer_layout = FlatLayout(buffers)
+        self.flat_params = self.param_layout.pack(params, torch.device("cpu"))
+        self.flat_buffers = self.buffer_layout.pack(buffers, torch.device("cpu"))
+        self.params = self.param_layout.unpack(self.flat_params)
+        self.optimizers = [spec.build(self.params) for spec in optimizers]
+        # per optimizer: the model-parameter indices it updates, and the layout of its pushed gradients
+        self.optimizer_params = [[i for idx, _ in spec.groups for i in idx] for spec in optimizers]
+        self.grad_layouts = [FlatLayout([params[i] for i in idx]) for idx in self.optimizer_params]
+        self.active = set(range(config.num_learners))
+        self._pending = [_Pending() for _ in optimizers]
+
+    @property
+    def clock(self) -> int:
+        return self.stats.clock
+
+    def pull(self) -> tuple[list[Tensor], list[Tensor], int]:
+        """A copy of the current weights and buffers (flat), and their timestamp."""
+        return [f.clone() for f in self.flat_params], [f.clone() for f in self.flat_buffers], self.clock
+
+    def push(self, learner: int, optimizer: int, grads: Sequence[Tensor], has_grad: Tensor, timestamp: int,
+             hparams: Sequence[dict[str, Any]], buffers: Sequence[Tensor]) -> PushResult:
+        """Take one gradient. ``grads`` is packed with the gradient layout of ``optimizer`` (zeros where
+        ``has_grad`` is False), computed from weights with ``timestamp``; ``hparams`` are the learner's
+        current parameter-group hyper-parameters (its LR schedule stays in charge); ``buffers`` its buffers.
+
+        Everything is checked before anything changes: a bad push raises and leaves the server as it was.
+        """
+        self._check_push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
+        pending = self._pending[optimizer]
+        if self.config.protocol == "hardsync" and learner in pending.learners:
+            raise RuntimeError(f"learner {learner} pushed twice for optimizer {optimizer} in one hardsync round "
+                               f"(clock {self.clock}): hardsync takes one gradient from every learner per update.")
+        sigma = self.clock - timestamp
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            if self.config.nonfinite == "raise":
+                raise FloatingPointError(f"learner {learner} pushed a gradient with NaN or Inf for optimizer "
+                                         f"{optimizer}; the weights were left unchanged (nonfinite='raise').")
+            self.stats.rejected += 1
+            status = "rejected"
+        elif self.config.max_staleness is not None and sigma > self.config.max_staleness:
+            self.stats.dropped += 1
+            status = "dropped"
+        else:
+            self._accumulate(pending, grads, has_grad, buffers, sigma, hparams)
+            self.stats.staleness[sigma] = self.stats.staleness.get(sigma, 0) + 1
+            status = "accepted"
+        self.stats.gradients += 1
+        pending.learners.add(learner)
+        if not self._ready(pending):
+            return PushResult(status, sigma)
+        return PushResult(status, sigma, closed=True, update=self._close(optimizer))
+
+    def finish(self, learner: int) -> list[int]:
+        """A learner has stopped pushing. Hardsync rounds now wait only for the learners still active; when the
+        last learner finishes, gradients still waiting for a softsync update are applied, not lost. Returns the
+        optimizers whose wait this closed."""
+        self._check_learner(learner)
+        self.active.discard(learner)
+        closed = [i for i, p in enumerate(self._pending) if p.learners and (self._ready(p) or not self.active)]
+        for optimizer in closed:
+            self._close(optimizer)
+        return closed
+
+    def optimizer_state(self, optimizer: int) -> dict[str, Any]:
+        return self.optimizers[optimizer].state_dict()
+
+    def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
+        self.optimizers[optimizer].load_state_dict(state)
+
+    def _ready(self, pending: _Pending) -> bool:
+        if self.config.protocol == "hardsync":
+            return self.active <= pending.learners
+        return len(pending.staleness) >= self.config.gradients_per_update
+
+    def _check_learner(self, learner: int) -> None:
+        if learner not in self.active:
+            state = "has already finished" if learner in range(self.config.num_learners) else "is unknown"
+            raise ValueError(f"learner {learner!r} {state}: expected one of the active learners "
+                             f"{sorted(self.active)} (λ={self.config.num_learners}).")
+
+    def _check_push(self, learner, optimizer, grads, has_grad, timestamp, hparams, buffers) -> None:
+        self._check_learner(learner)
+        if optimizer not in range(len(self.optimizers)):
+            raise ValueError(f"optimizer index {optimizer!r} is unknown: the server holds "
+                             f"{len(self.optimizers)} optimizer(s), indices 0..{len(self.optimizers) - 1}.")
+        self.grad_layouts[optimizer].check(grads, f"the gradient pushed by learner {learner} for optimizer {optimizer}")
+        num_params = len(self.grad_layouts[optimizer])
+        if not (isinstance(has_grad, Tensor) and has_grad.dtype == torch.bool and has_grad.shape == (num_params,)):
+            raise ValueError(f"has_grad from learner {learner} must be a bool tensor of shape ({num_params},), "
+                             f"got {has_grad!r}.")
+        if isinstance(timestamp, bool) or not isinstance(timestamp, int) or not 0 <= timestamp <= self.clock:
+            raise ValueError(f"timestamp {timestamp!r} from learner {learner} is not valid: expected an integer "
+                             f"between 0 and the server clock {self.clock}.")
+        num_groups = len(self.optimizers[optimizer].param_groups)
+        if len(hparams) != num_groups:
+            raise ValueError(f"learner {learner} sent hyper-parameters for {len(hparams)} parameter groups of "
+                             f"optimizer {optimizer}: expected {num_groups}.")
+        for hp in hparams:
+            lr = hp.get("lr") if isinstance(hp, dict) else None
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
+                raise ValueError(f"learner {learner} sent the learning rate {lr!r} for optimizer {optimizer}: "
+                                 "expected a number >= 0 in every parameter group.")
+        self.buffer_layout.check(buffers, f"the buffers pushed by learner {learner}")
+
+    def _accumulate(self, pending: _Pending, grads, has_grad, buffers, sigma: int, hparams) -> None:
+        scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
+        if pending.grads is None:
+            pending.grads = [_accumulator(g, scale) for g in grads]
+            pending.has_grad = has_grad
+            pending.buffers = [_accumulator(b, 1.0) for b in buffers]
+        else:
+            for total, g in zip(pending.grads, grads):
+                total.add_(g, alpha=scale)
+            pending.has_grad |= has_grad
+            for total, b in zip(pending.buffers, buffers):
+                total.add_(b) if total.is_floating_point() else total.copy_(b)
+        pending.staleness.append(sigma)
+        pending.scales.append(scale)
+        pending.hparams = list(hparams)
+
+    def _close(self, optimizer: int) -> Optional[Update]:
+        """Average the pending gradients of ``optimizer`` into one update; None if every one was refused."""
+        pending, self._pending[optimizer] = self._pending[optimizer], _Pending()
+        if pending.grads is None:
+            return None
+        count = len(pending.staleness)
+        lr_factor = 1.0
+        if self.config.lr_modulation == "mean":
+            lr_factor = 1.0 / max(1.0, sum(pending.staleness) / count)
+        opt = self.optimizers[optimizer]
+        for group, hp in zip(opt.param_groups, pending.hparams):
+            group.update(hyperparameters(hp))
+            group["lr"] = hp["lr"] * lr_factor
+        layout = self.grad_layouts[optimizer]
+        flat_grads = [total.div_(count).to(dtype) for total, dtype in zip(pending.grads, layout.groups)]
+        indices = self.optimizer_params[optimizer]
+        for i, grad, has in zip(indices, layout.unpack(flat_grads), pending.has_grad.tolist()):
+            self.params[i].grad = grad if has else None
+        opt.step()
+        for i in indices:
+            self.params[i].grad = None
+        for master, total in zip(self.flat_buffers, pending.buffers):
+            master.copy_(total.div_(count) if total.is_floating_point() else total)
+        self.stats.clock += 1
+        return Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales))

@@ -120,7 +120,7 @@ class FlatLayout:
 
     def pack(self, tensors: Sequence[Tensor], device: Optional[torch.device] = None) -> list[Tensor]:
         """One new contiguous tensor per dtype (a copy: safe to send while the originals change)."""
-        return [torch.cat([tensors[i].detach().reshape(-1).to(device) for i in idx]) if idx else
+        return [torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(device) if idx else
                 torch.empty(0, dtype=dtype) for dtype, idx in self.groups.items()]
 
     def unpack(self, flats: Sequence[Tensor]) -> list[Tensor]:

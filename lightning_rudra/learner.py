@@ -1,0 +1,111 @@
+"""A learner: a module whose optimizer steps go through the parameter server (push, then pull).
+
+Lightning-free: :class:`LearnerOptimizer` wraps any torch optimizer, so a plain training loop can use it
+as well as the strategy.
+"""
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_rudra.client import LearnerClient
+from lightning_rudra.protocol import FlatLayout, OptimizerSpec, ProtocolConfig, Stats, hyperparameters
+
+_CPU = torch.device("cpu")
+
+
+class Learner:
+    """Moves a module's gradients to the server and the server's weights into the module."""
+
+    def __init__(self, module: torch.nn.Module, client: LearnerClient) -> None:
+        self.client = client
+        self.params = list(module.parameters())
+        self.buffers = list(module.buffers())
+        self.param_layout = FlatLayout(self.params)
+        self.buffer_layout = FlatLayout(self.buffers)
+        self.grad_layouts: list[FlatLayout] = []
+        self.on_push: Optional[Callable[[str, int], None]] = None  # (status, staleness) of every push
+
+    def wrap(self, optimizers: Sequence[Optimizer]) -> list["LearnerOptimizer"]:
+        """Wrap the learner's optimizers; their steps push from now on."""
+        self.grad_layouts = [FlatLayout([p for g in opt.param_groups for p in g["params"]]) for opt in optimizers]
+        return [LearnerOptimizer(opt, i, self) for i, opt in enumerate(optimizers)]
+
+    def register(self, config: ProtocolConfig, optimizers: Sequence[Optimizer], stats: Optional[Stats]) -> None:
+        """Learner 0 only: give the server the starting weights and the optimizers to rebuild."""
+        specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
+        copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (self.params, self.buffers)]
+        self.client.register(config, *copies, specs, stats)
+
+    def pull(self) -> None:
+        self._load(*self.client.pull())
+
+    def push(self, index: int, optimizer: Optimizer) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
+        status, staleness, flat_params, flat_buffers = self.client.push(
+            index, self.grad_layouts[index].pack(grads, _CPU), has_grad,
+            [hyperparameters(g) for g in optimizer.param_groups], self.buffer_layout.pack(self.buffers, _CPU))
+        self._load(flat_params, flat_buffers)
+        if self.on_push is not None:
+            self.on_push(status, staleness)
+
+    def finish(self) -> None:
+        """Stop pushing and take the final weights, once every learner has stopped."""
+        self._load(*self.client.finish())
+
+    @torch.no_grad()
+    def _load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
+        for layout, flats, targets in ((self.param_layout, flat_params, self.params),
+                                       (self.buffer_layout, flat_buffers, self.buffers)):
+            if targets:
+                device = targets[0].device
+                torch._foreach_copy_(targets, layout.unpack([f.to(device, non_blocking=True) for f in flats]))
+
+
+class LearnerOptimizer(Optimizer):
+    """``step(closure)`` runs the closure (forward and backward), pushes the gradient and takes back the
+    weights the protocol gives. The wrapped optimizer never updates weights itself: its ``param_groups`` stay
+    the handle of LR schedulers (their current values travel with every push), and its state lives on the
+    server (``state_dict`` fetches it).
+
+    Torch's ``Optimizer.__init__`` is not called: the groups and state are the wrapped optimizer's own.
+    """
+
+    def __init__(self, optimizer: Optimizer, index: int, learner: Learner) -> None:
+        self.local = optimizer
+        self.index = index
+        self.learner = learner
+
+    param_groups = property(lambda self: self.local.param_groups)
+    state = property(lambda self: self.local.state)
+    defaults = property(lambda self: self.local.defaults)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.learner.push(self.index, self.local)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.local.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.client.optimizer_state(self.index)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the server's copy (learner 0 sends it; the others hold no state to restore)."""
+        if self.learner.client.rank == 0:
+            self.learner.client.load_optimizer_state(self.index, state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError("parameter groups cannot be added once training under RudraStrategy has started: the "
+                           "server built its copy of the optimizer from the groups that existed at setup.")
+
+    def __repr__(self) -> str:
+        return f"LearnerOptimizer({self.local!r})"

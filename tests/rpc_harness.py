@@ -1,0 +1,133 @@
+"""Learner processes for the RPC tests: real processes, a real server process, no Lightning."""
+
+import io
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from lightning_rudra.client import join, leave
+from lightning_rudra.learner import Learner
+from lightning_rudra.protocol import ProtocolConfig
+
+DATA_SEED = 1234
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def data(num_samples: int = 96):
+    g = torch.Generator().manual_seed(DATA_SEED)
+    return torch.randn(num_samples, 6, generator=g), torch.randn(num_samples, 1, generator=g)
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def run_learners(num_learners: int, target, timeout: float = 20.0, **kwargs):
+    """Run ``target(rank, client_learner, **kwargs)`` in ``num_learners`` processes around one server.
+    Returns each learner's result (or the text of its exception), in rank order."""
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_learner_main, args=(rank, num_learners, port, timeout, target, kwargs, queue))
+             for rank in range(num_learners)]
+    for proc in procs:
+        proc.start()
+    results = {}
+    for _ in procs:
+        rank, payload = queue.get()
+        results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    for proc in procs:
+        proc.join(timeout=2 * timeout)
+        if proc.is_alive():
+            proc.kill()
+    return [results[r] for r in range(num_learners)]
+
+
+def _learner_main(rank, num_learners, port, timeout, target, kwargs, queue):
+    torch.set_num_threads(1)
+    client = process = None
+    try:
+        client, process = join(rank, num_learners, "127.0.0.1", port, timeout)
+        result = target(rank, client, **kwargs)
+    except BaseException as error:  # report it to the test instead of dying silently
+        result = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+    finally:
+        if client is not None:
+            leave(client, process, timeout=5.0)
+    buffer = io.BytesIO()  # bytes, not shared-memory tensors: this process may exit before they are read
+    torch.save(result, buffer)
+    queue.put((rank, buffer.getvalue()))
+
+
+def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, delay_rank=None):
+    """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
+    import time
+
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    learner = Learner(net, client)
+    [wrapped] = learner.wrap([opt])
+    if rank == 0:
+        learner.register(config, [opt], None)
+    learner.pull()
+    x, y = data()
+    lam = config.num_learners
+    pushes = []
+    learner.on_push = lambda status, sigma: pushes.append((status, sigma))
+    for step in range(steps):
+        rows = torch.arange(step * mu * lam, (step + 1) * mu * lam)[rank::lam]
+        wrapped.zero_grad()
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        if rank == delay_rank:
+            time.sleep(0.05)
+        wrapped.step()
+    learner.finish()
+    stats = client.stats() if rank == 0 else None
+    return {"params": [p.detach().clone() for p in net.parameters()], "stats": stats, "pushes": pushes}
+
+
+def push_garbage(rank, client, config):
+    """Learner 0 registers a model, pushes a gradient of the wrong size, then reports the server's weights."""
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    learner = Learner(net, client)
+    learner.wrap([opt])
+    learner.register(config, [opt], None)
+    before, _ = client.pull()
+    try:
+        client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], [])
+        error = None
+    except Exception as exc:
+        error = str(exc)
+    after, _ = client.pull()
+    return {"error": error, "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+            "stats": client.stats()}
+
+
+def die_after_one_step(rank, client, config):
+    """Learner 1 exits abruptly after its first push; learner 0 keeps training under hardsync."""
+    import os
+
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    learner = Learner(net, client)
+    [wrapped] = learner.wrap([opt])
+    if rank == 0:
+        learner.register(config, [opt], None)
+    learner.pull()
+    x, y = data()
+    for step in range(3):
+        wrapped.zero_grad()
+        torch.nn.functional.mse_loss(net(x[:4]), y[:4]).backward()
+        wrapped.step()
+        if rank == 1:
+            os._exit(1)
+    return "finished"

@@ -1,0 +1,87 @@
+"""The engine over real RPC: learner processes, a server process, no Lightning."""
+
+import time
+
+import pytest
+import torch
+
+from lightning_rudra.protocol import ProtocolConfig
+from tests import rpc_harness as harness
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def sgd_reference(steps, batch, lr=0.1, momentum=0.9):
+    net = harness.model()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    x, y = harness.data()
+    for step in range(steps):
+        rows = torch.arange(step * batch, (step + 1) * batch)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+def check_ok(results):
+    for result in results:
+        assert isinstance(result, dict), result
+
+
+def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda():
+    learners, mu, steps = 3, 4, 6
+    results = harness.run_learners(learners, harness.train, config=ProtocolConfig(learners, "hardsync"),
+                                   steps=steps, mu=mu)
+    check_ok(results)
+    reference = sgd_reference(steps, mu * learners)
+    for result in results:  # every learner ends with the same, exact weights
+        for mine, expected in zip(result["params"], reference):
+            torch.testing.assert_close(mine, expected, rtol=0, atol=1e-5)
+    stats = results[0]["stats"]
+    assert stats.clock == steps and stats.gradients == steps * learners
+    assert stats.staleness == {0: steps * learners}
+    assert all(sigma == 0 for r in results for _, sigma in r["pushes"])
+
+
+def test_async_with_one_learner_is_plain_sgd():
+    steps, mu = 8, 5
+    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu)
+    check_ok([result])
+    for mine, expected in zip(result["params"], sgd_reference(steps, mu)):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=0)
+    assert result["stats"].clock == steps and result["stats"].staleness == {0: steps}
+
+
+@pytest.mark.parametrize("protocol, n", [("softsync", 2), ("async", 1)])
+def test_softsync_and_async_count_updates_and_staleness(protocol, n):
+    learners, steps = 4, 6
+    config = ProtocolConfig(learners, protocol, n)
+    results = harness.run_learners(learners, harness.train, config=config, steps=steps, mu=2)
+    check_ok(results)
+    stats = results[0]["stats"]
+    c = config.gradients_per_update
+    assert stats.gradients == learners * steps == sum(stats.staleness.values())
+    assert stats.clock == -(-stats.gradients // c)  # every c gradients, the rest flushed at the end
+    assert stats.max_staleness <= stats.clock
+    # each learner saw the σ the server recorded for its gradients
+    seen = sorted(sigma for r in results for _, sigma in r["pushes"])
+    assert seen == sorted(s for s, count in stats.staleness.items() for _ in range(count))
+    # everybody ends on the same, final weights
+    for result in results[1:]:
+        for a, b in zip(result["params"], results[0]["params"]):
+            assert torch.equal(a, b)
+
+
+def test_bad_push_over_rpc_is_refused_and_leaves_the_weights():
+    [result] = harness.run_learners(1, harness.push_garbage, config=ProtocolConfig(1, "async"))
+    check_ok([result])
+    assert "float32 x 3" in result["error"] and "expected [torch.float32 x" in result["error"]
+    assert result["unchanged"] and result["stats"].clock == 0 and result["stats"].gradients == 0
+
+
+def test_a_dead_learner_ends_the_others_within_the_timeout():
+    start = time.monotonic()
+    results = harness.run_learners(2, harness.die_after_one_step, config=ProtocolConfig(2, "hardsync"), timeout=5.0)
+    elapsed = time.monotonic() - start
+    assert "finished" != results[0] and "Error" in results[0], results[0]
+    assert elapsed < 60, f"the surviving learner took {elapsed:.0f} s to notice"

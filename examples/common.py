@@ -49,7 +49,11 @@ def print_staleness(stats: Any) -> None:
     hist = {int(s): int(c) for s, c in sorted(stats.staleness.items()) if c}
     total = sum(hist.values())
     mean = sum(s * c for s, c in hist.items()) / total if total else 0.0
-    print(f"updates applied: {stats.clock}, gradients: {stats.gradients}, dropped: {stats.dropped}")
+    rejected = getattr(stats, "rejected", None)  # non-finite gradients, when the strategy counts them
+    print(
+        f"updates applied: {stats.clock}, gradients: {stats.gradients}, dropped: {stats.dropped}"
+        + ("" if rejected is None else f", rejected: {rejected}")
+    )
     print(f"staleness: mean σ = {mean:.2f}, max σ = {max(hist, default=0)}")
     print("staleness histogram: " + ", ".join(f"σ={s}: {c}" for s, c in hist.items()))
 
@@ -58,10 +62,10 @@ class FitTestCLI(LightningCLI):
     """``LightningCLI`` whose ``fit`` also tests the final model and prints a summary on rank 0."""
 
     def after_fit(self) -> None:
+        stats = getattr(self.trainer.strategy, "stats", None)  # RudraStrategy's training statistics
         results = self.trainer.test(self.model, datamodule=self.datamodule)
         if not self.trainer.is_global_zero:
             return
-        stats = getattr(self.trainer.strategy, "stats", None)
         if stats is not None:
             print_staleness(stats)
         print(f"final test accuracy: {results[0]['test_acc']:.3f}")
@@ -73,8 +77,8 @@ def run_cli(model_class: type, datamodule_class: type, args: Optional[list[str]]
     ``python -m examples.X fit --config C`` and ``python -m examples.X --config C`` both train, test and
     print ``final test accuracy: ...``; ``validate``/``test``/``predict`` behave as in ``LightningCLI``.
     """
-    args = sys.argv[1:] if args is None else args
-    has_subcommand = bool(args) and args[0] in LightningCLI.subcommands()
+    argv = sys.argv[1:] if args is None else args
+    has_subcommand = bool(argv) and argv[0] in LightningCLI.subcommands()
     cli = FitTestCLI(
         model_class, datamodule_class, save_config_kwargs={"overwrite": True}, run=has_subcommand, args=args
     )

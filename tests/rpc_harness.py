@@ -2,6 +2,7 @@
 
 import io
 import socket
+from queue import Empty
 import traceback
 
 import torch
@@ -35,20 +36,23 @@ def run_learners(num_learners: int, target, timeout: float = 20.0, **kwargs):
     Returns each learner's result (or the text of its exception), in rank order."""
     port = free_port()
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     procs = [ctx.Process(target=_learner_main, args=(rank, num_learners, port, timeout, target, kwargs, queue))
              for rank in range(num_learners)]
     for proc in procs:
         proc.start()
     results = {}
-    for _ in procs:
-        rank, payload = queue.get()
+    while len(results) < num_learners and any(p.is_alive() for p in procs) or not queue.empty():
+        try:
+            rank, payload = queue.get(timeout=0.5)
+        except Empty:
+            continue
         results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     for proc in procs:
         proc.join(timeout=2 * timeout)
         if proc.is_alive():
             proc.kill()
-    return [results[r] for r in range(num_learners)]
+    return [results.get(r, f"died with exit code {procs[r].exitcode}") for r in range(num_learners)]
 
 
 def _learner_main(rank, num_learners, port, timeout, target, kwargs, queue):

@@ -1,0 +1,15 @@
+"""lightning_rudra: parameter-server training for PyTorch Lightning (Rudra, ICDM 2016).
+
+Importing the package registers the strategy names "rudra", "rudra_hardsync", "rudra_softsync" and
+"rudra_async" in Lightning's StrategyRegistry.
+"""
+
+from pytorch_lightning.strategies import StrategyRegistry
+
+from lightning_rudra.protocol import ProtocolConfig, Server, Stats
+from lightning_rudra.strategy import RudraStrategy
+
+RudraStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["RudraStrategy", "Stats", "ProtocolConfig", "Server"]
+__version__ = "0.1.0.dev0"

@@ -20,7 +20,7 @@ from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
-from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics import MaxMetric, MeanMetric, Metric
 
 from lightning_rudra.client import LearnerClient, join, leave
 from lightning_rudra.learner import Learner, LearnerOptimizer
@@ -162,6 +162,7 @@ class RudraStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._sync_metrics_through_server()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -245,6 +246,20 @@ class RudraStrategy(ParallelStrategy):
         assert self._client is not None
         sent = apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())  # the server holds CPU tensors
         return self._client.gather(sent)
+
+    def _sync_metrics_through_server(self) -> None:
+        """torchmetrics syncs over torch.distributed, which this strategy leaves uninitialized on purpose:
+        point the module's metrics at the server instead, so that e.g. a logged accuracy covers all learners."""
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric):
+                metric.dist_sync_fn = self._gather_metric_state
+                metric.distributed_available_fn = self._rpc_is_up
+
+    def _rpc_is_up(self) -> bool:
+        return self._client is not None
+
+    def _gather_metric_state(self, tensor: Tensor, group: Optional[Any] = None) -> list[Tensor]:
+        return [t.to(tensor.device) for t in self._gather(tensor)]
 
     def barrier(self, name: Optional[str] = None) -> None:
         if self._client is not None:

@@ -50,13 +50,22 @@ def shutdown_rpc(timeout: float) -> None:
             pass  # the failed graceful attempt already took the agent down
 
 
+# Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server`, not in a copy named
+# __main__. The package is entered without running its __init__, which imports Lightning (seconds, unused).
+_SERVER_ENTRY = """import sys, types
+package = types.ModuleType("lightning_rudra")
+package.__path__ = [{package!r}]
+sys.modules["lightning_rudra"] = package
+from lightning_rudra.server import main
+main()"""
+
+
 def start_server(init_method: str, num_learners: int, timeout: float) -> subprocess.Popen:
     """Start the server process. It exits when every learner has left, or at once if this process dies."""
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
-    # not `-m`: the RPC handlers must live in the imported module, not in a second copy named __main__
-    command = [sys.executable, "-c", f"from {_server.__name__} import main; main()", "--init-method", init_method, "--learners",
+    command = [sys.executable, "-c", _SERVER_ENTRY.format(package=os.path.dirname(__file__)), "--init-method", init_method, "--learners",
                str(num_learners), "--timeout", str(timeout), "--parent-pid", str(os.getpid())]
     return subprocess.Popen(command, env=env)
 

@@ -68,3 +68,72 @@ def quiet_trainer(strategy, devices: int, **kwargs) -> pl.Trainer:
                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     options.update(kwargs)
     return pl.Trainer(**options)
+
+
+class Features(Regression):
+    """Automatic optimization with what real modules use: a frozen layer, a parameter no loss reaches, an LR
+    scheduler, and (from the Trainer) clipping and accumulation. Checks the collectives at the start."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05, momentum=0.0)
+        self.frozen = torch.nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.unused = torch.nn.Parameter(torch.ones(3))
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(self.frozen(x) + x), y)
+
+    def on_train_start(self) -> None:
+        strategy, rank, world = self.trainer.strategy, self.global_rank, self.trainer.world_size
+        assert strategy.all_gather(torch.tensor([rank])).flatten().tolist() == list(range(world))
+        assert strategy.reduce(torch.tensor(rank + 1.0), reduce_op="sum").item() == world * (world + 1) / 2
+        assert strategy.reduce(torch.tensor(rank + 1.0)).item() == (world + 1) / 2
+        assert strategy.broadcast(f"from {rank}", src=world - 1) == f"from {world - 1}"
+        assert strategy.reduce_boolean_decision(rank == 0, all=False) is True
+        assert strategy.reduce_boolean_decision(rank == 0, all=True) is False
+        strategy.barrier("checked")
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, weight_decay=0.1)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers, as in a GAN: each step pushes twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.first = torch.nn.Linear(6, 4)
+        self.second = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_first, opt_second = self.optimizers()
+        for opt in (opt_second, opt_first):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y)
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=1.0)
+            opt.step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.first.parameters(), lr=0.01), torch.optim.SGD(self.second.parameters(), lr=0.05)
+
+
+class FailingLearner(Regression):
+    """Learner 1 dies (``exit``) or raises (``raise``) at its third batch."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            if self.how == "exit":
+                os._exit(7)
+            raise ValueError("learner 1 broke on purpose")
+        return super().training_step(batch, batch_idx)

@@ -1,13 +1,18 @@
 """RudraStrategy through the Trainer: real learner processes (spawn) and a real server process."""
 
 import math
+import os
+import socket
+import subprocess
+import time
 
 import pytest
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
-from tests.lightning_models import ProbedRudra, Regression, flat, loader, quiet_trainer
+from tests.lightning_models import (FailingLearner, Features, ProbedRudra, Regression, TwoOptimizers, flat, loader,
+                                    quiet_trainer)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -87,3 +92,65 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     resumed, resumed_stats = run(2, ckpt_path=str(tmp_path / "last.ckpt"))
     torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
     assert resumed_stats == straight_stats
+
+
+def test_automatic_optimization_features_callbacks_and_test_after_fit(tmp_path):
+    model = Features()
+    frozen, unused = flat(model.frozen.parameters()), model.unused.detach().clone()
+    strategy = probed(tmp_path, protocol="async", lr_modulation="none")
+    trainer = quiet_trainer(strategy, 2, max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5,
+                            precision="bf16-mixed", enable_checkpointing=True, default_root_dir=tmp_path,
+                            callbacks=[EarlyStopping("val_loss", patience=5), ModelCheckpoint(monitor="val_loss")])
+    trainer.fit(model, loader(8), loader(32, seed=1))
+    stats = trainer.strategy.stats
+    assert stats.gradients == 2 * 2 * 8  # 16 batches per learner and epoch, one push per 2 (accumulation)
+    assert stats.clock == stats.gradients and stats.rejected == 0
+    assert torch.equal(flat(model.frozen.parameters()), frozen)
+    assert torch.equal(model.unused.detach(), unused)  # no gradient ever reached it: weight decay skipped it too
+    probe = torch.load(tmp_path / "probe.pt")
+    assert probe["lrs"] == [[pytest.approx(0.025)]]  # StepLR on the learners set the rate of the last update
+    assert "val_loss" in trainer.callback_metrics
+    assert trainer.checkpoint_callback.best_model_path.endswith(".ckpt")
+    [result] = trainer.test(model, loader(32, seed=1))  # a new stage: a new RPC world, and metrics synced
+    assert result["test_loss"] > 0
+
+
+def test_manual_optimization_with_two_optimizers(tmp_path):
+    model = TwoOptimizers()
+    trainer = quiet_trainer(probed(tmp_path, protocol="softsync", n=2), 2, max_epochs=1)
+    trainer.fit(model, loader(16))
+    stats = trainer.strategy.stats
+    assert stats.gradients == 2 * 2 * 8  # two pushes per step, 8 steps per learner
+    assert stats.clock == stats.gradients  # λ = 2, n = 2: one gradient per update
+    probe = torch.load(tmp_path / "probe.pt")
+    assert torch.equal(probe["params"][0], flat(model.parameters()))
+    assert probe["lrs"] == [[0.01], [0.05]]
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_a_failing_learner_ends_the_run_with_an_error_and_leaves_no_process(how):
+    strategy = RudraStrategy(protocol="hardsync", start_method="spawn", rpc_timeout=10)
+    trainer = quiet_trainer(strategy, 2, max_epochs=1)
+    with pytest.raises(Exception, match="learner 1 broke on purpose" if how == "raise" else "exit code 7"):
+        trainer.fit(FailingLearner(how), loader(8))
+    port = os.environ["MASTER_PORT"]
+    for _ in range(40):  # the server process notices within about a second that its learner is gone
+        if not _server_processes(port):
+            break
+        time.sleep(0.25)
+    assert not _server_processes(port)
+
+
+def _server_processes(port: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=10).stdout
+    return [line for line in ps.splitlines() if "lightning_rudra.server" in line and f":{port}" in line]
+
+
+def test_a_port_in_use_is_reported_clearly(monkeypatch):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+        trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=10), 1, max_epochs=1)
+        with pytest.raises(Exception, match=f"port {busy.getsockname()[1]} on 127.0.0.1 is already in use"):
+            trainer.fit(Regression(), loader(8))

@@ -12,7 +12,7 @@ setup(
     # torch is left open on purpose: install the build you want first (see README).
     install_requires=["torch>=2.3", "pytorch-lightning>=2.6,<2.7", "torchmetrics>=1.0"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2", "jsonargparse[signatures]>=4.27", "mnist1d>=0.0.2"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "lightning>=2.6,<2.7", "jsonargparse[signatures]>=4.27", "mnist1d>=0.0.2"],
         "examples": ["jsonargparse[signatures]>=4.27", "mnist1d>=0.0.2", "matplotlib>=3.5"],
     },
 )

@@ -2,6 +2,7 @@
 collectives. Every call has a timeout; nothing here knows about Lightning."""
 
 import errno
+import json
 import os
 import socket
 import subprocess
@@ -15,6 +16,12 @@ from torch import Tensor
 from lightning_rudra import server as _server
 from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Stats
 from lightning_rudra.server import SERVER_NAME, learner_name
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -32,22 +39,31 @@ def check_port_free(host: str, port: int) -> None:
             ) from error
 
 
+def rpc_counters() -> dict[str, Any]:
+    """torch.distributed.rpc numbers, per process, its inits and its internal all-gathers (init and graceful
+    shutdown use one each), and peers only meet when their numbers agree. A learner that already ran a stage
+    (popen: fit, then test) is ahead of a new server process, which must start from the learners' numbers."""
+    return {"init": rpc._init_counter, "all_gather": dict(rpc.api._all_gather_sequence_id)}
+
+
+def set_rpc_counters(counters: dict[str, Any]) -> None:
+    rpc._init_counter = counters["init"]
+    rpc.api._all_gather_sequence_id.update(counters["all_gather"])
+
+
 def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: float) -> None:
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout)
+    # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
+    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
 
 
-def shutdown_rpc(timeout: float) -> None:
-    """Graceful when every peer is alive; bounded when one has died (the default would wait forever)."""
-    try:
-        rpc.shutdown(graceful=True, timeout=timeout)
-    except Exception:
-        try:
-            rpc.shutdown(graceful=False)
-        except RuntimeError:
-            pass  # the failed graceful attempt already took the agent down
+def shutdown_rpc() -> None:
+    """Leave the RPC world at once. Not torch's graceful shutdown: that is a barrier numbered by a process-wide
+    C++ counter, so a learner's second stage would wait out the timeout for a new server that counts from 0.
+    Callers meet through the server first (the learners' last gather, then every learner's ``leave``)."""
+    rpc.shutdown(graceful=False)
 
 
 # Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server`, not in a copy named
@@ -65,8 +81,9 @@ def start_server(init_method: str, num_learners: int, timeout: float) -> subproc
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
-    command = [sys.executable, "-c", _SERVER_ENTRY.format(package=os.path.dirname(__file__)), "--init-method", init_method, "--learners",
-               str(num_learners), "--timeout", str(timeout), "--parent-pid", str(os.getpid())]
+    command = [sys.executable, "-c", _SERVER_ENTRY.format(package=os.path.dirname(__file__)),
+               "--init-method", init_method, "--rpc-counters", json.dumps(rpc_counters()), "--learners", str(num_learners),
+               "--timeout", str(timeout), "--parent-pid", str(os.getpid())]
     return subprocess.Popen(command, env=env)
 
 
@@ -155,8 +172,8 @@ def leave(client: LearnerClient, process: Optional[subprocess.Popen], timeout: f
     try:
         client.leave()
     except Exception:
-        pass  # the server is already gone: shutdown below is bounded either way
-    shutdown_rpc(timeout)
+        pass  # the server is gone, or went as this learner left last: nothing is left to say to it
+    shutdown_rpc()
     if process is not None:
         stop_server(process, timeout)
 

@@ -7,6 +7,7 @@ The strategy starts it with :func:`lightning_rudra.client.start_server`.
 """
 
 import argparse
+import json
 import os
 import threading
 import time
@@ -157,19 +158,20 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="lightning_rudra parameter server (started by RudraStrategy)")
     parser.add_argument("--init-method", required=True, help="tcp://host:port of the learners' RPC rendezvous")
+    parser.add_argument("--rpc-counters", type=json.loads, required=True, help="see client.rpc_counters")
     parser.add_argument("--learners", type=int, required=True)
     parser.add_argument("--timeout", type=float, required=True, help="seconds, for every RPC call")
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
-    from lightning_rudra.client import init_rpc, shutdown_rpc
+    from lightning_rudra.client import init_rpc, set_rpc_counters, shutdown_rpc
 
     global _server
     _server = ParameterServer(args.learners)
+    set_rpc_counters(args.rpc_counters)
     init_rpc(SERVER_NAME, args.learners, args.learners + 1, args.init_method, args.timeout)
-    # Learners leave at the end of every Trainer stage; a learner that died is noticed by the others.
-    while not _server.all_left.wait(timeout=0.5):
-        pass
-    shutdown_rpc(args.timeout)
+    # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.
+    _server.all_left.wait()
+    shutdown_rpc()
 

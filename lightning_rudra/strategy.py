@@ -22,7 +22,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor
 from torchmetrics import MaxMetric, MeanMetric, Metric
 
-from lightning_rudra.client import LearnerClient, join, leave
+from lightning_rudra.client import LearnerClient, free_port, join, leave
 from lightning_rudra.learner import Learner, LearnerOptimizer
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
 
@@ -93,6 +93,8 @@ class RudraStrategy(ParallelStrategy):
         self._server_process: Optional[Popen] = None
         self._learner: Optional[Learner] = None
         self._resume_stats: Optional[Stats] = None
+        self._next_port: Optional[int] = None  # where the learners meet for the next stage (fit, then test...)
+        self._failed = False
         self._staleness_mean = MeanMetric()
         self._staleness_max = MaxMetric()
 
@@ -154,8 +156,10 @@ class RudraStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         env = self.cluster_environment
-        self._client, self._server_process = join(self.global_rank, self.num_learners, env.main_address,
-                                                  env.main_port, self.rpc_timeout)
+        port = self._next_port or env.main_port
+        self._client, self._server_process = join(self.global_rank, self.num_learners, env.main_address, port,
+                                                  self.rpc_timeout)
+        self._failed = False
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None and self._client is not None
@@ -216,12 +220,25 @@ class RudraStrategy(ParallelStrategy):
             self._learner = None
             self.stats = self._client.stats()
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+
     def teardown(self) -> None:
         if self._client is not None:
+            if not self._failed:
+                self._agree_on_next_port()
             leave(self._client, self._server_process, timeout=min(self.rpc_timeout, 30.0))
         self._client = self._server_process = self._learner = None
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
         super().teardown()
+
+    def _agree_on_next_port(self) -> None:
+        """A later stage in the same processes (popen: ``fit`` then ``test``) must not meet on this stage's port:
+        a fast learner could reach the old rendezvous while learner 0 is still closing it."""
+        try:
+            self._next_port = self._gather(free_port() if self.is_global_zero else None)[0]
+        except Exception:  # a peer is gone: this run is over anyway
+            self._next_port = None
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:

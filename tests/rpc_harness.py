@@ -1,24 +1,17 @@
 """Learner processes for the RPC tests: real processes, a real server process, no Lightning."""
 
 import io
-import socket
 from queue import Empty
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-from lightning_rudra.client import join, leave
+from lightning_rudra.client import free_port, join, leave
 from lightning_rudra.learner import Learner
 from lightning_rudra.protocol import ProtocolConfig
 
 DATA_SEED = 1234
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def data(num_samples: int = 96):

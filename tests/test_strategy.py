@@ -1,9 +1,11 @@
 """RudraStrategy through the Trainer: real learner processes (spawn) and a real server process."""
 
+import json
 import math
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -154,3 +156,17 @@ def test_a_port_in_use_is_reported_clearly(monkeypatch):
         trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=10), 1, max_epochs=1)
         with pytest.raises(Exception, match=f"port {busy.getsockname()[1]} on 127.0.0.1 is already in use"):
             trainer.fit(Regression(), loader(8))
+
+
+def test_popen_launcher_from_a_script_then_test(tmp_path):
+    """The default start method re-runs the script per learner, as DDP does; pytest cannot be that script."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    env.pop("MASTER_PORT", None)
+    done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "popen_fit.py"), "softsync", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    assert result["stats"]["gradients"] == 2 * 2 * 16 and result["stats"]["clock"] == 2 * 16
+    assert result["finite"] and result["test_loss"] > 0

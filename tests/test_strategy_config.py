@@ -1,0 +1,87 @@
+"""RudraStrategy as the Trainer and LightningCLI build it: no process starts here."""
+
+import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+import lightning_rudra
+from lightning_rudra import RudraStrategy
+from tests.lightning_models import Regression
+
+
+def trainer(strategy, devices=2, **kwargs):
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, **kwargs)
+
+
+@pytest.mark.parametrize("name, protocol", [("rudra", "softsync"), ("rudra_hardsync", "hardsync"),
+                                            ("rudra_softsync", "softsync"), ("rudra_async", "async")])
+def test_importing_the_package_registers_the_names(name, protocol):
+    strategy = trainer(name).strategy
+    assert isinstance(strategy, RudraStrategy) and strategy.protocol == protocol
+    assert strategy.num_learners == 2 and strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    assert isinstance(strategy._launcher, _SubprocessScriptLauncher)
+
+
+def test_defaults_are_the_papers_and_arguments_read_back():
+    default = RudraStrategy()
+    assert (default.protocol, default.n, default.lr_modulation, default.max_staleness) == ("softsync", 1, "mean", None)
+    strategy = RudraStrategy(protocol="async", n=3, lr_modulation="per_gradient", max_staleness=4, nonfinite="raise",
+                             rpc_timeout=30, start_method="spawn")
+    assert (strategy.protocol, strategy.n, strategy.lr_modulation, strategy.max_staleness, strategy.nonfinite,
+            strategy.rpc_timeout, strategy.start_method) == ("async", 3, "per_gradient", 4, "raise", 30.0, "spawn")
+    assert isinstance(trainer(strategy).strategy._launcher, _MultiProcessingLauncher)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(protocol="bsp"), "protocol='bsp' is not supported: expected one of 'hardsync', 'softsync', 'async'"),
+    (dict(n=0), "n=0 is not valid"),
+    (dict(lr_modulation="linear"), "lr_modulation='linear'"),
+    (dict(max_staleness=-2), "max_staleness=-2"),
+    (dict(start_method="fork"), "start_method='fork'"),
+    (dict(rpc_timeout=0), "rpc_timeout=0"),
+])
+def test_bad_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RudraStrategy(**kwargs)
+
+
+def test_n_larger_than_the_learners_is_refused_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match="n=3 is larger than the number of learners λ=2"):
+        trainer(RudraStrategy(protocol="softsync", n=3))
+    trainer(RudraStrategy(protocol="async", n=3))  # n only matters to softsync
+
+
+@pytest.mark.parametrize("protocol", ["hardsync", "softsync", "async"])
+def test_one_learner_is_valid_for_every_protocol(protocol):
+    assert trainer(RudraStrategy(protocol=protocol), devices=1).strategy.num_learners == 1
+
+
+def test_lightning_cli_reads_the_strategy_from_yaml(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 3\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_rudra.RudraStrategy\n"
+        "    init_args:\n      protocol: softsync\n      n: 3\n      lr_modulation: per_gradient\n      max_staleness: 5\n")
+    cli = LightningCLI(Regression, run=False, args=["--config", str(config)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, RudraStrategy)
+    assert (strategy.protocol, strategy.n, strategy.lr_modulation, strategy.max_staleness) == (
+        "softsync", 3, "per_gradient", 5)
+    assert strategy.num_learners == 3
+
+
+def test_lightning_cli_takes_a_registered_name_on_the_command_line():
+    cli = LightningCLI(Regression, run=False, args=["--trainer.accelerator=cpu", "--trainer.devices=2",
+                                                    "--trainer.strategy=rudra_hardsync", "--trainer.logger=false"])
+    assert isinstance(cli.trainer.strategy, RudraStrategy) and cli.trainer.strategy.protocol == "hardsync"
+
+
+def test_a_lightning_pytorch_trainer_says_which_trainer_to_use():
+    lightning = pytest.importorskip("lightning.pytorch")
+    with pytest.raises(Exception, match="use it with `pytorch_lightning.Trainer`"):
+        lightning.Trainer(accelerator="cpu", devices=2, strategy=RudraStrategy())
+
+
+def test_the_package_exports_its_public_api():
+    assert {"RudraStrategy", "Stats"} <= set(lightning_rudra.__all__)

@@ -1,6 +1,7 @@
 """Learner processes for the RPC tests: real processes, a real server process, no Lightning."""
 
 import io
+import os
 from queue import Empty
 import traceback
 
@@ -64,10 +65,8 @@ def _learner_main(rank, num_learners, port, timeout, target, kwargs, queue):
     queue.put((rank, buffer.getvalue()))
 
 
-def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, delay_rank=None):
-    """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
-    import time
-
+def start(rank, client, config, lr=0.1, momentum=0.0):
+    """A learner on the test model: learner 0 registers it, every learner pulls the starting weights."""
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     learner = Learner(net, client)
@@ -75,17 +74,24 @@ def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, delay_rank=None
     if rank == 0:
         learner.register(config, [opt], None)
     learner.pull()
+    return net, learner, wrapped
+
+
+def step(net, wrapped, rows):
     x, y = data()
+    wrapped.zero_grad()
+    torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+    wrapped.step()
+
+
+def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9):
+    """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
+    net, learner, wrapped = start(rank, client, config, lr, momentum)
     lam = config.num_learners
     pushes = []
     learner.on_push = lambda status, sigma: pushes.append((status, sigma))
-    for step in range(steps):
-        rows = torch.arange(step * mu * lam, (step + 1) * mu * lam)[rank::lam]
-        wrapped.zero_grad()
-        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
-        if rank == delay_rank:
-            time.sleep(0.05)
-        wrapped.step()
+    for i in range(steps):
+        step(net, wrapped, torch.arange(i * mu * lam, (i + 1) * mu * lam)[rank::lam])
     learner.finish()
     stats = client.stats() if rank == 0 else None
     return {"params": [p.detach().clone() for p in net.parameters()], "stats": stats, "pushes": pushes}
@@ -93,11 +99,7 @@ def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, delay_rank=None
 
 def push_garbage(rank, client, config):
     """Learner 0 registers a model, pushes a gradient of the wrong size, then reports the server's weights."""
-    net = model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    learner = Learner(net, client)
-    learner.wrap([opt])
-    learner.register(config, [opt], None)
+    start(rank, client, config)
     before, _ = client.pull()
     try:
         client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], [])
@@ -111,20 +113,9 @@ def push_garbage(rank, client, config):
 
 def die_after_one_step(rank, client, config):
     """Learner 1 exits abruptly after its first push; learner 0 keeps training under hardsync."""
-    import os
-
-    net = model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    learner = Learner(net, client)
-    [wrapped] = learner.wrap([opt])
-    if rank == 0:
-        learner.register(config, [opt], None)
-    learner.pull()
-    x, y = data()
-    for step in range(3):
-        wrapped.zero_grad()
-        torch.nn.functional.mse_loss(net(x[:4]), y[:4]).backward()
-        wrapped.step()
+    net, _, wrapped = start(rank, client, config)
+    for _ in range(3):
+        step(net, wrapped, torch.arange(4))
         if rank == 1:
             os._exit(1)
     return "finished"

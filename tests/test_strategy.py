@@ -52,6 +52,9 @@ def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):
     assert stats.clock == steps and stats.gradients == steps * learners and stats.staleness == {0: steps * learners}
     probe = torch.load(tmp_path / "probe.pt")
     assert torch.equal(probe["params"][0], flat(model.parameters()))  # the caller's model is the server's
+    metrics = trainer.callback_metrics  # logged by learner 0 with torchmetrics, shown in the progress bar
+    assert metrics["staleness_mean"] == 0 and metrics["staleness_max"] == 0
+    assert metrics["server_clock"] == steps - 1  # logged before the last step's push
 
 
 @pytest.mark.parametrize("protocol, n, learners", [("softsync", 1, 3), ("softsync", 3, 3), ("async", 1, 2)])
@@ -74,6 +77,7 @@ def test_protocols_train_and_return_the_server_weights(tmp_path, protocol, n, le
     assert within >= 0.95 * stats.gradients, stats
     probe = torch.load(tmp_path / "probe.pt")
     assert torch.equal(probe["params"][0], flat(model.parameters()))
+    assert 0 <= trainer.callback_metrics["staleness_mean"] <= trainer.callback_metrics["staleness_max"]
 
 
 def test_resume_from_checkpoint_continues_exactly(tmp_path):

@@ -174,6 +174,7 @@ class RudraStrategy(ParallelStrategy):
             self._learner.on_push = self._record_push
             if self.is_global_zero:
                 self._learner.register(self._protocol_config(), self.optimizers, self._resume_stats)
+            self._resume_stats = None
             self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
             self.optimizers = self._learner.wrap(self.optimizers)
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from examples.common import ClassifierModule, run_cli
+from examples.common import ClassifierModule, TensorDataModule, run_cli
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_FOLDER = "cifar-10-batches-py"
@@ -97,7 +96,7 @@ def load_batches(folder: Path, names: list[str]) -> tuple[torch.Tensor, torch.Te
     return torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels))
 
 
-class CIFAR10DataModule(pl.LightningDataModule):
+class CIFAR10DataModule(TensorDataModule):
     """CIFAR-10 from ``data_dir/cifar-10-batches-py``, normalised per channel with the training set's statistics.
 
     Validation uses the test batch (the paper reports test error); there is no augmentation.
@@ -134,20 +133,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         std = train_x.std(dim=(0, 2, 3), keepdim=True)
         self.train_set = TensorDataset((train_x - mean) / std, train_y)
         self.test_set = TensorDataset((test_x - mean) / std, test_y)
-
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset, batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
+        self.val_set = self.test_set
 
 
 def main() -> None:

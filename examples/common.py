@@ -7,6 +7,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.cli import LightningCLI
+from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 
@@ -42,6 +43,28 @@ class ClassifierModule(pl.LightningModule):
         accuracy(logits, y)
         # Lightning computes (and torchmetrics syncs across processes) a logged Metric at epoch end.
         self.log(f"{stage}_acc", accuracy, sync_dist=True)
+
+
+class TensorDataModule(pl.LightningDataModule):
+    """Loaders over in-memory datasets that ``setup`` puts in ``train_set``, ``val_set`` and ``test_set``;
+    subclasses save ``batch_size`` and ``num_workers`` as hyper-parameters."""
+
+    train_set: TensorDataset
+    val_set: TensorDataset
+    test_set: TensorDataset
+
+    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=shuffle,
+                          num_workers=self.hparams.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
 
 
 def print_staleness(stats: Any) -> None:

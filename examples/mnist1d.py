@@ -12,13 +12,12 @@ import random
 from typing import Literal, Optional
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from mnist1d.data import get_dataset_args, make_dataset
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from examples.common import ClassifierModule, run_cli
+from examples.common import ClassifierModule, TensorDataModule, run_cli
 
 
 def generate_mnist1d(num_samples: int, seed: int, test_fraction: float) -> dict:
@@ -39,7 +38,7 @@ def generate_mnist1d(num_samples: int, seed: int, test_fraction: float) -> dict:
         np.random.set_state(np_state)
 
 
-class MNIST1DDataModule(pl.LightningDataModule):
+class MNIST1DDataModule(TensorDataModule):
     """MNIST-1D, generated deterministically from ``seed`` in every process.
 
     ``test_fraction`` of the samples form the test split; the last ``val_fraction`` of the remaining
@@ -71,20 +70,6 @@ class MNIST1DDataModule(pl.LightningDataModule):
         self.train_set = TensorDataset(x[: len(y) - n_val], y[: len(y) - n_val])
         self.val_set = TensorDataset(x[len(y) - n_val :], y[len(y) - n_val :])
         self.test_set = TensorDataset(torch.tensor(data["x_test"], dtype=torch.float32), torch.tensor(data["y_test"]))
-
-    def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            dataset, batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
 
 
 class MNIST1DClassifier(ClassifierModule):

@@ -10,7 +10,6 @@ import torch.multiprocessing as mp
 
 from lightning_rudra.client import free_port, join, leave
 from lightning_rudra.learner import Learner
-from lightning_rudra.protocol import ProtocolConfig
 
 DATA_SEED = 1234
 

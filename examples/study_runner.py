@@ -1,0 +1,134 @@
+"""One run of the tradeoff study (``examples/study.py``): train MNIST-1D once and write a JSON result.
+
+    python -m examples.study_runner --protocol softsync --n 2 --learners 4 --batch-size 16 \\
+        --lr-modulation mean --epochs 5 --result /tmp/run.json
+
+``--protocol single`` trains one plain Lightning process (no parameter server): the λ = 1 baseline.
+Otherwise the λ learners train under ``RudraStrategy`` with the ``popen`` launcher, which re-runs this
+module once per learner. After ``fit`` every learner holds the server's final weights; learner 0 then
+evaluates them on the whole test split itself (no second Trainer stage) and writes the result file.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import Callback
+
+from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
+
+PROTOCOLS = ("single", "hardsync", "softsync", "async")
+
+
+class TrainTimer(Callback):
+    """Wall time of the training loop alone (process start, imports and rendezvous excluded)."""
+
+    def __init__(self) -> None:
+        self.start: Optional[float] = None
+        self.seconds: Optional[float] = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning calls the strategy's on_train_end (every learner stops, the last softsync gradients are
+        # applied, the final weights come back) before the callbacks': the time covers the whole training.
+        self.seconds = time.perf_counter() - self.start
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """(error, mean cross-entropy) of ``model`` on all of ``x``, ``y``."""
+    model.eval()
+    logits = torch.cat([model(chunk) for chunk in x.split(1024)])
+    error = (logits.argmax(dim=1) != y).float().mean().item()
+    return error, F.cross_entropy(logits, y).item()
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--protocol", choices=PROTOCOLS, required=True)
+    p.add_argument("--n", type=int, default=1, help="softsync splitting parameter (ignored otherwise)")
+    p.add_argument("--learners", type=int, default=1, help="λ")
+    p.add_argument("--batch-size", type=int, required=True, help="μ, per learner")
+    p.add_argument("--lr-modulation", choices=("none", "mean", "per_gradient"), default="none")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--num-samples", type=int, default=4000)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=42, help="data and initial weights")
+    p.add_argument("--rpc-timeout", type=float, default=120.0)
+    p.add_argument("--result", required=True, help="JSON file that learner 0 writes")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.protocol == "single" and args.learners != 1:
+        raise SystemExit("--protocol single is the single-learner baseline: it needs --learners 1")
+    pl.seed_everything(args.seed, verbose=False)
+    # The data split is the datamodule's; validation is skipped (the study reports test error only).
+    dm = MNIST1DDataModule(num_samples=args.num_samples, seed=args.seed, batch_size=args.batch_size)
+    model = MNIST1DClassifier(lr=args.lr, momentum=args.momentum)
+    if args.protocol == "single":
+        strategy: Any = "auto"
+    else:
+        from lightning_rudra import RudraStrategy
+
+        strategy = RudraStrategy(protocol=args.protocol, n=args.n if args.protocol == "softsync" else 1,
+                                 lr_modulation=args.lr_modulation, rpc_timeout=args.rpc_timeout,
+                                 start_method="popen")
+    timer = TrainTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.learners, strategy=strategy, max_epochs=args.epochs,
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+    )
+    trainer.fit(model, datamodule=dm)
+    if not trainer.is_global_zero:
+        return
+
+    test_x, test_y = dm.test_set.tensors
+    train_x, train_y = dm.train_set.tensors
+    test_error, test_loss = evaluate(model, test_x, test_y)
+    _, train_loss = evaluate(model, train_x, train_y)
+    samples = args.epochs * len(dm.train_set)  # what the learners processed together (one pass per epoch)
+    stats = getattr(trainer.strategy, "stats", None)
+    result = {
+        "protocol": args.protocol,
+        # async is λ-softsync; hardsync and the single learner have no n
+        "n": args.n if args.protocol == "softsync" else (args.learners if args.protocol == "async" else None),
+        "learners": args.learners,
+        "batch_size": args.batch_size,
+        "mu_lambda": args.batch_size * args.learners,
+        "lr_modulation": args.lr_modulation if args.protocol != "single" else "none",
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "test_error": test_error,
+        "test_loss": test_loss if math.isfinite(test_loss) else None,
+        "train_loss": train_loss if math.isfinite(train_loss) else None,
+        "train_seconds": timer.seconds,
+        "samples": samples,
+        "samples_per_s": samples / timer.seconds if timer.seconds else None,
+        "mean_staleness": stats.mean_staleness if stats is not None else 0.0,
+        "max_staleness": stats.max_staleness if stats is not None else 0,
+        # the single learner has no server: one plain optimizer step per batch
+        "updates": stats.clock if stats is not None else trainer.global_step,
+        "gradients": stats.gradients if stats is not None else trainer.global_step,
+        "dropped": stats.dropped if stats is not None else 0,
+        "staleness": {str(s): c for s, c in sorted(stats.staleness.items())} if stats is not None else {},
+    }
+    tmp = args.result + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, args.result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The examples end to end, as a user runs them: the MNIST-1D configs through LightningCLI (popen launcher:
+the script is re-run for every learner) and a two-run tradeoff study. Each CLI run starts λ = 2 learner
+processes and one server process and costs 15-30 s on two CPU cores."""
+
+import csv
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MNIST1D_CONFIGS = sorted(p.name for p in (REPO / "examples" / "configs").glob("mnist1d_*.yaml"))
+ACCURACY = re.compile(r"^final test accuracy: (\d\.\d+)$", re.MULTILINE)
+STALENESS = re.compile(r"^staleness: mean σ = (\d+\.\d+), max σ = (\d+)$", re.MULTILINE)
+SUBPROCESS_TIMEOUT = 240
+
+pytestmark = pytest.mark.slow
+
+
+def run_python(args: list[str], timeout: float = SUBPROCESS_TIMEOUT) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.pop("MASTER_PORT", None)  # Lightning picks a free port
+    env.setdefault("OMP_NUM_THREADS", "1")  # learners and server share the cores
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_mnist1d_cli(tmp_path: Path, config: str, *overrides: str) -> subprocess.CompletedProcess:
+    """Fit, test and print the summary, as ``python -m examples.mnist1d --config ...`` does; tiny and short."""
+    return run_python([
+        "-m", "examples.mnist1d", "--config", f"examples/configs/{config}",
+        "--trainer.max_epochs=1", "--data.num_samples=600", "--trainer.devices=2",
+        "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}", *overrides,
+    ])
+
+
+def assert_trained_and_summarised(proc: subprocess.CompletedProcess) -> None:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{output[-6000:]}"
+    accuracy = ACCURACY.search(proc.stdout)
+    assert accuracy is not None, f"no 'final test accuracy: ...' line\n{output[-6000:]}"
+    assert 0.0 <= float(accuracy.group(1)) <= 1.0
+    assert re.search(r"^updates applied: [1-9]\d*, gradients: [1-9]\d*, dropped: \d+", proc.stdout, re.MULTILINE), output[-3000:]
+    assert STALENESS.search(proc.stdout), output[-3000:]
+    assert "staleness histogram: σ=" in proc.stdout, output[-3000:]
+    # printed once, by learner 0
+    assert len(ACCURACY.findall(proc.stdout)) == 1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config", MNIST1D_CONFIGS)
+def test_mnist1d_config_trains_through_the_cli(tmp_path, config):
+    proc = run_mnist1d_cli(tmp_path, config)
+    assert_trained_and_summarised(proc)
+    if "hardsync" in config:
+        assert STALENESS.search(proc.stdout).groups() == ("0.00", "0")  # never stale
+    assert list((tmp_path / "logs").rglob("metrics.csv")), "the CSVLogger did not write under the given save_dir"
+
+
+def test_mnist1d_configs_found():
+    assert len(MNIST1D_CONFIGS) >= 4, MNIST1D_CONFIGS
+
+
+@pytest.mark.timeout(300)
+def test_registered_strategy_name_on_the_command_line(tmp_path):
+    proc = run_mnist1d_cli(tmp_path, "mnist1d_hardsync.yaml", "--trainer.strategy=rudra_async")
+    assert_trained_and_summarised(proc)
+    saved = list((tmp_path / "logs").rglob("config.yaml"))
+    assert saved and "rudra_async" in saved[0].read_text(), "LightningCLI did not record --trainer.strategy=rudra_async"
+
+
+def _csv_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.timeout(300)
+def test_study_writes_results_and_resumes(tmp_path):
+    out = tmp_path / "study"
+    first = run_python(["-m", "examples.study", "--grid", "tiny", "--out", str(out)])
+    assert first.returncode == 0, (first.stdout + first.stderr)[-6000:]
+    assert "[1/2] single" in first.stdout and "[2/2] softsync n=1 λ=2" in first.stdout
+    assert first.stdout.count("test error") == 2, first.stdout
+
+    rows = _csv_rows(out / "runs.csv")
+    assert [(r["protocol"], r["learners"]) for r in rows] == [("single", "1"), ("softsync", "2")]
+    for r in rows:
+        assert 0.0 <= float(r["test_error"]) <= 1.0
+        assert float(r["wall_s"]) > 0 and float(r["samples_per_s"]) > 0 and int(r["updates"]) > 0
+        assert r["mu_lambda"] == str(int(r["batch_size"]) * int(r["learners"]))
+    softsync = rows[1]
+    assert int(softsync["gradients"]) == 2 * int(softsync["updates"])  # 1-softsync on λ=2: c = 2 per update
+    assert float(softsync["mean_staleness"]) <= 2 and softsync["dropped"] == "0"
+
+    table = (out / "results.md").read_text()
+    assert "| protocol | n | λ | μ | μλ |" in table and table.count("\n| single |") == 1
+    for png in ("error_vs_batch.png", "staleness.png", "error_vs_time.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+    # resume: a finished run is never trained again; a missing one is
+    with open(out / "runs.csv", newline="") as f:
+        lines = f.readlines()
+    (out / "runs.csv").write_text(lines[0] + lines[2])  # forget the single-learner run
+    start = time.monotonic()
+    second = run_python(["-m", "examples.study", "--grid", "tiny", "--out", str(out), "--resume"])
+    assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
+    assert "[2/2] softsync n=1 λ=2 μ=16 lr_mod=mean ... already in" in second.stdout, second.stdout
+    assert second.stdout.count("test error") == 1, second.stdout  # only the single learner trained again
+    rows_after = _csv_rows(out / "runs.csv")
+    assert sorted(r["protocol"] for r in rows_after) == ["single", "softsync"]
+    assert rows_after[0] == {**rows[1]}  # the softsync row is untouched
+
+    third = run_python(["-m", "examples.study", "--grid", "tiny", "--out", str(out), "--resume"])
+    assert third.returncode == 0 and third.stdout.count(", skipped") == 2, third.stdout
+    assert "0 run(s) trained" in third.stdout
+    assert len(_csv_rows(out / "runs.csv")) == 2
+    assert time.monotonic() - start < SUBPROCESS_TIMEOUT

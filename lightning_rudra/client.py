@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch.distributed.rpc as rpc
 from torch import Tensor
+from torch.futures import Future
 
 from lightning_rudra import server as _server
 from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Stats
@@ -119,12 +120,16 @@ class LearnerClient:
         return params, buffers
 
     def push(self, optimizer: int, grads: list[Tensor], has_grad: Tensor, hparams: list[dict[str, Any]],
-             buffers: list[Tensor]) -> tuple[str, int, list[Tensor], list[Tensor]]:
-        """Push a gradient computed from the weights last received; returns what became of it (status,
-        staleness) and the weights to continue from."""
-        status, staleness, params, new_buffers, self.timestamp = self._wait(
-            "push", self.rank, optimizer, grads, has_grad, self.timestamp, hparams, buffers)
-        return status, staleness, params, new_buffers
+             buffers: list[Tensor]) -> Future:
+        """Send a gradient computed from the weights last received; hand the future's value to :meth:`receive`.
+        The tensors must not change until it resolves (RPC reads them when it sends them)."""
+        return rpc.rpc_async(SERVER_NAME, _server._call_async, timeout=self.timeout, args=(
+            "push", self.rank, optimizer, grads, has_grad, self.timestamp, hparams, buffers))
+
+    def receive(self, reply: tuple) -> tuple[str, int, list[Tensor], list[Tensor]]:
+        """What became of a pushed gradient (status, staleness) and the weights to continue from."""
+        status, staleness, params, buffers, self.timestamp = reply
+        return status, staleness, params, buffers
 
     def finish(self) -> tuple[list[Tensor], list[Tensor]]:
         """Stop pushing; wait for every learner to stop and return the final weights."""

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.futures import Future
 from torch.optim import Optimizer
 
 from lightning_rudra.client import LearnerClient
@@ -19,8 +20,10 @@ _CPU = torch.device("cpu")
 class Learner:
     """Moves a module's gradients to the server and the server's weights into the module."""
 
-    def __init__(self, module: torch.nn.Module, client: LearnerClient) -> None:
+    def __init__(self, module: torch.nn.Module, client: LearnerClient, overlap: bool = False) -> None:
         self.client = client
+        self.overlap = overlap
+        self._in_flight: Optional[Future] = None  # overlap: the push whose reply is not loaded yet
         self.params = list(module.parameters())
         self.buffers = list(module.buffers())
         self.param_layout = FlatLayout(self.params)
@@ -40,21 +43,36 @@ class Learner:
         self.client.register(config, *copies, specs, stats)
 
     def pull(self) -> None:
+        self.settle()
         self._load(*self.client.pull())
 
     def push(self, index: int, optimizer: Optimizer) -> None:
+        """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
+        ``overlap`` (Rudra-adv*), continue at once from the newest weights already received: the reply to this
+        push is loaded at the next push, so that communication overlaps the next step's computation."""
         params = [p for g in optimizer.param_groups for p in g["params"]]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
-        status, staleness, flat_params, flat_buffers = self.client.push(
-            index, self.grad_layouts[index].pack(grads, _CPU), has_grad,
-            [hyperparameters(g) for g in optimizer.param_groups], self.buffer_layout.pack(self.buffers, _CPU))
-        self._load(flat_params, flat_buffers)
-        if self.on_push is not None:
-            self.on_push(status, staleness)
+        future = self.client.push(index, self.grad_layouts[index].pack(grads, _CPU), has_grad,
+                                  [hyperparameters(g) for g in optimizer.param_groups],
+                                  self.buffer_layout.pack(self.buffers, _CPU))
+        self.settle()
+        self._in_flight = future
+        if not self.overlap:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the push in flight, if any, and load the weights it brought."""
+        if self._in_flight is not None:
+            future, self._in_flight = self._in_flight, None
+            status, staleness, flat_params, flat_buffers = self.client.receive(future.wait())
+            self._load(flat_params, flat_buffers)
+            if self.on_push is not None:
+                self.on_push(status, staleness)
 
     def finish(self) -> None:
         """Stop pushing and take the final weights, once every learner has stopped."""
+        self.settle()
         self._load(*self.client.finish())
 
     @torch.no_grad()

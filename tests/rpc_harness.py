@@ -64,11 +64,11 @@ def _learner_main(rank, num_learners, port, timeout, target, kwargs, queue):
     queue.put((rank, buffer.getvalue()))
 
 
-def start(rank, client, config, lr=0.1, momentum=0.0):
+def start(rank, client, config, lr=0.1, momentum=0.0, overlap=False):
     """A learner on the test model: learner 0 registers it, every learner pulls the starting weights."""
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
-    learner = Learner(net, client)
+    learner = Learner(net, client, overlap)
     [wrapped] = learner.wrap([opt])
     if rank == 0:
         learner.register(config, [opt], None)
@@ -83,9 +83,9 @@ def step(net, wrapped, rows):
     wrapped.step()
 
 
-def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9):
+def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, overlap=False):
     """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
-    net, learner, wrapped = start(rank, client, config, lr, momentum)
+    net, learner, wrapped = start(rank, client, config, lr, momentum, overlap)
     lam = config.num_learners
     pushes = []
     learner.on_push = lambda status, sigma: pushes.append((status, sigma))
@@ -101,7 +101,7 @@ def push_garbage(rank, client, config):
     start(rank, client, config)
     before, _ = client.pull()
     try:
-        client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], [])
+        client.receive(client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], []).wait())
         error = None
     except Exception as exc:
         error = str(exc)

@@ -50,6 +50,31 @@ def test_async_with_one_learner_is_plain_sgd():
     assert result["stats"].clock == steps and result["stats"].staleness == {0: steps}
 
 
+def test_overlap_computes_on_the_newest_weights_received():
+    """Rudra-adv*: with one learner, gradient k (k >= 1) comes from the weights before update k - 1 (σ = 1)."""
+    steps, mu, lr, momentum = 6, 4, 0.1, 0.9
+    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu,
+                                    lr=lr, momentum=momentum, overlap=True)
+    check_ok([result])
+    assert result["stats"].staleness == {0: 1, 1: steps - 1}
+    master, probe = harness.model(), harness.model()
+    opt = torch.optim.SGD(master.parameters(), lr=lr, momentum=momentum)
+    x, y = harness.data()
+    history = [[p.detach().clone() for p in master.parameters()]]
+    for step in range(steps):
+        for p, w in zip(probe.parameters(), history[max(step - 1, 0)]):
+            p.data.copy_(w)
+        probe.zero_grad()
+        rows = torch.arange(step * mu, (step + 1) * mu)
+        torch.nn.functional.mse_loss(probe(x[rows]), y[rows]).backward()
+        for p, q in zip(master.parameters(), probe.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()
+        history.append([p.detach().clone() for p in master.parameters()])
+    for mine, expected in zip(result["params"], history[-1]):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("protocol, n", [("softsync", 2), ("async", 1)])
 def test_softsync_and_async_count_updates_and_staleness(protocol, n):
     learners, steps = 4, 6

@@ -27,9 +27,10 @@ def test_defaults_are_the_papers_and_arguments_read_back():
     default = RudraStrategy()
     assert (default.protocol, default.n, default.lr_modulation, default.max_staleness) == ("softsync", 1, "mean", None)
     strategy = RudraStrategy(protocol="async", n=3, lr_modulation="per_gradient", max_staleness=4, nonfinite="raise",
-                             rpc_timeout=30, start_method="spawn")
+                             rpc_timeout=30, start_method="spawn", overlap=True)
     assert (strategy.protocol, strategy.n, strategy.lr_modulation, strategy.max_staleness, strategy.nonfinite,
-            strategy.rpc_timeout, strategy.start_method) == ("async", 3, "per_gradient", 4, "raise", 30.0, "spawn")
+            strategy.rpc_timeout, strategy.start_method, strategy.overlap) == (
+        "async", 3, "per_gradient", 4, "raise", 30.0, "spawn", True)
     assert isinstance(trainer(strategy).strategy._launcher, _MultiProcessingLauncher)
 
 
@@ -40,6 +41,7 @@ def test_defaults_are_the_papers_and_arguments_read_back():
     (dict(max_staleness=-2), "max_staleness=-2"),
     (dict(start_method="fork"), "start_method='fork'"),
     (dict(rpc_timeout=0), "rpc_timeout=0"),
+    (dict(protocol="hardsync", overlap=True), "overlap=True is not available with protocol='hardsync'"),
 ])
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):

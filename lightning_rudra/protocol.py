@@ -267,7 +267,8 @@ class Server:
             raise RuntimeError(f"learner {learner} pushed twice for optimizer {optimizer} in one hardsync round "
                                f"(clock {self.clock}): hardsync takes one gradient from every learner per update.")
         sigma = self.clock - timestamp
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        # a finite sum means every element is finite (NaN and Inf propagate); only check each element if not
+        if not all(bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all()) for g in grads):
             if self.config.nonfinite == "raise":
                 raise FloatingPointError(f"learner {learner} pushed a gradient with NaN or Inf for optimizer "
                                          f"{optimizer}; the weights were left unchanged (nonfinite='raise').")
@@ -368,7 +369,10 @@ class Server:
             group.update(hyperparameters(hp))
             group["lr"] = hp["lr"] * lr_factor
         layout = self.grad_layouts[optimizer]
-        flat_grads = [total.div_(count).to(dtype) for total, dtype in zip(pending.grads, layout.groups)]
+        if count > 1:  # async and 1-gradient updates: no pass over the model for nothing
+            for total in pending.grads:
+                total.div_(count)
+        flat_grads = [total.to(dtype) for total, dtype in zip(pending.grads, layout.groups)]
         indices = self.optimizer_params[optimizer]
         for i, grad, has in zip(indices, layout.unpack(flat_grads), pending.has_grad.tolist()):
             self.params[i].grad = grad if has else None

@@ -1,0 +1,285 @@
+"""From raw measurements to medians, ratios, target checks and a markdown report.
+
+Every ratio is taken within one round (numbers measured side by side in the same minute), and the median is
+taken over rounds: on a shared machine that is far steadier than a ratio of two medians.
+"""
+
+import math
+import statistics
+from typing import Any, Optional
+
+# the issue's targets: (key, description, threshold, "<=" or ">=")
+TARGETS = [
+    ("transport_vs_gloo", "transport 10 M: push+pull round trip / gloo all-reduce", 1.5, "<="),
+    ("transport_vs_memcpy", "transport 10 M: push+pull round trip / memcpy", 4.0, "<="),
+    ("e2e_hardsync", "no straggler: hardsync samples/s / DDP", 0.9, ">="),
+    ("e2e_softsync1", "no straggler: 1-softsync samples/s / DDP", 0.9, ">="),
+    ("e2e_softsync2", "no straggler: 2-softsync samples/s / DDP", 0.9, ">="),
+    ("e2e_async", "no straggler: async samples/s / DDP", 0.9, ">="),
+    ("straggler_async", "one 3x straggler: async samples/s / DDP", 1.5, ">="),
+    ("straggler_softsync2", "one 3x straggler: 2-softsync samples/s / DDP", 1.5, ">="),
+]
+
+STRATEGY_LABELS = {
+    "ddp": "DDP (gloo)",
+    "hardsync": "Rudra hardsync",
+    "softsync1": "Rudra 1-softsync",
+    "softsync2": "Rudra 2-softsync",
+    "async": "Rudra async",
+}
+
+
+def median(values: list[Optional[float]]) -> Optional[float]:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.median(values) if values else None
+
+
+def ratios(a: list[Optional[float]], b: list[Optional[float]]) -> list[Optional[float]]:
+    return [x / y if x is not None and y else None for x, y in zip(a, b)]
+
+
+# ---- training runs ------------------------------------------------------------------------------------------
+def throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Samples/s over the window where every learner is past ``warmup`` batches and none has stopped."""
+    times = [r["times"] for r in ranks]
+    if any(len(t) <= warmup + 1 for t in times):
+        return {"samples_per_s": None}
+    start = max(t[warmup - 1] for t in times)
+    end = min(t[-1] for t in times)
+    counts = [sum(1 for x in t if start < x <= end) for t in times]
+    batch = ranks[0]["batch_size"]
+    steps0 = [b - a for a, b in zip(times[0][warmup:], times[0][warmup + 1:])]
+    return {"samples_per_s": batch * sum(counts) / (end - start) if end > start else None,
+            "window_s": end - start, "batches_in_window": counts,
+            "step_ms_rank": [1e3 * statistics.median([b - a for a, b in zip(t[warmup:], t[warmup + 1:])])
+                             for t in times],
+            "step_ms": 1e3 * statistics.median(steps0)}
+
+
+def time_to_accuracy(rank0: dict[str, Any], target: float) -> tuple[Optional[float], Optional[float]]:
+    """(seconds from the start of training to the first snapshot at or above ``target``, best accuracy)."""
+    acc = rank0.get("accuracy") or []
+    reached = next((t for t, a in acc if a >= target), None)
+    return reached, max((a for _, a in acc), default=None)
+
+
+def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[str, Any]:
+    """``runs``: {strategy, rep, samples_per_s, tta_s, ...}; per strategy, medians and per-rep ratios to the
+    baseline's run of the same rep."""
+    out: dict[str, Any] = {}
+    reps = sorted({r["rep"] for r in runs})
+    by = {(r["strategy"], r["rep"]): r for r in runs}
+    for strategy in dict.fromkeys(r["strategy"] for r in runs):
+        sps = [by.get((strategy, k), {}).get("samples_per_s") for k in reps]
+        base = [by.get((baseline, k), {}).get("samples_per_s") for k in reps]
+        tta = [by.get((strategy, k), {}).get("tta_s") for k in reps]
+        base_tta = [by.get((baseline, k), {}).get("tta_s") for k in reps]
+        entry = {
+            "samples_per_s": median(sps), "samples_per_s_reps": sps,
+            "vs_ddp": median(ratios(sps, base)), "vs_ddp_reps": ratios(sps, base),
+            "step_ms": median([by.get((strategy, k), {}).get("step_ms") for k in reps]),
+        }
+        if any(by.get((strategy, k), {}).get("tta_target") is not None for k in reps):
+            entry.update({
+                "tta_s": median(tta), "tta_s_reps": tta,
+                "tta_vs_ddp": median(ratios(tta, base_tta)), "tta_vs_ddp_reps": ratios(tta, base_tta),
+                "tta_reached": sum(t is not None for t in tta), "best_accuracy": median(
+                    [by.get((strategy, k), {}).get("best_accuracy") for k in reps]),
+            })
+        stale = [by.get((strategy, k), {}).get("mean_staleness") for k in reps]
+        if any(s is not None for s in stale):
+            entry["mean_staleness"] = median(stale)
+        out[strategy] = entry
+    return out
+
+
+# ---- transport ---------------------------------------------------------------------------------------------
+def summarize_transport(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw``: size -> rank 0's per-round lists (seconds). Medians (ms) and per-round ratios."""
+    out = {}
+    for size, rounds in raw.items():
+        med = {k: median(v) for k, v in rounds.items()}
+        entry = {"ms": {k: None if v is None else 1e3 * v for k, v in med.items()}}
+        for push in ("both", "solo"):
+            for ref in ("gloo", "memcpy", "echo"):
+                if push in rounds and ref in rounds:
+                    entry[f"{push}_vs_{ref}"] = median(ratios(rounds[push], rounds[ref]))
+        out[size] = entry
+    return out
+
+
+def summarize_variants(raw: dict[str, Any], reference: str) -> dict[str, Any]:
+    """TensorPipe settings: per setting and size, median ms and the per-round ratio to ``reference``."""
+    times, errors = raw.get("times", {}), raw.get("errors", {})
+    out: dict[str, Any] = {}
+    for label, sizes in times.items():
+        out[label] = {"error": errors.get(label)}
+        for size, values in sizes.items():
+            ref = times.get(reference, {}).get(size, [])
+            out[label][size] = {"ms": None if median(values) is None else 1e3 * median(values),
+                                "vs_reference": median(ratios(values, ref))}
+    return out
+
+
+def summarize_prototypes(rounds: list[dict[str, Any]], reference: str) -> dict[str, Any]:
+    """``rounds``: per round, config label -> rank 0's measurements (one value per measure)."""
+    labels = list(dict.fromkeys(label for r in rounds for label in r))
+    out: dict[str, Any] = {}
+    for label in labels:
+        entry: dict[str, Any] = {}
+        for measure in ("both", "solo", "pack", "pack_reuse", "server_update", "load", "memcpy", "clone"):
+            values = [r.get(label, {}).get(measure) for r in rounds]
+            if any(v is not None for v in values):
+                ref = [r.get(reference, {}).get(measure) for r in rounds]
+                entry[measure] = {"ms": 1e3 * median(values), "vs_reference": median(ratios(values, ref))}
+        for push in ("both", "solo"):
+            values = [r.get(label, {}).get(push) for r in rounds]
+            mem = [r.get(label, {}).get("memcpy") for r in rounds]
+            if push in entry:
+                entry[f"{push}_vs_memcpy"] = median(ratios(values, mem))
+        out[label] = entry
+    return out
+
+
+# ---- targets -----------------------------------------------------------------------------------------------
+def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    values: dict[str, Optional[float]] = {}
+    tr = summary.get("transport", {}).get("rudra", {}).get(str(10_000_000), {})
+    values["transport_vs_gloo"] = tr.get("both_vs_gloo")
+    values["transport_vs_memcpy"] = tr.get("both_vs_memcpy")
+    e2e = summary.get("e2e", {})
+    for key in ("hardsync", "softsync1", "softsync2", "async"):
+        values[f"e2e_{key}"] = e2e.get(key, {}).get("vs_ddp")
+    strag = summary.get("straggler", {})
+    for key in ("async", "softsync2"):
+        values[f"straggler_{key}"] = strag.get(key, {}).get("vs_ddp")
+    out = []
+    for key, text, threshold, op in TARGETS:
+        value = values.get(key)
+        if value is None:
+            out.append({"key": key, "target": text, "threshold": threshold, "op": op, "value": None, "met": None,
+                        "by": "not measured"})
+            continue
+        met = value <= threshold if op == "<=" else value >= threshold
+        factor = value / threshold if op == "<=" else threshold / value  # > 1: how far off a missed target is
+        by = (f"met, {threshold / value:.2f}x better than needed" if op == "<=" else
+              f"met, {value / threshold:.2f}x the target") if met else f"missed: {factor:.2f}x off"
+        out.append({"key": key, "target": text, "threshold": threshold, "op": op, "value": value, "met": met,
+                    "by": by})
+    return out
+
+
+# ---- rendering ---------------------------------------------------------------------------------------------
+def _f(value: Optional[float], fmt: str = "{:.2f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _spread(values: Optional[list[Optional[float]]]) -> str:
+    """`` (lowest–highest)`` of the per-repeat values, when there are several."""
+    values = [v for v in values or [] if v is not None]
+    return f" ({min(values):.2f}–{max(values):.2f})" if len(values) > 1 else ""
+
+
+def _size_label(size: Any) -> str:
+    n = int(size)
+    return f"{n / 1e6:g} M" if n >= 1e6 else f"{n / 1e3:g} k"
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    meta = result["meta"]
+    lines = [f"# lightning_rudra benchmark ({meta['mode']})", "",
+             f"{meta['date']} · lightning_rudra at {meta.get('commit', '?')}"
+             f"{' (modified)' if meta.get('package_modified') else ''} · {meta['nproc']} CPUs ({meta['cpu_model']}) · torch {meta['torch']} · "
+             f"pytorch-lightning {meta['lightning']} · python {meta['python']} · {meta['duration_s']:.0f} s · "
+             f"load average {meta['loadavg_start'][0]:.1f} at the start, {meta['loadavg_end'][0]:.1f} at the end", ""]
+
+    lines += ["## Targets", "", "| target | needed | measured | result |", "|---|---|---|---|"]
+    for t in s["targets"]:
+        lines.append(f"| {t['target']} | {t['op']} {t['threshold']:g} | {_f(t['value'])} | {t['by']} |")
+
+    tr = s.get("transport", {})
+    if tr.get("rudra"):
+        lines += ["", "## 1. Transport: one synchronisation of N float32 between 2 processes", "",
+                  "Medians in ms. *push+pull, 2 learners*: both learners step at once (`Learner.push`: pack, RPC "
+                  "to the server, async update, weights back, load), the time one learner waits; *1 learner*: "
+                  "learner 1 idle. *RPC echo*: the same bytes to the same server process and back, no work. "
+                  "Ratios are per round, then the median.", "",
+                  "| N | push+pull, 2 learners | push+pull, 1 learner | RPC echo | gloo all-reduce | memcpy | "
+                  "copy to new memory | 2 learners / gloo | 2 learners / memcpy | 1 learner / gloo | "
+                  "1 learner / memcpy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for size, e in tr["rudra"].items():
+            ms = e["ms"]
+            lines.append(f"| {_size_label(size)} | {_f(ms.get('both'), '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
+                         f"{_f(ms.get('echo'), '{:.1f}')} | {_f(ms.get('gloo'), '{:.1f}')} | "
+                         f"{_f(ms.get('memcpy'), '{:.1f}')} | {_f(ms.get('clone'), '{:.1f}')} | "
+                         f"{_f(e.get('both_vs_gloo'))} | {_f(e.get('both_vs_memcpy'))} | "
+                         f"{_f(e.get('solo_vs_gloo'))} | {_f(e.get('solo_vs_memcpy'))} |")
+        lines += ["", "Where one push goes, measured in-process on learner 0 (ms): *pack* the gradient into one "
+                  "flat buffer; *server update* = `Server.push` (checks, async SGD step) + `Server.pull` (copy of "
+                  "the weights for the reply); *load* the reply into the parameters. The rest of a 1-learner "
+                  "push is the RPC (compare *RPC echo*).", "",
+                  "| N | pack | server update | load | RPC echo | sum | push+pull, 1 learner | "
+                  "pack into a reused buffer |", "|---|---|---|---|---|---|---|---|"]
+        for size, e in tr["rudra"].items():
+            ms = e["ms"]
+            parts = [ms.get(k) for k in ("pack", "server_update", "load", "echo")]
+            total = sum(parts) if all(p is not None for p in parts) else None
+            lines.append(f"| {_size_label(size)} | " + " | ".join(_f(p, "{:.1f}") for p in parts) +
+                         f" | {_f(total, '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
+                         f"{_f(ms.get('pack_reuse'), '{:.1f}')} |")
+    if tr.get("variants"):
+        ref = tr.get("variants_reference")
+        sizes = [k for k in next(iter(tr["variants"].values())) if k != "error"]
+        lines += ["", "## TensorPipe settings: bare RPC round trip between the two workers (prototype)", "",
+                  f"Median ms (ratio to `{ref}`, the setting lightning_rudra pins). `shm` busy-polls: it "
+                  "burns a core per process while idle.", "",
+                  "| setting | " + " | ".join(_size_label(x) for x in sizes) + " |",
+                  "|---|" + "---|" * len(sizes)]
+        for label, e in tr["variants"].items():
+            if e.get("error"):
+                lines.append(f"| {label} | " + " | ".join("failed" for _ in sizes) + f" |  <!-- {e['error']} -->")
+                continue
+            cells = [f"{_f(e[x]['ms'], '{:.1f}')} ({_f(e[x]['vs_reference'])}x)" for x in sizes]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if tr.get("prototypes"):
+        ref = tr.get("prototypes_reference")
+        lines += ["", "## Prototype fixes, 10 M push+pull (ms, and ratio to the package as it is)", "",
+                  "See `benchmarks/proto.py`. *THP*: `THP_MEM_ALLOC_ENABLE=1` (torch then asks for transparent huge "
+                  "pages for large tensors) in the server process's environment, or in every process's. *pack into "
+                  "reused buffers*: the learner packs its gradient into two buffers it keeps (alternating) instead of "
+                  "new memory. *pack*, *server update* and *copy to new memory* are the in-process measurements on "
+                  "learner 0 (its environment).", "",
+                  "| configuration | 2 learners | 1 learner | 2 learners / memcpy | pack | server update | "
+                  "copy to new memory |", "|---|---|---|---|---|---|---|"]
+        for label, e in tr["prototypes"].items():
+            cell = lambda m: (f"{_f(e[m]['ms'], '{:.1f}')} ({_f(e[m]['vs_reference'])}x)"  # noqa: E731
+                              if m in e else "–")
+            lines.append(f"| {label} | {cell('both')} | {cell('solo')} | {_f(e.get('both_vs_memcpy'))} | "
+                         f"{cell('pack')} | {cell('server_update')} | {cell('clone')} |")
+
+    for section, title, with_tta in (("e2e", "2 & 4. End to end, no straggler", True),
+                                     ("straggler", "3. One learner 3x slower", False)):
+        rows = s.get(section)
+        if not rows:
+            continue
+        info = s.get(f"{section}_info", {})
+        lines += ["", f"## {title}", "", info.get("text", ""), ""]
+        header = "| strategy | samples/s | vs DDP (lowest–highest repeat) | step ms (rank 0) | mean σ |"
+        sep = "|---|---|---|---|---|"
+        if with_tta:
+            header += f" time to {info.get('target', '?')} test acc. (s) | vs DDP (time; < 1 is faster) | reached | best acc. |"
+            sep += "---|---|---|---|"
+        lines += [header, sep]
+        for key, e in rows.items():
+            row = (f"| {STRATEGY_LABELS.get(key, key)} | {_f(e['samples_per_s'], '{:.0f}')} | "
+                   f"{_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | "
+                   f"{_f(e['step_ms'], '{:.1f}')} | {_f(e.get('mean_staleness'))} |")
+            if with_tta:
+                row += (f" {_f(e.get('tta_s'))} | {_f(e.get('tta_vs_ddp'))}{_spread(e.get('tta_vs_ddp_reps'))} | "
+                        f"{e.get('tta_reached', 0)}/"
+                        f"{len(e.get('tta_s_reps', []))} | {_f(e.get('best_accuracy'), '{:.3f}')} |")
+            lines.append(row)
+    if result.get("failures"):
+        lines += ["", "## Failures", ""] + [f"- {f}" for f in result["failures"]]
+    return "\n".join(lines) + "\n"

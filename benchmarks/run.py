@@ -1,0 +1,363 @@
+"""lightning_rudra benchmark suite: one command, a table on stdout, the numbers as JSON.
+
+    python -m benchmarks.run [--quick] [--out benchmarks/results]
+
+1. Transport: a push+pull round trip through the real server (async) for 1 M, 10 M and 50 M float32, against
+   a gloo all-reduce of the same buffer between the same 2 processes and a memcpy; TensorPipe settings for a
+   bare RPC round trip; prototype fixes for the push path.
+2. End to end, no straggler: samples/s of the MNIST-1D example module under every Rudra protocol and DDP.
+3. One learner 3x slower: async and 2-softsync against DDP.
+4. Time to a fixed test accuracy on MNIST-1D, from the same runs as 2.
+
+Everything runs in long-lived worker processes (``benchmarks.pool``) so that process start-up is paid once;
+each comparison is measured in the same run, repeated, and reported as the median of per-round ratios.
+See ``benchmarks/README.md``.
+"""
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Optional
+
+from benchmarks import report
+from benchmarks.pool import JobFailed, Pool
+
+M = 1_000_000
+
+VARIANTS = [  # TensorPipe settings for a bare round trip; the first is the one lightning_rudra pins
+    {"label": "uv (lightning_rudra)", "transports": ["uv"], "channels": None},
+    {"label": "uv + basic", "transports": ["uv"], "channels": ["basic"]},
+    {"label": "uv + cma", "transports": ["uv"], "channels": ["cma"]},
+    {"label": "uv + mpt_uv", "transports": ["uv"], "channels": ["mpt_uv"]},
+    {"label": "shm", "transports": ["shm"], "channels": None},
+    {"label": "shm + basic", "transports": ["shm"], "channels": ["basic"]},
+    {"label": "torch default", "transports": None, "channels": None},
+]
+
+THP = {"THP_MEM_ALLOC_ENABLE": "1"}
+PROTOTYPES = [  # label, pool, server patches, server-only environment, learner patches
+    ("package as is", "main", [], {}, []),
+    ("THP on the server", "main", [], THP, []),
+    ("pack into reused buffers", "main", [], {}, ["pack_reuse"]),
+    ("THP on the server + pack into reused buffers", "main", [], THP, ["pack_reuse"]),
+    ("THP everywhere", "thp", [], {}, []),
+]
+
+STRATEGIES = {  # key -> (strategy, n, prototype changes, overlap)
+    "ddp": ("ddp", 1, [], False),
+    "hardsync": ("hardsync", 1, [], False),
+    "softsync1": ("softsync", 1, [], False),
+    "softsync2": ("softsync", 2, [], False),
+    "async": ("async", 1, [], False),
+    "async+overlap": ("async", 1, [], True),
+    "async+quiet_log": ("async", 1, ["quiet_log"], False),
+    "async+overlap+quiet_log": ("async", 1, ["quiet_log"], True),
+    "hardsync+quiet_log": ("hardsync", 1, ["quiet_log"], False),
+}
+report.STRATEGY_LABELS.update({
+    "async+overlap": "Rudra async, overlap=True",
+    "async+quiet_log": "Rudra async, staleness logged every 50 steps (prototype)",
+    "async+overlap+quiet_log": "Rudra async, overlap=True, staleness logged every 50 steps (prototype)",
+    "hardsync+quiet_log": "Rudra hardsync, staleness logged every 50 steps (prototype)",
+})
+
+DEFAULT = {
+    "sizes": [10_000, 1 * M, 10 * M, 50 * M], "transport_rounds": 3,
+    "variant_sizes": [10_000, 1 * M, 10 * M, 50 * M], "variant_rounds": 2, "variants": [v["label"] for v in VARIANTS],
+    "prototype_rounds": 2, "prototypes": [p[0] for p in PROTOTYPES],
+    "e2e_reps": 3, "e2e_steps": 600, "target_accuracy": 0.6, "snapshot_every": 5,
+    "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async", "async+overlap", "async+quiet_log",
+                       "async+overlap+quiet_log"],
+    "straggler_reps": 3, "straggler_window_s": 3.0,
+    "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap"],
+}
+QUICK = {
+    "sizes": [10 * M], "transport_rounds": 2,
+    "variant_sizes": [10_000, 10 * M], "variant_rounds": 1,
+    "variants": ["uv (lightning_rudra)", "uv + basic", "shm", "torch default"],
+    "prototype_rounds": 1, "prototypes": ["package as is", "THP on the server + pack into reused buffers"],
+    "e2e_reps": 2, "e2e_steps": 250, "target_accuracy": 0.4, "snapshot_every": 5,
+    "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async"],
+    "straggler_reps": 2, "straggler_window_s": 1.0,
+    "straggler_strategies": ["ddp", "async", "softsync2"],
+}
+TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_samples": 4000, "warmup": 10}
+
+
+def _iters(size: int) -> int:
+    return 21 if size < 1 * M else 7 if size <= 1 * M else 5 if size <= 10 * M else 3
+
+
+class Ports:
+    """Distinct free TCP ports (a rendezvous per job: RPC and gloo must never share one)."""
+
+    def __init__(self) -> None:
+        self.used: set[int] = set()
+
+    def __call__(self) -> int:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in self.used:
+                self.used.add(port)
+                return port
+
+
+class Suite:
+    def __init__(self, cfg: dict[str, Any], quick: bool) -> None:
+        self.cfg = cfg
+        self.quick = quick
+        self.ports = Ports()
+        self.t0 = time.monotonic()
+        self.failures: list[str] = []
+        self.raw: dict[str, Any] = {}
+        self.summary: dict[str, Any] = {}
+        self.pools: dict[str, Pool] = {}
+
+    def log(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.t0:5.0f} s] {message}", file=sys.stderr, flush=True)
+
+    def job(self, pool: str, fn: str, timeout: float, **kwargs: Any) -> Optional[list[Any]]:
+        try:
+            return self.pools[pool].run(fn, timeout, **kwargs)
+        except JobFailed as error:
+            text = str(error)
+            self.failures.append(f"{fn} {json.dumps({k: v for k, v in kwargs.items() if 'port' not in k})[:200]}: "
+                                 f"{text.splitlines()[0]}")
+            self.log(f"FAILED {fn}: {text[:3000]}")
+            return None
+
+    # ---- phases ------------------------------------------------------------------------------------------
+    def start_pools(self) -> None:
+        self.pools["main"] = Pool("main", preload=("pytorch_lightning", "lightning_rudra", "examples.mnist1d",
+                                                   "benchmarks.training", "benchmarks.transport"))
+        if any(p[1] == "thp" for p in PROTOTYPES if p[0] in self.cfg["prototypes"]):
+            self.pools["thp"] = Pool("thp", env=THP, preload=("lightning_rudra", "benchmarks.transport"))
+        for pool in self.pools.values():
+            pool.start()
+        for pool in self.pools.values():
+            pool.wait_ready()
+        self.log(f"workers ready: {', '.join(self.pools)}")
+
+    def transport(self) -> None:
+        raw: dict[str, Any] = {}
+        for size in self.cfg["sizes"]:
+            result = self.job("main", "benchmarks.transport:rudra_transport", 120 + 60 * size / (10 * M),
+                              numel=size, port=self.ports(), gloo_port=self.ports(),
+                              rounds=self.cfg["transport_rounds"], iters=_iters(size))
+            if result is None:
+                continue
+            raw[str(size)] = result[0]
+            raw[str(size)]["both_rank1"] = result[1]["both"]
+            e = report.summarize_transport({str(size): result[0]})[str(size)]
+            self.log(f"transport {report._size_label(size)}: push+pull 2 learners {e['ms']['both']:.1f} ms, 1 learner "
+                     f"{e['ms']['solo']:.1f} ms, gloo {e['ms']['gloo']:.1f} ms, memcpy {e['ms']['memcpy']:.1f} ms")
+        self.raw["transport"] = raw
+        self.summary.setdefault("transport", {})["rudra"] = report.summarize_transport(
+            {k: {m: v for m, v in r.items() if m != "both_rank1"} for k, r in raw.items()})
+
+    def variants(self) -> None:
+        variants = [v for v in VARIANTS if v["label"] in self.cfg["variants"]]
+        sizes = self.cfg["variant_sizes"]
+        rounds = self.cfg["variant_rounds"]
+        result = self.job("main", "benchmarks.transport:tp_variants", 120 + 40 * rounds * len(variants),
+                          variants=variants, sizes=sizes, ports=[self.ports() for _ in range(rounds * len(variants))],
+                          rounds=rounds, iters=5)
+        if result is None:
+            return
+        self.raw["variants"] = result[0]
+        reference = variants[0]["label"]
+        summary = report.summarize_variants(result[0], reference)
+        self.summary.setdefault("transport", {})["variants"] = summary
+        self.summary["transport"]["variants_reference"] = reference
+        for label, e in summary.items():
+            self.log(f"TensorPipe {label}: " + (e["error"] or ", ".join(
+                f"{report._size_label(s)} {v['ms']:.1f} ms" for s, v in e.items() if s != "error" and v["ms"])))
+
+    def prototypes(self) -> None:
+        configs = [p for p in PROTOTYPES if p[0] in self.cfg["prototypes"]]
+        rounds = []
+        for r in range(self.cfg["prototype_rounds"]):
+            this_round = {}
+            for label, pool, patches, server_env, learner_patches in configs:
+                result = self.job(pool, "benchmarks.transport:rudra_transport", 180, numel=10 * M,
+                                  port=self.ports(), gloo_port=self.ports(), rounds=1, iters=5,
+                                  measures=["both", "solo", "memcpy", "breakdown"], server_patches=patches,
+                                  server_env=server_env, learner_patches=learner_patches)
+                if result is not None:
+                    this_round[label] = {k: v[0] for k, v in result[0].items() if v}
+                    self.log(f"prototype round {r}: {label}: 2 learners {1e3 * this_round[label]['both']:.1f} ms, "
+                             f"1 learner {1e3 * this_round[label]['solo']:.1f} ms")
+            rounds.append(this_round)
+        self.raw["prototypes"] = rounds
+        self.summary.setdefault("transport", {})["prototypes"] = report.summarize_prototypes(rounds, configs[0][0])
+        self.summary["transport"]["prototypes_reference"] = configs[0][0]
+        for name in [n for n in self.pools if n != "main"]:
+            self.pools.pop(name).close()
+
+    def _train(self, key: str, rep: int, **kwargs: Any) -> Optional[dict[str, Any]]:
+        strategy, n, protos, overlap = STRATEGIES[key]
+        t = dict(TRAINING)
+        start = time.monotonic()
+        result = self.job("main", "benchmarks.training:train", 240, strategy=strategy, n=n, protos=protos,
+                          overlap=overlap, port=self.ports(), **t, **kwargs)
+        if result is None:
+            return None
+        run = {"strategy": key, "rep": rep, "job_wall_s": time.monotonic() - start,
+               **report.throughput(result, t["warmup"])}
+        target = kwargs.get("snapshot_every") and self.cfg["target_accuracy"]
+        if target:
+            run["tta_target"] = target
+            run["tta_s"], run["best_accuracy"] = report.time_to_accuracy(result[0], target)
+        stats = result[0].get("stats")
+        if stats:
+            run["mean_staleness"] = stats["mean_staleness"]
+            run["max_staleness"] = stats["max_staleness"]
+            run["updates"] = stats["clock"]
+        return run
+
+    def e2e(self) -> None:
+        runs = []
+        keys = self.cfg["e2e_strategies"]
+        steps = self.cfg["e2e_steps"]
+        for rep in range(self.cfg["e2e_reps"]):
+            order = keys[rep % len(keys):] + keys[:rep % len(keys)]  # rotate: no strategy always runs first
+            for key in order:
+                run = self._train(key, rep, max_steps=[steps, steps], sleep_s=[0.0, 0.0],
+                                  snapshot_every=self.cfg["snapshot_every"])
+                if run is not None:
+                    runs.append(run)
+                    self.log(f"e2e rep {rep} {key}: {run['samples_per_s'] or 0:.0f} samples/s, step "
+                             f"{run.get('step_ms') or 0:.1f} ms, time to {run['tta_target']}: {run['tta_s']} s "
+                             f"(job {run['job_wall_s']:.1f} s)")
+        self.raw["e2e"] = runs
+        self.summary["e2e"] = report.summarize_runs(runs)
+        self.summary["e2e_info"] = {
+            "target": self.cfg["target_accuracy"],
+            "text": (f"MNIST-1D example CNN (`examples/mnist1d.py`, 8 k parameters), 2 learners, μ = "
+                     f"{TRAINING['batch_size']} per learner, SGD lr {TRAINING['lr']} momentum {TRAINING['momentum']}, "
+                     f"{steps} steps per learner, {self.cfg['e2e_reps']} repeats (medians; ratios per repeat). "
+                     f"samples/s: all learners' samples over the window where both are past "
+                     f"{TRAINING['warmup']} batches and neither has stopped. Time to accuracy: from the start of "
+                     f"training to the first rank-0 snapshot (every {self.cfg['snapshot_every']} steps) at or above "
+                     f"{self.cfg['target_accuracy']} test accuracy (800 test samples); *vs DDP (time)* < 1 is "
+                     f"faster. mean σ: staleness in server updates.")}
+
+    def straggler(self) -> None:
+        ddp_step = self.summary.get("e2e", {}).get("ddp", {}).get("step_ms")
+        if ddp_step is None:
+            self.failures.append("straggler: no DDP step time from the end-to-end runs to calibrate the sleep")
+            return
+        sleep = 2 * ddp_step / 1e3
+        window = self.cfg["straggler_window_s"]
+        warmup = TRAINING["warmup"]
+        ddp_steps = warmup + 5 + math.ceil(window / (3 * ddp_step / 1e3))
+        runs = []
+        keys = self.cfg["straggler_strategies"]
+        for rep in range(self.cfg["straggler_reps"]):
+            order = keys[rep % len(keys):] + keys[:rep % len(keys)]
+            for key in order:
+                if key == "ddp":  # lock-step: both ranks must run the same number of steps
+                    kwargs = {"max_steps": [ddp_steps, ddp_steps]}
+                else:  # independent learners: each stops on its own clock
+                    kwargs = {"max_steps": [100_000, 100_000], "stop_after_s": [window, window]}
+                run = self._train(key, rep, sleep_s=[0.0, sleep], snapshot_every=0, **kwargs)
+                if run is not None:
+                    runs.append(run)
+                    self.log(f"straggler rep {rep} {key}: {run['samples_per_s'] or 0:.0f} samples/s, steps in "
+                             f"window {run.get('batches_in_window')}")
+        self.raw["straggler"] = runs
+        self.summary["straggler"] = report.summarize_runs(runs)
+        self.summary["straggler_info"] = {"text": (
+            f"Same module and settings; learner 1 sleeps {1e3 * sleep:.1f} ms per batch (2x the median DDP step "
+            f"time of section 2, {ddp_step:.1f} ms), so it is 3x slower. DDP runs {ddp_steps} steps per learner; "
+            f"Rudra learners run {window:g} s each after warm-up. {self.cfg['straggler_reps']} repeats.")}
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
+
+
+def _meta(quick: bool) -> dict[str, Any]:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "?"
+
+    def git(*args: str) -> str:
+        try:
+            import subprocess
+
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                                  cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout.strip()
+        except Exception:
+            return "?"
+
+    return {"mode": "quick" if quick else "default", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": git("rev-parse", "--short", "HEAD"),
+            "package_modified": bool(git("status", "--porcelain", "--", "lightning_rudra")),
+            "nproc": len(os.sched_getaffinity(0)), "cpu_model": model, "torch": version("torch"),
+            "lightning": version("pytorch-lightning"), "python": platform.python_version(),
+            "platform": platform.platform(), "loadavg_start": os.getloadavg()}
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, settings and repeats: about 2 minutes")
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
+                        help="folder for latest.json and latest.md (default: benchmarks/results)")
+    parser.add_argument("--only", default="transport,variants,prototypes,e2e,straggler",
+                        help="comma-separated phases to run (straggler needs e2e for its calibration)")
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else DEFAULT
+    phases = [p for p in args.only.split(",") if p]
+    meta = _meta(args.quick)
+    suite = Suite(cfg, args.quick)
+    suite.log(f"lightning_rudra benchmark, {meta['mode']} mode, phases: {', '.join(phases)}")
+    try:
+        suite.start_pools()
+        for phase in ("transport", "variants", "prototypes", "e2e", "straggler"):
+            if phase in phases:
+                try:
+                    getattr(suite, phase)()
+                except Exception as error:  # keep what the other phases measured
+                    suite.failures.append(f"{phase}: {type(error).__name__}: {error}")
+                    suite.log(f"phase {phase} failed:\n{traceback.format_exc()}")
+    finally:
+        suite.close()
+    meta["duration_s"] = time.monotonic() - suite.t0
+    meta["loadavg_end"] = os.getloadavg()
+    meta["config"] = {**cfg, "training": TRAINING}
+    suite.summary["targets"] = report.check_targets(suite.summary)
+    result = {"meta": meta, "summary": suite.summary, "raw": suite.raw, "failures": suite.failures}
+    markdown = report.render_markdown(result)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "latest.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "latest.md"), "w") as f:
+        f.write(markdown)
+    print(markdown)
+    suite.log(f"wrote {os.path.join(args.out, 'latest.json')} and latest.md")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""End-to-end jobs: the MNIST-1D example module trained by RudraStrategy or DDPStrategy, two learners.
+
+Each rank builds its own ``Trainer`` (the pool's workers look like torchrun's processes, so Lightning starts no
+processes of its own), which lets one rank be a straggler. A callback records the monotonic time (one clock for
+all processes of the host) at the end of every batch: the benchmark computes throughput over the window in
+which every learner is past its warm-up and none has stopped, so process start, rendezvous, the server's start
+and teardown are all excluded. Rank 0 also keeps a copy of its weights every few batches (the weights it
+continues from: after a push, the server's); they are evaluated on the test split after training, so
+measuring accuracy costs the run nothing.
+"""
+
+import gc
+import os
+import time
+from typing import Any, Optional
+
+import torch
+
+_DATA: dict[str, Any] = {}
+
+NUM_LEARNERS = 2
+
+
+def _mnist1d(num_samples: int, seed: int) -> dict[str, torch.Tensor]:
+    """The example datamodule's split (``examples.mnist1d``): test 20%, the last 10% of the rest held out."""
+    key = f"{num_samples}-{seed}"
+    if key not in _DATA:
+        from examples.mnist1d import MNIST1DDataModule
+
+        dm = MNIST1DDataModule(num_samples=num_samples, seed=seed)
+        dm.setup("fit")
+        _DATA[key] = {"x": dm.train_set.tensors[0], "y": dm.train_set.tensors[1],
+                      "x_test": dm.test_set.tensors[0], "y_test": dm.test_set.tensors[1]}
+    return _DATA[key]
+
+
+def _callback(rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_after_s: Optional[float]):
+    import pytorch_lightning as pl
+
+    class Recorder(pl.Callback):
+        def __init__(self) -> None:
+            self.start: Optional[float] = None
+            self.end: Optional[float] = None
+            self.times: list[float] = []
+            self.snapshots: list[tuple[float, list[torch.Tensor]]] = []
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.start = time.monotonic()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if sleep_s > 0:  # the straggler: slower by this much per batch
+                time.sleep(sleep_s)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            now = time.monotonic()
+            self.times.append(now)
+            if snapshot_every and rank == 0 and len(self.times) % snapshot_every == 0:
+                self.snapshots.append((now - self.start, [p.detach().clone() for p in pl_module.parameters()]))
+            if stop_after_s is not None and len(self.times) > warmup and now - self.times[warmup - 1] >= stop_after_s:
+                trainer.should_stop = True  # no collective: only for strategies whose learners run independently
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            # the strategy's on_train_end ran first (Rudra: every learner finished, final weights pulled)
+            self.end = time.monotonic()
+
+    return Recorder()
+
+
+def _rudra_class(protos: list[str]):
+    """RudraStrategy, or a prototype of a change to it (``protos``)."""
+    from pytorch_lightning.strategies import ParallelStrategy
+
+    from lightning_rudra import RudraStrategy
+
+    if "quiet_log" not in protos:
+        return RudraStrategy
+
+    class QuietLogRudra(RudraStrategy):
+        """Prototype: compute and log the staleness metrics only on the steps where Lightning writes logs
+        (every ``log_every_n_steps``), not on every step. The change in RudraStrategy.training_step::
+
+            if self._staleness_mean.update_count and self.lightning_module.trainer._logger_connector.should_update_logs:
+        """
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            if self.lightning_module.trainer._logger_connector.should_update_logs:
+                return super().training_step(*args, **kwargs)
+            return ParallelStrategy.training_step(self, *args, **kwargs)
+
+    return QuietLogRudra
+
+
+@torch.no_grad()
+def _accuracy(model: torch.nn.Module, weights: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
+    for p, w in zip(model.parameters(), weights):
+        p.copy_(w)
+    model.eval()
+    return (model(x).argmax(dim=1) == y).float().mean().item()
+
+
+def train(rank: int, *, strategy: str, port: int, max_steps: list[int], sleep_s: list[float],
+          n: int = 1, batch_size: int = 32, lr: float = 0.05, momentum: float = 0.9, seed: int = 42,
+          num_samples: int = 4000, snapshot_every: int = 0, warmup: int = 10,
+          stop_after_s: Optional[list[Optional[float]]] = None, rpc_timeout: float = 60.0,
+          protos: Optional[list[str]] = None, overlap: bool = False) -> dict[str, Any]:
+    """``strategy``: ``ddp`` or a Rudra protocol (``hardsync``, ``softsync`` with ``n``, ``async``).
+    ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank; ``protos``: prototype changes to RudraStrategy;
+    ``overlap``: RudraStrategy's Rudra-adv* option."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from examples.mnist1d import MNIST1DClassifier
+
+    os.environ["MASTER_PORT"] = str(port)  # read by the Trainer's cluster environment (RPC or gloo rendezvous)
+    data = _mnist1d(num_samples, seed)
+    pl.seed_everything(seed, verbose=False)
+    model = MNIST1DClassifier(lr=lr, momentum=momentum)
+    if strategy == "ddp":
+        strat: Any = DDPStrategy(process_group_backend="gloo")
+    else:
+        strat = _rudra_class(protos or [])(protocol=strategy, n=n, rpc_timeout=rpc_timeout, overlap=overlap)
+    recorder = _callback(rank, sleep_s[rank], snapshot_every, warmup, (stop_after_s or [None] * NUM_LEARNERS)[rank])
+    trainer = pl.Trainer(accelerator="cpu", devices=NUM_LEARNERS, strategy=strat, max_steps=max_steps[rank],
+                         max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                         callbacks=[recorder])
+    loader = DataLoader(TensorDataset(data["x"], data["y"]), batch_size=batch_size, shuffle=True)
+    try:
+        trainer.fit(model, train_dataloaders=loader)
+    finally:
+        if torch.distributed.is_initialized():  # a later Rudra job must not find a default process group
+            torch.distributed.destroy_process_group()
+    result: dict[str, Any] = {"times": recorder.times, "start": recorder.start, "end": recorder.end,
+                              "batch_size": batch_size}
+    if rank == 0:
+        if recorder.snapshots:
+            probe = MNIST1DClassifier()
+            result["accuracy"] = [(t, _accuracy(probe, w, data["x_test"], data["y_test"]))
+                                  for t, w in recorder.snapshots]
+        stats = getattr(trainer.strategy, "stats", None)
+        if stats is not None:
+            result["stats"] = {"clock": stats.clock, "gradients": stats.gradients,
+                               "mean_staleness": stats.mean_staleness, "max_staleness": stats.max_staleness}
+    del trainer, model, recorder
+    gc.collect()
+    return result

@@ -64,29 +64,33 @@ def time_to_accuracy(rank0: dict[str, Any], target: float) -> tuple[Optional[flo
 
 
 def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[str, Any]:
-    """``runs``: {strategy, rep, samples_per_s, tta_s, ...}; per strategy, medians and per-rep ratios to the
-    baseline's run of the same rep."""
+    """``runs``: {strategy, seq (order of the run), samples_per_s, tta_s, ...}. Per strategy: medians over its
+    runs, and the median of its per-run ratios to the mean of the baseline runs just before and after it."""
+    base_runs = sorted((r for r in runs if r["strategy"] == baseline), key=lambda r: r["seq"])
+
+    def bracket(run: dict[str, Any], field: str) -> Optional[float]:
+        before = [b for b in base_runs if b["seq"] < run["seq"]][-1:]
+        after = [b for b in base_runs if b["seq"] > run["seq"]][:1]
+        values = [b[field] for b in before + after if b.get(field) is not None]
+        return sum(values) / len(values) if values else None
+
     out: dict[str, Any] = {}
-    reps = sorted({r["rep"] for r in runs})
-    by = {(r["strategy"], r["rep"]): r for r in runs}
     for strategy in dict.fromkeys(r["strategy"] for r in runs):
-        sps = [by.get((strategy, k), {}).get("samples_per_s") for k in reps]
-        base = [by.get((baseline, k), {}).get("samples_per_s") for k in reps]
-        tta = [by.get((strategy, k), {}).get("tta_s") for k in reps]
-        base_tta = [by.get((baseline, k), {}).get("tta_s") for k in reps]
-        entry = {
-            "samples_per_s": median(sps), "samples_per_s_reps": sps,
-            "vs_ddp": median(ratios(sps, base)), "vs_ddp_reps": ratios(sps, base),
-            "step_ms": median([by.get((strategy, k), {}).get("step_ms") for k in reps]),
-        }
-        if any(by.get((strategy, k), {}).get("tta_target") is not None for k in reps):
-            entry.update({
-                "tta_s": median(tta), "tta_s_reps": tta,
-                "tta_vs_ddp": median(ratios(tta, base_tta)), "tta_vs_ddp_reps": ratios(tta, base_tta),
-                "tta_reached": sum(t is not None for t in tta), "best_accuracy": median(
-                    [by.get((strategy, k), {}).get("best_accuracy") for k in reps]),
-            })
-        stale = [by.get((strategy, k), {}).get("mean_staleness") for k in reps]
+        mine = sorted((r for r in runs if r["strategy"] == strategy), key=lambda r: r["seq"])
+        sps = [r.get("samples_per_s") for r in mine]
+        if strategy == baseline:
+            vs, tta_vs = [1.0] * len(mine), [1.0] * len(mine)
+        else:
+            vs = ratios(sps, [bracket(r, "samples_per_s") for r in mine])
+            tta_vs = ratios([r.get("tta_s") for r in mine], [bracket(r, "tta_s") for r in mine])
+        entry = {"runs": len(mine), "samples_per_s": median(sps), "samples_per_s_runs": sps,
+                 "vs_ddp": median(vs), "vs_ddp_reps": vs, "step_ms": median([r.get("step_ms") for r in mine])}
+        if any(r.get("tta_target") is not None for r in mine):
+            tta = [r.get("tta_s") for r in mine]
+            entry.update({"tta_s": median(tta), "tta_s_reps": tta, "tta_vs_ddp": median(tta_vs),
+                          "tta_vs_ddp_reps": tta_vs, "tta_reached": sum(t is not None for t in tta),
+                          "best_accuracy": median([r.get("best_accuracy") for r in mine])})
+        stale = [r.get("mean_staleness") for r in mine]
         if any(s is not None for s in stale):
             entry["mean_staleness"] = median(stale)
         out[strategy] = entry
@@ -265,7 +269,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             continue
         info = s.get(f"{section}_info", {})
         lines += ["", f"## {title}", "", info.get("text", ""), ""]
-        header = "| strategy | samples/s | vs DDP (lowest–highest repeat) | step ms (rank 0) | mean σ |"
+        header = "| strategy | samples/s | vs DDP (lowest–highest run) | step ms (rank 0) | mean σ |"
         sep = "|---|---|---|---|---|"
         if with_tta:
             header += f" time to {info.get('target', '?')} test acc. (s) | vs DDP (time; < 1 is faster) | reached | best acc. |"

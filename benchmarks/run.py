@@ -47,7 +47,6 @@ PROTOTYPES = [  # label, pool, server patches, server-only environment, learner 
     ("package as is", "main", [], {}, []),
     ("THP on the server", "main", [], THP, []),
     ("pack into reused buffers", "main", [], {}, ["pack_reuse"]),
-    ("THP on the server + pack into reused buffers", "main", [], THP, ["pack_reuse"]),
     ("THP everywhere", "thp", [], {}, []),
 ]
 
@@ -73,18 +72,18 @@ DEFAULT = {
     "sizes": [10_000, 1 * M, 10 * M, 50 * M], "transport_rounds": 3,
     "variant_sizes": [10_000, 1 * M, 10 * M, 50 * M], "variant_rounds": 2, "variants": [v["label"] for v in VARIANTS],
     "prototype_rounds": 2, "prototypes": [p[0] for p in PROTOTYPES],
-    "e2e_reps": 3, "e2e_steps": 600, "target_accuracy": 0.6, "snapshot_every": 5,
-    "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async", "async+overlap", "async+quiet_log",
+    "e2e_reps": 3, "e2e_steps": 600, "target_accuracy": 0.6, "snapshot_every": 5, "ddp_every": 3,
+    "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async", "async+overlap",
                        "async+overlap+quiet_log"],
-    "straggler_reps": 3, "straggler_window_s": 3.0,
+    "straggler_reps": 3, "straggler_window_s": 2.5,
     "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap"],
 }
 QUICK = {
     "sizes": [10 * M], "transport_rounds": 2,
     "variant_sizes": [10_000, 10 * M], "variant_rounds": 1,
     "variants": ["uv (lightning_rudra)", "uv + basic", "shm", "torch default"],
-    "prototype_rounds": 1, "prototypes": ["package as is", "THP on the server + pack into reused buffers"],
-    "e2e_reps": 2, "e2e_steps": 250, "target_accuracy": 0.4, "snapshot_every": 5,
+    "prototype_rounds": 1, "prototypes": ["package as is", "pack into reused buffers"],
+    "e2e_reps": 2, "e2e_steps": 250, "target_accuracy": 0.4, "snapshot_every": 5, "ddp_every": 3,
     "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async"],
     "straggler_reps": 2, "straggler_window_s": 1.0,
     "straggler_strategies": ["ddp", "async", "softsync2"],
@@ -94,6 +93,10 @@ TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_sampl
 
 def _iters(size: int) -> int:
     return 21 if size < 1 * M else 7 if size <= 1 * M else 5 if size <= 10 * M else 3
+
+
+def _rounds(size: int, rounds: int) -> int:
+    return min(rounds, 2) if size > 10 * M else rounds  # 50 M: a round takes ~15 s here
 
 
 class Ports:
@@ -153,7 +156,7 @@ class Suite:
         for size in self.cfg["sizes"]:
             result = self.job("main", "benchmarks.transport:rudra_transport", 120 + 60 * size / (10 * M),
                               numel=size, port=self.ports(), gloo_port=self.ports(),
-                              rounds=self.cfg["transport_rounds"], iters=_iters(size))
+                              rounds=_rounds(size, self.cfg["transport_rounds"]), iters=_iters(size))
             if result is None:
                 continue
             raw[str(size)] = result[0]
@@ -171,7 +174,7 @@ class Suite:
         rounds = self.cfg["variant_rounds"]
         result = self.job("main", "benchmarks.transport:tp_variants", 120 + 40 * rounds * len(variants),
                           variants=variants, sizes=sizes, ports=[self.ports() for _ in range(rounds * len(variants))],
-                          rounds=rounds, iters=5)
+                          rounds=rounds, iters=[_iters(x) if x > 1 * M else 5 for x in sizes])
         if result is None:
             return
         self.raw["variants"] = result[0]
@@ -204,7 +207,7 @@ class Suite:
         for name in [n for n in self.pools if n != "main"]:
             self.pools.pop(name).close()
 
-    def _train(self, key: str, rep: int, **kwargs: Any) -> Optional[dict[str, Any]]:
+    def _train(self, key: str, rep: int, seq: int, **kwargs: Any) -> Optional[dict[str, Any]]:
         strategy, n, protos, overlap = STRATEGIES[key]
         t = dict(TRAINING)
         start = time.monotonic()
@@ -212,7 +215,7 @@ class Suite:
                           overlap=overlap, port=self.ports(), **t, **kwargs)
         if result is None:
             return None
-        run = {"strategy": key, "rep": rep, "job_wall_s": time.monotonic() - start,
+        run = {"strategy": key, "rep": rep, "seq": seq, "job_wall_s": time.monotonic() - start,
                **report.throughput(result, t["warmup"])}
         target = kwargs.get("snapshot_every") and self.cfg["target_accuracy"]
         if target:
@@ -225,32 +228,44 @@ class Suite:
             run["updates"] = stats["clock"]
         return run
 
+    def _schedule(self, keys: list[str], reps: int) -> list[tuple[str, int]]:
+        """DDP before every ``ddp_every`` other runs and once at the end, so that every run has a DDP run just
+        before and just after it; the other strategies rotate, so none always runs first."""
+        others = [k for k in keys if k != "ddp"]
+        every = self.cfg["ddp_every"]
+        order: list[tuple[str, int]] = []
+        for rep in range(reps):
+            for i, key in enumerate(others[rep % len(others):] + others[:rep % len(others)]):
+                if i % every == 0:
+                    order.append(("ddp", rep))
+                order.append((key, rep))
+        return order + [("ddp", reps)]
+
     def e2e(self) -> None:
         runs = []
-        keys = self.cfg["e2e_strategies"]
         steps = self.cfg["e2e_steps"]
-        for rep in range(self.cfg["e2e_reps"]):
-            order = keys[rep % len(keys):] + keys[:rep % len(keys)]  # rotate: no strategy always runs first
-            for key in order:
-                run = self._train(key, rep, max_steps=[steps, steps], sleep_s=[0.0, 0.0],
-                                  snapshot_every=self.cfg["snapshot_every"])
-                if run is not None:
-                    runs.append(run)
-                    self.log(f"e2e rep {rep} {key}: {run['samples_per_s'] or 0:.0f} samples/s, step "
-                             f"{run.get('step_ms') or 0:.1f} ms, time to {run['tta_target']}: {run['tta_s']} s "
-                             f"(job {run['job_wall_s']:.1f} s)")
+        for seq, (key, rep) in enumerate(self._schedule(self.cfg["e2e_strategies"], self.cfg["e2e_reps"])):
+            run = self._train(key, rep, seq, max_steps=[steps, steps], sleep_s=[0.0, 0.0],
+                              snapshot_every=self.cfg["snapshot_every"])
+            if run is not None:
+                runs.append(run)
+                self.log(f"e2e rep {rep} {key}: {run['samples_per_s'] or 0:.0f} samples/s, step "
+                         f"{run.get('step_ms') or 0:.1f} ms, time to {run['tta_target']}: {run['tta_s']} s "
+                         f"(job {run['job_wall_s']:.1f} s)")
         self.raw["e2e"] = runs
         self.summary["e2e"] = report.summarize_runs(runs)
         self.summary["e2e_info"] = {
             "target": self.cfg["target_accuracy"],
             "text": (f"MNIST-1D example CNN (`examples/mnist1d.py`, 8 k parameters), 2 learners, μ = "
                      f"{TRAINING['batch_size']} per learner, SGD lr {TRAINING['lr']} momentum {TRAINING['momentum']}, "
-                     f"{steps} steps per learner, {self.cfg['e2e_reps']} repeats (medians; ratios per repeat). "
-                     f"samples/s: all learners' samples over the window where both are past "
-                     f"{TRAINING['warmup']} batches and neither has stopped. Time to accuracy: from the start of "
-                     f"training to the first rank-0 snapshot (every {self.cfg['snapshot_every']} steps) at or above "
-                     f"{self.cfg['target_accuracy']} test accuracy (800 test samples); *vs DDP (time)* < 1 is "
-                     f"faster. mean σ: staleness in server updates.")}
+                     f"{steps} steps per learner, {self.cfg['e2e_reps']} runs of each strategy; DDP runs before every "
+                     f"{self.cfg['ddp_every']} other runs and at the end. *samples/s*: all learners' samples over "
+                     f"the window where both are past {TRAINING['warmup']} batches and neither has stopped (median "
+                     f"of runs). *vs DDP*: each run against the mean of the DDP runs just before and just after it, "
+                     f"median (lowest–highest) over runs. *Time to accuracy*: from the start of training to the "
+                     f"first rank-0 snapshot (every {self.cfg['snapshot_every']} steps) at or above "
+                     f"{self.cfg['target_accuracy']} test accuracy (800 test samples). mean σ: staleness in server "
+                     f"updates.")}
 
     def straggler(self) -> None:
         ddp_step = self.summary.get("e2e", {}).get("ddp", {}).get("step_ms")
@@ -262,25 +277,23 @@ class Suite:
         warmup = TRAINING["warmup"]
         ddp_steps = warmup + 5 + math.ceil(window / (3 * ddp_step / 1e3))
         runs = []
-        keys = self.cfg["straggler_strategies"]
-        for rep in range(self.cfg["straggler_reps"]):
-            order = keys[rep % len(keys):] + keys[:rep % len(keys)]
-            for key in order:
-                if key == "ddp":  # lock-step: both ranks must run the same number of steps
-                    kwargs = {"max_steps": [ddp_steps, ddp_steps]}
-                else:  # independent learners: each stops on its own clock
-                    kwargs = {"max_steps": [100_000, 100_000], "stop_after_s": [window, window]}
-                run = self._train(key, rep, sleep_s=[0.0, sleep], snapshot_every=0, **kwargs)
-                if run is not None:
-                    runs.append(run)
-                    self.log(f"straggler rep {rep} {key}: {run['samples_per_s'] or 0:.0f} samples/s, steps in "
-                             f"window {run.get('batches_in_window')}")
+        for seq, (key, rep) in enumerate(self._schedule(self.cfg["straggler_strategies"], self.cfg["straggler_reps"])):
+            if key == "ddp":  # lock-step: both ranks must run the same number of steps
+                kwargs = {"max_steps": [ddp_steps, ddp_steps]}
+            else:  # independent learners: each stops on its own clock
+                kwargs = {"max_steps": [100_000, 100_000], "stop_after_s": [window, window]}
+            run = self._train(key, rep, seq, sleep_s=[0.0, sleep], snapshot_every=0, **kwargs)
+            if run is not None:
+                runs.append(run)
+                self.log(f"straggler rep {rep} {key}: {run['samples_per_s'] or 0:.0f} samples/s, steps in "
+                         f"window {run.get('batches_in_window')}")
         self.raw["straggler"] = runs
         self.summary["straggler"] = report.summarize_runs(runs)
         self.summary["straggler_info"] = {"text": (
             f"Same module and settings; learner 1 sleeps {1e3 * sleep:.1f} ms per batch (2x the median DDP step "
             f"time of section 2, {ddp_step:.1f} ms), so it is 3x slower. DDP runs {ddp_steps} steps per learner; "
-            f"Rudra learners run {window:g} s each after warm-up. {self.cfg['straggler_reps']} repeats.")}
+            f"Rudra learners run {window:g} s each after warm-up. {self.cfg['straggler_reps']} runs of each, "
+            f"ratios against the DDP runs just before and after, as in section 2.")}
 
     def close(self) -> None:
         for pool in self.pools.values():

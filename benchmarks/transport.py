@@ -164,7 +164,7 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
 
 # ---- TensorPipe settings, bare round trips between the two workers ----------------------------------------
 def tp_variants(rank: int, *, variants: list[dict[str, Any]], sizes: list[int], ports: list[int], rounds: int,
-                iters: int, timeout: float = 60.0) -> dict[str, Any]:
+                iters: list[int], timeout: float = 60.0) -> dict[str, Any]:
     """Round trip of ``size`` float32 from worker 0 to worker 1 and back (``echo``), per TensorPipe setting.
     ``variants``: dicts with ``label``, ``transports`` and ``channels`` (None: TensorPipe's own choice).
     Rounds are the outer loop, so every setting is measured once per round, close in time to the others."""
@@ -192,12 +192,12 @@ def tp_variants(rank: int, *, variants: list[dict[str, Any]], sizes: list[int], 
                 rpc.init_rpc(f"tp{rank}", rank=rank, world_size=2, rpc_backend_options=options)
             try:
                 if rank == 0:
-                    for size in sizes:
+                    for size, n_iters in zip(sizes, iters):
                         x = tensors[size]
                         try:
                             rpc.rpc_sync("tp1", echo, args=(x,))  # warm-up, and a check
                             results[variant["label"]][str(size)].append(
-                                _median_time(lambda: rpc.rpc_sync("tp1", echo, args=(x,)), iters))
+                                _median_time(lambda: rpc.rpc_sync("tp1", echo, args=(x,)), n_iters))
                         except Exception as error:  # e.g. a channel this host does not allow
                             errors[variant["label"]] = f"{type(error).__name__}: {error}"[:300]
                             break

@@ -92,6 +92,7 @@ def main() -> None:
     finally:
         job.join()
         pool.close()
+        print(f"\nraw py-spy profiles (collapsed stacks): {out_dir}")
 
 
 if __name__ == "__main__":

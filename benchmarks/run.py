@@ -2,7 +2,7 @@
 
     python -m benchmarks.run [--quick] [--out benchmarks/results]
 
-1. Transport: a push+pull round trip through the real server (async) for 1 M, 10 M and 50 M float32, against
+1. Transport: a push+pull round trip through the real server (async) for 10 k, 1 M, 10 M and 50 M float32, against
    a gloo all-reduce of the same buffer between the same 2 processes and a memcpy; TensorPipe settings for a
    bare RPC round trip; prototype fixes for the push path.
 2. End to end, no straggler: samples/s of the MNIST-1D example module under every Rudra protocol and DDP.

@@ -159,7 +159,6 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
     out["server_update"].append(statistics.median(times))
     reply = [grad.clone()]
     out["load"].append(_median_time(lambda: learner._load(reply, []), iters))
-    del server, weights, reply, reused
 
 
 # ---- TensorPipe settings, bare round trips between the two workers ----------------------------------------

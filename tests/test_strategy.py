@@ -124,7 +124,7 @@ def test_automatic_optimization_features_callbacks_and_test_after_fit(tmp_path):
 
 def test_manual_optimization_with_two_optimizers(tmp_path):
     model = TwoOptimizers()
-    trainer = quiet_trainer(probed(tmp_path, protocol="softsync", n=2), 2, max_epochs=1)
+    trainer = quiet_trainer(probed(tmp_path, protocol="softsync", n=2, lr_modulation="none"), 2, max_epochs=1)
     trainer.fit(model, loader(16))
     stats = trainer.strategy.stats
     assert stats.gradients == 2 * 2 * 8  # two pushes per step, 8 steps per learner

@@ -309,6 +309,19 @@ def _series_name(protocol: str, n: int, learners: int, lr_mod: str) -> str:
     return f"{name}, λ={learners}" + ("" if protocol in ("single", "hardsync") else f", lr_mod={lr_mod}")
 
 
+
+def _save_error_plot(fig, ax, title: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.set_ylabel("test error")
+    ax.set_title(f"{title} (hollow: no LR modulation)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
 def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
     import matplotlib
 
@@ -333,14 +346,7 @@ def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
                 label=_series_name(protocol, n, learners, lr_mod))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("μ·λ (per-learner mini-batch × learners)")
-    ax.set_ylabel("test error")
-    ax.set_title("Test error vs μ·λ, same number of epochs (hollow: no LR modulation)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    written.append(out / "error_vs_batch.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save_error_plot(fig, ax, "Test error vs μ·λ, same number of epochs", out / "error_vs_batch.png"))
 
     # 2. staleness histogram per protocol (and n, λ), summed over μ, lr_mod and seeds
     hists: dict[tuple, dict[int, int]] = {}
@@ -407,14 +413,7 @@ def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
         labelled.add(label)
         ax.annotate(f"μ={r['batch_size']}", (x, y), fontsize=6, xytext=(4, -3), textcoords="offset points")
     ax.set_xlabel("training wall time (s): the training loop, without process start-up")
-    ax.set_ylabel("test error")
-    ax.set_title("Test error vs training wall time (hollow: no LR modulation)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    written.append(out / "error_vs_time.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save_error_plot(fig, ax, "Test error vs training wall time", out / "error_vs_time.png"))
     return written
 
 

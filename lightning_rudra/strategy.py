@@ -50,7 +50,7 @@ class RudraStrategy(ParallelStrategy):
             torchrun and SLURM); ``"spawn"`` starts them with multiprocessing (works inside notebooks' scripts
             and tests).
         overlap: push and pull in the background while the next step computes, on the newest weights
-            received (Rudra-adv*): higher throughput, about one more update of staleness. Not with hardsync.
+            received (Rudra-adv*): higher throughput, about λ more updates of staleness. Not with hardsync.
 
     After ``trainer.fit``, :attr:`stats` holds the server's statistics: ``clock`` (updates applied),
     ``gradients``, ``dropped``, ``rejected`` and ``staleness`` (σ -> count).

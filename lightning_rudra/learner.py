@@ -28,12 +28,14 @@ class Learner:
         self.buffers = list(module.buffers())
         self.param_layout = FlatLayout(self.params)
         self.buffer_layout = FlatLayout(self.buffers)
+        self.optimizer_params: list[list[Tensor]] = []  # per wrapped optimizer, in its groups' order
         self.grad_layouts: list[FlatLayout] = []
         self.on_push: Optional[Callable[[str, int], None]] = None  # (status, staleness) of every push
 
     def wrap(self, optimizers: Sequence[Optimizer]) -> list["LearnerOptimizer"]:
         """Wrap the learner's optimizers; their steps push from now on."""
-        self.grad_layouts = [FlatLayout([p for g in opt.param_groups for p in g["params"]]) for opt in optimizers]
+        self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
+        self.grad_layouts = [FlatLayout(params) for params in self.optimizer_params]
         return [LearnerOptimizer(opt, i, self) for i, opt in enumerate(optimizers)]
 
     def register(self, config: ProtocolConfig, optimizers: Sequence[Optimizer], stats: Optional[Stats]) -> None:
@@ -50,7 +52,7 @@ class Learner:
         """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
         ``overlap`` (Rudra-adv*), continue at once from the newest weights already received: the reply to this
         push is loaded at the next push, so that communication overlaps the next step's computation."""
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        params = self.optimizer_params[index]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
         future = self.client.push(index, self.grad_layouts[index].pack(grads, _CPU), has_grad,

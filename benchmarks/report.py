@@ -18,6 +18,9 @@ TARGETS = [
     ("e2e_async", "no straggler: async samples/s / DDP", 0.9, ">="),
     ("straggler_async", "one 3x straggler: async samples/s / DDP", 1.5, ">="),
     ("straggler_softsync2", "one 3x straggler: 2-softsync samples/s / DDP", 1.5, ">="),
+    ("epochs_2x3", "2 learners, one 3x slower: async epoch time / DDP", 0.6, "<="),
+    ("epochs_tta_2x3", "2 learners, one 3x slower: async time to accuracy / DDP", 0.7, "<="),
+    ("epochs_4x3", "4 learners, one 3x slower: async epoch time / DDP", 0.5, "<="),
 ]
 
 STRATEGY_LABELS = {
@@ -63,9 +66,32 @@ def time_to_accuracy(rank0: dict[str, Any], target: float) -> tuple[Optional[flo
     return reached, max((a for _, a in acc), default=None)
 
 
+def epoch_times(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seconds per epoch: an epoch ends when its last learner ends it, and the first one is warm-up (process
+    start, rendezvous, first allocations), so the times are between consecutive epoch ends."""
+    epochs = min(len(r["epoch_ends"]) for r in ranks)
+    ends = [max(r["epoch_ends"][e] for r in ranks) for e in range(epochs)]
+    times = [b - a for a, b in zip(ends, ends[1:])]
+    return {"epoch_s": median(times), "epoch_times_s": times}
+
+
+def straggler_share(batches: dict[str, int], straggler: int) -> Optional[float]:
+    """The straggler's share of all batches taken (``batches``: the server's learner -> count, JSON keys)."""
+    total = sum(batches.values())
+    return batches.get(str(straggler), 0) / total if total else None
+
+
+def ideal_epoch_ratio(learners: int, slowdown: float) -> float:
+    """Shared epoch / DDP epoch for λ learners, one ``slowdown`` (k) times slower, with no overhead: DDP's epoch
+    is (N/λ)·k·t (every step waits for the straggler), a shared epoch N / ((λ−1)/t + 1/(k·t)) (every learner
+    takes batches at its own rate). The straggler's ideal share of the batches is this ratio / λ."""
+    return learners / (slowdown * (learners - 1) + 1)
+
+
 def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[str, Any]:
-    """``runs``: {strategy, seq (order of the run), samples_per_s, tta_s, ...}. Per strategy: medians over its
-    runs, and the median of its per-run ratios to the mean of the baseline runs just before and after it."""
+    """``runs``: {strategy, seq (order of the run), samples_per_s, tta_s, epoch_s, ...}. Per strategy: medians
+    over its runs, and the median of its per-run ratios to the mean of the baseline runs just before and after
+    it."""
     base_runs = sorted((r for r in runs if r["strategy"] == baseline), key=lambda r: r["seq"])
 
     def bracket(run: dict[str, Any], field: str) -> Optional[float]:
@@ -90,6 +116,15 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
             entry.update({"tta_s": median(tta), "tta_s_reps": tta, "tta_vs_ddp": median(tta_vs),
                           "tta_vs_ddp_reps": tta_vs, "tta_reached": sum(t is not None for t in tta),
                           "best_accuracy": median([r.get("best_accuracy") for r in mine])})
+        if any(r.get("epoch_s") is not None for r in mine):
+            epoch = [r.get("epoch_s") for r in mine]
+            epoch_vs = [1.0] * len(mine) if strategy == baseline else ratios(
+                epoch, [bracket(r, "epoch_s") for r in mine])
+            entry.update({"epoch_s": median(epoch), "epoch_s_reps": epoch, "epoch_vs_ddp": median(epoch_vs),
+                          "epoch_vs_ddp_reps": epoch_vs})
+        share = [r.get("straggler_share") for r in mine]
+        if any(s is not None for s in share):
+            entry["straggler_share"] = median(share)
         stale = [r.get("mean_staleness") for r in mine]
         if any(s is not None for s in stale):
             entry["mean_staleness"] = median(stale)
@@ -157,6 +192,11 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     strag = summary.get("straggler", {})
     for key in ("async", "softsync2"):
         values[f"straggler_{key}"] = strag.get(key, {}).get("vs_ddp")
+    for config in summary.get("epochs", []):
+        rudra = config["runs"].get("async", {})
+        name = f"{config['learners']}x{config['slowdown']:g}"
+        values[f"epochs_{name}"] = rudra.get("epoch_vs_ddp")
+        values[f"epochs_tta_{name}"] = rudra.get("tta_vs_ddp")
     out = []
     for key, text, threshold, op in TARGETS:
         value = values.get(key)
@@ -187,6 +227,31 @@ def _spread(values: Optional[list[Optional[float]]]) -> str:
 def _size_label(size: Any) -> str:
     n = int(size)
     return f"{n / 1e6:g} M" if n >= 1e6 else f"{n / 1e3:g} k"
+
+
+def _threshold(key: str) -> str:
+    return next((f"{op} {threshold:g}" for k, _, threshold, op in TARGETS if k == key), "–")
+
+
+def _epochs_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
+    lines = ["", "## 5. Epochs with one straggler", "", info.get("text", ""), "",
+             f"| learners (μ) | slowdown (sleep ms) | DDP epoch s | async epoch s | async / DDP (runs) | ideal | "
+             f"target | straggler's share of batches (ideal) | time to {info.get('target', '?')} acc.: DDP s | "
+             f"async s | async / DDP (runs) | target | reached (DDP, async) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in configs:
+        ddp, rudra = c["runs"].get("ddp", {}), c["runs"].get("async", {})
+        name = f"{c['learners']}x{c['slowdown']:g}"
+        lines.append(
+            f"| {c['learners']} ({c['batch_size']}) | {c['slowdown']:g}x ({c['sleep_ms']:.1f}) | "
+            f"{_f(ddp.get('epoch_s'))} | {_f(rudra.get('epoch_s'))} | "
+            f"{_f(rudra.get('epoch_vs_ddp'))}{_spread(rudra.get('epoch_vs_ddp_reps'))} | {c['ideal']:.3f} | "
+            f"{_threshold(f'epochs_{name}')} | {_f(rudra.get('straggler_share'))} ({c['ideal'] / c['learners']:.2f}) | "
+            f"{_f(ddp.get('tta_s'))} | {_f(rudra.get('tta_s'))} | "
+            f"{_f(rudra.get('tta_vs_ddp'))}{_spread(rudra.get('tta_vs_ddp_reps'))} | "
+            f"{_threshold(f'epochs_tta_{name}')} | {ddp.get('tta_reached', 0)}/{ddp.get('runs', 0)}, "
+            f"{rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)} |")
+    return lines
 
 
 def render_markdown(result: dict[str, Any]) -> str:
@@ -284,6 +349,8 @@ def render_markdown(result: dict[str, Any]) -> str:
                         f"{e.get('tta_reached', 0)}/"
                         f"{len(e.get('tta_s_reps', []))} | {_f(e.get('best_accuracy'), '{:.3f}')} |")
             lines.append(row)
+    if s.get("epochs"):
+        lines += _epochs_table(s["epochs"], s.get("epochs_info", {}))
     if result.get("failures"):
         lines += ["", "## Failures", ""] + [f"- {f}" for f in result["failures"]]
     return "\n".join(lines) + "\n"

@@ -8,6 +8,8 @@
 2. End to end, no straggler: samples/s of the MNIST-1D example module under every Rudra protocol and DDP.
 3. One learner 3x slower: async and 2-softsync against DDP.
 4. Time to a fixed test accuracy on MNIST-1D, from the same runs as 2.
+5. Epochs with one straggler (3x, 8x slower), 2 and 4 learners: time per epoch and time to accuracy of async
+   (the shared epoch) against DDP.
 
 Everything runs in long-lived worker processes (``benchmarks.pool``) so that process start-up is paid once;
 each comparison is measured in the same run, repeated, and reported as the median of per-round ratios.
@@ -77,6 +79,8 @@ DEFAULT = {
                        "async+overlap+quiet_log"],
     "straggler_reps": 3, "straggler_window_s": 2.5,
     "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap"],
+    "epoch_learners": [2, 4], "epoch_slowdowns": [3, 8], "epochs_per_run": 4, "epoch_reps": 2,
+    "epoch_samples": 6000, "epoch_calibration_steps": 80, "epoch_target_accuracy": 0.4,
 }
 QUICK = {
     "sizes": [10 * M], "transport_rounds": 2,
@@ -87,8 +91,12 @@ QUICK = {
     "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async"],
     "straggler_reps": 2, "straggler_window_s": 1.0,
     "straggler_strategies": ["ddp", "async", "softsync2"],
+    "epoch_learners": [2, 4], "epoch_slowdowns": [3], "epochs_per_run": 3, "epoch_reps": 1,
+    "epoch_samples": 3000, "epoch_calibration_steps": 50, "epoch_target_accuracy": 0.3,
 }
 TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_samples": 4000, "warmup": 10}
+EPOCH_BATCH = 64  # μ·λ in the epochs phase, the same for every λ (the paper's rule): μ = 32 at λ = 2, 16 at 4
+TRAINING_PRELOAD = ("pytorch_lightning", "lightning_rudra", "examples.mnist1d", "benchmarks.training")
 
 
 def _iters(size: int) -> int:
@@ -141,8 +149,7 @@ class Suite:
 
     # ---- phases ------------------------------------------------------------------------------------------
     def start_pools(self) -> None:
-        self.pools["main"] = Pool("main", preload=("pytorch_lightning", "lightning_rudra", "examples.mnist1d",
-                                                   "benchmarks.training", "benchmarks.transport"))
+        self.pools["main"] = Pool("main", preload=TRAINING_PRELOAD + ("benchmarks.transport",))
         if any(p[1] == "thp" for p in PROTOTYPES if p[0] in self.cfg["prototypes"]):
             self.pools["thp"] = Pool("thp", env=THP, preload=("lightning_rudra", "benchmarks.transport"))
         for pool in self.pools.values():
@@ -204,21 +211,29 @@ class Suite:
         self.raw["prototypes"] = rounds
         self.summary.setdefault("transport", {})["prototypes"] = report.summarize_prototypes(rounds, configs[0][0])
         self.summary["transport"]["prototypes_reference"] = configs[0][0]
+        self._close_extra_pools()
+
+    def _close_extra_pools(self) -> None:
+        """Pools a phase started for itself: idle workers must not share the cores with later phases."""
         for name in [n for n in self.pools if n != "main"]:
             self.pools.pop(name).close()
 
-    def _train(self, key: str, rep: int, seq: int, **kwargs: Any) -> Optional[dict[str, Any]]:
+    def _train(self, key: str, rep: int, seq: int, pool: str = "main", timeout: float = 240,
+               target: Optional[float] = None, **kwargs: Any) -> Optional[dict[str, Any]]:
+        """One training job; ``kwargs`` go to ``training.train`` over ``TRAINING``; ``target``: the test accuracy
+        for the time to accuracy (needs ``snapshot_every``)."""
         strategy, n, protos, overlap = STRATEGIES[key]
-        t = dict(TRAINING)
+        t = {**TRAINING, **kwargs}
         start = time.monotonic()
-        result = self.job("main", "benchmarks.training:train", 240, strategy=strategy, n=n, protos=protos,
-                          overlap=overlap, port=self.ports(), **t, **kwargs)
+        result = self.job(pool, "benchmarks.training:train", timeout, strategy=strategy, n=n, protos=protos,
+                          overlap=overlap, port=self.ports(), **t)
         if result is None:
             return None
         run = {"strategy": key, "rep": rep, "seq": seq, "job_wall_s": time.monotonic() - start,
                **report.throughput(result, t["warmup"])}
-        target = kwargs.get("snapshot_every") and self.cfg["target_accuracy"]
-        if target:
+        if kwargs.get("max_epochs"):
+            run.update(report.epoch_times(result))
+        if target is not None:
             run["tta_target"] = target
             run["tta_s"], run["best_accuracy"] = report.time_to_accuracy(result[0], target)
         stats = result[0].get("stats")
@@ -226,6 +241,7 @@ class Suite:
             run["mean_staleness"] = stats["mean_staleness"]
             run["max_staleness"] = stats["max_staleness"]
             run["updates"] = stats["clock"]
+            run["batches"] = stats["batches"]
         return run
 
     def _schedule(self, keys: list[str], reps: int) -> list[tuple[str, int]]:
@@ -246,7 +262,7 @@ class Suite:
         steps = self.cfg["e2e_steps"]
         for seq, (key, rep) in enumerate(self._schedule(self.cfg["e2e_strategies"], self.cfg["e2e_reps"])):
             run = self._train(key, rep, seq, max_steps=[steps, steps], sleep_s=[0.0, 0.0],
-                              snapshot_every=self.cfg["snapshot_every"])
+                              snapshot_every=self.cfg["snapshot_every"], target=self.cfg["target_accuracy"])
             if run is not None:
                 runs.append(run)
                 self.log(f"e2e rep {rep} {key}: {run['samples_per_s'] or 0:.0f} samples/s, step "
@@ -295,6 +311,89 @@ class Suite:
             f"Rudra learners run {window:g} s each after warm-up. {self.cfg['straggler_reps']} runs of each, "
             f"ratios against the DDP runs just before and after, as in section 2.")}
 
+    def epochs(self) -> None:
+        raw: list[dict[str, Any]] = []
+        configs: list[dict[str, Any]] = []
+        # published first and filled in as measured: a failure later in the phase keeps what came before it
+        self.raw["epochs"], self.summary["epochs"] = raw, configs
+        self.summary["epochs_info"] = {"target": self.cfg["epoch_target_accuracy"], "text": (
+            f"MNIST-1D example module, {self.cfg['epoch_samples']} samples (72 % of them the train split), "
+            f"μ·λ = {EPOCH_BATCH} (μ per learner in the first column), SGD lr {TRAINING['lr']} momentum "
+            f"{TRAINING['momentum']}, {self.cfg['epochs_per_run']} epochs per run, no step limit. The last learner "
+            f"sleeps (k − 1)·t before every batch, t being the median DDP step time without a straggler for that λ "
+            f"and μ, measured in this run ({self.cfg['epoch_calibration_steps']} steps). *Epoch s*: an epoch ends "
+            f"when its last learner ends it (`on_train_epoch_end`, host monotonic clock); median of the times "
+            f"between consecutive epoch ends, the first epoch left out as warm-up. Rudra async with its default "
+            f"shared epoch, DDP (gloo) with Lightning's DistributedSampler. Runs of async per row: "
+            f"{self.cfg['epoch_reps']}, each between two DDP runs, ratio to their mean, median (lowest–highest) over "
+            f"runs. *Ideal*: shared epoch / DDP epoch without overhead, λ / (k·(λ − 1) + 1). *Straggler's share*: of "
+            f"the batches the server dealt over the run (`stats.batches`); ideal 1 / (k·(λ − 1) + 1). *Time to "
+            f"accuracy*: from the start of training to the first rank-0 snapshot (every "
+            f"{self.cfg['snapshot_every']} of its batches) at or above {self.cfg['epoch_target_accuracy']} test "
+            f"accuracy.")}
+        for learners in self.cfg["epoch_learners"]:
+            pool = self._pool_for(learners)
+            setup = {"num_learners": learners, "batch_size": EPOCH_BATCH // learners,
+                     "num_samples": self.cfg["epoch_samples"]}
+            calibration = self._calibrate(pool, setup)
+            if calibration is None:
+                continue
+            step_s = calibration["step_ms"] / 1e3
+            raw.append({"learners": learners, "calibration": calibration, "runs": {}})
+            for slowdown in self.cfg["epoch_slowdowns"]:
+                runs = self._epoch_runs(pool, setup, step_s, slowdown)
+                raw[-1]["runs"][f"{slowdown:g}x"] = runs
+                configs.append({"learners": learners, "batch_size": setup["batch_size"], "slowdown": slowdown,
+                                "step_ms": 1e3 * step_s, "sleep_ms": 1e3 * (slowdown - 1) * step_s,
+                                "ideal": report.ideal_epoch_ratio(learners, slowdown),
+                                "runs": report.summarize_runs(runs)})
+        self._close_extra_pools()
+
+    def _pool_for(self, learners: int) -> str:
+        """A pool with one worker per learner: "main" for its size, otherwise one started now (closed at the end of
+        the phase, after the runs on "main", so that its start does not share the cores with a measurement)."""
+        if learners == self.pools["main"].size:
+            return "main"
+        name = f"learners{learners}"
+        if name not in self.pools:
+            self.pools[name] = Pool(name, size=learners, preload=TRAINING_PRELOAD)
+            self.pools[name].wait_ready()
+            self.log(f"workers ready: {name}")
+        return name
+
+    def _calibrate(self, pool: str, setup: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """A short DDP run without a straggler: its median step time is the t that a straggler's sleep is scaled by."""
+        steps = [self.cfg["epoch_calibration_steps"]] * setup["num_learners"]
+        run = self._train("ddp", 0, 0, pool=pool, max_steps=steps, sleep_s=[0.0] * len(steps), **setup)
+        if run is None or run.get("step_ms") is None:
+            self.failures.append(f"epochs: no DDP step time for {setup['num_learners']} learners to calibrate the "
+                                 f"straggler's sleep")
+            return None
+        self.log(f"epochs {setup['num_learners']} learners: DDP step {run['step_ms']:.1f} ms without a straggler")
+        return run
+
+    def _epoch_runs(self, pool: str, setup: dict[str, Any], step_s: float, slowdown: float) -> list[dict[str, Any]]:
+        learners = setup["num_learners"]
+        epochs = self.cfg["epochs_per_run"]
+        sleep = [0.0] * (learners - 1) + [(slowdown - 1) * step_s]  # the last rank is the straggler
+        # the longest run is DDP's, every step as slow as the straggler's (num_samples bounds the train split)
+        ddp_s = epochs * setup["num_samples"] / EPOCH_BATCH * slowdown * step_s
+        runs = []
+        for seq, (key, rep) in enumerate(self._schedule(["ddp", "async"], self.cfg["epoch_reps"])):
+            run = self._train(key, rep, seq, pool=pool, timeout=120 + 3 * ddp_s, max_epochs=epochs, sleep_s=sleep,
+                              snapshot_every=self.cfg["snapshot_every"], target=self.cfg["epoch_target_accuracy"],
+                              **setup)
+            if run is None:
+                continue
+            if run.get("batches"):
+                run["straggler_share"] = report.straggler_share(run["batches"], learners - 1)
+            runs.append(run)
+            self.log(f"epochs {learners} learners, {slowdown:g}x, rep {rep} {key}: epoch {report._f(run['epoch_s'])} "
+                     f"s ({', '.join(f'{x:.2f}' for x in run['epoch_times_s'])}), straggler's share "
+                     f"{report._f(run.get('straggler_share'))}, time to {run['tta_target']}: {report._f(run['tta_s'])} "
+                     f"s (best {report._f(run['best_accuracy'], '{:.3f}')}; job {run['job_wall_s']:.1f} s)")
+        return runs
+
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
@@ -337,8 +436,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="fewer sizes, settings and repeats: about 2 minutes")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
                         help="folder for latest.json and latest.md (default: benchmarks/results)")
-    parser.add_argument("--only", default="transport,variants,prototypes,e2e,straggler",
-                        help="comma-separated phases to run (straggler needs e2e for its calibration)")
+    parser.add_argument("--only", default="transport,variants,prototypes,e2e,straggler,epochs",
+                        help="comma-separated phases to run (straggler needs e2e for its calibration; epochs "
+                             "calibrates itself)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DEFAULT
     phases = [p for p in args.only.split(",") if p]
@@ -347,7 +447,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     suite.log(f"lightning_rudra benchmark, {meta['mode']} mode, phases: {', '.join(phases)}")
     try:
         suite.start_pools()
-        for phase in ("transport", "variants", "prototypes", "e2e", "straggler"):
+        for phase in ("transport", "variants", "prototypes", "e2e", "straggler", "epochs"):
             if phase in phases:
                 try:
                     getattr(suite, phase)()

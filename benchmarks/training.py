@@ -1,12 +1,12 @@
-"""End-to-end jobs: the MNIST-1D example module trained by RudraStrategy or DDPStrategy, two learners.
+"""End-to-end jobs: the MNIST-1D example module trained by RudraStrategy or DDPStrategy, λ learners.
 
 Each rank builds its own ``Trainer`` (the pool's workers look like torchrun's processes, so Lightning starts no
 processes of its own), which lets one rank be a straggler. A callback records the monotonic time (one clock for
 all processes of the host) at the end of every batch: the benchmark computes throughput over the window in
 which every learner is past its warm-up and none has stopped, so process start, rendezvous, the server's start
-and teardown are all excluded. Rank 0 also keeps a copy of its weights every few batches (the weights it
-continues from: after a push, the server's); they are evaluated on the test split after training, so
-measuring accuracy costs the run nothing.
+and teardown are all excluded. It also records the end of every epoch, for runs of whole epochs. Rank 0 also
+keeps a copy of its weights every few batches (the weights it continues from: after a push, the server's); they
+are evaluated on the test split after training, so measuring accuracy costs the run nothing.
 """
 
 import gc
@@ -17,8 +17,6 @@ from typing import Any, Optional
 import torch
 
 _DATA: dict[str, Any] = {}
-
-NUM_LEARNERS = 2
 
 
 def _mnist1d(num_samples: int, seed: int) -> dict[str, torch.Tensor]:
@@ -42,6 +40,7 @@ def _callback(rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_
             self.start: Optional[float] = None
             self.end: Optional[float] = None
             self.times: list[float] = []
+            self.epoch_ends: list[float] = []
             self.snapshots: list[tuple[float, list[torch.Tensor]]] = []
 
         def on_train_start(self, trainer, pl_module) -> None:
@@ -58,6 +57,9 @@ def _callback(rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_
                 self.snapshots.append((now - self.start, [p.detach().clone() for p in pl_module.parameters()]))
             if stop_after_s is not None and len(self.times) > warmup and now - self.times[warmup - 1] >= stop_after_s:
                 trainer.should_stop = True  # no collective: only for strategies whose learners run independently
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            self.epoch_ends.append(time.monotonic())
 
         def on_train_end(self, trainer, pl_module) -> None:
             # the strategy's on_train_end ran first (Rudra: every learner finished, final weights pulled)
@@ -98,13 +100,14 @@ def _accuracy(model: torch.nn.Module, weights: list[torch.Tensor], x: torch.Tens
     return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
-def train(rank: int, *, strategy: str, port: int, max_steps: list[int], sleep_s: list[float],
-          n: int = 1, batch_size: int = 32, lr: float = 0.05, momentum: float = 0.9, seed: int = 42,
-          num_samples: int = 4000, snapshot_every: int = 0, warmup: int = 10,
+def train(rank: int, *, strategy: str, port: int, sleep_s: list[float], max_steps: Optional[list[int]] = None,
+          max_epochs: int = -1, num_learners: int = 2, n: int = 1, batch_size: int = 32, lr: float = 0.05,
+          momentum: float = 0.9, seed: int = 42, num_samples: int = 4000, snapshot_every: int = 0, warmup: int = 10,
           stop_after_s: Optional[list[Optional[float]]] = None, rpc_timeout: float = 60.0,
           protos: Optional[list[str]] = None, overlap: bool = False) -> dict[str, Any]:
     """``strategy``: ``ddp`` or a Rudra protocol (``hardsync``, ``softsync`` with ``n``, ``async``).
-    ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank; ``protos``: prototype changes to RudraStrategy;
+    ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank (``num_learners`` of them; no ``max_steps``: no
+    step limit, ``max_epochs`` ends the run); ``protos``: prototype changes to RudraStrategy;
     ``overlap``: RudraStrategy's Rudra-adv* option."""
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import DDPStrategy
@@ -120,19 +123,19 @@ def train(rank: int, *, strategy: str, port: int, max_steps: list[int], sleep_s:
         strat: Any = DDPStrategy(process_group_backend="gloo")
     else:
         strat = _rudra_class(protos or [])(protocol=strategy, n=n, rpc_timeout=rpc_timeout, overlap=overlap)
-    recorder = _callback(rank, sleep_s[rank], snapshot_every, warmup, (stop_after_s or [None] * NUM_LEARNERS)[rank])
-    trainer = pl.Trainer(accelerator="cpu", devices=NUM_LEARNERS, strategy=strat, max_steps=max_steps[rank],
-                         max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                         callbacks=[recorder])
+    recorder = _callback(rank, sleep_s[rank], snapshot_every, warmup, (stop_after_s or [None] * num_learners)[rank])
+    trainer = pl.Trainer(accelerator="cpu", devices=num_learners, strategy=strat,
+                         max_steps=max_steps[rank] if max_steps else -1, max_epochs=max_epochs, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[recorder])
     loader = DataLoader(TensorDataset(data["x"], data["y"]), batch_size=batch_size, shuffle=True)
     try:
         trainer.fit(model, train_dataloaders=loader)
     finally:
         if torch.distributed.is_initialized():  # a later Rudra job must not find a default process group
             torch.distributed.destroy_process_group()
-    result: dict[str, Any] = {"times": recorder.times, "start": recorder.start, "end": recorder.end,
-                              "batch_size": batch_size}
+    result: dict[str, Any] = {"times": recorder.times, "epoch_ends": recorder.epoch_ends, "start": recorder.start,
+                              "end": recorder.end, "batch_size": batch_size}
     if rank == 0:
         if recorder.snapshots:
             probe = MNIST1DClassifier()
@@ -141,7 +144,8 @@ def train(rank: int, *, strategy: str, port: int, max_steps: list[int], sleep_s:
         stats = getattr(trainer.strategy, "stats", None)
         if stats is not None:
             result["stats"] = {"clock": stats.clock, "gradients": stats.gradients,
-                               "mean_staleness": stats.mean_staleness, "max_staleness": stats.max_staleness}
+                               "mean_staleness": stats.mean_staleness, "max_staleness": stats.max_staleness,
+                               "batches": stats.batches}
     del trainer, model, recorder
     gc.collect()
     return result

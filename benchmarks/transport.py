@@ -52,7 +52,7 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
     from lightning_rudra.client import join, leave
     from lightning_rudra.learner import Learner
     from lightning_rudra.protocol import ProtocolConfig
-    from lightning_rudra.server import SERVER_NAME
+    from lightning_rudra.rpc_world import SERVER_NAME
 
     from benchmarks._echo import echo
     from benchmarks.proto import LEARNER_PATCHES, prototype_server

@@ -1,13 +1,13 @@
-"""The learner's side of the parameter server: starting it, joining its RPC world, push, pull and
-collectives. Every call has a timeout; nothing here knows about Lightning."""
+"""The learner's side of the parameter server: starting it, joining its RPC world, push, pull, the shared
+epoch's batches and collectives. A call that waits for other learners waits as long as they are alive (the
+server's heartbeat watch ends it when one is lost); every other call has a timeout. Nothing here knows about
+Lightning."""
 
-import errno
 import json
 import os
-import socket
 import subprocess
 import sys
-import warnings
+import threading
 from typing import Any, Optional
 
 import torch.distributed.rpc as rpc
@@ -15,56 +15,14 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_rudra import server as _server
+from lightning_rudra.epoch import EpochPlan
 from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Stats
-from lightning_rudra.server import SERVER_NAME, learner_name
+from lightning_rudra.rpc_world import (SERVER_NAME, check_port_free, init_rpc, learner_name, rpc_counters,
+                                       shutdown_rpc)
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def check_port_free(host: str, port: int) -> None:
-    """The RPC rendezvous listens on host:port; say so plainly if something else already does."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host if host not in ("localhost", "") else "127.0.0.1", port))
-        except OSError as error:
-            if error.errno != errno.EADDRINUSE:
-                raise
-            raise RuntimeError(
-                f"port {port} on {host} is already in use, so the learners cannot meet there. Set MASTER_PORT to "
-                "a free port (or unset it to let Lightning pick one), or stop the process that holds it."
-            ) from error
-
-
-def rpc_counters() -> dict[str, Any]:
-    """torch.distributed.rpc numbers, per process, its inits and its internal all-gathers (init and graceful
-    shutdown use one each), and peers only meet when their numbers agree. A learner that already ran a stage
-    (popen: fit, then test) is ahead of a new server process, which must start from the learners' numbers."""
-    return {"init": rpc._init_counter, "all_gather": dict(rpc.api._all_gather_sequence_id)}
-
-
-def set_rpc_counters(counters: dict[str, Any]) -> None:
-    rpc._init_counter = counters["init"]
-    rpc.api._all_gather_sequence_id.update(counters["all_gather"])
-
-
-def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: float) -> None:
-    # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
-        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
-
-
-def shutdown_rpc() -> None:
-    """Leave the RPC world at once. Not torch's graceful shutdown: that is a barrier numbered by a process-wide
-    C++ counter, so a learner's second stage would wait out the timeout for a new server that counts from 0.
-    Callers meet through the server first (the learners' last gather, then every learner's ``leave``)."""
-    rpc.shutdown(graceful=False)
+# torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
+# heartbeat watch fails them instead when a learner is lost.
+_NO_TIME_LIMIT = 0
 
 
 # Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server`, not in a copy named
@@ -97,19 +55,52 @@ def stop_server(process: subprocess.Popen, timeout: float) -> None:
 
 
 class LearnerClient:
-    """One learner's calls to the server. Holds the timestamp of the weights the learner last received."""
+    """One learner's calls to the server. Holds the timestamp of the weights the learner last received.
+
+    A thread of its own sends a heartbeat every ``timeout / 4`` seconds (at most 5): the server counts a learner
+    silent for longer than ``timeout`` as lost, and this learner counts the server as lost when a heartbeat
+    goes unanswered for that long. Either way a wait with no time limit ends with an error.
+    """
 
     def __init__(self, rank: int, timeout: float) -> None:
         self.rank = rank
         self.timeout = timeout
         self.timestamp = 0
         self._collectives = 0
+        self._interval = min(5.0, timeout / 4)
+        self._server_lost: Optional[str] = None
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name=f"rudra-heartbeat-{rank}", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._stop_heartbeat.wait(self._interval):
+            try:
+                rpc.rpc_sync(SERVER_NAME, _server._call, args=("heartbeat", self.rank), timeout=self.timeout)
+            except Exception as error:
+                if not self._stop_heartbeat.is_set():
+                    self._server_lost = (f"the parameter server did not answer a heartbeat within {self.timeout:g} s "
+                                         f"(rpc_timeout): {error}")
+                return
 
     def _sync(self, method: str, *args: Any) -> Any:
         return rpc.rpc_sync(SERVER_NAME, _server._call, args=(method, *args), timeout=self.timeout)
 
     def _wait(self, method: str, *args: Any) -> Any:
-        return rpc.rpc_sync(SERVER_NAME, _server._call_async, args=(method, *args), timeout=self.timeout)
+        return self.result(rpc.rpc_async(SERVER_NAME, _server._call_async, args=(method, *args),
+                                         timeout=_NO_TIME_LIMIT))
+
+    def result(self, future: Future) -> Any:
+        """The value of a call that waits for other learners: no time limit while the server answers."""
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        while not done.wait(self._interval):
+            if self._server_lost is not None:
+                raise RuntimeError(self._server_lost)
+        value = future.wait()
+        if isinstance(value, BaseException):  # a wait the server failed (a learner was lost) arrives as a value
+            raise value
+        return value
 
     def register(self, config: ProtocolConfig, params: list[Tensor], buffers: list[Tensor],
                  specs: list[OptimizerSpec], stats: Optional[Stats]) -> None:
@@ -123,12 +114,12 @@ class LearnerClient:
              buffers: list[Tensor]) -> Future:
         """Send a gradient computed from the weights last received; hand the future's value to :meth:`receive`.
         The tensors must not change until it resolves (RPC reads them when it sends them)."""
-        return rpc.rpc_async(SERVER_NAME, _server._call_async, timeout=self.timeout, args=(
+        return rpc.rpc_async(SERVER_NAME, _server._call_async, timeout=_NO_TIME_LIMIT, args=(
             "push", self.rank, optimizer, grads, has_grad, self.timestamp, hparams, buffers))
 
-    def receive(self, reply: tuple) -> tuple[str, int, list[Tensor], list[Tensor]]:
+    def receive(self, pushed: Future) -> tuple[str, int, list[Tensor], list[Tensor]]:
         """What became of a pushed gradient (status, staleness) and the weights to continue from."""
-        status, staleness, params, buffers, self.timestamp = reply
+        status, staleness, params, buffers, self.timestamp = self.result(pushed)
         return status, staleness, params, buffers
 
     def finish(self) -> tuple[list[Tensor], list[Tensor]]:
@@ -141,7 +132,13 @@ class LearnerClient:
         self._collectives += 1
         return self._wait("gather", self._collectives, self.rank, obj)
 
+    def draw(self, pool: int, epoch: int, plan: EpochPlan) -> tuple[Optional[Tensor], int, str]:
+        """The next batch of the shared epoch of train dataloader ``pool`` (see ``EpochPool.draw``)."""
+        return self._sync("draw", pool, epoch, self.rank, plan)
+
     def leave(self) -> None:
+        self._stop_heartbeat.set()
+        self._heartbeat.join()
         self._sync("leave", self.rank)
 
     def stats(self) -> Stats:

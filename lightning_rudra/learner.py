@@ -67,7 +67,7 @@ class Learner:
         """Wait for the push in flight, if any, and load the weights it brought."""
         if self._in_flight is not None:
             future, self._in_flight = self._in_flight, None
-            status, staleness, flat_params, flat_buffers = self.client.receive(future.wait())
+            status, staleness, flat_params, flat_buffers = self.client.receive(future)
             self._load(flat_params, flat_buffers)
             if self.on_push is not None:
                 self.on_push(status, staleness)

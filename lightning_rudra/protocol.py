@@ -75,13 +75,15 @@ class ProtocolConfig:
 @dataclass
 class Stats:
     """What a user reads after training: updates applied (the clock), gradients received, dropped (staler than
-    ``max_staleness``), rejected (non-finite), and the staleness histogram σ -> count of applied gradients."""
+    ``max_staleness``), rejected (non-finite), the staleness histogram σ -> count of applied gradients, and
+    under the shared epoch the batches each learner took (learner -> count, first train dataloader)."""
 
     clock: int = 0
     gradients: int = 0
     dropped: int = 0
     rejected: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
+    batches: dict[int, int] = field(default_factory=dict)
 
     @property
     def mean_staleness(self) -> float:
@@ -94,11 +96,13 @@ class Stats:
 
     def to_dict(self) -> dict[str, Any]:
         return {"clock": self.clock, "gradients": self.gradients, "dropped": self.dropped,
-                "rejected": self.rejected, "staleness": dict(sorted(self.staleness.items()))}
+                "rejected": self.rejected, "staleness": dict(sorted(self.staleness.items())),
+                "batches": dict(sorted(self.batches.items()))}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stats":
-        return cls(**{**data, "staleness": {int(s): int(c) for s, c in data["staleness"].items()}})
+        counts = {key: {int(k): int(c) for k, c in data.get(key, {}).items()} for key in ("staleness", "batches")}
+        return cls(**{**data, **counts})
 
 
 class FlatLayout:

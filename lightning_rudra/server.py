@@ -1,8 +1,11 @@
-"""The parameter server process: :class:`~lightning_rudra.protocol.Server` behind torch.distributed.rpc.
+"""The parameter server process: :class:`~lightning_rudra.protocol.Server` behind torch.distributed.rpc,
+plus the shared epoch's pools (:mod:`lightning_rudra.epoch`) and the learners' rendezvous for collectives.
 
 Handlers never block an RPC thread: whatever must wait (a hardsync round, a collective, the end of
 training) returns a ``torch.futures.Future`` from an ``@rpc.functions.async_execution`` function, and the
-push that completes the wait resolves it.
+push that completes the wait resolves it. Such waits have no time limit, since waiting for a slow learner is
+not an error; instead every learner sends a heartbeat, and a learner silent for longer than the timeout is
+lost: every wait fails at once with a message that names it.
 The strategy starts it with :func:`lightning_rudra.client.start_server`.
 """
 
@@ -17,13 +20,9 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from lightning_rudra.epoch import EpochPlan, EpochPool
 from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats
-
-SERVER_NAME = "server"
-
-
-def learner_name(rank: int) -> str:
-    return f"learner{rank}"
+from lightning_rudra.rpc_world import SERVER_NAME, init_rpc, set_rpc_counters, shutdown_rpc
 
 
 def _done(value: Any) -> Future:
@@ -39,8 +38,9 @@ class ParameterServer:
     newest weights (flat) and their timestamp. hardsync replies wait for the end of the round.
     """
 
-    def __init__(self, num_learners: int) -> None:
+    def __init__(self, num_learners: int, timeout: float = 60.0) -> None:
         self.num_learners = num_learners
+        self.timeout = timeout
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
@@ -50,6 +50,9 @@ class ParameterServer:
         self.finish_waiters: list[Future] = []
         self.left: set[int] = set()
         self.all_left = threading.Event()
+        self.pools: dict[int, EpochPool] = {}  # per train dataloader
+        self.last_heard = {learner: time.monotonic() for learner in range(num_learners)}
+        self.lost: Optional[str] = None  # why training cannot go on, once a learner is lost
 
     def register(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
                  stats: Optional[Stats]) -> None:
@@ -61,10 +64,12 @@ class ParameterServer:
         self.registered.set_result(None)
 
     def pull(self) -> Future:
-        return self.registered.then(lambda _: self._locked(self.core.pull))
+        self._check_alive()
+        return self.registered.then(lambda registered: registered.wait() or self._locked(self.core.pull))
 
     def push(self, learner: int, optimizer: int, grads, has_grad, timestamp: int, hparams, buffers) -> Future:
         with self.lock:
+            self._check_alive()
             core = self._core()
             result = core.push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
             if core.config.protocol == "hardsync" and not result.closed:
@@ -80,6 +85,7 @@ class ParameterServer:
     def finish(self, learner: int) -> Future:
         """A learner is done training; resolves, once all are, with the final weights."""
         with self.lock:
+            self._check_alive()
             core = self._core()
             closed = core.finish(learner)
             weights = core.pull()
@@ -100,6 +106,7 @@ class ParameterServer:
         if learner not in range(self.num_learners):
             raise ValueError(f"learner {learner!r} is unknown: expected 0..{self.num_learners - 1}")
         with self.lock:
+            self._check_alive()
             future, objs, seen = self.gatherings.setdefault(sequence, (Future(), [None] * self.num_learners, set()))
             objs[learner] = obj
             seen.add(learner)
@@ -109,6 +116,42 @@ class ParameterServer:
         if complete:
             future.set_result(objs)
         return future
+
+    def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan) -> tuple[Optional[Any], int, str]:
+        """The next batch of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
+        with self.lock:
+            core = self._core()
+            if pool not in self.pools:
+                self.pools[pool] = EpochPool(plan)
+            indices, position, what = self.pools[pool].draw(epoch, learner, plan)
+            if indices is not None and pool == 0:
+                core.stats.batches[learner] = core.stats.batches.get(learner, 0) + 1
+            return indices, position, what
+
+    def heartbeat(self, learner: int) -> None:
+        self.last_heard[learner] = time.monotonic()
+
+    def watch(self) -> None:
+        """Runs in its own thread: a learner that has not left and has been silent for longer than the timeout
+        is lost, and every wait fails, now and later, with a message that says which learner and why."""
+        while self.lost is None and not self.all_left.is_set():
+            time.sleep(min(1.0, self.timeout / 4))
+            now = time.monotonic()
+            with self.lock:
+                silent = sorted(learner for learner, heard in self.last_heard.items()
+                                if learner not in self.left and now - heard > self.timeout)
+                if not silent:
+                    continue
+                self.lost = (f"learner {silent[0]} has not been heard from for more than {self.timeout:g} s "
+                             "(rpc_timeout): its process died or hung, and training cannot go on without it")
+                waiters = [f for fs in self.round_waiters.values() for f, _, _ in fs]
+                waiters += [f for f, _, _ in self.gatherings.values()] + self.finish_waiters
+                self.round_waiters, self.gatherings, self.finish_waiters = {}, {}, []
+            if not self.registered.done():
+                waiters.append(self.registered)
+            for future in waiters:
+                if not future.done():
+                    future.set_exception(RuntimeError(self.lost))
 
     def leave(self, learner: int) -> None:
         with self.lock:
@@ -124,6 +167,10 @@ class ParameterServer:
 
     def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
         self._locked(lambda: self._core().load_optimizer_state(optimizer, state))
+
+    def _check_alive(self) -> None:
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
 
     def _core(self) -> Server:
         if self.core is None:
@@ -158,19 +205,21 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="lightning_rudra parameter server (started by RudraStrategy)")
     parser.add_argument("--init-method", required=True, help="tcp://host:port of the learners' RPC rendezvous")
-    parser.add_argument("--rpc-counters", type=json.loads, required=True, help="see client.rpc_counters")
+    parser.add_argument("--rpc-counters", type=json.loads, required=True, help="see rpc_world.rpc_counters")
     parser.add_argument("--learners", type=int, required=True)
-    parser.add_argument("--timeout", type=float, required=True, help="seconds, for every RPC call")
+    parser.add_argument("--timeout", type=float, required=True,
+                        help="seconds, for every RPC call that does not wait for other learners, and for a "
+                             "learner's silence before it counts as lost")
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
-    from lightning_rudra.client import init_rpc, set_rpc_counters, shutdown_rpc
-
     global _server
-    _server = ParameterServer(args.learners)
+    _server = ParameterServer(args.learners, args.timeout)
     set_rpc_counters(args.rpc_counters)
     init_rpc(SERVER_NAME, args.learners, args.learners + 1, args.init_method, args.timeout)
+    _server.last_heard = {learner: time.monotonic() for learner in range(args.learners)}  # all have just joined
+    threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.
     _server.all_left.wait()
     shutdown_rpc()

@@ -3,7 +3,9 @@
 Every optimizer step pushes the learner's gradient to the server and continues from the weights the
 protocol gives back. There is deliberately no default torch.distributed process group: since Lightning
 2.6 its presence makes every training batch a collective, which would turn async training into lock-step.
-Collectives (barrier, broadcast, reduce, all_gather) go through the server instead.
+Collectives (barrier, broadcast, reduce, all_gather) go through the server instead
+(:mod:`lightning_rudra.collectives`). Under softsync and async the learners share each epoch's batches
+(:mod:`lightning_rudra.shared_epoch`), so that a fast learner takes more of them.
 """
 
 from subprocess import Popen
@@ -12,25 +14,25 @@ from typing import Any, Literal, Optional, Union
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.utilities.types import ReduceOp
-from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from pytorch_lightning.trainer.states import TrainerFn
-from torch import Tensor
-from torchmetrics import MaxMetric, MeanMetric, Metric
+from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from torchmetrics import MaxMetric, MeanMetric
 
-from lightning_rudra.client import LearnerClient, free_port, join, leave
+from lightning_rudra.client import LearnerClient, join, leave
+from lightning_rudra.collectives import ServerCollectives
 from lightning_rudra.learner import Learner, LearnerOptimizer
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
+from lightning_rudra.rpc_world import free_port
+from lightning_rudra.sampler import SharedEpochSampler
+from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader
 
-_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "avg": torch.mean, "max": torch.amax, "min": torch.amin,
-               "product": torch.prod}
+SAMPLINGS = ("shared", "static")
 
 
-class RudraStrategy(ParallelStrategy):
+class RudraStrategy(ServerCollectives, ParallelStrategy):
     """Parameter-server training with the protocols of Rudra (Gupta, Zhang, Wang, ICDM 2016).
 
     Args:
@@ -44,8 +46,13 @@ class RudraStrategy(ParallelStrategy):
         max_staleness: gradients more than this many updates stale are dropped and counted; None keeps all.
         nonfinite: a gradient with NaN or Inf is refused and counted (``"skip"``) or stops training
             (``"raise"``); either way the server's weights stay as they were.
-        rpc_timeout: seconds every call to the server may take, hardsync waits included. A dead learner
-            stops the run within about this time.
+        sampling: ``"shared"`` (the default under softsync and async): each epoch's samples form one pool,
+            handed out batch by batch to whichever learner asks next, so a fast learner takes more batches and
+            all learners end the epoch within about one batch of each other. ``"static"`` (hardsync's only
+            choice): Lightning's DistributedSampler, an equal fixed shard per learner, DDP's exact data order.
+        rpc_timeout: seconds a call to the server may take, and how long a learner (or the server) may stay
+            silent before it counts as lost, ending the run. Waiting for a slow but live learner (hardsync
+            rounds, collectives, the end of training) has no time limit.
         start_method: ``"popen"`` re-runs the script for every learner (like DDP; works with LightningCLI,
             torchrun and SLURM); ``"spawn"`` starts them with multiprocessing (works inside notebooks' scripts
             and tests).
@@ -65,6 +72,7 @@ class RudraStrategy(ParallelStrategy):
         lr_modulation: Literal["none", "mean", "per_gradient"] = "mean",
         max_staleness: Optional[int] = None,
         nonfinite: Literal["skip", "raise"] = "skip",
+        sampling: Optional[Literal["shared", "static"]] = None,
         rpc_timeout: float = 120.0,
         start_method: Literal["popen", "spawn"] = "popen",
         overlap: bool = False,
@@ -83,6 +91,13 @@ class RudraStrategy(ParallelStrategy):
         if overlap and protocol == "hardsync":
             raise ValueError("overlap=True is not available with protocol='hardsync': computing on weights one "
                              "update old would make every gradient stale (σ = 1). Use softsync or async.")
+        if sampling is not None and sampling not in SAMPLINGS:
+            raise ValueError(f"sampling={sampling!r} is not supported: expected 'shared', 'static' or None (shared "
+                             "under softsync and async, static under hardsync).")
+        if sampling == "shared" and protocol == "hardsync":
+            raise ValueError("sampling='shared' is not available with protocol='hardsync': a hardsync round takes "
+                             "one batch from every learner, so every learner needs the same number of batches. "
+                             "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'.")
         if not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
         self.protocol = protocol
@@ -93,6 +108,7 @@ class RudraStrategy(ParallelStrategy):
         self.rpc_timeout = float(rpc_timeout)
         self.start_method = start_method
         self.overlap = overlap
+        self.sampling = sampling or ("static" if protocol == "hardsync" else "shared")
         self.stats: Optional[Stats] = None
         self._num_nodes = 1
         # created per stage, in the learner processes (never in __init__: spawn pickles the strategy)
@@ -102,6 +118,8 @@ class RudraStrategy(ParallelStrategy):
         self._resume_stats: Optional[Stats] = None
         self._next_port: Optional[int] = None  # where the learners meet for the next stage (fit, then test...)
         self._failed = False
+        self._pools = 0  # train dataloaders drawing from the server in this stage
+        self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
         self._staleness_mean = MeanMetric()
         self._staleness_max = MaxMetric()
 
@@ -195,9 +213,35 @@ class RudraStrategy(ParallelStrategy):
                               self.nonfinite)
 
     # ---- training --------------------------------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if self.sampling == "shared" and self._client is not None and trainer.state.stage == RunningStage.TRAINING:
+            shared = shared_dataloader(dataloader, self._client, self._pools)
+            if shared is not None:
+                self._pools += 1
+                return shared
+        return dataloader
+
     def on_train_start(self) -> None:
         self._staleness_mean.reset()
         self._staleness_max.reset()
+        trainer = self.lightning_module.trainer
+        combined = trainer.fit_loop._combined_loader
+        loaders = combined.flattened if combined is not None else []
+        samplers = [dl.sampler for dl in loaders if isinstance(getattr(dl, "sampler", None), SharedEpochSampler)]
+        if samplers and len(samplers) < len(loaders):
+            raise ValueError(
+                f"{len(loaders) - len(samplers)} of the {len(loaders)} train dataloaders cannot share their epoch "
+                "(an IterableDataset, or a sampler of your own, keeps one stream per learner), and the others do: "
+                "their epochs would end at different batches on different learners. Use "
+                "RudraStrategy(sampling='static'), or plain map-style datasets for every train dataloader.")
+        if samplers:
+            self._shared = SharedEpochLoop(trainer, samplers, self.num_learners)
+            self._shared.install()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._shared is not None:
+            self._shared.on_train_batch_start()
 
     def _record_push(self, status: str, staleness: int) -> None:
         if status == "accepted":
@@ -219,10 +263,15 @@ class RudraStrategy(ParallelStrategy):
             self._learner.pull()
 
     def on_validation_start(self) -> None:
+        if self._shared is not None:
+            self.barrier("shared epoch: validate together")
         self._pull_newest()
 
     def on_train_end(self) -> None:
         """Every learner stops pushing; pending softsync gradients are applied; all take the final weights."""
+        if self._shared is not None:
+            self._shared.uninstall()
+            self._shared = None
         if self._learner is not None:
             self._learner.finish()
             self._learner = None
@@ -236,7 +285,10 @@ class RudraStrategy(ParallelStrategy):
             if not self._failed:
                 self._agree_on_next_port()
             leave(self._client, self._server_process, timeout=min(self.rpc_timeout, 30.0))
-        self._client = self._server_process = self._learner = None
+        if self._shared is not None:  # training failed: give the Trainer its own loop back
+            self._shared.uninstall()
+        self._client = self._server_process = self._learner = self._shared = None
+        self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
         super().teardown()
 
@@ -266,54 +318,6 @@ class RudraStrategy(ParallelStrategy):
             self._resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
         return checkpoint
 
-    # ---- collectives through the server ----------------------------------------------------------------
-    def _gather(self, obj: Any) -> list[Any]:
-        assert self._client is not None
-        sent = apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())  # the server holds CPU tensors
-        return self._client.gather(sent)
-
-    def _sync_metrics_through_server(self) -> None:
-        """torchmetrics syncs over torch.distributed, which this strategy leaves uninitialized on purpose:
-        point the module's metrics at the server instead, so that e.g. a logged accuracy covers all learners."""
-        for metric in self.lightning_module.modules():
-            if isinstance(metric, Metric):
-                metric.dist_sync_fn = self._gather_metric_state
-                metric.distributed_available_fn = self._rpc_is_up
-
-    def _rpc_is_up(self) -> bool:
-        return self._client is not None
-
-    def _gather_metric_state(self, tensor: Tensor, group: Optional[Any] = None) -> list[Tensor]:
-        return [t.to(tensor.device) for t in self._gather(tensor)]
-
-    def barrier(self, name: Optional[str] = None) -> None:
-        if self._client is not None:
-            self._gather(None)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self._client is None:
-            return obj
-        received = self._gather(obj if self.global_rank == src else None)[src]
-        return apply_to_collection(received, Tensor, lambda t: t.to(self.root_device))
-
-    def reduce(self, tensor: Any, group: Optional[Any] = None,
-               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or self._client is None:
-            return tensor
-        reduce = _REDUCTIONS[_reduce_op_name(reduce_op)]
-        stacked = torch.stack(self._gather(tensor))
-        if stacked.dtype in (torch.bool, torch.int32, torch.int64) and reduce is torch.mean:
-            stacked = stacked.float()
-        return reduce(stacked, dim=0).to(device=tensor.device)
-
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if sync_grads:
-            raise NotImplementedError("RudraStrategy.all_gather(sync_grads=True) is not supported: gathered "
-                                      "tensors travel through the server, without autograd.")
-        if self._client is None:
-            return tensor
-        return torch.stack(self._gather(tensor)).to(tensor.device)
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("rudra", cls, description="Rudra parameter server (default: 1-softsync)",
@@ -321,20 +325,6 @@ class RudraStrategy(ParallelStrategy):
         for protocol in PROTOCOLS:
             strategy_registry.register(f"rudra_{protocol}", cls, description=f"Rudra parameter server, {protocol}",
                                        override=True, protocol=protocol)
-
-
-def _reduce_op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> str:
-    if reduce_op is None:
-        return "mean"
-    if isinstance(reduce_op, str):
-        name = reduce_op.lower()
-    else:
-        name = next((n for n in ("SUM", "MAX", "MIN", "PRODUCT", "AVG") if reduce_op == getattr(ReduceOp, n)), "")
-        name = name.lower()
-    if name not in _REDUCTIONS:
-        raise ValueError(f"reduce_op={reduce_op!r} is not supported by RudraStrategy.reduce: expected one of "
-                         f"{sorted(_REDUCTIONS)} or the matching torch.distributed.ReduceOp.")
-    return name
 
 
 class _SpawnLauncher(_MultiProcessingLauncher):

@@ -1,6 +1,7 @@
 """Small LightningModules and helpers for the strategy tests (importable by spawned learners)."""
 
 import os
+import time
 
 import pytorch_lightning as pl
 import torch
@@ -136,4 +137,62 @@ class FailingLearner(Regression):
             if self.how == "exit":
                 os._exit(7)
             raise ValueError("learner 1 broke on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+class IndexedData(torch.utils.data.Dataset):
+    """The regression data, with each sample's index, so that a test can tell which learner trained on what."""
+
+    def __init__(self, num_samples: int = 256, seed: int = 0) -> None:
+        self.data = regression_data(num_samples, seed)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        x, y = self.data[i]
+        return x, y, i
+
+
+class Recording(Regression):
+    """Writes down, per learner, every training batch as (epoch, indices) and every validation; learner 1 sleeps
+    ``slow`` seconds per batch (``slow_once``: only in its first batch). Logs with sync_dist on every step."""
+
+    def __init__(self, out_dir: str, slow: float = 0.0, slow_once: float = 0.0) -> None:
+        super().__init__(lr=0.02, momentum=0.5)
+        self.out_dir, self.slow, self.slow_once = out_dir, slow, slow_once
+        self.batches: list[tuple[int, list[int]]] = []
+        self.validations: list[tuple[int, int]] = []  # (epoch, batches trained on so far in the epoch)
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        if self.global_rank == 1:
+            time.sleep(self.slow + (self.slow_once if not self.batches else 0.0))
+        self.batches.append((self.current_epoch, index.tolist()))
+        loss = self.loss((x, y))
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", self.loss((x, y)), sync_dist=True)
+
+    def on_validation_start(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.validations.append((self.current_epoch, sum(e == self.current_epoch for e, _ in self.batches)))
+
+    def on_train_end(self) -> None:
+        torch.save({"batches": self.batches, "validations": self.validations},
+                   os.path.join(self.out_dir, f"learner{self.global_rank}.pt"))
+
+
+def indexed_loader(batch_size: int, num_samples: int = 256, shuffle: bool = True) -> DataLoader:
+    return DataLoader(IndexedData(num_samples), batch_size=batch_size, shuffle=shuffle)
+
+
+class GathersInStep(Regression):
+    """Calls all_gather inside training_step, which the shared epoch refuses."""
+
+    def training_step(self, batch, batch_idx):
+        self.all_gather(torch.tensor([1.0]))
         return super().training_step(batch, batch_idx)

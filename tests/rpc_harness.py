@@ -2,14 +2,17 @@
 
 import io
 import os
-from queue import Empty
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.multiprocessing as mp
 
-from lightning_rudra.client import free_port, join, leave
+from lightning_rudra.client import join, leave
+from lightning_rudra.rpc_world import free_port
 from lightning_rudra.learner import Learner
+from lightning_rudra.sampler import SharedEpochSampler
 
 DATA_SEED = 1234
 
@@ -101,7 +104,7 @@ def push_garbage(rank, client, config):
     start(rank, client, config)
     before, _ = client.pull()
     try:
-        client.receive(client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], []).wait())
+        client.receive(client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], []))
         error = None
     except Exception as exc:
         error = str(exc)
@@ -118,3 +121,27 @@ def die_after_one_step(rank, client, config):
         if rank == 1:
             os._exit(1)
     return "finished"
+
+
+def slow_first_push(rank, client, config, sleep_s):
+    """hardsync: learner 1 sleeps ``sleep_s`` (longer than the RPC timeout) before its first push."""
+    net, _, wrapped = start(rank, client, config)
+    for i in range(3):
+        if rank == 1 and i == 0:
+            time.sleep(sleep_s)
+        step(net, wrapped, torch.arange(4))
+    return {"params": [p.detach().clone() for p in net.parameters()]}
+
+
+def draw_shared_epochs(rank, client, config, plan, epochs, sleep_s):
+    """Each learner iterates a DataLoader over the shared epoch; learner 1 sleeps ``sleep_s`` per batch."""
+    start(rank, client, config)
+    sampler = SharedEpochSampler(client, 0, plan)
+    loader = torch.utils.data.DataLoader(list(range(plan.num_samples)), batch_size=plan.batch_size, sampler=sampler)
+    batches = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            batches.append((epoch, batch.tolist()))
+            time.sleep(sleep_s if rank == 1 else 0.0)
+    return {"batches": batches, "positions": list(sampler.positions)}

@@ -88,7 +88,7 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
     assert result.status == "dropped" and result.staleness == 2 and not result.closed
     assert weights(server) == before and server.clock == 2
     assert server.stats.to_dict() == {"clock": 2, "gradients": 3, "dropped": 1, "rejected": 0,
-                                      "staleness": {0: 1, 1: 1}}
+                                      "staleness": {0: 1, 1: 1}, "batches": {}}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -1,0 +1,103 @@
+"""Collectives through the parameter server, for a strategy that has no torch.distributed process group.
+
+Lightning calls barrier, broadcast, reduce and all_gather (checkpoints, ``self.log(sync_dist=True)``, early
+stopping), and torchmetrics syncs its states; all of them meet on the server as one gather. Every learner must
+call them in the same order. Under the shared epoch the learners take different numbers of batches, so
+during a training batch (its hooks, ``training_step``, the optimizer step) no call is made by all of them:
+there ``reduce``, ``broadcast``, ``barrier`` and metric syncs stay local (each learner logs its own value, and
+decides for itself, e.g. the Timer of ``max_time``), and ``all_gather`` is refused with a message that says why.
+"""
+
+from typing import Any, Optional, Union
+
+import torch
+from lightning_fabric.utilities.types import ReduceOp
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torchmetrics import Metric
+
+from lightning_rudra.client import LearnerClient
+
+_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "avg": torch.mean, "max": torch.amax, "min": torch.amin,
+               "product": torch.prod}
+
+
+class ServerCollectives:
+    """Mixed into :class:`~lightning_rudra.RudraStrategy`: its collectives, through ``self._client``."""
+
+    _client: Optional[LearnerClient]
+
+    def _local_only(self) -> bool:
+        """Inside a training batch of the shared epoch, where learners are not in step (see the module doc)."""
+        shared = getattr(self, "_shared", None)
+        return shared is not None and shared.in_batch
+
+    def _gather(self, obj: Any) -> list[Any]:
+        assert self._client is not None
+        sent = apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())  # the server holds CPU tensors
+        return self._client.gather(sent)
+
+    def _sync_metrics_through_server(self) -> None:
+        """torchmetrics syncs over torch.distributed, which this strategy leaves uninitialized on purpose:
+        point the module's metrics at the server instead, so that e.g. a logged accuracy covers all learners."""
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric):
+                metric.dist_sync_fn = self._gather_metric_state
+                metric.distributed_available_fn = self._rpc_is_up
+
+    def _rpc_is_up(self) -> bool:
+        return self._client is not None
+
+    def _gather_metric_state(self, tensor: Tensor, group: Optional[Any] = None) -> list[Tensor]:
+        if self._local_only():
+            return [tensor]
+        return [t.to(tensor.device) for t in self._gather(tensor)]
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if self._client is not None and not self._local_only():
+            self._gather(None)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._client is None or self._local_only():
+            return obj
+        received = self._gather(obj if self.global_rank == src else None)[src]
+        return apply_to_collection(received, Tensor, lambda t: t.to(self.root_device))
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        reduce = _REDUCTIONS[_reduce_op_name(reduce_op)]
+        if not isinstance(tensor, Tensor) or self._client is None or self._local_only():
+            return tensor
+        stacked = torch.stack(self._gather(tensor))
+        if stacked.dtype in (torch.bool, torch.int32, torch.int64) and reduce is torch.mean:
+            stacked = stacked.float()
+        return reduce(stacked, dim=0).to(device=tensor.device)
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if sync_grads:
+            raise NotImplementedError("RudraStrategy.all_gather(sync_grads=True) is not supported: gathered "
+                                      "tensors travel through the server, without autograd.")
+        if self._client is None:
+            return tensor
+        if self._local_only():
+            raise RuntimeError(
+                "all_gather was called during a training batch under RudraStrategy's shared epoch: learners take "
+                "different numbers of batches, so no batch is shared by all of them. Move it to an epoch hook "
+                "(e.g. on_train_epoch_end), or use RudraStrategy(sampling='static').")
+        return torch.stack(self._gather(tensor)).to(tensor.device)
+
+
+def _reduce_op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> str:
+    if reduce_op is None:
+        return "mean"
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+    else:
+        name = next((n for n in ("SUM", "MAX", "MIN", "PRODUCT", "AVG") if reduce_op == getattr(ReduceOp, n)), "")
+        name = name.lower()
+    if name not in _REDUCTIONS:
+        raise ValueError(f"reduce_op={reduce_op!r} is not supported by RudraStrategy.reduce: expected one of "
+                         f"{sorted(_REDUCTIONS)} or the matching torch.distributed.ReduceOp.")
+    return name
+
+

@@ -1,0 +1,104 @@
+"""The shared epoch: one pool of batches per epoch, dealt to whichever learner asks next. Plain torch.
+
+With an equal, fixed shard per learner (Lightning's DistributedSampler) an epoch lasts as long as the slowest
+learner needs for its shard, whatever the protocol. Here the server owns each epoch's order instead, and a
+learner that is done with a batch takes the next one: a fast learner takes more batches, and all learners
+run out within about one batch of each other. The order is the one DistributedSampler would shuffle over all
+learners together (a permutation seeded by ``seed + epoch``), so it is reproducible from the seed.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """How one train dataloader's epoch is ordered and cut into batches. Every learner sends the same plan.
+
+    ``max_batches`` caps the batches of an epoch (all learners together; ``limit_train_batches``);
+    ``budget`` caps the batches drawn over the whole run (``max_steps``).
+    """
+
+    num_samples: int
+    batch_size: int
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    max_batches: Optional[int] = None
+    budget: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_samples", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "batch_size" else 0):
+                raise ValueError(f"EpochPlan {name}={value!r} is not valid: expected an integer >= "
+                                 f"{1 if name == 'batch_size' else 0}.")
+        for name in ("max_batches", "budget"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"EpochPlan {name}={value!r} is not valid: expected None or an integer >= 0.")
+
+    @property
+    def num_batches(self) -> int:
+        """Batches in one epoch, all learners together."""
+        full, rest = divmod(self.num_samples, self.batch_size)
+        batches = full + (1 if rest and not self.drop_last else 0)
+        return batches if self.max_batches is None else min(batches, self.max_batches)
+
+    def order(self, epoch: int) -> Tensor:
+        """The epoch's sample order: DistributedSampler's, before it splits it between learners."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+
+@dataclass
+class _Epoch:
+    order: Tensor
+    cursor: int = 0  # batches handed out so far
+
+
+class EpochPool:
+    """The server's side of one train dataloader: per epoch, the next batch for whoever asks.
+
+    An epoch opens when the first learner asks for it. Only the newest two epochs are kept: a learner still
+    asking for an older one is told it is over (the others have already drained it).
+    """
+
+    def __init__(self, plan: EpochPlan) -> None:
+        self.plan = plan
+        self.epochs: dict[int, _Epoch] = {}
+        self.newest = -1
+        self.drawn = 0  # batches handed out over the run, for ``budget``
+        self.taken: dict[int, int] = {}  # learner -> batches taken over the run
+
+    def draw(self, epoch: int, learner: int, plan: EpochPlan) -> tuple[Optional[Tensor], int, str]:
+        """The next batch of ``epoch`` for ``learner``: ``(indices, position, "batch")``, where ``position``
+        counts the epoch's batches from 0; or ``(None, batches in the epoch, why)`` when there is none left,
+        ``why`` being ``"epoch"`` (the epoch is drained) or ``"budget"`` (the run's ``budget`` is spent)."""
+        if plan != self.plan:
+            raise ValueError(f"learner {learner} describes this dataloader's epoch as {plan}, but the server holds "
+                             f"{self.plan}: every learner must build the same train dataloader (same dataset "
+                             "size, batch size, shuffle, seed, drop_last and limits).")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch {epoch!r} from learner {learner} is not valid: expected an integer >= 0.")
+        if epoch > self.newest:
+            self.epochs = {e: state for e, state in self.epochs.items() if e >= epoch - 1}
+            self.epochs[epoch] = _Epoch(self.plan.order(epoch))
+            self.newest = epoch
+        state = self.epochs.get(epoch)
+        total = self.plan.num_batches
+        if self.plan.budget is not None and self.drawn >= self.plan.budget:
+            return None, total, "budget"
+        if state is None or state.cursor >= total:
+            return None, total, "epoch"
+        position = state.cursor
+        size = self.plan.batch_size
+        indices = state.order[position * size:(position + 1) * size].clone()
+        state.cursor += 1
+        self.drawn += 1
+        self.taken[learner] = self.taken.get(learner, 0) + 1
+        return indices, position, "batch"

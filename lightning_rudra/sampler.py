@@ -1,0 +1,61 @@
+"""A learner's view of the shared epoch: a torch ``Sampler`` whose indices are the batches the server deals it.
+
+No Lightning here: any DataLoader can take it, with the DataLoader's ``batch_size`` equal to the plan's, so that
+every batch the DataLoader makes is one batch drawn from the server.
+"""
+
+from collections import deque
+from typing import Callable, Iterator, Optional
+
+from torch.utils.data import Sampler
+
+from lightning_rudra.client import LearnerClient
+from lightning_rudra.epoch import EpochPlan
+
+
+class SharedEpochSampler(Sampler[int]):
+    """Yields, batch after batch, the indices that the server hands this learner from train dataloader ``pool``
+    in the current epoch (:meth:`set_epoch`), until the epoch is drained.
+
+    ``positions`` holds, in order, the place in the epoch of every batch drawn and not yet taken by
+    :meth:`next_position` (batches are drawn a little ahead of being trained on: DataLoader and Lightning
+    prefetch). ``on_spent`` is called once the run's ``budget`` of batches is spent. Once ``sized`` is False
+    the sampler has no length: a learner cannot know how many batches it will get, and whoever iterates must
+    find the end by prefetching (Lightning's data fetcher does, and so knows which batch is the last).
+    """
+
+    def __init__(self, client: LearnerClient, pool: int, plan: EpochPlan) -> None:
+        self.client = client
+        self.pool = pool
+        self.plan = plan
+        self.epoch: Optional[int] = None
+        self.positions: deque[int] = deque()
+        self.on_spent: Optional[Callable[[], None]] = None
+        self.sized = True
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.positions.clear()
+
+    def __len__(self) -> int:
+        """Samples in the whole epoch, all learners together: an upper bound for this learner."""
+        if not self.sized:
+            raise TypeError("a learner's share of the shared epoch is not known in advance")
+        return min(self.plan.num_samples, self.plan.num_batches * self.plan.batch_size)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.epoch is None:
+            return  # Lightning makes and drops one iterator before the first epoch: it must take nothing
+        while True:
+            indices, position, what = self.client.draw(self.pool, self.epoch, self.plan)
+            if indices is None:
+                if what == "budget" and self.on_spent is not None:
+                    self.on_spent()
+                return
+            self.positions.append(position)
+            yield from indices.tolist()
+
+    def next_position(self) -> int:
+        """The place in the epoch of the oldest batch drawn and not yet trained on."""
+        return self.positions.popleft()

@@ -1,0 +1,151 @@
+"""The shared epoch inside Lightning's fit loop.
+
+Each train DataLoader with Lightning's DistributedSampler is rebuilt around a
+:class:`~lightning_rudra.sampler.SharedEpochSampler`, and whatever Lightning counts in a learner's own batches
+is recounted in the epoch's batches, all learners together, because learners now take different numbers:
+
+- the epoch ends when its pool is drained (Lightning never stops a learner at a batch count);
+- ``limit_train_batches=k`` means k·λ batches per epoch (what λ learners take under DDP), a fraction the same
+  fraction of the pool;
+- ``max_steps`` means the run ends once the learners together have drawn max_steps·λ windows of batches;
+- validation (``val_check_interval``) runs at the same places in the epoch for every learner, so that its
+  collectives meet: every ``val_check_interval`` fraction of the pool (or every k·λ batches for an int k),
+  and every learner meets the others at a barrier first.
+"""
+
+import dataclasses
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.trainer.states import RunningStage
+from pytorch_lightning.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_rudra.client import LearnerClient
+from lightning_rudra.epoch import EpochPlan
+from lightning_rudra.sampler import SharedEpochSampler
+
+
+def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int) -> Optional[DataLoader]:
+    """``dataloader`` drawing from the server's pool number ``pool``; None if it cannot be pooled: an
+    IterableDataset, a sampler or batch sampler of the user's own (Lightning wraps those per learner)."""
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler or not dataloader.batch_size:
+        return None
+    plan = EpochPlan(len(sampler.dataset), dataloader.batch_size, sampler.shuffle, sampler.seed, dataloader.drop_last)
+    return _update_dataloader(dataloader, SharedEpochSampler(client, pool, plan), mode=RunningStage.TRAINING)
+
+
+class SharedEpochLoop:
+    """Fits Lightning's fit loop to the shared epoch for one ``fit``: :meth:`install` at the start of training,
+    :meth:`uninstall` at its end. ``samplers`` are the shared samplers of the train dataloaders, in order."""
+
+    def __init__(self, trainer: "pl.Trainer", samplers: list[SharedEpochSampler], num_learners: int) -> None:
+        self.trainer = trainer
+        self.samplers = samplers
+        self.num_learners = num_learners
+        self.position = -1  # place in the epoch of the batch being trained on (first dataloader)
+        self.in_batch = False  # from a batch's start to its end, where no two learners are at the same step
+        self._points_done = 0  # validation points passed (in this epoch, or in the run if counted across epochs)
+        self._points_epoch = -1
+        self._max_steps = trainer.fit_loop.max_steps
+
+    def install(self) -> None:
+        trainer, fit_loop = self.trainer, self.trainer.fit_loop
+        self._refuse_per_learner_counts()
+        combined = fit_loop._combined_loader
+        assert combined is not None
+        limits = []
+        for dl, sampler in zip(combined.flattened, self.samplers):
+            pool = len(dl)
+            limit = trainer.limit_train_batches
+            # Lightning applied the limit to one learner's count; the pool holds λ learners' worth
+            cap = min(pool, limit * self.num_learners) if isinstance(limit, int) else int(pool * limit)
+            budget = None
+            if self._max_steps not in (-1, None):
+                steps_left = max(0, self._max_steps - trainer.global_step)
+                budget = steps_left * trainer.accumulate_grad_batches * self.num_learners
+            sampler.plan = dataclasses.replace(sampler.plan, max_batches=cap, budget=budget)
+            sampler.on_spent = self._stop
+            sampler.sized = False  # Lightning's fetcher must look one batch ahead to know the epoch's last
+            limits.append(cap)
+        combined.limits = None  # the server's pools hold the limits
+        fit_loop.max_batches = max(limits) if combined._mode == "max_size_cycle" else min(limits)
+        # Lightning made the first epoch's iterator while the samplers had a length, so it would not look ahead
+        # for the last batch: make it again, for the epoch about to start
+        for sampler in self.samplers:
+            sampler.set_epoch(fit_loop.epoch_progress.current.processed)
+        iter(fit_loop._data_fetcher)
+        fit_loop.epoch_loop.max_steps = -1  # the budget ends the run, not each learner's own step count
+        fit_loop.epoch_loop._should_check_val_fx = self._should_check_val
+
+    def uninstall(self) -> None:
+        for sampler in self.samplers:
+            sampler.sized = True
+        self.trainer.fit_loop.epoch_loop.max_steps = self._max_steps
+        self.trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
+
+    def on_train_batch_start(self) -> None:
+        self.position = self.samplers[0].next_position()
+        self.in_batch = True
+
+    def _stop(self) -> None:
+        self.trainer.should_stop = True
+
+    def _refuse_per_learner_counts(self) -> None:
+        trainer = self.trainer
+        if trainer.reload_dataloaders_every_n_epochs:
+            raise ValueError(f"reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs} cannot be "
+                             "used with RudraStrategy's shared epoch yet: the learners' pools are set up once, when "
+                             "training starts. Use RudraStrategy(sampling='static').")
+        if getattr(trainer, "_val_check_time_interval", None) is not None:
+            raise ValueError(f"val_check_interval={trainer.val_check_interval!r} (a time) cannot be used with "
+                             "RudraStrategy's shared epoch: each learner would validate at its own moment and the "
+                             "collectives in validation would not meet. Use a fraction or a number of batches, or "
+                             "RudraStrategy(sampling='static').")
+        for callback in trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) and (callback._every_n_train_steps or callback._train_time_interval):
+                raise ValueError(
+                    f"ModelCheckpoint(every_n_train_steps={callback._every_n_train_steps}, train_time_interval="
+                    f"{callback._train_time_interval}) cannot be used with RudraStrategy's shared epoch: learners take "
+                    "different numbers of steps, so they would not save together. Use every_n_epochs (or "
+                    "val_check_interval to save after validation), or RudraStrategy(sampling='static').")
+
+    # ---- validation at the same places in the epoch for every learner ----------------------------------
+    def _interval(self, epoch_batches: int) -> int:
+        """Batches of the epoch (all learners) between validations."""
+        interval = self.trainer.val_check_interval
+        if isinstance(interval, int):
+            return interval * self.num_learners
+        return max(1, int(epoch_batches * interval))
+
+    def _should_check_val(self, data_fetcher: Any) -> bool:
+        self.in_batch = False  # Lightning asks this once per batch, after the batch's last hook
+        trainer = self.trainer
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if not epoch_loop._should_check_val_epoch():
+            return False
+        if trainer.should_stop and trainer.fit_loop._can_stop_early:
+            return True  # every learner sees the stop together (EarlyStopping agrees; the budget is spent)
+        epoch_batches = self.samplers[0].plan.num_batches
+        interval = self._interval(epoch_batches)
+        across_epochs = trainer.check_val_every_n_epoch is None
+        epoch = trainer.current_epoch
+        offset = epoch * epoch_batches if across_epochs else 0
+        if not across_epochs and epoch != self._points_epoch:
+            self._points_epoch, self._points_done = epoch, 0
+        end = offset + epoch_batches
+        if epoch_loop.batch_progress.is_last_batch:
+            self._points_done = end // interval
+            return end % interval == 0
+        # A point counts only if every learner is sure to train on a batch past it: the others hold at most
+        # their prefetched batches there.
+        loader = trainer.fit_loop._combined_loader.flattened[0]
+        ahead = 2 + (loader.num_workers * (loader.prefetch_factor or 0) if loader.num_workers else 0)
+        last_point = (end - ahead * self.num_learners) // interval
+        passed = min((offset + self.position + 1) // interval, last_point)
+        if passed > self._points_done:
+            self._points_done = passed
+            return True
+        return False

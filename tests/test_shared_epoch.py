@@ -1,0 +1,119 @@
+"""The shared epoch through the Trainer: real learner processes (spawn), a real server process, real data."""
+
+import pytest
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_rudra import RudraStrategy
+from tests.lightning_models import GathersInStep, Recording, Regression, indexed_loader, loader, quiet_trainer, regression_data
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def fit(tmp_path, model, learners=2, strategy_kwargs=None, batch_size=8, **trainer_kwargs):
+    strategy = RudraStrategy(start_method="spawn", rpc_timeout=30, **{"protocol": "async", **(strategy_kwargs or {})})
+    trainer = quiet_trainer(strategy, learners, **trainer_kwargs)
+    trainer.fit(model, indexed_loader(batch_size), indexed_loader(64, num_samples=64, shuffle=False))
+    records = [torch.load(tmp_path / f"learner{rank}.pt") for rank in range(learners)]
+    return trainer, records
+
+
+def batches_of(records, epoch):
+    return [[tuple(b) for e, b in record["batches"] if e == epoch] for record in records]
+
+
+def test_every_sample_once_per_epoch_fast_learner_takes_more_in_the_seeded_order(tmp_path):
+    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.03), max_epochs=2)
+    for epoch in range(2):
+        mine, theirs = batches_of(records, epoch)
+        seen = [i for batch in mine + theirs for i in batch]
+        assert sorted(seen) == list(range(256)), "each sample exactly once per epoch, across learners"
+        assert len(mine) > len(theirs), (len(mine), len(theirs))  # learner 1 is the slow one
+        # Lightning's sampler order over all learners (seed 0 + epoch), cut into batches of 8
+        order = torch.randperm(256, generator=torch.Generator().manual_seed(epoch)).tolist()
+        assert set(mine + theirs) == {tuple(order[i:i + 8]) for i in range(0, 256, 8)}
+    stats = trainer.strategy.stats
+    assert stats.batches == {rank: len(record["batches"]) for rank, record in enumerate(records)}
+    assert sum(stats.batches.values()) == stats.gradients == 2 * 32
+    for record in records:  # validation once per epoch, at its end, on every learner
+        assert [epoch for epoch, _ in record["validations"]] == [0, 1]
+    assert "val_loss" in trainer.callback_metrics and "train_loss" in trainer.callback_metrics
+
+
+def test_limits_and_validation_points_count_the_batches_of_all_learners(tmp_path):
+    # limit_train_batches=10 is 10 batches per learner under DDP: 20 for the two together, shared
+    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_epochs=2, limit_train_batches=10,
+                           val_check_interval=0.5)
+    for epoch in range(2):
+        mine, theirs = batches_of(records, epoch)
+        assert len(mine) + len(theirs) == 20 and len(set(mine + theirs)) == 20
+    validations = [record["validations"] for record in records]
+    assert [[e for e, _ in v] for v in validations] == [[0, 0, 1, 1]] * 2  # halfway and at the end, together
+    for rank, v in enumerate(validations):
+        assert v[0][1] < v[1][1], v  # the first validation came before the epoch's last batch
+    assert trainer.strategy.stats.gradients == 40
+
+
+def test_max_steps_counts_the_steps_of_all_learners(tmp_path):
+    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_steps=45, accumulate_grad_batches=1)
+    assert trainer.strategy.stats.gradients == 2 * 45  # what two learners take in 45 DDP steps
+    assert sum(len(record["batches"]) for record in records) == 90
+    # 32 batches per epoch: the run stopped in the third epoch, on both learners
+    assert [max(e for e, _ in record["batches"]) for record in records] == [2, 2]
+
+
+def test_max_time_stops_every_learner_without_a_meeting_per_batch(tmp_path):
+    # Lightning's Timer broadcasts its decision after every batch: each learner decides for itself here
+    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_time={"seconds": 6})
+    assert trainer.strategy.stats.gradients == sum(len(record["batches"]) for record in records) > 0
+    for record in records:  # both stopped, and validated together when they did
+        assert len(record["validations"]) == len(records[0]["validations"])
+
+
+@pytest.mark.parametrize("protocol", ["async", "hardsync"])
+def test_a_learner_slower_than_the_rpc_timeout_does_not_end_the_run(tmp_path, protocol):
+    model = Recording(str(tmp_path), slow_once=9.0)
+    strategy = RudraStrategy(protocol=protocol, start_method="spawn", rpc_timeout=4)
+    trainer = quiet_trainer(strategy, 2, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
+                            callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")])
+    trainer.fit(model, indexed_loader(8), indexed_loader(64, num_samples=64, shuffle=False))
+    batches = trainer.strategy.stats.batches
+    if protocol == "async":  # learner 0 took most of the epoch while learner 1 slept
+        assert batches[0] > 3 * batches[1], batches
+    else:
+        assert batches == {} and trainer.strategy.stats.gradients == 32  # static shards, 16 rounds
+    assert trainer.checkpoint_callback.best_model_path.endswith(".ckpt")
+
+
+def test_static_sampling_keeps_an_equal_fixed_shard_per_learner(tmp_path):
+    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.01), max_epochs=1,
+                           strategy_kwargs={"sampling": "static"})
+    mine, theirs = batches_of(records, 0)
+    assert len(mine) == len(theirs) == 16
+    assert trainer.strategy.stats.batches == {}
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        x, y = regression_data(64).tensors
+        return iter(zip(x, y))
+
+
+def test_an_iterable_dataset_keeps_one_stream_per_learner():
+    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method="spawn", rpc_timeout=30), 2, max_epochs=1)
+    trainer.fit(Regression(), DataLoader(Stream(), batch_size=8))
+    assert trainer.strategy.stats.gradients == 2 * 8 and trainer.strategy.stats.batches == {}
+
+
+@pytest.mark.parametrize("module, callbacks, message", [
+    (Regression, [ModelCheckpoint(every_n_train_steps=5)],
+     r"ModelCheckpoint\(every_n_train_steps=5, .*cannot be used with RudraStrategy's shared epoch.*sampling='static'"),
+    (GathersInStep, [], r"all_gather was called during a training batch under RudraStrategy's shared epoch.*Move it "
+                        r"to an epoch hook"),
+])
+def test_what_needs_learners_in_step_is_refused_with_a_remedy(tmp_path, module, callbacks, message):
+    trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=30), 2, max_epochs=1,
+                            enable_checkpointing=bool(callbacks), default_root_dir=tmp_path, callbacks=callbacks)
+    with pytest.raises(Exception, match=message):
+        trainer.fit(module(), loader(8))

@@ -19,6 +19,7 @@ from lightning_rudra.epoch import EpochPlan
 from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Stats
 from lightning_rudra.rpc_world import (SERVER_NAME, check_port_free, init_rpc, learner_name, rpc_counters,
                                        shutdown_rpc)
+from lightning_rudra.shm import SharedNames
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
 # heartbeat watch fails them instead when a learner is lost.
@@ -103,27 +104,36 @@ class LearnerClient:
         return value
 
     def register(self, config: ProtocolConfig, params: list[Tensor], buffers: list[Tensor],
-                 specs: list[OptimizerSpec], stats: Optional[Stats]) -> None:
-        self._sync("register", config, params, buffers, specs, stats)
+                 specs: list[OptimizerSpec], stats: Optional[Stats], shared_memory: bool) -> None:
+        self._sync("register", config, params, buffers, specs, stats, shared_memory)
+
+    def attach(self) -> tuple[Optional[SharedNames], Optional[str]]:
+        """Once the model is registered: the server's shared memory (None without it) and why it is missing."""
+        return self._wait("attach", self.rank)
+
+    def attached(self, mapped: bool) -> None:
+        self._sync("attached", self.rank, mapped)
 
     def pull(self) -> tuple[list[Tensor], list[Tensor]]:
         params, buffers, self.timestamp = self._wait("pull")
         return params, buffers
 
-    def push(self, optimizer: int, grads: list[Tensor], has_grad: Tensor, hparams: list[dict[str, Any]],
-             buffers: list[Tensor]) -> Future:
-        """Send a gradient computed from the weights last received; hand the future's value to :meth:`receive`.
-        The tensors must not change until it resolves (RPC reads them when it sends them)."""
+    def push(self, optimizer: int, grads: Optional[list[Tensor]], has_grad: Tensor, hparams: list[dict[str, Any]],
+             buffers: list[Tensor], timestamp: int) -> Future:
+        """Send a gradient computed from the weights of ``timestamp``; hand the future to :meth:`receive`.
+        The tensors must not change until it resolves (RPC reads them when it sends them). ``grads=None``: the
+        gradient is in this learner's shared-memory buffer."""
         return rpc.rpc_async(SERVER_NAME, _server._call_async, timeout=_NO_TIME_LIMIT, args=(
-            "push", self.rank, optimizer, grads, has_grad, self.timestamp, hparams, buffers))
+            "push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers))
 
-    def receive(self, pushed: Future) -> tuple[str, int, list[Tensor], list[Tensor]]:
-        """What became of a pushed gradient (status, staleness) and the weights to continue from."""
+    def receive(self, pushed: Future) -> tuple[str, int, Optional[list[Tensor]], Optional[list[Tensor]]]:
+        """What became of a pushed gradient (status, staleness) and the weights to continue from (None: read
+        them from shared memory)."""
         status, staleness, params, buffers, self.timestamp = self.result(pushed)
         return status, staleness, params, buffers
 
-    def finish(self) -> tuple[list[Tensor], list[Tensor]]:
-        """Stop pushing; wait for every learner to stop and return the final weights."""
+    def finish(self) -> tuple[Optional[list[Tensor]], Optional[list[Tensor]]]:
+        """Stop pushing; wait for every learner to stop and return the final weights (None: in shared memory)."""
         params, buffers, self.timestamp = self._wait("finish", self.rank)
         return params, buffers
 
@@ -132,9 +142,11 @@ class LearnerClient:
         self._collectives += 1
         return self._wait("gather", self._collectives, self.rank, obj)
 
-    def draw(self, pool: int, epoch: int, plan: EpochPlan) -> tuple[Optional[Tensor], int, str]:
-        """The next batch of the shared epoch of train dataloader ``pool`` (see ``EpochPool.draw``)."""
-        return self._sync("draw", pool, epoch, self.rank, plan)
+    def draw(self, pool: int, epoch: int, plan: EpochPlan) -> Future:
+        """Ask for the next batch of the shared epoch of train dataloader ``pool``; its :meth:`result` is
+        ``EpochPool.draw``'s."""
+        return rpc.rpc_async(SERVER_NAME, _server._call, args=("draw", pool, epoch, self.rank, plan),
+                             timeout=self.timeout)
 
     def leave(self) -> None:
         self._stop_heartbeat.set()

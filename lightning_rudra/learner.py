@@ -1,9 +1,13 @@
 """A learner: a module whose optimizer steps go through the parameter server (push, then pull).
 
+On the server's host, gradients and weights move through shared memory (:mod:`lightning_rudra.shm`) and RPC
+carries only control; elsewhere, or with ``shared_memory=False``, they travel in the RPC messages.
 Lightning-free: :class:`LearnerOptimizer` wraps any torch optimizer, so a plain training loop can use it
 as well as the strategy.
 """
 
+import socket
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -13,6 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_rudra.client import LearnerClient
 from lightning_rudra.protocol import FlatLayout, OptimizerSpec, ProtocolConfig, Stats, hyperparameters
+from lightning_rudra.shm import MappedWeights
 
 _CPU = torch.device("cpu")
 
@@ -20,9 +25,13 @@ _CPU = torch.device("cpu")
 class Learner:
     """Moves a module's gradients to the server and the server's weights into the module."""
 
-    def __init__(self, module: torch.nn.Module, client: LearnerClient, overlap: bool = False) -> None:
+    def __init__(self, module: torch.nn.Module, client: LearnerClient, overlap: bool = False,
+                 shared_memory: bool = True) -> None:
         self.client = client
         self.overlap = overlap
+        self.shared_memory = shared_memory
+        self.shm: Optional[MappedWeights] = None
+        self._attached = False
         self._in_flight: Optional[Future] = None  # overlap: the push whose reply is not loaded yet
         self.params = list(module.parameters())
         self.buffers = list(module.buffers())
@@ -42,11 +51,36 @@ class Learner:
         """Learner 0 only: give the server the starting weights and the optimizers to rebuild."""
         specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
         copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (self.params, self.buffers)]
-        self.client.register(config, *copies, specs, stats)
+        self.client.register(config, *copies, specs, stats, self.shared_memory)
 
     def pull(self) -> None:
         self.settle()
-        self._load(*self.client.pull())
+        if not self._attached:
+            self._attach()
+        if self.shm is not None:
+            self._read_shared()
+        else:
+            self._load(*self.client.pull())
+
+    def _attach(self) -> None:
+        """Map the server's shared memory if it has some and runs on this host; tell it either way."""
+        self._attached = True
+        if not self.shared_memory:
+            self.client.attached(False)
+            return
+        names, error = self.client.attach()
+        if error is not None and self.client.rank == 0:
+            warnings.warn(f"lightning_rudra: {error} Weights and gradients go through RPC instead (slower).")
+        if names is not None and names.host == socket.gethostname():
+            try:
+                self.shm = MappedWeights(names, self.client.rank)
+            except RuntimeError:
+                self.shm = None  # the same host name, but not the same /dev/shm (another container)
+        self.client.attached(self.shm is not None)
+
+    def _read_shared(self) -> None:
+        assert self.shm is not None
+        self.client.timestamp = self.shm.read(self._load)
 
     def push(self, index: int, optimizer: Optimizer) -> None:
         """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
@@ -55,9 +89,15 @@ class Learner:
         params = self.optimizer_params[index]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
-        future = self.client.push(index, self.grad_layouts[index].pack(grads, _CPU), has_grad,
-                                  [hyperparameters(g) for g in optimizer.param_groups],
-                                  self.buffer_layout.pack(self.buffers, _CPU))
+        timestamp = self.client.timestamp  # of the weights this gradient came from, before any newer load
+        if self.shm is not None:
+            self.settle()  # the server may still read this buffer for the push in flight
+            self.grad_layouts[index].pack_into(grads, self.shm.grads[index])
+            packed = None
+        else:
+            packed = self.grad_layouts[index].pack(grads, _CPU)
+        future = self.client.push(index, packed, has_grad, [hyperparameters(g) for g in optimizer.param_groups],
+                                  self.buffer_layout.pack(self.buffers, _CPU), timestamp)
         self.settle()
         self._in_flight = future
         if not self.overlap:
@@ -68,14 +108,21 @@ class Learner:
         if self._in_flight is not None:
             future, self._in_flight = self._in_flight, None
             status, staleness, flat_params, flat_buffers = self.client.receive(future)
-            self._load(flat_params, flat_buffers)
+            if flat_params is None:
+                self._read_shared()
+            else:
+                self._load(flat_params, flat_buffers)
             if self.on_push is not None:
                 self.on_push(status, staleness)
 
     def finish(self) -> None:
         """Stop pushing and take the final weights, once every learner has stopped."""
         self.settle()
-        self._load(*self.client.finish())
+        flat_params, flat_buffers = self.client.finish()
+        if flat_params is None:
+            self._read_shared()
+        else:
+            self._load(flat_params, flat_buffers)
 
     @torch.no_grad()
     def _load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:

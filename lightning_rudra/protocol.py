@@ -127,6 +127,15 @@ class FlatLayout:
         return [torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(device) if idx else
                 torch.empty(0, dtype=dtype) for dtype, idx in self.groups.items()]
 
+    def pack_into(self, tensors: Sequence[Tensor], flats: Sequence[Tensor]) -> None:
+        """Copy ``tensors`` into existing flat buffers (one per dtype), allocating nothing on the CPU."""
+        for flat, idx in zip(flats, self.groups.values()):
+            parts = [tensors[i].detach().reshape(-1) for i in idx]
+            if parts and parts[0].device == flat.device:
+                torch.cat(parts, out=flat)
+            elif parts:
+                flat.copy_(torch.cat(parts))
+
     def unpack(self, flats: Sequence[Tensor]) -> list[Tensor]:
         """Views into ``flats``, in the original order and shapes."""
         out: list[Optional[Tensor]] = [None] * len(self.shapes)
@@ -146,6 +155,20 @@ class FlatLayout:
         if got != expected:
             raise ValueError(f"{what} has flat buffers [{', '.join(got)}]: expected [{', '.join(expected)}] "
                              "(dtype x number of elements, one 1-D buffer per dtype).")
+
+
+class WeightsStore:
+    """Where the server keeps its flat weights and buffers: plain memory here. Shared memory
+    (:class:`lightning_rudra.shm.SharedWeights`) also tells its readers when the weights change."""
+
+    def allocate(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def begin(self) -> None:
+        """The weights are about to change."""
+
+    def end(self, clock: int) -> None:
+        """The weights have changed: they are now those of ``clock``."""
 
 
 @dataclass(frozen=True)
@@ -234,13 +257,17 @@ class Server:
     """
 
     def __init__(self, config: ProtocolConfig, params: Sequence[Tensor], buffers: Sequence[Tensor],
-                 optimizers: Sequence[OptimizerSpec], stats: Optional[Stats] = None) -> None:
+                 optimizers: Sequence[OptimizerSpec], stats: Optional[Stats] = None,
+                 store: Optional[WeightsStore] = None) -> None:
         self.config = config
         self.stats = stats or Stats()
+        self.store = store or WeightsStore()
         self.param_layout = FlatLayout(params)
         self.buffer_layout = FlatLayout(buffers)
-        self.flat_params = self.param_layout.pack(params, torch.device("cpu"))
-        self.flat_buffers = self.buffer_layout.pack(buffers, torch.device("cpu"))
+        self.store.begin()
+        self.flat_params = self._stored("params", self.param_layout, params)
+        self.flat_buffers = self._stored("buffers", self.buffer_layout, buffers)
+        self.store.end(self.clock)
         self.params = self.param_layout.unpack(self.flat_params)
         self.optimizers = [spec.build(self.params) for spec in optimizers]
         # per optimizer: the model-parameter indices it updates, and the layout of its pushed gradients
@@ -252,6 +279,10 @@ class Server:
     @property
     def clock(self) -> int:
         return self.stats.clock
+
+    def _stored(self, name: str, layout: FlatLayout, tensors: Sequence[Tensor]) -> list[Tensor]:
+        return [self.store.allocate(f"{name}-{i}", flat.numel(), flat.dtype).copy_(flat)
+                for i, flat in enumerate(layout.pack(tensors, torch.device("cpu")))]
 
     def pull(self) -> tuple[list[Tensor], list[Tensor], int]:
         """A copy of the current weights and buffers (flat), and their timestamp."""
@@ -380,10 +411,14 @@ class Server:
         indices = self.optimizer_params[optimizer]
         for i, grad, has in zip(indices, layout.unpack(flat_grads), pending.has_grad.tolist()):
             self.params[i].grad = grad if has else None
-        opt.step()
+        self.store.begin()
+        try:
+            opt.step()
+            for master, total in zip(self.flat_buffers, pending.buffers):
+                master.copy_(total.div_(count) if total.is_floating_point() else total)
+            self.stats.clock += 1
+        finally:
+            self.store.end(self.clock)
         for i in indices:
             self.params[i].grad = None
-        for master, total in zip(self.flat_buffers, pending.buffers):
-            master.copy_(total.div_(count) if total.is_floating_point() else total)
-        self.stats.clock += 1
         return Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales))

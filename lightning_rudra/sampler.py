@@ -47,12 +47,16 @@ class SharedEpochSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         if self.epoch is None:
             return  # Lightning makes and drops one iterator before the first epoch: it must take nothing
+        epoch, plan = self.epoch, self.plan
+        asked = self.client.draw(self.pool, epoch, plan)
         while True:
-            indices, position, what = self.client.draw(self.pool, self.epoch, self.plan)
+            indices, position, what = self.client.result(asked)
             if indices is None:
                 if what == "budget" and self.on_spent is not None:
                     self.on_spent()
                 return
+            # ask for the next batch now, so that the answer comes while this one trains
+            asked = self.client.draw(self.pool, epoch, plan)
             self.positions.append(position)
             yield from indices.tolist()
 

@@ -12,6 +12,7 @@ The strategy starts it with :func:`lightning_rudra.client.start_server`.
 import argparse
 import json
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -23,6 +24,7 @@ from torch.futures import Future
 from lightning_rudra.epoch import EpochPlan, EpochPool
 from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats
 from lightning_rudra.rpc_world import SERVER_NAME, init_rpc, set_rpc_counters, shutdown_rpc
+from lightning_rudra.shm import SharedNames, SharedWeights
 
 
 def _done(value: Any) -> Future:
@@ -35,7 +37,9 @@ class ParameterServer:
     """A :class:`Server` shared by concurrent learners, plus a rendezvous for the strategy's collectives.
 
     A push reply is ``(status, staleness, params, buffers, clock)``: what became of the gradient, then the
-    newest weights (flat) and their timestamp. hardsync replies wait for the end of the round.
+    newest weights (flat) and their timestamp. hardsync replies wait for the end of the round. Learners that
+    mapped the server's shared memory (:mod:`lightning_rudra.shm`) push ``grads=None`` (the gradient is in
+    their buffer) and get ``None`` for the weights, which they read themselves.
     """
 
     def __init__(self, num_learners: int, timeout: float = 60.0) -> None:
@@ -53,15 +57,50 @@ class ParameterServer:
         self.pools: dict[int, EpochPool] = {}  # per train dataloader
         self.last_heard = {learner: time.monotonic() for learner in range(num_learners)}
         self.lost: Optional[str] = None  # why training cannot go on, once a learner is lost
+        self.shared: Optional[SharedWeights] = None
+        self.shared_names: Optional[SharedNames] = None
+        self.shared_grads: dict[tuple[int, int], list[Any]] = {}
+        self.shared_error: Optional[str] = None  # why shared memory could not be set up
+        self.mapped: set[int] = set()  # learners that read and write the shared memory
+        self.answered: set[int] = set()  # learners that said whether they could map it
 
     def register(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
-                 stats: Optional[Stats]) -> None:
-        """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics."""
+                 stats: Optional[Stats], shared_memory: bool = True) -> None:
+        """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics. With
+        ``shared_memory`` the weights live in shared memory, or, if it cannot be allocated, in plain memory
+        (the learners are told why)."""
         with self.lock:
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
-            self.core = Server(config, params, buffers, specs, stats)
+            if shared_memory:
+                try:
+                    self.shared = SharedWeights(socket.gethostname())
+                    self.core = Server(config, params, buffers, specs, stats, self.shared)
+                    self.shared_grads = self.shared.allocate_grads(self.num_learners, self.core.grad_layouts)
+                    self.shared_names = self.shared.names(self.core.flat_params, self.core.flat_buffers,
+                                                          self.shared_grads)
+                except OSError as error:
+                    if self.shared is not None:
+                        self.shared.unlink()
+                    self.shared, self.shared_grads, self.shared_error = None, {}, str(error)
+            if self.core is None or self.shared_error is not None:
+                self.core = Server(config, params, buffers, specs, stats)
         self.registered.set_result(None)
+
+    def attach(self, learner: int) -> Future:
+        """Once registered: the shared memory's names (None without it), and why it is missing, if it failed."""
+        self._check_alive()
+        return self.registered.then(lambda registered: registered.wait() or (self.shared_names, self.shared_error))
+
+    def attached(self, learner: int, mapped: bool) -> None:
+        """A learner says whether it mapped the shared memory. Once all have, the files go: nothing is left
+        in /dev/shm even if a process is killed later, and the mappings stay valid."""
+        with self.lock:
+            if mapped:
+                self.mapped.add(learner)
+            self.answered.add(learner)
+            if self.shared is not None and len(self.answered) == self.num_learners:
+                self.shared.unlink()
 
     def pull(self) -> Future:
         self._check_alive()
@@ -71,16 +110,36 @@ class ParameterServer:
         with self.lock:
             self._check_alive()
             core = self._core()
+            if grads is None:
+                grads = self._shared_gradient(learner, optimizer)
             result = core.push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
             if core.config.protocol == "hardsync" and not result.closed:
                 future: Future = Future()
-                self.round_waiters.setdefault(optimizer, []).append((future, result.status, result.staleness))
+                self.round_waiters.setdefault(optimizer, []).append((future, learner, result.status,
+                                                                     result.staleness))
                 return future
-            weights = core.pull()
             waiters = self.round_waiters.pop(optimizer, []) if result.closed else []
-        for future, status, staleness in waiters:
+            weights = self._weights([learner] + [w[1] for w in waiters])
+        for future, _, status, staleness in waiters:
             future.set_result((status, staleness, *weights))
         return _done((result.status, result.staleness, *weights))
+
+    def _shared_gradient(self, learner: int, optimizer: int) -> list[Any]:
+        if learner not in self.mapped or (learner, optimizer) not in self.shared_grads:
+            raise ValueError(f"learner {learner} pushed its gradient for optimizer {optimizer} through shared "
+                             "memory, but it has not mapped the server's shared memory.")
+        grads = self.shared_grads[(learner, optimizer)]
+        config = self._core().config
+        if config.protocol == "softsync" and config.gradients_per_update > 1:
+            return [g.clone() for g in grads]  # it waits for the next update, after this learner's next push
+        return grads  # applied before the learner gets its reply, and so before it writes the buffer again
+
+    def _weights(self, learners: list[int]) -> tuple:
+        """What to send back with a reply: nothing but the clock if every learner reads shared memory."""
+        core = self._core()
+        if set(learners) <= self.mapped:
+            return None, None, core.clock
+        return core.pull()
 
     def finish(self, learner: int) -> Future:
         """A learner is done training; resolves, once all are, with the final weights."""
@@ -88,14 +147,14 @@ class ParameterServer:
             self._check_alive()
             core = self._core()
             closed = core.finish(learner)
-            weights = core.pull()
             released = [w for i in closed for w in self.round_waiters.pop(i, [])]
+            weights = self._weights(list(range(self.num_learners)))
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
             done = self.finished == set(range(self.num_learners))
             everyone = self.finish_waiters if done else []
-        for waiter, status, staleness in released:
+        for waiter, _, status, staleness in released:
             waiter.set_result((status, staleness, *weights))
         for waiter in everyone:
             waiter.set_result(weights)
@@ -144,7 +203,7 @@ class ParameterServer:
                     continue
                 self.lost = (f"learner {silent[0]} has not been heard from for more than {self.timeout:g} s "
                              "(rpc_timeout): its process died or hung, and training cannot go on without it")
-                waiters = [f for fs in self.round_waiters.values() for f, _, _ in fs]
+                waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
                 waiters += [f for f, _, _ in self.gatherings.values()] + self.finish_waiters
                 self.round_waiters, self.gatherings, self.finish_waiters = {}, {}, []
             if not self.registered.done():
@@ -199,7 +258,13 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     """The learner that started this server died: nobody will ever ask us to stop."""
     while os.getppid() == parent_pid:
         time.sleep(0.5)
+    _release_shared_memory()
     os._exit(3)
+
+
+def _release_shared_memory() -> None:
+    if _server is not None and _server.shared is not None:
+        _server.shared.unlink()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -221,6 +286,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     _server.last_heard = {learner: time.monotonic() for learner in range(args.learners)}  # all have just joined
     threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.
-    _server.all_left.wait()
+    try:
+        _server.all_left.wait()
+    finally:
+        _release_shared_memory()
     shutdown_rpc()
 

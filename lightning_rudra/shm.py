@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -47,7 +47,8 @@ class SharedWeights(WeightsStore):
     """The server's side. It allocates every file (one owner for all of them), writes the weights under the
     sequence lock, and :meth:`unlink` removes the files (mappings already made stay valid)."""
 
-    def __init__(self, host: str, directory: str = SHM_DIR) -> None:
+    def __init__(self, host: str, directory: Optional[str] = None) -> None:
+        directory = directory or os.environ.get("LIGHTNING_RUDRA_SHM_DIR", SHM_DIR)
         self.host = host
         self.prefix = os.path.join(directory, f"lightning_rudra-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.files: dict[int, tuple[str, int, torch.dtype]] = {}  # data_ptr -> file

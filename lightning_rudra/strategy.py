@@ -58,6 +58,9 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
             and tests).
         overlap: push and pull in the background while the next step computes, on the newest weights
             received (Rudra-adv*): higher throughput, about λ more updates of staleness. Not with hardsync.
+        shared_memory: learners on the server's host exchange gradients and weights with it through shared
+            memory (``/dev/shm``), RPC carrying only control; learners on other hosts use RPC. ``False`` sends
+            everything through RPC. If shared memory cannot be allocated, a warning says so and RPC is used.
 
     After ``trainer.fit``, :attr:`stats` holds the server's statistics: ``clock`` (updates applied),
     ``gradients``, ``dropped``, ``rejected`` and ``staleness`` (σ -> count).
@@ -76,6 +79,7 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         rpc_timeout: float = 120.0,
         start_method: Literal["popen", "spawn"] = "popen",
         overlap: bool = False,
+        shared_memory: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -108,6 +112,7 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         self.rpc_timeout = float(rpc_timeout)
         self.start_method = start_method
         self.overlap = overlap
+        self.shared_memory = shared_memory
         self.sampling = sampling or ("static" if protocol == "hardsync" else "shared")
         self.stats: Optional[Stats] = None
         self._num_nodes = 1
@@ -195,7 +200,7 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
-            self._learner = Learner(self.model, self._client, self.overlap)
+            self._learner = Learner(self.model, self._client, self.overlap, self.shared_memory)
             self._learner.on_push = self._record_push
             if self.is_global_zero:
                 self._learner.register(self._protocol_config(), self.optimizers, self._resume_stats)

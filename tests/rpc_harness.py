@@ -67,11 +67,11 @@ def _learner_main(rank, num_learners, port, timeout, target, kwargs, queue):
     queue.put((rank, buffer.getvalue()))
 
 
-def start(rank, client, config, lr=0.1, momentum=0.0, overlap=False):
+def start(rank, client, config, lr=0.1, momentum=0.0, overlap=False, shared_memory=True):
     """A learner on the test model: learner 0 registers it, every learner pulls the starting weights."""
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
-    learner = Learner(net, client, overlap)
+    learner = Learner(net, client, overlap, shared_memory)
     [wrapped] = learner.wrap([opt])
     if rank == 0:
         learner.register(config, [opt], None)
@@ -86,9 +86,9 @@ def step(net, wrapped, rows):
     wrapped.step()
 
 
-def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, overlap=False):
+def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, shared_memory=True):
     """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
-    net, learner, wrapped = start(rank, client, config, lr, momentum, overlap)
+    net, learner, wrapped = start(rank, client, config, lr, momentum, overlap, shared_memory)
     lam = config.num_learners
     pushes = []
     learner.on_push = lambda status, sigma: pushes.append((status, sigma))
@@ -96,7 +96,8 @@ def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, overlap=False):
         step(net, wrapped, torch.arange(i * mu * lam, (i + 1) * mu * lam)[rank::lam])
     learner.finish()
     stats = client.stats() if rank == 0 else None
-    return {"params": [p.detach().clone() for p in net.parameters()], "stats": stats, "pushes": pushes}
+    return {"params": [p.detach().clone() for p in net.parameters()], "stats": stats, "pushes": pushes,
+            "shared_memory": learner.shm is not None}
 
 
 def push_garbage(rank, client, config):
@@ -104,7 +105,8 @@ def push_garbage(rank, client, config):
     start(rank, client, config)
     before, _ = client.pull()
     try:
-        client.receive(client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], []))
+        client.receive(client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], [],
+                                   client.timestamp))
         error = None
     except Exception as exc:
         error = str(exc)

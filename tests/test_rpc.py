@@ -1,10 +1,13 @@
 """The engine over real RPC: learner processes, a server process, no Lightning."""
 
+import os
+
 import pytest
 import torch
 
 from lightning_rudra.epoch import EpochPlan
 from lightning_rudra.protocol import ProtocolConfig
+from lightning_rudra.shm import SHM_DIR
 from tests import rpc_harness as harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -27,11 +30,22 @@ def check_ok(results):
         assert isinstance(result, dict), result
 
 
-def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda():
+@pytest.fixture
+def no_shared_memory_left():
+    """Every test's server removes its shared-memory files, however it ends."""
+    before = set(os.listdir(SHM_DIR))
+    yield
+    left = [name for name in set(os.listdir(SHM_DIR)) - before if name.startswith("lightning_rudra-")]
+    assert not left, left
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, no_shared_memory_left):
     learners, mu, steps = 3, 4, 6
     results = harness.run_learners(learners, harness.train, config=ProtocolConfig(learners, "hardsync"),
-                                   steps=steps, mu=mu)
+                                   steps=steps, mu=mu, shared_memory=shared_memory)
     check_ok(results)
+    assert [r["shared_memory"] for r in results] == [shared_memory] * learners
     reference = sgd_reference(steps, mu * learners)
     for result in results:  # every learner ends with the same, exact weights
         for mine, expected in zip(result["params"], reference):
@@ -42,10 +56,13 @@ def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda():
     assert all(sigma == 0 for r in results for _, sigma in r["pushes"])
 
 
-def test_async_with_one_learner_is_plain_sgd():
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_async_with_one_learner_is_plain_sgd(shared_memory, no_shared_memory_left):
     steps, mu = 8, 5
-    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu)
+    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu,
+                                    shared_memory=shared_memory)
     check_ok([result])
+    assert result["shared_memory"] == shared_memory
     for mine, expected in zip(result["params"], sgd_reference(steps, mu)):
         torch.testing.assert_close(mine, expected, rtol=0, atol=0)
     assert result["stats"].clock == steps and result["stats"].staleness == {0: steps}
@@ -76,8 +93,18 @@ def test_overlap_computes_on_the_newest_weights_received():
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
 
 
+def test_shared_memory_that_cannot_be_allocated_falls_back_to_rpc(monkeypatch, no_shared_memory_left):
+    monkeypatch.setenv("LIGHTNING_RUDRA_SHM_DIR", "/nonexistent-lightning-rudra")
+    steps, mu = 4, 5
+    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu)
+    check_ok([result])
+    assert not result["shared_memory"]
+    for mine, expected in zip(result["params"], sgd_reference(steps, mu)):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("protocol, n", [("softsync", 1), ("async", 1)])
-def test_softsync_and_async_count_updates_and_staleness(protocol, n):
+def test_softsync_and_async_count_updates_and_staleness(protocol, n, no_shared_memory_left):
     learners, steps = 3, 6
     config = ProtocolConfig(learners, protocol, n)
     results = harness.run_learners(learners, harness.train, config=config, steps=steps, mu=2)

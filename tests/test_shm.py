@@ -1,0 +1,70 @@
+"""Shared memory between the server and its host's learners, in-process: mapping, the sequence lock, cleanup."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from lightning_rudra.protocol import FlatLayout, OptimizerSpec, ProtocolConfig, Server
+from lightning_rudra.shm import MappedWeights, SharedWeights
+
+
+def shared_server(tmp_path, num_learners=1):
+    params = [torch.zeros(3), torch.zeros(2, dtype=torch.float64)]
+    buffers = [torch.ones(2)]
+    store = SharedWeights("host", str(tmp_path))
+    opt = torch.optim.SGD([torch.nn.Parameter(p.clone()) for p in params], lr=0.5)
+    server = Server(ProtocolConfig(num_learners, "async"), params, buffers,
+                    [OptimizerSpec.from_optimizer(opt, list(opt.param_groups[0]["params"]))], store=store)
+    grads = store.allocate_grads(num_learners, server.grad_layouts)
+    return server, store, grads, store.names(server.flat_params, server.flat_buffers, grads)
+
+
+def test_a_learner_sees_the_servers_updates_and_writes_the_gradient_the_server_reads(tmp_path):
+    server, store, grads, names = shared_server(tmp_path)
+    mapped = MappedWeights(names, 0)
+    FlatLayout([torch.zeros(3), torch.zeros(2, dtype=torch.float64)]).pack_into(
+        [torch.ones(3), torch.full((2,), 2.0, dtype=torch.float64)], mapped.grads[0])
+    assert [g.tolist() for g in grads[(0, 0)]] == [[1.0] * 3, [2.0] * 2]  # the same memory
+    result = server.push(0, 0, grads[(0, 0)], torch.ones(2, dtype=torch.bool), 0, [{"lr": 0.5}], [torch.ones(2)])
+    assert result.closed and server.clock == 1
+    seen = {}
+    clock = mapped.read(lambda params, buffers: seen.update(p=[p.clone() for p in params]))
+    assert clock == 1 and [p.tolist() for p in seen["p"]] == [[-0.5] * 3, [-1.0] * 2]
+    assert int(mapped.header[0]) % 2 == 0
+
+
+def test_a_read_waits_while_the_server_writes_and_never_sees_half_an_update(tmp_path):
+    server, store, _, names = shared_server(tmp_path)
+    mapped = MappedWeights(names, 0)
+    store.begin()  # the server is in the middle of an update
+    store_params = server.flat_params[0]
+    store_params.fill_(7.0)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(clock=mapped.read(
+        lambda params, _: result.update(values=params[0].tolist()))))
+    reader.start()
+    time.sleep(0.2)
+    assert reader.is_alive() and "values" not in result  # it waits for the version to become even
+    store_params.fill_(9.0)
+    store.end(5)
+    reader.join(timeout=10)
+    assert result == {"values": [9.0] * 3, "clock": 5}
+
+
+def test_unlink_removes_every_file_and_mappings_stay_valid(tmp_path):
+    server, store, _, names = shared_server(tmp_path, num_learners=2)
+    mapped = MappedWeights(names, 1)
+    assert len(os.listdir(tmp_path)) == 1 + 2 + 1 + 2 * 2  # header, params, buffers, 2 learners' gradients
+    store.unlink()
+    assert os.listdir(tmp_path) == []
+    server.flat_params[0].fill_(3.0)
+    assert mapped.params[0].tolist() == [3.0] * 3
+
+
+def test_shared_memory_that_cannot_be_allocated_is_reported_with_a_remedy(tmp_path):
+    with pytest.raises(OSError, match=r"cannot allocate 2 x torch.int64 of shared memory at .*/missing/lightning_rudra"
+                                      r".*shared_memory=False"):
+        SharedWeights("host", str(tmp_path / "missing"))

@@ -21,6 +21,9 @@ TARGETS = [
     ("epochs_2x3", "2 learners, one 3x slower: async epoch time / DDP", 0.6, "<="),
     ("epochs_tta_2x3", "2 learners, one 3x slower: async time to accuracy / DDP", 0.7, "<="),
     ("epochs_4x3", "4 learners, one 3x slower: async epoch time / DDP", 0.5, "<="),
+    ("models_10M_2_hardsync", "10 M MLP, 2 learners, no straggler: hardsync samples/s / DDP", 0.9, ">="),
+    ("models_10M_2_async", "10 M MLP, 2 learners, no straggler: async samples/s / DDP", 1.0, ">="),
+    ("models_10M_2_straggler_async", "10 M MLP, 2 learners, one 3x straggler: async samples/s / DDP", 2.0, ">="),
 ]
 
 STRATEGY_LABELS = {
@@ -68,11 +71,19 @@ def time_to_accuracy(rank0: dict[str, Any], target: float) -> tuple[Optional[flo
 
 def epoch_times(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Seconds per epoch: an epoch ends when its last learner ends it, and the first one is warm-up (process
-    start, rendezvous, first allocations), so the times are between consecutive epoch ends."""
+    start, rendezvous, first allocations), so the times are between consecutive epoch ends. With them,
+    samples/s over whole epochs: every learner's samples in the epochs after the first (its batches between its
+    own ends of the first and the last epoch) over the time from the first epoch's end to the last's, so that the
+    waiting at each epoch's end counts (``throughput``'s window leaves it out)."""
     epochs = min(len(r["epoch_ends"]) for r in ranks)
     ends = [max(r["epoch_ends"][e] for r in ranks) for e in range(epochs)]
     times = [b - a for a, b in zip(ends, ends[1:])]
-    return {"epoch_s": median(times), "epoch_times_s": times}
+    out: dict[str, Any] = {"epoch_s": median(times), "epoch_times_s": times}
+    if epochs > 1:
+        samples = sum(r["batch_size"] * sum(r["epoch_ends"][0] < t <= r["epoch_ends"][epochs - 1] for t in r["times"])
+                      for r in ranks)
+        out["samples_per_s"] = samples / (ends[-1] - ends[0])
+    return out
 
 
 def straggler_share(batches: dict[str, int], straggler: int) -> Optional[float]:
@@ -181,6 +192,11 @@ def summarize_prototypes(rounds: list[dict[str, Any]], reference: str) -> dict[s
 
 
 # ---- targets -----------------------------------------------------------------------------------------------
+def model_key(config: dict[str, Any]) -> str:
+    """The models phase's name for a configuration in ``TARGETS``: ``models_10M_2`` for 10 M, 2 learners."""
+    return f"models_{config['target_params'] // 1_000_000}M_{config['learners']}"
+
+
 def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     values: dict[str, Optional[float]] = {}
     tr = summary.get("transport", {}).get("rudra", {}).get(str(10_000_000), {})
@@ -197,6 +213,12 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         name = f"{config['learners']}x{config['slowdown']:g}"
         values[f"epochs_{name}"] = rudra.get("epoch_vs_ddp")
         values[f"epochs_tta_{name}"] = rudra.get("tta_vs_ddp")
+    for config in summary.get("models", []):
+        name = model_key(config)
+        for key, entry in config["runs"].items():
+            values[f"{name}_{key}"] = entry.get("vs_ddp")
+        for key, entry in config.get("straggler", {}).items():
+            values[f"{name}_straggler_{key}"] = entry.get("vs_ddp")
     out = []
     for key, text, threshold, op in TARGETS:
         value = values.get(key)
@@ -251,6 +273,24 @@ def _epochs_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
             f"{_f(rudra.get('tta_vs_ddp'))}{_spread(rudra.get('tta_vs_ddp_reps'))} | "
             f"{_threshold(f'epochs_tta_{name}')} | {ddp.get('tta_reached', 0)}/{ddp.get('runs', 0)}, "
             f"{rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)} |")
+    return lines
+
+
+def _models_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
+    lines = ["", "## 6. Real model sizes", "", info.get("text", ""), "",
+             "| model | learners (μ) | straggler (sleep ms) | strategy | samples/s | vs DDP (runs) | target | "
+             "step ms (rank 0) | epoch s |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in configs:
+        name = model_key(c)
+        rows = [("–", key, e, _threshold(f"{name}_{key}")) for key, e in c["runs"].items()]
+        if c.get("sleep_ms") is not None:
+            straggler = f"{c['slowdown']:g}x ({c['sleep_ms']:.1f})"
+            rows += [(straggler, key, e, _threshold(f"{name}_straggler_{key}")) for key, e in c["straggler"].items()]
+        for straggler, key, e, target in rows:
+            lines.append(f"| MLP {c['parameters'] / 1e6:.1f} M | {c['learners']} ({c['batch_size']}) | {straggler} | "
+                         f"{STRATEGY_LABELS.get(key, key)} | {_f(e['samples_per_s'], '{:.0f}')} | "
+                         f"{_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | {target} | "
+                         f"{_f(e['step_ms'], '{:.1f}')} | {_f(e.get('epoch_s'))} |")
     return lines
 
 
@@ -351,6 +391,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append(row)
     if s.get("epochs"):
         lines += _epochs_table(s["epochs"], s.get("epochs_info", {}))
+    if s.get("models"):
+        lines += _models_table(s["models"], s.get("models_info", {}))
     if result.get("failures"):
         lines += ["", "## Failures", ""] + [f"- {f}" for f in result["failures"]]
     return "\n".join(lines) + "\n"

@@ -10,6 +10,8 @@
 4. Time to a fixed test accuracy on MNIST-1D, from the same runs as 2.
 5. Epochs with one straggler (3x, 8x slower), 2 and 4 learners: time per epoch and time to accuracy of async
    (the shared epoch) against DDP.
+6. Real model sizes: MLPs of 10 M and 50 M parameters on synthetic data, 2 and 4 learners: samples/s over whole
+   epochs of hardsync, async and async without shared memory against DDP, and of async with one 3x straggler.
 
 Everything runs in long-lived worker processes (``benchmarks.pool``) so that process start-up is paid once;
 each comparison is measured in the same run, repeated, and reported as the median of per-round ratios.
@@ -52,19 +54,21 @@ PROTOTYPES = [  # label, pool, server patches, server-only environment, learner 
     ("THP everywhere", "thp", [], {}, []),
 ]
 
-STRATEGIES = {  # key -> (strategy, n, prototype changes, overlap)
-    "ddp": ("ddp", 1, [], False),
-    "hardsync": ("hardsync", 1, [], False),
-    "softsync1": ("softsync", 1, [], False),
-    "softsync2": ("softsync", 2, [], False),
-    "async": ("async", 1, [], False),
-    "async+overlap": ("async", 1, [], True),
-    "async+quiet_log": ("async", 1, ["quiet_log"], False),
-    "async+overlap+quiet_log": ("async", 1, ["quiet_log"], True),
-    "hardsync+quiet_log": ("hardsync", 1, ["quiet_log"], False),
+STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy options)
+    "ddp": ("ddp", 1, [], {}),
+    "hardsync": ("hardsync", 1, [], {}),
+    "softsync1": ("softsync", 1, [], {}),
+    "softsync2": ("softsync", 2, [], {}),
+    "async": ("async", 1, [], {}),
+    "async+overlap": ("async", 1, [], {"overlap": True}),
+    "async+rpc": ("async", 1, [], {"shared_memory": False}),
+    "async+quiet_log": ("async", 1, ["quiet_log"], {}),
+    "async+overlap+quiet_log": ("async", 1, ["quiet_log"], {"overlap": True}),
+    "hardsync+quiet_log": ("hardsync", 1, ["quiet_log"], {}),
 }
 report.STRATEGY_LABELS.update({
     "async+overlap": "Rudra async, overlap=True",
+    "async+rpc": "Rudra async, shared_memory=False (all through RPC)",
     "async+quiet_log": "Rudra async, staleness logged every 50 steps (prototype)",
     "async+overlap+quiet_log": "Rudra async, overlap=True, staleness logged every 50 steps (prototype)",
     "hardsync+quiet_log": "Rudra hardsync, staleness logged every 50 steps (prototype)",
@@ -81,6 +85,9 @@ DEFAULT = {
     "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap"],
     "epoch_learners": [2, 4], "epoch_slowdowns": [3, 8], "epochs_per_run": 4, "epoch_reps": 2,
     "epoch_samples": 6000, "epoch_calibration_steps": 80, "epoch_target_accuracy": 0.4,
+    "models": [{"params": 10 * M, "learners": 2, "samples": 512, "epochs": 4, "reps": 3},
+               {"params": 50 * M, "learners": 2, "samples": 192, "epochs": 3, "reps": 2},
+               {"params": 10 * M, "learners": 4, "samples": 1024, "epochs": 3, "reps": 2}],
 }
 QUICK = {
     "sizes": [10 * M], "transport_rounds": 2,
@@ -93,10 +100,18 @@ QUICK = {
     "straggler_strategies": ["ddp", "async", "softsync2"],
     "epoch_learners": [2, 4], "epoch_slowdowns": [3], "epochs_per_run": 3, "epoch_reps": 1,
     "epoch_samples": 3000, "epoch_calibration_steps": 50, "epoch_target_accuracy": 0.3,
+    "models": [{"params": 10 * M, "learners": 2, "samples": 384, "epochs": 3, "reps": 1}],
 }
+PHASES = ("transport", "variants", "prototypes", "e2e", "straggler", "epochs", "models")
 TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_samples": 4000, "warmup": 10}
+# models phase: μ per learner, whatever λ; step times (rank 0) after 2 warm-up batches, as an epoch has few
+MODEL_TRAINING = {"batch_size": 32, "warmup": 2}
+MODEL_STRATEGIES = ["ddp", "hardsync", "async", "async+rpc"]  # without a straggler
+MODEL_STRAGGLER_STRATEGIES = ["ddp", "async"]
+MODEL_SLOWDOWN = 3
 EPOCH_BATCH = 64  # μ·λ in the epochs phase, the same for every λ (the paper's rule): μ = 32 at λ = 2, 16 at 4
-TRAINING_PRELOAD = ("pytorch_lightning", "lightning_rudra", "examples.mnist1d", "benchmarks.training")
+TRAINING_PRELOAD = ("pytorch_lightning", "lightning_rudra", "examples.mnist1d", "benchmarks.synthetic",
+                    "benchmarks.training")
 
 
 def _iters(size: int) -> int:
@@ -148,9 +163,10 @@ class Suite:
             return None
 
     # ---- phases ------------------------------------------------------------------------------------------
-    def start_pools(self) -> None:
+    def start_pools(self, phases: list[str]) -> None:
         self.pools["main"] = Pool("main", preload=TRAINING_PRELOAD + ("benchmarks.transport",))
-        if any(p[1] == "thp" for p in PROTOTYPES if p[0] in self.cfg["prototypes"]):
+        # idle workers would share the cores (and the memory) with every phase until prototypes closes them
+        if "prototypes" in phases and any(p[1] == "thp" for p in PROTOTYPES if p[0] in self.cfg["prototypes"]):
             self.pools["thp"] = Pool("thp", env=THP, preload=("lightning_rudra", "benchmarks.transport"))
         for pool in self.pools.values():
             pool.start()
@@ -222,16 +238,16 @@ class Suite:
                target: Optional[float] = None, **kwargs: Any) -> Optional[dict[str, Any]]:
         """One training job; ``kwargs`` go to ``training.train`` over ``TRAINING``; ``target``: the test accuracy
         for the time to accuracy (needs ``snapshot_every``)."""
-        strategy, n, protos, overlap = STRATEGIES[key]
+        strategy, n, protos, options = STRATEGIES[key]
         t = {**TRAINING, **kwargs}
         start = time.monotonic()
         result = self.job(pool, "benchmarks.training:train", timeout, strategy=strategy, n=n, protos=protos,
-                          overlap=overlap, port=self.ports(), **t)
+                          options=options, port=self.ports(), **t)
         if result is None:
             return None
         run = {"strategy": key, "rep": rep, "seq": seq, "job_wall_s": time.monotonic() - start,
-               **report.throughput(result, t["warmup"])}
-        if kwargs.get("max_epochs"):
+               "parameters": result[0]["parameters"], **report.throughput(result, t["warmup"])}
+        if kwargs.get("max_epochs"):  # whole epochs: samples/s over them replaces the window's
             run.update(report.epoch_times(result))
         if target is not None:
             run["tta_target"] = target
@@ -394,6 +410,66 @@ class Suite:
                      f"s (best {report._f(run['best_accuracy'], '{:.3f}')}; job {run['job_wall_s']:.1f} s)")
         return runs
 
+    def models(self) -> None:
+        raw: list[dict[str, Any]] = []
+        configs: list[dict[str, Any]] = []
+        self.raw["models"], self.summary["models"] = raw, configs  # filled in as measured, as in epochs
+        self.summary["models_info"] = {"text": (
+            f"MLP classifiers (`benchmarks/synthetic.py`: 1000 inputs, 3 hidden layers of one width, 10 classes) on "
+            f"synthetic data (standard normal inputs labelled by a random linear teacher), μ = "
+            f"{MODEL_TRAINING['batch_size']} per learner, SGD lr {TRAINING['lr']} momentum "
+            f"{TRAINING['momentum']}, whole epochs, no step limit. *samples/s*: every learner's samples in the "
+            f"epochs after the first (warm-up) over the time from the first epoch's end to the last's (an epoch ends "
+            f"when its last learner ends it), so the waiting at each epoch's end counts. Rudra with its default "
+            f"options (async: the shared epoch; hardsync: DistributedSampler, as DDP; shared memory on), and async "
+            f"with `shared_memory=False` (everything through RPC). *vs DDP*: each run against the mean of the DDP "
+            f"(gloo) runs just before and after it, median (lowest–highest) over runs. *Straggler*: the last "
+            f"learner sleeps ({MODEL_SLOWDOWN} − 1)·t before every batch, t being the median DDP step time of the "
+            f"runs without a straggler above it.")}
+        for spec in self.cfg["models"]:
+            pool = self._pool_for(spec["learners"])
+            setup = {**MODEL_TRAINING, "mlp_params": spec["params"], "num_learners": spec["learners"],
+                     "num_samples": spec["samples"], "max_epochs": spec["epochs"]}
+            config = {"target_params": spec["params"], "learners": spec["learners"],
+                      "batch_size": MODEL_TRAINING["batch_size"], "samples": spec["samples"], "epochs": spec["epochs"]}
+            raw.append({**config, "runs": [], "straggler_runs": []})
+            # for the timeouts until DDP has measured a step: 50 ms per million parameters, 2.5–3.5x what the
+            # 2-core machine of the README takes with 2 learners
+            guess_s = 0.05 * spec["params"] / M
+            runs = self._model_runs(pool, setup, spec["reps"], MODEL_STRATEGIES, [0.0] * spec["learners"], guess_s,
+                                    raw[-1]["runs"])
+            config.update(parameters=runs[0]["parameters"] if runs else spec["params"],
+                          runs=report.summarize_runs(runs), straggler={})
+            configs.append(config)
+            step_ms = config["runs"].get("ddp", {}).get("step_ms")
+            if step_ms is None:
+                self.failures.append(f"models {report._size_label(spec['params'])}, {spec['learners']} learners: "
+                                     f"no DDP step time to calibrate the straggler's sleep")
+                continue
+            config.update(step_ms=step_ms, slowdown=MODEL_SLOWDOWN, sleep_ms=(MODEL_SLOWDOWN - 1) * step_ms)
+            sleep = [0.0] * (spec["learners"] - 1) + [config["sleep_ms"] / 1e3]  # the last rank is the straggler
+            runs = self._model_runs(pool, setup, spec["reps"], MODEL_STRAGGLER_STRATEGIES, sleep, step_ms / 1e3,
+                                    raw[-1]["straggler_runs"])
+            config["straggler"] = report.summarize_runs(runs)
+        self._close_extra_pools()
+
+    def _model_runs(self, pool: str, setup: dict[str, Any], reps: int, keys: list[str], sleep: list[float],
+                    step_s: float, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The runs of one model size, λ and straggler, appended to ``runs`` as they are measured; ``step_s``: a
+        DDP step without the straggler, for the timeout."""
+        steps = setup["max_epochs"] * setup["num_samples"] / (setup["batch_size"] * setup["num_learners"])
+        timeout = 120 + 3 * steps * (step_s + max(sleep))  # the longest run: DDP, every step waits for the straggler
+        label = f"models {report._size_label(setup['mlp_params'])}, {setup['num_learners']} learners" + (
+            f", straggler +{1e3 * max(sleep):.0f} ms" if max(sleep) else "")
+        for seq, (key, rep) in enumerate(self._schedule(keys, reps)):
+            run = self._train(key, rep, seq, pool=pool, timeout=timeout, sleep_s=sleep, **setup)
+            if run is not None:
+                runs.append(run)
+                self.log(f"{label}, rep {rep} {key}: {report._f(run.get('samples_per_s'), '{:.0f}')} samples/s, "
+                         f"step {report._f(run.get('step_ms'), '{:.1f}')} ms, epochs "
+                         f"{', '.join(f'{x:.2f}' for x in run['epoch_times_s'])} s (job {run['job_wall_s']:.1f} s)")
+        return runs
+
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
@@ -436,9 +512,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="fewer sizes, settings and repeats: about 2 minutes")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
                         help="folder for latest.json and latest.md (default: benchmarks/results)")
-    parser.add_argument("--only", default="transport,variants,prototypes,e2e,straggler,epochs",
-                        help="comma-separated phases to run (straggler needs e2e for its calibration; epochs "
-                             "calibrates itself)")
+    parser.add_argument("--only", default=",".join(PHASES),
+                        help="comma-separated phases to run (straggler needs e2e for its calibration; epochs and "
+                             "models calibrate themselves)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DEFAULT
     phases = [p for p in args.only.split(",") if p]
@@ -446,8 +522,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     suite = Suite(cfg, args.quick)
     suite.log(f"lightning_rudra benchmark, {meta['mode']} mode, phases: {', '.join(phases)}")
     try:
-        suite.start_pools()
-        for phase in ("transport", "variants", "prototypes", "e2e", "straggler", "epochs"):
+        suite.start_pools(phases)
+        for phase in PHASES:
             if phase in phases:
                 try:
                     getattr(suite, phase)()

@@ -1,4 +1,5 @@
-"""End-to-end jobs: the MNIST-1D example module trained by RudraStrategy or DDPStrategy, λ learners.
+"""End-to-end jobs: the MNIST-1D example module, or an MLP of a chosen size on synthetic data
+(``benchmarks.synthetic``), trained by RudraStrategy or DDPStrategy, λ learners.
 
 Each rank builds its own ``Trainer`` (the pool's workers look like torchrun's processes, so Lightning starts no
 processes of its own), which lets one rank be a straggler. A callback records the monotonic time (one clock for
@@ -19,17 +20,34 @@ import torch
 _DATA: dict[str, Any] = {}
 
 
-def _mnist1d(num_samples: int, seed: int) -> dict[str, torch.Tensor]:
-    """The example datamodule's split (``examples.mnist1d``): test 20%, the last 10% of the rest held out."""
-    key = f"{num_samples}-{seed}"
+def _data(mlp_params: Optional[int], num_samples: int, seed: int) -> dict[str, torch.Tensor]:
+    """Train and test tensors, made once per worker: MNIST-1D as the example datamodule splits it (test 20%, the
+    last 10% of the rest held out), or the MLP's synthetic task."""
+    key = f"{'mnist1d' if mlp_params is None else 'synthetic'}-{num_samples}-{seed}"
     if key not in _DATA:
-        from examples.mnist1d import MNIST1DDataModule
+        if mlp_params is None:
+            from examples.mnist1d import MNIST1DDataModule
 
-        dm = MNIST1DDataModule(num_samples=num_samples, seed=seed)
-        dm.setup("fit")
-        _DATA[key] = {"x": dm.train_set.tensors[0], "y": dm.train_set.tensors[1],
-                      "x_test": dm.test_set.tensors[0], "y_test": dm.test_set.tensors[1]}
+            dm = MNIST1DDataModule(num_samples=num_samples, seed=seed)
+            dm.setup("fit")
+            _DATA[key] = {"x": dm.train_set.tensors[0], "y": dm.train_set.tensors[1],
+                          "x_test": dm.test_set.tensors[0], "y_test": dm.test_set.tensors[1]}
+        else:
+            from benchmarks.synthetic import teacher_data
+
+            _DATA[key] = teacher_data(num_samples, seed)
     return _DATA[key]
+
+
+def _model(mlp_params: Optional[int], **hparams: Any):
+    """The MNIST-1D example CNN, or an MLP of about ``mlp_params`` parameters."""
+    if mlp_params is None:
+        from examples.mnist1d import MNIST1DClassifier
+
+        return MNIST1DClassifier(**hparams)
+    from benchmarks.synthetic import MLPClassifier
+
+    return MLPClassifier(mlp_params, **hparams)
 
 
 def _callback(rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_after_s: Optional[float]):
@@ -104,25 +122,25 @@ def train(rank: int, *, strategy: str, port: int, sleep_s: list[float], max_step
           max_epochs: int = -1, num_learners: int = 2, n: int = 1, batch_size: int = 32, lr: float = 0.05,
           momentum: float = 0.9, seed: int = 42, num_samples: int = 4000, snapshot_every: int = 0, warmup: int = 10,
           stop_after_s: Optional[list[Optional[float]]] = None, rpc_timeout: float = 60.0,
-          protos: Optional[list[str]] = None, overlap: bool = False) -> dict[str, Any]:
+          protos: Optional[list[str]] = None, options: Optional[dict[str, Any]] = None,
+          mlp_params: Optional[int] = None) -> dict[str, Any]:
     """``strategy``: ``ddp`` or a Rudra protocol (``hardsync``, ``softsync`` with ``n``, ``async``).
     ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank (``num_learners`` of them; no ``max_steps``: no
-    step limit, ``max_epochs`` ends the run); ``protos``: prototype changes to RudraStrategy;
-    ``overlap``: RudraStrategy's Rudra-adv* option."""
+    step limit, ``max_epochs`` ends the run); ``protos``: prototype changes to RudraStrategy; ``options``: more
+    keyword arguments of RudraStrategy (``overlap``, ``shared_memory``); ``mlp_params``: train an MLP of about
+    this many parameters on synthetic data instead of the MNIST-1D example."""
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
-    from examples.mnist1d import MNIST1DClassifier
-
     os.environ["MASTER_PORT"] = str(port)  # read by the Trainer's cluster environment (RPC or gloo rendezvous)
-    data = _mnist1d(num_samples, seed)
+    data = _data(mlp_params, num_samples, seed)
     pl.seed_everything(seed, verbose=False)
-    model = MNIST1DClassifier(lr=lr, momentum=momentum)
+    model = _model(mlp_params, lr=lr, momentum=momentum)
     if strategy == "ddp":
         strat: Any = DDPStrategy(process_group_backend="gloo")
     else:
-        strat = _rudra_class(protos or [])(protocol=strategy, n=n, rpc_timeout=rpc_timeout, overlap=overlap)
+        strat = _rudra_class(protos or [])(protocol=strategy, n=n, rpc_timeout=rpc_timeout, **(options or {}))
     recorder = _callback(rank, sleep_s[rank], snapshot_every, warmup, (stop_after_s or [None] * num_learners)[rank])
     trainer = pl.Trainer(accelerator="cpu", devices=num_learners, strategy=strat,
                          max_steps=max_steps[rank] if max_steps else -1, max_epochs=max_epochs, logger=False,
@@ -135,10 +153,11 @@ def train(rank: int, *, strategy: str, port: int, sleep_s: list[float], max_step
         if torch.distributed.is_initialized():  # a later Rudra job must not find a default process group
             torch.distributed.destroy_process_group()
     result: dict[str, Any] = {"times": recorder.times, "epoch_ends": recorder.epoch_ends, "start": recorder.start,
-                              "end": recorder.end, "batch_size": batch_size}
+                              "end": recorder.end, "batch_size": batch_size,
+                              "parameters": sum(p.numel() for p in model.parameters())}
     if rank == 0:
         if recorder.snapshots:
-            probe = MNIST1DClassifier()
+            probe = _model(mlp_params)
             result["accuracy"] = [(t, _accuracy(probe, w, data["x_test"], data["y_test"]))
                                   for t, w in recorder.snapshots]
         stats = getattr(trainer.strategy, "stats", None)

@@ -48,7 +48,7 @@ class ParameterServer:
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
-        self.round_waiters: dict[int, list[tuple[Future, str, int]]] = {}
+        self.round_waiters: dict[int, list[tuple[Future, int, str, int]]] = {}  # (reply, learner, status, σ)
         self.gatherings: dict[int, tuple[Future, list[Any], set[int]]] = {}
         self.finished: set[int] = set()
         self.finish_waiters: list[Future] = []
@@ -74,18 +74,21 @@ class ParameterServer:
                 raise RuntimeError("the parameter server was registered twice")
             if shared_memory:
                 try:
-                    self.shared = SharedWeights(socket.gethostname())
-                    self.core = Server(config, params, buffers, specs, stats, self.shared)
-                    self.shared_grads = self.shared.allocate_grads(self.num_learners, self.core.grad_layouts)
-                    self.shared_names = self.shared.names(self.core.flat_params, self.core.flat_buffers,
-                                                          self.shared_grads)
+                    self.core = self._server_in_shared_memory(config, params, buffers, specs, stats)
                 except OSError as error:
-                    if self.shared is not None:
-                        self.shared.unlink()
-                    self.shared, self.shared_grads, self.shared_error = None, {}, str(error)
-            if self.core is None or self.shared_error is not None:
+                    self.shared_error = str(error)
+            if self.core is None:
                 self.core = Server(config, params, buffers, specs, stats)
         self.registered.set_result(None)
+
+    def _server_in_shared_memory(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
+                                 stats: Optional[Stats]) -> Server:
+        shared = SharedWeights(socket.gethostname())  # allocation failures unlink what was made and raise
+        core = Server(config, params, buffers, specs, stats, shared)
+        self.shared_grads = shared.allocate_grads(self.num_learners, core.grad_layouts)
+        self.shared_names = shared.names(core.flat_params, core.flat_buffers, self.shared_grads)
+        self.shared = shared
+        return core
 
     def attach(self, learner: int) -> Future:
         """Once registered: the shared memory's names (None without it), and why it is missing, if it failed."""

@@ -9,7 +9,7 @@ Collectives (barrier, broadcast, reduce, all_gather) go through the server inste
 """
 
 from subprocess import Popen
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -19,7 +19,6 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from torchmetrics import MaxMetric, MeanMetric
 
 from lightning_rudra.client import LearnerClient, join, leave
 from lightning_rudra.collectives import ServerCollectives
@@ -125,8 +124,7 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         self._failed = False
         self._pools = 0  # train dataloaders drawing from the server in this stage
         self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
-        self._staleness_mean = MeanMetric()
-        self._staleness_max = MaxMetric()
+        self._accepted = self._staleness_sum = self._staleness_max = 0  # this learner's accepted pushes
 
     def __repr__(self) -> str:
         # Lightning quotes this repr when a `lightning.pytorch` Trainer refuses the strategy.
@@ -228,8 +226,7 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         return dataloader
 
     def on_train_start(self) -> None:
-        self._staleness_mean.reset()
-        self._staleness_max.reset()
+        self._accepted = self._staleness_sum = self._staleness_max = 0
         trainer = self.lightning_module.trainer
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
@@ -250,16 +247,20 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
 
     def _record_push(self, status: str, staleness: int) -> None:
         if status == "accepted":
-            self._staleness_mean.update(float(staleness))
-            self._staleness_max.update(float(staleness))
+            self._accepted += 1
+            self._staleness_sum += staleness
+            self._staleness_max = max(self._staleness_max, staleness)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         # Under automatic optimization the push follows training_step, so these describe the previous steps.
-        if self._staleness_mean.update_count:
+        # Logged only where Lightning writes logs (and at an epoch's end): logging costs more than a small step.
+        trainer = self.lightning_module.trainer
+        if self._accepted and (trainer._logger_connector.should_update_logs
+                               or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
             module = self.lightning_module
-            module.log("staleness_mean", self._staleness_mean.compute(), prog_bar=True, on_step=True)
-            module.log("staleness_max", self._staleness_max.compute(), prog_bar=True, on_step=True)
+            module.log("staleness_mean", self._staleness_sum / self._accepted, prog_bar=True, on_step=True)
+            module.log("staleness_max", float(self._staleness_max), prog_bar=True, on_step=True)
             module.log("server_clock", float(self._client.timestamp), prog_bar=True, on_step=True)
         return output
 

@@ -73,8 +73,8 @@ def test_max_time_stops_every_learner_without_a_meeting_per_batch(tmp_path):
 
 @pytest.mark.parametrize("protocol", ["async", "hardsync"])
 def test_a_learner_slower_than_the_rpc_timeout_does_not_end_the_run(tmp_path, protocol):
-    model = Recording(str(tmp_path), slow_once=9.0)
-    strategy = RudraStrategy(protocol=protocol, start_method="spawn", rpc_timeout=4)
+    model = Recording(str(tmp_path), slow_once=7.0)
+    strategy = RudraStrategy(protocol=protocol, start_method="spawn", rpc_timeout=3)
     trainer = quiet_trainer(strategy, 2, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")])
     trainer.fit(model, indexed_loader(8), indexed_loader(64, num_samples=64, shuffle=False))

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from lightning_rudra.protocol import FlatLayout, OptimizerSpec, ProtocolConfig, Server
+from lightning_rudra.flat import FlatLayout
+from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server
 from lightning_rudra.shm import MappedWeights, SharedWeights
 
 

@@ -32,6 +32,9 @@ def test_defaults_are_the_papers_and_arguments_read_back():
             strategy.rpc_timeout, strategy.start_method, strategy.overlap) == (
         "async", 3, "per_gradient", 4, "raise", 30.0, "spawn", True)
     assert isinstance(trainer(strategy).strategy._launcher, _MultiProcessingLauncher)
+    assert (default.sampling, default.shared_memory) == ("shared", True)
+    assert RudraStrategy(protocol="hardsync").sampling == "static"
+    assert RudraStrategy(sampling="static", shared_memory=False).sampling == "static"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -42,6 +45,8 @@ def test_defaults_are_the_papers_and_arguments_read_back():
     (dict(start_method="fork"), "start_method='fork'"),
     (dict(rpc_timeout=0), "rpc_timeout=0"),
     (dict(protocol="hardsync", overlap=True), "overlap=True is not available with protocol='hardsync'"),
+    (dict(sampling="dynamic"), "sampling='dynamic' is not supported: expected 'shared', 'static' or None"),
+    (dict(protocol="hardsync", sampling="shared"), "sampling='shared' is not available with protocol='hardsync'"),
 ])
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -142,10 +142,10 @@ class LearnerClient:
         self._collectives += 1
         return self._wait("gather", self._collectives, self.rank, obj)
 
-    def draw(self, pool: int, epoch: int, plan: EpochPlan) -> Future:
-        """Ask for the next batch of the shared epoch of train dataloader ``pool``; its :meth:`result` is
-        ``EpochPool.draw``'s."""
-        return rpc.rpc_async(SERVER_NAME, _server._call, args=("draw", pool, epoch, self.rank, plan),
+    def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int) -> Future:
+        """Ask for up to ``want`` next batches of the shared epoch of train dataloader ``pool``; its
+        :meth:`result` is ``EpochPool.draw``'s."""
+        return rpc.rpc_async(SERVER_NAME, _server._call, args=("draw", pool, epoch, self.rank, plan, want),
                              timeout=self.timeout)
 
     def leave(self) -> None:

@@ -68,17 +68,23 @@ class EpochPool:
     asking for an older one is told it is over (the others have already drained it).
     """
 
-    def __init__(self, plan: EpochPlan) -> None:
+    def __init__(self, plan: EpochPlan, num_learners: int = 1) -> None:
         self.plan = plan
+        self.num_learners = num_learners
         self.epochs: dict[int, _Epoch] = {}
         self.newest = -1
         self.drawn = 0  # batches handed out over the run, for ``budget``
         self.taken: dict[int, int] = {}  # learner -> batches taken over the run
 
-    def draw(self, epoch: int, learner: int, plan: EpochPlan) -> tuple[Optional[Tensor], int, str]:
-        """The next batch of ``epoch`` for ``learner``: ``(indices, position, "batch")``, where ``position``
-        counts the epoch's batches from 0; or ``(None, batches in the epoch, why)`` when there is none left,
-        ``why`` being ``"epoch"`` (the epoch is drained) or ``"budget"`` (the run's ``budget`` is spent)."""
+    def draw(self, epoch: int, learner: int, plan: EpochPlan, want: int = 1) -> tuple[Optional[Tensor], int, str]:
+        """The next batches of ``epoch`` for ``learner``: ``(indices, position, "batch")``, the indices of
+        consecutive batches from ``position`` (the epoch's batches count from 0); or ``(None, batches in the
+        epoch, why)`` when there is none left, ``why`` being ``"epoch"`` (the epoch is drained) or ``"budget"``
+        (the run's ``budget`` is spent).
+
+        Up to ``want`` batches, which saves requests, but only while the epoch holds many more than the learners
+        can take at once: towards its end every learner gets one batch at a time, so all of them run out within
+        about one batch of each other."""
         if plan != self.plan:
             raise ValueError(f"learner {learner} describes this dataloader's epoch as {plan}, but the server holds "
                              f"{self.plan}: every learner must build the same train dataloader (same dataset "
@@ -96,9 +102,12 @@ class EpochPool:
         if state is None or state.cursor >= total:
             return None, total, "epoch"
         position = state.cursor
+        count = max(1, min(want, (total - position) // (4 * self.num_learners)))
+        if self.plan.budget is not None:
+            count = min(count, self.plan.budget - self.drawn)
         size = self.plan.batch_size
-        indices = state.order[position * size:(position + 1) * size].clone()
-        state.cursor += 1
-        self.drawn += 1
-        self.taken[learner] = self.taken.get(learner, 0) + 1
+        indices = state.order[position * size:(position + count) * size].clone()
+        state.cursor += count
+        self.drawn += count
+        self.taken[learner] = self.taken.get(learner, 0) + count
         return indices, position, "batch"

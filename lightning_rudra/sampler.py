@@ -12,6 +12,10 @@ from torch.utils.data import Sampler
 from lightning_rudra.client import LearnerClient
 from lightning_rudra.epoch import EpochPlan
 
+# Batches a learner asks for at once while the epoch is far from its end: one RPC costs about as much to send as
+# a small model's push, and the server hands out one batch at a time near the epoch's end anyway.
+BATCHES_PER_DRAW = 4
+
 
 class SharedEpochSampler(Sampler[int]):
     """Yields, batch after batch, the indices that the server hands this learner from train dataloader ``pool``
@@ -32,6 +36,7 @@ class SharedEpochSampler(Sampler[int]):
         self.positions: deque[int] = deque()
         self.on_spent: Optional[Callable[[], None]] = None
         self.sized = True
+        self.want = BATCHES_PER_DRAW  # batches to ask for at once
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -47,18 +52,20 @@ class SharedEpochSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         if self.epoch is None:
             return  # Lightning makes and drops one iterator before the first epoch: it must take nothing
-        epoch, plan = self.epoch, self.plan
-        asked = self.client.draw(self.pool, epoch, plan)
+        epoch, plan, size = self.epoch, self.plan, self.plan.batch_size
+        asked = self.client.draw(self.pool, epoch, plan, self.want)
         while True:
             indices, position, what = self.client.result(asked)
             if indices is None:
                 if what == "budget" and self.on_spent is not None:
                     self.on_spent()
                 return
-            # ask for the next batch now, so that the answer comes while this one trains
-            asked = self.client.draw(self.pool, epoch, plan)
-            self.positions.append(position)
-            yield from indices.tolist()
+            batches = indices.split(size)
+            for i, batch in enumerate(batches):
+                if i == len(batches) - 1:  # ask for more now, so that the answer comes while this one trains
+                    asked = self.client.draw(self.pool, epoch, plan, self.want)
+                self.positions.append(position + i)
+                yield from batch.tolist()
 
     def next_position(self) -> int:
         """The place in the epoch of the oldest batch drawn and not yet trained on."""

@@ -179,15 +179,16 @@ class ParameterServer:
             future.set_result(objs)
         return future
 
-    def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan) -> tuple[Optional[Any], int, str]:
-        """The next batch of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
+    def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int) -> tuple[Optional[Any], int, str]:
+        """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
         with self.lock:
             core = self._core()
             if pool not in self.pools:
-                self.pools[pool] = EpochPool(plan)
-            indices, position, what = self.pools[pool].draw(epoch, learner, plan)
+                self.pools[pool] = EpochPool(plan, self.num_learners)
+            indices, position, what = self.pools[pool].draw(epoch, learner, plan, want)
             if indices is not None and pool == 0:
-                core.stats.batches[learner] = core.stats.batches.get(learner, 0) + 1
+                count = -(-len(indices) // plan.batch_size)
+                core.stats.batches[learner] = core.stats.batches.get(learner, 0) + count
             return indices, position, what
 
     def heartbeat(self, learner: int) -> None:

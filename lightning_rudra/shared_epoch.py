@@ -69,6 +69,8 @@ class SharedEpochLoop:
             sampler.plan = dataclasses.replace(sampler.plan, max_batches=cap, budget=budget)
             sampler.on_spent = self._stop
             sampler.sized = False  # Lightning's fetcher must look one batch ahead to know the epoch's last
+            if self._interval(cap) < cap or trainer.check_val_every_n_epoch is None:
+                sampler.want = 1  # validation inside the epoch: hold few batches, so all learners reach each point
             limits.append(cap)
         combined.limits = None  # the server's pools hold the limits
         fit_loop.max_batches = max(limits) if combined._mode == "max_size_cycle" else min(limits)
@@ -140,9 +142,9 @@ class SharedEpochLoop:
             self._points_done = end // interval
             return end % interval == 0
         # A point counts only if every learner is sure to train on a batch past it: the others hold at most
-        # their prefetched batches there.
+        # the batch they train on, Lightning's prefetched one, the one asked for ahead, and the DataLoader's.
         loader = trainer.fit_loop._combined_loader.flattened[0]
-        ahead = 2 + (loader.num_workers * (loader.prefetch_factor or 0) if loader.num_workers else 0)
+        ahead = 3 + (loader.num_workers * (loader.prefetch_factor or 0) if loader.num_workers else 0)
         last_point = (end - ahead * self.num_learners) // interval
         passed = min((offset + self.position + 1) // interval, last_point)
         if passed > self._points_done:

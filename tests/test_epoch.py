@@ -100,3 +100,20 @@ def test_number_of_batches():
     assert EpochPlan(100, 8, max_batches=5).num_batches == 5
     assert EpochPlan(0, 8).num_batches == 0
     assert torch.equal(EpochPlan(6, 2, seed=1).order(0), EpochPlan(6, 3, seed=1).order(0))
+
+
+def test_several_batches_at_once_while_the_epoch_is_far_from_its_end():
+    plan = EpochPlan(400, 4, shuffle=False)  # 100 batches
+    pool = EpochPool(plan, num_learners=2)
+    sizes = []
+    while True:
+        indices, position, what = pool.draw(0, len(sizes) % 2, plan, want=4)
+        if indices is None:
+            break
+        assert indices.tolist() == list(range(position * 4, position * 4 + len(indices)))
+        sizes.append(len(indices) // 4)
+    assert sum(sizes) == 100 and sizes[0] == 4 and sizes[-8:] == [1] * 8  # one at a time at the end
+    budget = EpochPlan(400, 4, budget=6)
+    pool = EpochPool(budget, num_learners=1)
+    assert len(pool.draw(0, 0, budget, want=4)[0]) == 16 and len(pool.draw(0, 0, budget, want=4)[0]) == 8
+    assert pool.draw(0, 0, budget, want=4)[2] == "budget"

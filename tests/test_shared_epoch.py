@@ -65,7 +65,7 @@ def test_max_steps_counts_the_steps_of_all_learners(tmp_path):
 
 def test_max_time_stops_every_learner_without_a_meeting_per_batch(tmp_path):
     # Lightning's Timer broadcasts its decision after every batch: each learner decides for itself here
-    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_time={"seconds": 6})
+    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_time={"seconds": 4})
     assert trainer.strategy.stats.gradients == sum(len(record["batches"]) for record in records) > 0
     for record in records:  # both stopped, and validated together when they did
         assert len(record["validations"]) == len(records[0]["validations"])
@@ -80,7 +80,7 @@ def test_a_learner_slower_than_the_rpc_timeout_does_not_end_the_run(tmp_path, pr
     trainer.fit(model, indexed_loader(8), indexed_loader(64, num_samples=64, shuffle=False))
     batches = trainer.strategy.stats.batches
     if protocol == "async":  # learner 0 took most of the epoch while learner 1 slept
-        assert batches[0] > 3 * batches[1], batches
+        assert batches[0] >= 2 * batches[1], batches
     else:
         assert batches == {} and trainer.strategy.stats.gradients == 32  # static shards, 16 rounds
     assert trainer.checkpoint_callback.best_model_path.endswith(".ckpt")

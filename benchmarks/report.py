@@ -69,20 +69,29 @@ def time_to_accuracy(rank0: dict[str, Any], target: float) -> tuple[Optional[flo
     return reached, max((a for _, a in acc), default=None)
 
 
-def epoch_times(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def epoch_times(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Seconds per epoch: an epoch ends when its last learner ends it, and the first one is warm-up (process
-    start, rendezvous, first allocations), so the times are between consecutive epoch ends. With them,
-    samples/s over whole epochs: every learner's samples in the epochs after the first (its batches between its
-    own ends of the first and the last epoch) over the time from the first epoch's end to the last's, so that the
-    waiting at each epoch's end counts (``throughput``'s window leaves it out)."""
+    start, rendezvous, first allocations), so the times are between consecutive epoch ends. Under the shared
+    epoch a fast learner does not wait at an epoch's end for a straggler, so these vary: ``epoch_ends_s`` (per
+    rank, from the earliest train start) and ``epoch_batches`` (per rank and epoch) show how the learners'
+    epochs overlap.
+
+    And samples/s to the end: all learners' batches from the point where every learner is past ``warmup``
+    batches to the end of the last epoch (its last learner's), so that every epoch's end and the waiting for the
+    last learner count (``throughput``'s window ends when the first learner stops and leaves them out)."""
     epochs = min(len(r["epoch_ends"]) for r in ranks)
     ends = [max(r["epoch_ends"][e] for r in ranks) for e in range(epochs)]
     times = [b - a for a, b in zip(ends, ends[1:])]
-    out: dict[str, Any] = {"epoch_s": median(times), "epoch_times_s": times}
-    if epochs > 1:
-        samples = sum(r["batch_size"] * sum(r["epoch_ends"][0] < t <= r["epoch_ends"][epochs - 1] for t in r["times"])
-                      for r in ranks)
-        out["samples_per_s"] = samples / (ends[-1] - ends[0])
+    start = min(r["start"] for r in ranks)
+    out: dict[str, Any] = {
+        "epoch_s": median(times), "epoch_times_s": times,
+        "epoch_ends_s": [[e - start for e in r["epoch_ends"]] for r in ranks],
+        "epoch_batches": [[sum(a < t <= b for t in r["times"]) for a, b in zip([-math.inf] + r["epoch_ends"],
+                                                                              r["epoch_ends"])] for r in ranks]}
+    if ends and all(len(r["times"]) >= warmup for r in ranks):
+        first = max(r["times"][warmup - 1] for r in ranks)
+        samples = sum(r["batch_size"] * sum(first < t <= ends[-1] for t in r["times"]) for r in ranks)
+        out["samples_per_s"] = samples / (ends[-1] - first) if ends[-1] > first else None
     return out
 
 

@@ -85,9 +85,9 @@ DEFAULT = {
     "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap"],
     "epoch_learners": [2, 4], "epoch_slowdowns": [3, 8], "epochs_per_run": 4, "epoch_reps": 2,
     "epoch_samples": 6000, "epoch_calibration_steps": 80, "epoch_target_accuracy": 0.4,
-    "models": [{"params": 10 * M, "learners": 2, "samples": 512, "epochs": 4, "reps": 3},
-               {"params": 50 * M, "learners": 2, "samples": 192, "epochs": 3, "reps": 2},
-               {"params": 10 * M, "learners": 4, "samples": 1024, "epochs": 3, "reps": 2}],
+    "models": [{"params": 10 * M, "learners": 2, "samples": 384, "epochs": 4, "reps": 3},
+               {"params": 50 * M, "learners": 2, "samples": 192, "epochs": 3, "reps": 1},
+               {"params": 10 * M, "learners": 4, "samples": 768, "epochs": 3, "reps": 1}],
 }
 QUICK = {
     "sizes": [10 * M], "transport_rounds": 2,
@@ -104,7 +104,8 @@ QUICK = {
 }
 PHASES = ("transport", "variants", "prototypes", "e2e", "straggler", "epochs", "models")
 TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_samples": 4000, "warmup": 10}
-# models phase: μ per learner, whatever λ; step times (rank 0) after 2 warm-up batches, as an epoch has few
+# models phase: μ per learner, whatever λ; samples/s and step times after 2 warm-up batches (the first
+# allocations, DDP's buckets, the server's first reply), as the runs are short
 MODEL_TRAINING = {"batch_size": 32, "warmup": 2}
 MODEL_STRATEGIES = ["ddp", "hardsync", "async", "async+rpc"]  # without a straggler
 MODEL_STRAGGLER_STRATEGIES = ["ddp", "async"]
@@ -247,8 +248,8 @@ class Suite:
             return None
         run = {"strategy": key, "rep": rep, "seq": seq, "job_wall_s": time.monotonic() - start,
                "parameters": result[0]["parameters"], **report.throughput(result, t["warmup"])}
-        if kwargs.get("max_epochs"):  # whole epochs: samples/s over them replaces the window's
-            run.update(report.epoch_times(result))
+        if kwargs.get("max_epochs"):  # whole epochs: samples/s to the end replaces the window's
+            run.update(report.epoch_times(result, t["warmup"]))
         if target is not None:
             run["tta_target"] = target
             run["tta_s"], run["best_accuracy"] = report.time_to_accuracy(result[0], target)
@@ -418,9 +419,11 @@ class Suite:
             f"MLP classifiers (`benchmarks/synthetic.py`: 1000 inputs, 3 hidden layers of one width, 10 classes) on "
             f"synthetic data (standard normal inputs labelled by a random linear teacher), μ = "
             f"{MODEL_TRAINING['batch_size']} per learner, SGD lr {TRAINING['lr']} momentum "
-            f"{TRAINING['momentum']}, whole epochs, no step limit. *samples/s*: every learner's samples in the "
-            f"epochs after the first (warm-up) over the time from the first epoch's end to the last's (an epoch ends "
-            f"when its last learner ends it), so the waiting at each epoch's end counts. Rudra with its default "
+            f"{TRAINING['momentum']}, whole epochs, no step limit. *samples/s*: all learners' batches from the point "
+            f"where every learner is past {MODEL_TRAINING['warmup']} batches to the end of the last epoch (when its "
+            f"last learner ends it), so every epoch's end and the waiting for the last learner count. *epoch s*: "
+            f"median time between consecutive epoch ends, the first left out (under the shared epoch a fast learner "
+            f"does not wait for the straggler at an epoch's end, so these vary). Rudra with its default "
             f"options (async: the shared epoch; hardsync: DistributedSampler, as DDP; shared memory on), and async "
             f"with `shared_memory=False` (everything through RPC). *vs DDP*: each run against the mean of the DDP "
             f"(gloo) runs just before and after it, median (lowest–highest) over runs. *Straggler*: the last "
@@ -433,9 +436,9 @@ class Suite:
             config = {"target_params": spec["params"], "learners": spec["learners"],
                       "batch_size": MODEL_TRAINING["batch_size"], "samples": spec["samples"], "epochs": spec["epochs"]}
             raw.append({**config, "runs": [], "straggler_runs": []})
-            # for the timeouts until DDP has measured a step: 50 ms per million parameters, 2.5–3.5x what the
-            # 2-core machine of the README takes with 2 learners
-            guess_s = 0.05 * spec["params"] / M
+            # for the timeouts until DDP has measured a step: 100 ms per million parameters, about 3x DDP's step
+            # at 10 M with 2 learners on the README's 2-core machine
+            guess_s = 0.1 * spec["params"] / M
             runs = self._model_runs(pool, setup, spec["reps"], MODEL_STRATEGIES, [0.0] * spec["learners"], guess_s,
                                     raw[-1]["runs"])
             config.update(parameters=runs[0]["parameters"] if runs else spec["params"],

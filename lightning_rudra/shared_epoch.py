@@ -73,7 +73,7 @@ class SharedEpochLoop:
                 sampler.want = 1  # validation inside the epoch: hold few batches, so all learners reach each point
             limits.append(cap)
         combined.limits = None  # the server's pools hold the limits
-        fit_loop.max_batches = max(limits) if combined._mode == "max_size_cycle" else min(limits)
+        fit_loop.max_batches = max(limits)
         # Lightning made the first epoch's iterator while the samplers had a length, so it would not look ahead
         # for the last batch: make it again, for the epoch about to start
         for sampler in self.samplers:

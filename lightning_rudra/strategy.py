@@ -237,6 +237,12 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
                 "(an IterableDataset, or a sampler of your own, keeps one stream per learner), and the others do: "
                 "their epochs would end at different batches on different learners. Use "
                 "RudraStrategy(sampling='static'), or plain map-style datasets for every train dataloader.")
+        if len(samplers) > 1:
+            raise ValueError(
+                f"{len(samplers)} train dataloaders cannot share their epochs yet: Lightning cycles the shorter ones "
+                "until the longest is done, and a drained shared pool does not cycle, so the epoch would end with the "
+                "shortest. Use RudraStrategy(sampling='static') (each learner its own shard of every dataloader), or "
+                "one train dataloader.")
         if samplers:
             self._shared = SharedEpochLoop(trainer, samplers, self.num_learners)
             self._shared.install()

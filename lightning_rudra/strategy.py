@@ -62,7 +62,8 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
             everything through RPC. If shared memory cannot be allocated, a warning says so and RPC is used.
 
     After ``trainer.fit``, :attr:`stats` holds the server's statistics: ``clock`` (updates applied),
-    ``gradients``, ``dropped``, ``rejected`` and ``staleness`` (σ -> count).
+    ``gradients``, ``dropped``, ``rejected``, ``staleness`` (σ -> count) and, under the shared epoch,
+    ``batches`` (learner -> batches it took).
     """
 
     strategy_name = "rudra"

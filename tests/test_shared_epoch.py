@@ -83,14 +83,6 @@ def test_a_learner_slower_than_the_rpc_timeout_does_not_end_the_run(tmp_path):
     assert trainer.checkpoint_callback.best_model_path.endswith(".ckpt")
 
 
-def test_static_sampling_keeps_an_equal_fixed_shard_per_learner(tmp_path):
-    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.01), max_epochs=1,
-                           strategy_kwargs={"sampling": "static"})
-    mine, theirs = batches_of(records, 0)
-    assert len(mine) == len(theirs) == 16
-    assert trainer.strategy.stats.batches == {}
-
-
 class Stream(IterableDataset):
     def __iter__(self):
         x, y = regression_data(64).tensors
@@ -110,13 +102,13 @@ def test_an_iterable_dataset_keeps_one_stream_per_learner():
                         r"to an epoch hook"),
 ])
 def test_what_needs_learners_in_step_is_refused_with_a_remedy(tmp_path, module, callbacks, message):
-    trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=30), 2, max_epochs=1,
+    trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=30), 1, max_epochs=1,
                             enable_checkpointing=bool(callbacks), default_root_dir=tmp_path, callbacks=callbacks)
     with pytest.raises(Exception, match=message):
         trainer.fit(module(), loader(8))
 
 
 def test_several_train_dataloaders_are_refused_with_a_remedy():
-    trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=30), 2, max_epochs=1)
+    trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=30), 1, max_epochs=1)
     with pytest.raises(Exception, match=r"2 train dataloaders cannot share their epochs yet.*sampling='static'"):
         trainer.fit(Regression(), {"a": loader(8), "b": loader(8, num_samples=128)})

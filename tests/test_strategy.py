@@ -49,6 +49,7 @@ def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):
     steps = epochs * 256 // (mu * learners)
     stats = trainer.strategy.stats
     assert stats.clock == steps and stats.gradients == steps * learners and stats.staleness == {0: steps * learners}
+    assert stats.batches == {}  # hardsync: static shards, Lightning's DistributedSampler, as DDP
     probe = torch.load(tmp_path / "probe.pt")
     assert torch.equal(probe["params"][0], flat(model.parameters()))  # the caller's model is the server's
     metrics = trainer.callback_metrics  # logged by learner 0 with torchmetrics, shown in the progress bar

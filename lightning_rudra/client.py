@@ -17,8 +17,7 @@ from torch.futures import Future
 from lightning_rudra import server as _server
 from lightning_rudra.epoch import EpochPlan
 from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Stats
-from lightning_rudra.rpc_world import (SERVER_NAME, check_port_free, init_rpc, learner_name, rpc_counters,
-                                       shutdown_rpc)
+from lightning_rudra.rpc_world import SERVER_NAME, check_port_free, init_rpc, rpc_counters, shutdown_rpc
 from lightning_rudra.shm import SharedNames
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
@@ -104,8 +103,9 @@ class LearnerClient:
         return value
 
     def register(self, config: ProtocolConfig, params: list[Tensor], buffers: list[Tensor],
-                 specs: list[OptimizerSpec], stats: Optional[Stats], shared_memory: bool) -> None:
-        self._sync("register", config, params, buffers, specs, stats, shared_memory)
+                 specs: list[OptimizerSpec], stats: Optional[Stats], shared_memory: bool,
+                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+        self._sync("register", config, params, buffers, specs, stats, shared_memory, optimizer_states)
 
     def attach(self) -> tuple[Optional[SharedNames], Optional[str]]:
         """Once the model is registered: the server's shared memory (None without it) and why it is missing."""
@@ -126,11 +126,11 @@ class LearnerClient:
         return rpc.rpc_async(SERVER_NAME, _server._call_async, timeout=_NO_TIME_LIMIT, args=(
             "push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers))
 
-    def receive(self, pushed: Future) -> tuple[str, int, Optional[list[Tensor]], Optional[list[Tensor]]]:
-        """What became of a pushed gradient (status, staleness) and the weights to continue from (None: read
-        them from shared memory)."""
-        status, staleness, params, buffers, self.timestamp = self.result(pushed)
-        return status, staleness, params, buffers
+    def receive(self, pushed: Future) -> tuple[str, int, float, Optional[list[Tensor]], Optional[list[Tensor]]]:
+        """What became of a pushed gradient (status, staleness), the rate its optimizer's newest update applied
+        (a fraction of the learner's) and the weights to continue from (None: read them from shared memory)."""
+        status, staleness, lr_scale, params, buffers, self.timestamp = self.result(pushed)
+        return status, staleness, lr_scale, params, buffers
 
     def finish(self) -> tuple[Optional[list[Tensor]], Optional[list[Tensor]]]:
         """Stop pushing; wait for every learner to stop and return the final weights (None: in shared memory)."""
@@ -156,6 +156,11 @@ class LearnerClient:
     def stats(self) -> Stats:
         return Stats.from_dict(self._sync("stats"))
 
+    def snapshot(self) -> tuple[list[Tensor], list[Tensor], int, list[dict[str, Any]], Stats]:
+        """Weights, buffers (flat), clock, optimizer states and statistics, all of one clock."""
+        params, buffers, clock, states, stats = self._sync("snapshot")
+        return params, buffers, clock, states, Stats.from_dict(stats)
+
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self._sync("optimizer_state", optimizer)
 
@@ -172,7 +177,7 @@ def join(rank: int, num_learners: int, host: str, port: int, timeout: float) -> 
         check_port_free(host, port)
         process = start_server(init_method, num_learners, timeout)
     try:
-        init_rpc(learner_name(rank), rank, num_learners + 1, init_method, timeout)
+        init_rpc(rank, num_learners, init_method, timeout)
     except BaseException:
         if process is not None:
             process.kill()

@@ -33,26 +33,58 @@ class Learner:
         self.shared_memory = shared_memory
         self.shm: Optional[MappedWeights] = None
         self._attached = False
-        self._in_flight: Optional[Future] = None  # overlap: the push whose reply is not loaded yet
+        self._in_flight: Optional[tuple[Future, int]] = None  # the push (and its optimizer) not yet settled
         self.params = list(module.parameters())
         self.buffers = list(module.buffers())
         self.param_layout = FlatLayout(self.params)
         self.buffer_layout = FlatLayout(self.buffers)
         self.optimizer_params: list[list[Tensor]] = []  # per wrapped optimizer, in its groups' order
         self.grad_layouts: list[FlatLayout] = []
-        self.on_push: Optional[Callable[[str, int], None]] = None  # (status, staleness) of every push
+        # per optimizer: the timestamp of the oldest weights its gradient holds a contribution of (None: none yet)
+        self.grad_timestamps: list[Optional[int]] = []
+        self._hooks: list[Any] = []
+        # (optimizer, status, staleness, lr_scale) of every push: see LearnerClient.receive
+        self.on_push: Optional[Callable[[int, str, int, float], None]] = None
 
     def wrap(self, optimizers: Sequence[Optimizer]) -> list["LearnerOptimizer"]:
         """Wrap the learner's optimizers; their steps push from now on."""
         self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
         self.grad_layouts = [FlatLayout(params) for params in self.optimizer_params]
+        self.grad_timestamps = [None] * len(optimizers)
+        for index, params in enumerate(self.optimizer_params):
+            for p in params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._stamp(index)))
         return [LearnerOptimizer(opt, i, self) for i, opt in enumerate(optimizers)]
 
-    def register(self, config: ProtocolConfig, optimizers: Sequence[Optimizer], stats: Optional[Stats]) -> None:
-        """Learner 0 only: give the server the starting weights and the optimizers to rebuild."""
+    def _stamp(self, index: int) -> Callable[[Tensor], None]:
+        """A gradient comes from the weights its backward ran on, which may be older than the newest received
+        (one backward, then two optimizers' steps; a pull in the middle of gradient accumulation)."""
+        def hook(param: Tensor) -> None:
+            if self.grad_timestamps[index] is None:
+                self.grad_timestamps[index] = self.client.timestamp
+        return hook
+
+    def unwrap(self) -> None:
+        """Training is over: the module's parameters no longer report their gradients to this learner."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def register(self, config: ProtocolConfig, optimizers: Sequence[Optimizer], stats: Optional[Stats],
+                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+        """Learner 0 only: give the server the starting weights and the optimizers to rebuild (on resume, with
+        their saved states and statistics)."""
         specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
         copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (self.params, self.buffers)]
-        self.client.register(config, *copies, specs, stats, self.shared_memory)
+        self.client.register(config, *copies, specs, stats, self.shared_memory, optimizer_states)
+
+    def snapshot(self) -> tuple[list[dict[str, Any]], Stats]:
+        """Load the server's weights, and return its optimizer states and statistics of the same clock."""
+        self.settle()
+        params, buffers, self.client.timestamp, states, stats = self.client.snapshot()
+        self._load(params, buffers)
+        return states, stats
 
     def pull(self) -> None:
         self.settle()
@@ -90,7 +122,10 @@ class Learner:
         params = self.optimizer_params[index]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
-        timestamp = self.client.timestamp  # of the weights this gradient came from, before any newer load
+        # of the weights this gradient came from (no hook saw it: a gradient set by hand, from the current ones)
+        timestamp = self.grad_timestamps[index]
+        timestamp = self.client.timestamp if timestamp is None else timestamp
+        self.grad_timestamps[index] = None
         if self.shm is not None:
             self.settle()  # the server may still read this buffer for the push in flight
             self.grad_layouts[index].pack_into(grads, self.shm.grads[index])
@@ -100,21 +135,21 @@ class Learner:
         future = self.client.push(index, packed, has_grad, [hyperparameters(g) for g in optimizer.param_groups],
                                   self.buffer_layout.pack(self.buffers, _CPU), timestamp)
         self.settle()
-        self._in_flight = future
+        self._in_flight = (future, index)
         if not self.overlap:
             self.settle()
 
     def settle(self) -> None:
         """Wait for the push in flight, if any, and load the weights it brought."""
         if self._in_flight is not None:
-            future, self._in_flight = self._in_flight, None
-            status, staleness, flat_params, flat_buffers = self.client.receive(future)
+            (future, index), self._in_flight = self._in_flight, None
+            status, staleness, lr_scale, flat_params, flat_buffers = self.client.receive(future)
             if flat_params is None:
                 self._read_shared()
             else:
                 self._load(flat_params, flat_buffers)
             if self.on_push is not None:
-                self.on_push(status, staleness)
+                self.on_push(index, status, staleness, lr_scale)
 
     def finish(self) -> None:
         """Stop pushing and take the final weights, once every learner has stopped."""
@@ -158,18 +193,32 @@ class LearnerOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.learner.push(self.index, self.local)
+        self.local._opt_called = True  # what torch's LR schedulers check: the server stepped for this optimizer
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.local.zero_grad(set_to_none=set_to_none)
+        self.learner.grad_timestamps[self.index] = None
 
     def state_dict(self) -> dict[str, Any]:
-        return self.learner.client.optimizer_state(self.index)
+        """The server's state (momentum, moments...) with this learner's parameter groups: their learning rate
+        is the one the learner's schedule set, not the server's modulated one."""
+        return with_groups(self.learner.client.optimizer_state(self.index), self.local)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the server's copy (learner 0 sends it; the others hold no state to restore)."""
+        """Restore this learner's parameter groups and the server's state (learner 0 sends it)."""
+        self.load_groups(state_dict)
         if self.learner.client.rank == 0:
             self.learner.client.load_optimizer_state(self.index, state_dict)
+
+    def load_groups(self, state_dict: dict[str, Any]) -> None:
+        """Only the hyper-parameters of the parameter groups (where LR schedulers step from)."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.local.param_groups):
+            raise ValueError(f"the saved state of optimizer {self.index} has {len(saved)} parameter groups: its "
+                             f"optimizer {type(self.local).__name__} has {len(self.local.param_groups)}.")
+        for group, values in zip(self.local.param_groups, saved):
+            group.update({k: v for k, v in values.items() if k != "params"})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise RuntimeError("parameter groups cannot be added once training under RudraStrategy has started: the "
@@ -177,3 +226,9 @@ class LearnerOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         return f"LearnerOptimizer({self.local!r})"
+
+
+def with_groups(state: dict[str, Any], optimizer: Optimizer) -> dict[str, Any]:
+    """An optimizer state dict from the server (``state``) with the parameter groups of the learner's
+    ``optimizer``: what a checkpoint holds."""
+    return {"state": state["state"], "param_groups": optimizer.state_dict()["param_groups"]}

@@ -132,8 +132,10 @@ class OptimizerSpec:
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's hyper-parameters (lr, momentum, ...), without its tensors or kernel choices."""
-    return {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+    """A parameter group's hyper-parameters (lr, momentum, ...), without its tensors or kernel choices. A
+    one-element tensor (``lr=torch.tensor(0.1)``) travels as the number it holds."""
+    return {k: v.item() if isinstance(v, Tensor) and v.numel() == 1 else v
+            for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
 
 
 @dataclass(frozen=True)
@@ -147,12 +149,19 @@ class Update:
     lr_factor: float
     gradient_scales: tuple[float, ...]
 
+    @property
+    def lr_scale(self) -> float:
+        """The learning rate applied, as a fraction of the learners' rate (either modulation rule)."""
+        return self.lr_factor * sum(self.gradient_scales) / len(self.gradient_scales)
+
 
 @dataclass(frozen=True)
 class PushResult:
-    """What became of one pushed gradient. ``status`` is ``accepted``, ``dropped`` (staler than the bound) or
-    ``rejected`` (non-finite). ``closed`` says this push completed its optimizer's wait (a hardsync round, or c
-    softsync gradients); ``update`` is the update that applied, None if every gradient in it was refused."""
+    """What became of one pushed gradient. ``status`` is ``accepted``, ``dropped`` (staler than the bound),
+    ``rejected`` (non-finite) or ``queued`` (several optimizers: its σ, and so whether it is dropped, is decided
+    when its update applies; ``staleness`` is then σ so far). ``closed`` says this push completed its
+    optimizer's wait (a hardsync round, or c softsync gradients); ``update`` is the update that applied, None
+    if every gradient in it was refused."""
 
     status: str
     staleness: int
@@ -161,13 +170,26 @@ class PushResult:
 
 
 @dataclass
+class _Gradient:
+    """A pushed gradient waiting for its update with its σ still open (see ``Server.push``)."""
+
+    grads: Sequence[Tensor]
+    has_grad: Tensor
+    buffers: Sequence[Tensor]
+    timestamp: int
+
+
+@dataclass
 class _Pending:
-    """Gradients of one optimizer accepted since its last update, summed as they arrive."""
+    """Gradients of one optimizer received since its last update: summed as they arrive, or kept whole
+    (``waiting``) until the update if another optimizer's update may still change their σ."""
 
     grads: Optional[list[Tensor]] = None
     has_grad: Optional[Tensor] = None
     buffers: Optional[list[Tensor]] = None
-    staleness: list[int] = field(default_factory=list)
+    waiting: list[_Gradient] = field(default_factory=list)
+    received: int = 0  # gradients towards the next update (not the rejected ones)
+    staleness: list[int] = field(default_factory=list)  # of the gradients summed
     scales: list[float] = field(default_factory=list)
     learners: set[int] = field(default_factory=set)  # who pushed (hardsync: one gradient each)
     hparams: Optional[list[dict[str, Any]]] = None
@@ -190,6 +212,12 @@ class Server:
     Buffers (e.g. BatchNorm running statistics) follow one rule: every push carries the learner's buffers,
     and each update sets the master buffers to the average (floating point) or the last value (integer) of
     the buffers pushed with the gradients in it.
+
+    Staleness is counted when a gradient is applied: σ = updates of the model (one clock for all optimizers)
+    since the weights it came from. With one optimizer nothing can update between a gradient's arrival and its
+    update, so it is summed on arrival; with several, another optimizer's update can, so gradients waiting
+    for a softsync update are kept whole until it applies (memory: up to c gradients of that optimizer).
+    An update is due once c gradients were received (rejected ones do not count; dropped ones do).
     """
 
     def __init__(self, config: ProtocolConfig, params: Sequence[Tensor], buffers: Sequence[Tensor],
@@ -211,6 +239,8 @@ class Server:
         self.grad_layouts = [FlatLayout([params[i] for i in idx]) for idx in self.optimizer_params]
         self.active = set(range(config.num_learners))
         self._pending = [_Pending() for _ in optimizers]
+        self._defer = len(optimizers) > 1  # σ may change between a gradient's arrival and its update
+        self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
 
     @property
     def clock(self) -> int:
@@ -245,18 +275,22 @@ class Server:
                                          f"{optimizer}; the weights were left unchanged (nonfinite='raise').")
             self.stats.rejected += 1
             status = "rejected"
-        elif self.config.max_staleness is not None and sigma > self.config.max_staleness:
-            self.stats.dropped += 1
-            status = "dropped"
         else:
-            self._accumulate(pending, grads, has_grad, buffers, sigma, hparams)
-            self.stats.staleness[sigma] = self.stats.staleness.get(sigma, 0) + 1
-            status = "accepted"
+            pending.received += 1
+            pending.hparams = list(hparams)
+            if self._defer:
+                pending.waiting.append(_Gradient(grads, has_grad, buffers, timestamp))
+                status = "queued"
+            else:
+                status = self._admit(pending, grads, has_grad, buffers, sigma)
         self.stats.gradients += 1
         pending.learners.add(learner)
         if not self._ready(pending):
             return PushResult(status, sigma)
-        return PushResult(status, sigma, closed=True, update=self._close(optimizer))
+        update = self._close(optimizer)
+        if status == "queued":  # applied just now, with the σ it arrived with
+            status = "dropped" if self._too_stale(sigma) else "accepted"
+        return PushResult(status, sigma, closed=True, update=update)
 
     def finish(self, learner: int) -> list[int]:
         """A learner has stopped pushing. Hardsync rounds now wait only for the learners still active; when the
@@ -278,7 +312,7 @@ class Server:
     def _ready(self, pending: _Pending) -> bool:
         if self.config.protocol == "hardsync":
             return self.active <= pending.learners
-        return len(pending.staleness) >= self.config.gradients_per_update
+        return pending.received >= self.config.gradients_per_update
 
     def _check_learner(self, learner: int) -> None:
         if learner not in self.active:
@@ -310,7 +344,14 @@ class Server:
                                  "expected a number >= 0 in every parameter group.")
         self.buffer_layout.check(buffers, f"the buffers pushed by learner {learner}")
 
-    def _accumulate(self, pending: _Pending, grads, has_grad, buffers, sigma: int, hparams) -> None:
+    def _too_stale(self, sigma: int) -> bool:
+        return self.config.max_staleness is not None and sigma > self.config.max_staleness
+
+    def _admit(self, pending: _Pending, grads, has_grad, buffers, sigma: int) -> str:
+        """Drop a gradient staler than the bound, or add it to the sum; count its σ. Returns its status."""
+        if self._too_stale(sigma):
+            self.stats.dropped += 1
+            return "dropped"
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
         if pending.grads is None:
             pending.grads = [_accumulator(g, scale) for g in grads]
@@ -324,11 +365,14 @@ class Server:
                 total.add_(b) if total.is_floating_point() else total.copy_(b)
         pending.staleness.append(sigma)
         pending.scales.append(scale)
-        pending.hparams = list(hparams)
+        self.stats.staleness[sigma] = self.stats.staleness.get(sigma, 0) + 1
+        return "accepted"
 
     def _close(self, optimizer: int) -> Optional[Update]:
         """Average the pending gradients of ``optimizer`` into one update; None if every one was refused."""
         pending, self._pending[optimizer] = self._pending[optimizer], _Pending()
+        for gradient in pending.waiting:  # σ counted now, as the update applies
+            self._admit(pending, gradient.grads, gradient.has_grad, gradient.buffers, self.clock - gradient.timestamp)
         if pending.grads is None:
             return None
         count = len(pending.staleness)
@@ -357,4 +401,6 @@ class Server:
             self.store.end(self.clock)
         for i in indices:
             self.params[i].grad = None
-        return Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales))
+        update = Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales))
+        self.last_updates[optimizer] = update
+        return update

@@ -6,7 +6,7 @@ Both sides import this module and nothing of each other's, so the server never d
 import errno
 import socket
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed.rpc as rpc
 
@@ -50,12 +50,16 @@ def set_rpc_counters(counters: dict[str, Any]) -> None:
     rpc.api._all_gather_sequence_id.update(counters["all_gather"])
 
 
-def init_rpc(name: str, rank: int, world_size: int, init_method: str, timeout: float) -> None:
+def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeout: float) -> None:
+    """Join as learner number ``learner``, or as the server (None). The server is RPC rank 0, which hosts the
+    rendezvous' TCP store: its port then closes when the server exits after the stage, and a new Trainer in
+    learner 0's process can meet on the same port (torch keeps the store of a shut-down agent listening)."""
+    name, rank = (SERVER_NAME, 0) if learner is None else (learner_name(learner), learner + 1)
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
-        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        rpc.init_rpc(name, rank=rank, world_size=num_learners + 1, rpc_backend_options=options)
 
 
 def shutdown_rpc() -> None:

@@ -23,7 +23,7 @@ from torch.futures import Future
 
 from lightning_rudra.epoch import EpochPlan, EpochPool
 from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats
-from lightning_rudra.rpc_world import SERVER_NAME, init_rpc, set_rpc_counters, shutdown_rpc
+from lightning_rudra.rpc_world import init_rpc, set_rpc_counters, shutdown_rpc
 from lightning_rudra.shm import SharedNames, SharedWeights
 
 
@@ -36,7 +36,8 @@ def _done(value: Any) -> Future:
 class ParameterServer:
     """A :class:`Server` shared by concurrent learners, plus a rendezvous for the strategy's collectives.
 
-    A push reply is ``(status, staleness, params, buffers, clock)``: what became of the gradient, then the
+    A push reply is ``(status, staleness, lr_scale, params, buffers, clock)``: what became of the gradient
+    and the rate of its optimizer's newest update (a fraction of the learners' rate), then the
     newest weights (flat) and their timestamp. hardsync replies wait for the end of the round. Learners that
     mapped the server's shared memory (:mod:`lightning_rudra.shm`) push ``grads=None`` (the gradient is in
     their buffer) and get ``None`` for the weights, which they read themselves.
@@ -65,13 +66,17 @@ class ParameterServer:
         self.answered: set[int] = set()  # learners that said whether they could map it
 
     def register(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
-                 stats: Optional[Stats], shared_memory: bool = True) -> None:
-        """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics. With
-        ``shared_memory`` the weights live in shared memory, or, if it cannot be allocated, in plain memory
-        (the learners are told why)."""
+                 stats: Optional[Stats], shared_memory: bool = True,
+                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+        """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics and the
+        optimizers' states: all in place before any learner pulls. With ``shared_memory`` the weights live in
+        shared memory, or, if it cannot be allocated, in plain memory (the learners are told why)."""
         with self.lock:
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
+            if optimizer_states is not None and len(optimizer_states) != len(specs):
+                raise ValueError(f"{len(optimizer_states)} optimizer states to restore for {len(specs)} optimizers: "
+                                 "the checkpoint was saved from a module with a different configure_optimizers.")
             if shared_memory:
                 try:
                     self.core = self._server_in_shared_memory(config, params, buffers, specs, stats)
@@ -79,6 +84,8 @@ class ParameterServer:
                     self.shared_error = str(error)
             if self.core is None:
                 self.core = Server(config, params, buffers, specs, stats)
+            for i, state in enumerate(optimizer_states or []):
+                self.core.load_optimizer_state(i, state)
         self.registered.set_result(None)
 
     def _server_in_shared_memory(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
@@ -123,9 +130,14 @@ class ParameterServer:
                 return future
             waiters = self.round_waiters.pop(optimizer, []) if result.closed else []
             weights = self._weights([learner] + [w[1] for w in waiters])
+            lr_scale = self._lr_scale(optimizer)
         for future, _, status, staleness in waiters:
-            future.set_result((status, staleness, *weights))
-        return _done((result.status, result.staleness, *weights))
+            future.set_result((status, staleness, lr_scale, *weights))
+        return _done((result.status, result.staleness, lr_scale, *weights))
+
+    def _lr_scale(self, optimizer: int) -> float:
+        update = self._core().last_updates[optimizer]
+        return update.lr_scale if update is not None else 1.0
 
     def _shared_gradient(self, learner: int, optimizer: int) -> list[Any]:
         if learner not in self.mapped or (learner, optimizer) not in self.shared_grads:
@@ -150,15 +162,15 @@ class ParameterServer:
             self._check_alive()
             core = self._core()
             closed = core.finish(learner)
-            released = [w for i in closed for w in self.round_waiters.pop(i, [])]
+            released = [(w[0], i, w[2], w[3]) for i in closed for w in self.round_waiters.pop(i, [])]
             weights = self._weights(list(range(self.num_learners)))
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
             done = self.finished == set(range(self.num_learners))
             everyone = self.finish_waiters if done else []
-        for waiter, _, status, staleness in released:
-            waiter.set_result((status, staleness, *weights))
+        for waiter, optimizer, status, staleness in released:
+            waiter.set_result((status, staleness, self._lr_scale(optimizer), *weights))
         for waiter in everyone:
             waiter.set_result(weights)
         return future
@@ -225,6 +237,16 @@ class ParameterServer:
     def stats(self) -> dict[str, Any]:
         return self._locked(lambda: self._core().stats.to_dict())
 
+    def snapshot(self) -> tuple:
+        """What a checkpoint holds, all of one clock: weights and buffers (flat), the clock, every optimizer's
+        state and the statistics."""
+        def take() -> tuple:
+            core = self._core()
+            params, buffers, clock = core.pull()
+            states = [core.optimizer_state(i) for i in range(len(core.optimizers))]
+            return params, buffers, clock, states, core.stats.to_dict()
+        return self._locked(take)
+
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self._locked(lambda: self._core().optimizer_state(optimizer))
 
@@ -286,7 +308,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     global _server
     _server = ParameterServer(args.learners, args.timeout)
     set_rpc_counters(args.rpc_counters)
-    init_rpc(SERVER_NAME, args.learners, args.learners + 1, args.init_method, args.timeout)
+    init_rpc(None, args.learners, args.init_method, args.timeout)
     _server.last_heard = {learner: time.monotonic() for learner in range(args.learners)}  # all have just joined
     threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.

@@ -9,20 +9,23 @@ Collectives (barrier, broadcast, reduce, all_gather) go through the server inste
 """
 
 from subprocess import Popen
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 import pytorch_lightning as pl
 import torch
+from torch.optim import Optimizer
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator
+from pytorch_lightning.callbacks import ModelCheckpoint, Timer
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_rudra.client import LearnerClient, join, leave
 from lightning_rudra.collectives import ServerCollectives
-from lightning_rudra.learner import Learner, LearnerOptimizer
+from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
 from lightning_rudra.rpc_world import free_port
 from lightning_rudra.sampler import SharedEpochSampler
@@ -121,11 +124,14 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         self._server_process: Optional[Popen] = None
         self._learner: Optional[Learner] = None
         self._resume_stats: Optional[Stats] = None
+        self._resume_optimizer_states: Optional[list[dict[str, Any]]] = None
+        self._checkpoint: Optional[tuple[list[dict[str, Any]], Stats]] = None  # learner 0: the server's snapshot
         self._next_port: Optional[int] = None  # where the learners meet for the next stage (fit, then test...)
         self._failed = False
         self._pools = 0  # train dataloaders drawing from the server in this stage
         self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
         self._accepted = self._staleness_sum = self._staleness_max = 0  # this learner's accepted pushes
+        self._lr_scales: dict[int, float] = {}  # optimizer -> the rate its newest update applied, as a fraction
 
     def __repr__(self) -> str:
         # Lightning quotes this repr when a `lightning.pytorch` Trainer refuses the strategy.
@@ -202,8 +208,9 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
             self._learner = Learner(self.model, self._client, self.overlap, self.shared_memory)
             self._learner.on_push = self._record_push
             if self.is_global_zero:
-                self._learner.register(self._protocol_config(), self.optimizers, self._resume_stats)
-            self._resume_stats = None
+                self._learner.register(self._protocol_config(), self.optimizers, self._resume_stats,
+                                       self._resume_optimizer_states)
+            self._resume_stats = self._resume_optimizer_states = None
             self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
             self.optimizers = self._learner.wrap(self.optimizers)
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
@@ -228,6 +235,7 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
 
     def on_train_start(self) -> None:
         self._accepted = self._staleness_sum = self._staleness_max = 0
+        self._lr_scales = {}
         trainer = self.lightning_module.trainer
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
@@ -247,16 +255,19 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         if samplers:
             self._shared = SharedEpochLoop(trainer, samplers, self.num_learners)
             self._shared.install()
+        elif self.protocol != "hardsync":
+            _warn_of_meetings_per_batch(trainer)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._shared is not None:
             self._shared.on_train_batch_start()
 
-    def _record_push(self, status: str, staleness: int) -> None:
-        if status == "accepted":
+    def _record_push(self, optimizer: int, status: str, staleness: int, lr_scale: float) -> None:
+        if status in ("accepted", "queued"):  # queued (several optimizers): σ when it reached the server
             self._accepted += 1
             self._staleness_sum += staleness
             self._staleness_max = max(self._staleness_max, staleness)
+        self._lr_scales[optimizer] = lr_scale
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
@@ -269,6 +280,10 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
             module.log("staleness_mean", self._staleness_sum / self._accepted, prog_bar=True, on_step=True)
             module.log("staleness_max", float(self._staleness_max), prog_bar=True, on_step=True)
             module.log("server_clock", float(self._client.timestamp), prog_bar=True, on_step=True)
+            # the rate the server applied (LearningRateMonitor shows the learners' rate, before modulation)
+            for index, scale in self._lr_scales.items():
+                name = "lr_applied" if len(self.optimizers) == 1 else f"lr_applied_{index}"
+                module.log(name, self.optimizers[index].param_groups[0]["lr"] * scale, on_step=True)
         return output
 
     def _pull_newest(self) -> None:
@@ -281,14 +296,21 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         self._pull_newest()
 
     def on_train_end(self) -> None:
-        """Every learner stops pushing; pending softsync gradients are applied; all take the final weights."""
+        """Every learner stops pushing; pending softsync gradients are applied; all take the final weights.
+        Learner 0 also keeps the final optimizer states, for ``trainer.save_checkpoint`` after ``fit``."""
         if self._shared is not None:
             self._shared.uninstall()
             self._shared = None
         if self._learner is not None:
             self._learner.finish()
+            if self.is_global_zero:
+                states, self.stats = self._learner.snapshot()
+                for optimizer, state in zip(self.optimizers, states):
+                    optimizer.local.load_state_dict(with_groups(state, optimizer.local))
+            else:
+                self.stats = self._client.stats()
+            self._learner.unwrap()
             self._learner = None
-            self.stats = self._client.stats()
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
@@ -300,7 +322,9 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
             leave(self._client, self._server_process, timeout=min(self.rpc_timeout, 30.0))
         if self._shared is not None:  # training failed: give the Trainer its own loop back
             self._shared.uninstall()
-        self._client = self._server_process = self._learner = self._shared = None
+        if self._learner is not None:
+            self._learner.unwrap()
+        self._client = self._server_process = self._learner = self._shared = self._checkpoint = None
         self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
         super().teardown()
@@ -315,21 +339,43 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._pull_newest()  # a checkpoint holds the server's weights, not this learner's last copy
+        """Learner 0 (which writes checkpoints) takes the server's weights, optimizer states and statistics in
+        one snapshot, all of one clock; the other learners' copies are not written and stay as they are."""
+        self._checkpoint = None
+        if self.is_global_zero and self._learner is not None:
+            self._checkpoint = self._learner.snapshot()
         return super().lightning_module_state_dict()
 
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self.is_global_zero:
+            return {}  # only learner 0's checkpoint is written: nothing to fetch from the server
+        if isinstance(optimizer, LearnerOptimizer):
+            if self._checkpoint is not None:
+                return with_groups(self._checkpoint[0][optimizer.index], optimizer.local)
+            return optimizer.state_dict()
+        return super().optimizer_state(optimizer)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if self.is_global_zero and self._client is not None:
-            stats = self._client.stats() if self._learner is not None else self.stats
-            if stats is not None:
-                checkpoint["rudra"] = {"stats": stats.to_dict()}
+        stats = self._checkpoint[1] if self._checkpoint is not None else self.stats
+        if self.is_global_zero and stats is not None:
+            checkpoint["rudra"] = {"stats": stats.to_dict()}
+        self._checkpoint = None
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """On resume, learner 0 hands the server the optimizer states and statistics with the weights, before
+        any learner pulls or pushes (:meth:`setup`)."""
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if "rudra" in checkpoint:
             self._resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
+        self._resume_optimizer_states = checkpoint.get("optimizer_states")
         return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """The server has the states since setup; the learners take back their parameter groups' values (the
+        learning rate their schedulers step from)."""
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_groups(state)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -338,6 +384,20 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
         for protocol in PROTOCOLS:
             strategy_registry.register(f"rudra_{protocol}", cls, description=f"Rudra parameter server, {protocol}",
                                        override=True, protocol=protocol)
+
+
+def _warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:
+    """With static shards, Lightning features that broadcast a decision after every batch put softsync and async
+    learners in lock-step. (Under the shared epoch each learner decides for itself: no meeting.)"""
+    timed = [f"Trainer(max_time={cb._duration:g} s)" for cb in trainer.callbacks
+             if isinstance(cb, Timer) and cb._duration is not None]
+    timed += [f"ModelCheckpoint(train_time_interval={cb._train_time_interval})" for cb in trainer.callbacks
+              if isinstance(cb, ModelCheckpoint) and cb._train_time_interval is not None]
+    if timed:
+        rank_zero_warn(f"{' and '.join(timed)} with RudraStrategy(sampling='static'): Lightning broadcasts its "
+                       "decision after every training batch, so every batch becomes a meeting of all learners and "
+                       "softsync/async run in lock-step. Use sampling='shared' (the default under softsync and "
+                       "async: each learner decides on its own clock), or max_epochs/max_steps.")
 
 
 class _SpawnLauncher(_MultiProcessingLauncher):

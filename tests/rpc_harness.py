@@ -2,17 +2,26 @@
 
 import io
 import os
+import sys
 import time
 import traceback
+import types
 from queue import Empty
 
-import torch
-import torch.multiprocessing as mp
+_ENGINE_ONLY = "LIGHTNING_RUDRA_TEST_ENGINE_ONLY"
+if os.environ.get(_ENGINE_ONLY) and "lightning_rudra" not in sys.modules:
+    # A spawned learner: the engine without the package's __init__, which imports Lightning (seconds, unused).
+    _package = types.ModuleType("lightning_rudra")
+    _package.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lightning_rudra")]
+    sys.modules["lightning_rudra"] = _package
 
-from lightning_rudra.client import join, leave
-from lightning_rudra.rpc_world import free_port
-from lightning_rudra.learner import Learner
-from lightning_rudra.sampler import SharedEpochSampler
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from lightning_rudra.client import join, leave  # noqa: E402
+from lightning_rudra.learner import Learner  # noqa: E402
+from lightning_rudra.rpc_world import free_port  # noqa: E402
+from lightning_rudra.sampler import SharedEpochSampler  # noqa: E402
 
 DATA_SEED = 1234
 
@@ -35,8 +44,12 @@ def run_learners(num_learners: int, target, timeout: float = 20.0, **kwargs):
     queue = ctx.Queue()
     procs = [ctx.Process(target=_learner_main, args=(rank, num_learners, port, timeout, target, kwargs, queue))
              for rank in range(num_learners)]
-    for proc in procs:
-        proc.start()
+    os.environ[_ENGINE_ONLY] = "1"  # read by the children as they import this module
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        del os.environ[_ENGINE_ONLY]
     results = {}
     while len(results) < num_learners and any(p.is_alive() for p in procs) or not queue.empty():
         try:
@@ -91,7 +104,7 @@ def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, 
     net, learner, wrapped = start(rank, client, config, lr, momentum, overlap, shared_memory)
     lam = config.num_learners
     pushes = []
-    learner.on_push = lambda status, sigma: pushes.append((status, sigma))
+    learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
     for i in range(steps):
         step(net, wrapped, torch.arange(i * mu * lam, (i + 1) * mu * lam)[rank::lam])
     learner.finish()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_rudra.flat import FlatLayout
-from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats
+from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats, hyperparameters
 
 
 def make_server(protocol="softsync", n=1, learners=2, lr_modulation="none", max_staleness=None,
@@ -86,10 +86,58 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
     push(server, 1, [1.0, 1.0], 0)  # σ = 1: kept
     before = weights(server)
     result = push(server, 2, [5.0, 5.0], 0)  # σ = 2 > 1: dropped
-    assert result.status == "dropped" and result.staleness == 2 and not result.closed
+    assert result.status == "dropped" and result.staleness == 2
+    assert result.closed and result.update is None  # it was this update's one gradient: nothing to apply
     assert weights(server) == before and server.clock == 2
     assert server.stats.to_dict() == {"clock": 2, "gradients": 3, "dropped": 1, "rejected": 0,
                                       "staleness": {0: 1, 1: 1}, "batches": {}}
+
+
+def two_optimizer_server(learners=2, n=1, lr_modulation="none", max_staleness=None):
+    """Weights a (optimizer 0) and b (optimizer 1), one element each, plain SGD with lr 1."""
+    a, b = torch.zeros(1), torch.zeros(1)
+    specs = [OptimizerSpec.from_optimizer(torch.optim.SGD([p], lr=1.0), [a, b]) for p in (a, b)]
+    config = ProtocolConfig(learners, "softsync", n, lr_modulation, max_staleness)
+    return Server(config, [a, b], [], specs)
+
+
+def push_to(server, optimizer, learner, grad, timestamp):
+    return server.push(learner, optimizer, [torch.tensor([grad])], torch.tensor([True]), timestamp, [{"lr": 1.0}], [])
+
+
+@pytest.mark.parametrize("lr_modulation, expected_a", [("none", -1.0), ("mean", -0.5), ("per_gradient", -0.5)])
+def test_several_optimizers_count_staleness_when_the_gradient_is_applied(lr_modulation, expected_a):
+    # λ = 2, 1-softsync: c = 2. Optimizer 0's first gradient waits while two updates of optimizer 1 move the clock.
+    server = two_optimizer_server(lr_modulation=lr_modulation)
+    assert push_to(server, 0, 0, 1.0, 0).status == "queued"
+    for learner in (0, 1, 0, 1):
+        push_to(server, 1, learner, 1.0, server.clock)
+    assert server.clock == 2 and server.stats.staleness == {0: 4}
+    result = push_to(server, 0, 1, 1.0, 0)
+    assert result.status == "accepted" and result.update.staleness == (2, 2)  # both from the weights of clock 0
+    assert server.stats.staleness == {0: 4, 2: 2}
+    # none: lr × mean(1, 1); mean: lr / ⟨σ⟩ = lr / 2; per_gradient: mean(1/2, 1/2)
+    assert server.params[0].item() == pytest.approx(expected_a)
+
+
+def test_several_optimizers_drop_by_the_staleness_at_application():
+    server = two_optimizer_server(max_staleness=1)
+    push_to(server, 0, 0, 1.0, 0)
+    for learner in (0, 1, 0, 1):
+        push_to(server, 1, learner, 1.0, server.clock)
+    result = push_to(server, 0, 1, 3.0, 2)
+    assert result.update.staleness == (0,) and server.stats.dropped == 1  # σ = 2 at application > 1
+    assert server.params[0].item() == pytest.approx(-3.0)
+
+
+def test_a_learning_rate_tensor_travels_as_a_number():
+    w = torch.zeros(2)
+    opt = torch.optim.SGD([w], lr=torch.tensor(0.5))
+    spec = OptimizerSpec.from_optimizer(opt, [w])
+    assert spec.groups[0][1]["lr"] == 0.5 and type(spec.groups[0][1]["lr"]) is float
+    server = Server(ProtocolConfig(1, "async"), [w], [], [spec])
+    server.push(0, 0, [torch.ones(2)], torch.tensor([True]), 0, [hyperparameters(opt.param_groups[0])], [])
+    assert weights(server) == [-0.5, -0.5]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -12,8 +12,8 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
-from tests.lightning_models import (FailingLearner, Features, ProbedRudra, Regression, TwoOptimizers, flat, loader,
-                                    quiet_trainer)
+from tests.lightning_models import (FailingLearner, Features, OneBackwardTwoSteps, ProbedRudra, Regression, Scheduled,
+                                    TwoOptimizers, flat, loader, quiet_trainer)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -79,11 +79,12 @@ def test_protocols_train_and_return_the_server_weights(tmp_path, protocol, n, le
     probe = torch.load(tmp_path / "probe.pt")
     assert torch.equal(probe["params"][0], flat(model.parameters()))
     assert 0 <= trainer.callback_metrics["staleness_mean"] <= trainer.callback_metrics["staleness_max"]
+    assert 0 < trainer.callback_metrics["lr_applied"] <= 0.02  # the server's rate: modulated by 1/⟨σ⟩
 
 
-def test_resume_from_checkpoint_continues_exactly(tmp_path):
+def test_resume_from_checkpoint_continues_exactly_with_a_scheduler(tmp_path):
     def run(max_epochs, ckpt_path=None, callbacks=()):
-        model = Regression()
+        model = Scheduled()
         strategy = RudraStrategy(protocol="hardsync", start_method="spawn", rpc_timeout=60)
         trainer = quiet_trainer(strategy, 2, max_epochs=max_epochs, callbacks=list(callbacks),
                                 enable_checkpointing=bool(callbacks), default_root_dir=tmp_path)
@@ -96,6 +97,7 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert saved["rudra"]["stats"]["clock"] == first_stats.clock == 16
     assert saved["optimizer_states"][0]["state"], "the server's momentum buffers are in the checkpoint"
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.005)  # the learners' rate
     resumed, resumed_stats = run(2, ckpt_path=str(tmp_path / "last.ckpt"))
     torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
     assert resumed_stats == straight_stats
@@ -135,6 +137,14 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert probe["lrs"] == [[0.01], [0.05]]
 
 
+def test_a_gradient_is_stamped_with_the_weights_it_came_from(tmp_path):
+    # async, one learner: the first step's push moves the clock, and the second optimizer's gradient (from the
+    # same backward) is one update stale (dropping it under max_staleness=0 is checked in test_protocol).
+    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method="spawn", rpc_timeout=60), 1, max_epochs=1)
+    trainer.fit(OneBackwardTwoSteps(), loader(16))
+    assert trainer.strategy.stats.staleness == {0: 16, 1: 16}
+
+
 @pytest.mark.parametrize("how", ["exit", "raise"])
 def test_a_failing_learner_ends_the_run_with_an_error_and_leaves_no_process(how):
     strategy = RudraStrategy(protocol="hardsync", start_method="spawn", rpc_timeout=10)
@@ -164,15 +174,20 @@ def test_a_port_in_use_is_reported_clearly(monkeypatch):
             trainer.fit(Regression(), loader(8))
 
 
-def test_popen_launcher_from_a_script_then_test(tmp_path):
+def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path):
     """The default start method re-runs the script per learner, as DDP does; pytest cannot be that script."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
     env.pop("MASTER_PORT", None)
-    done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "popen_fit.py"), "softsync", "2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "popen_fit.py"), "hardsync", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line[len("RESULT "):])
     assert result["stats"]["gradients"] == 2 * 2 * 16 and result["stats"]["clock"] == 2 * 16
     assert result["finite"] and result["test_loss"] > 0
+    # saved after fit: the server's momentum, its statistics, and the learners' rate (0.02 after two StepLR steps)
+    assert result["saved_state"] == 4 and result["saved_clock"] == 32
+    assert result["saved_lr"] == pytest.approx(0.02 * 0.1 ** 2)
+    assert result["again_clock"] == 48 and result["again_lr"] == pytest.approx(0.02 * 0.1 ** 3)
+    assert "lr_scheduler.step()" not in done.stderr  # torch's warning: the server steps for the learners

@@ -1,4 +1,5 @@
-"""Train with the popen launcher (Lightning re-runs this script for every learner), then test.
+"""Train with the popen launcher (Lightning re-runs this script for every learner), save a checkpoint after fit,
+test, then resume from that checkpoint with a second Trainer in the same processes.
 
 Learner 0 prints one JSON line: the strategy's stats, the test loss and a checksum of the final weights.
 """
@@ -9,16 +10,26 @@ import sys
 import torch
 
 from lightning_rudra import RudraStrategy
-from tests.lightning_models import Regression, flat, loader, quiet_trainer
+from tests.lightning_models import Scheduled, flat, loader, quiet_trainer
 
 if __name__ == "__main__":
     protocol, learners = sys.argv[1], int(sys.argv[2])
-    model = Regression(lr=0.02, momentum=0.5)
+    model = Scheduled(lr=0.02, momentum=0.5)
     trainer = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60), learners, max_epochs=2)
     trainer.fit(model, loader(8))
     stats = trainer.strategy.stats
+    trainer.save_checkpoint("after_fit.ckpt")  # after fit: the server is gone, its state must not be
     [result] = trainer.test(model, loader(64, seed=1), verbose=False)
+    # A second Trainer in the same processes meets on the same MASTER_PORT, and resumes from that checkpoint.
+    again = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60), learners, max_epochs=3)
+    again.fit(Scheduled(lr=0.02, momentum=0.5), loader(8), ckpt_path="after_fit.ckpt")
     if trainer.is_global_zero:
+        saved = torch.load("after_fit.ckpt", weights_only=False)
         print("RESULT " + json.dumps({"stats": stats.to_dict(), "test_loss": result["test_loss"],
                                       "weights": flat(model.parameters()).sum().item(),
-                                      "finite": bool(torch.isfinite(flat(model.parameters())).all())}))
+                                      "finite": bool(torch.isfinite(flat(model.parameters())).all()),
+                                      "saved_state": len(saved["optimizer_states"][0]["state"]),
+                                      "saved_lr": saved["optimizer_states"][0]["param_groups"][0]["lr"],
+                                      "saved_clock": saved["rudra"]["stats"]["clock"],
+                                      "again_clock": again.strategy.stats.clock,
+                                      "again_lr": again.optimizers[0].param_groups[0]["lr"]}))

@@ -210,9 +210,9 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
             if self.is_global_zero:
                 self._learner.register(self._protocol_config(), self.optimizers, self._resume_stats,
                                        self._resume_optimizer_states)
-            self._resume_stats = self._resume_optimizer_states = None
             self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
             self.optimizers = self._learner.wrap(self.optimizers)
+        self._resume_stats = self._resume_optimizer_states = None  # a checkpoint given to this stage only
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
 
     def model_to_device(self) -> None:

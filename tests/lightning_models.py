@@ -59,30 +59,6 @@ class Scheduled(Regression):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)]
 
 
-class OneBackwardTwoSteps(pl.LightningModule):
-    """Manual optimization: one backward, then two optimizers step; the second gradient comes from the weights
-    before the first step's update (σ one larger)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.automatic_optimization = False
-        self.first = torch.nn.Linear(6, 4)
-        self.second = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        opt_first, opt_second = self.optimizers()
-        opt_first.zero_grad()
-        opt_second.zero_grad()
-        self.manual_backward(torch.nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y))
-        opt_first.step()
-        opt_second.step()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.first.parameters(), lr=0.01), torch.optim.SGD(self.second.parameters(), lr=0.01)
-
-
 class ProbedRudra(RudraStrategy):
     """Saves what the server holds once training has ended (learner 0), for the test to compare."""
 
@@ -155,6 +131,20 @@ class TwoOptimizers(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.first.parameters(), lr=0.01), torch.optim.SGD(self.second.parameters(), lr=0.05)
+
+
+class OneBackwardTwoSteps(TwoOptimizers):
+    """One backward, then both optimizers step: the second gradient comes from the weights before the first
+    step's update (σ one larger)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_first, opt_second = self.optimizers()
+        opt_first.zero_grad()
+        opt_second.zero_grad()
+        self.manual_backward(torch.nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y))
+        opt_first.step()
+        opt_second.step()
 
 
 class FailingLearner(Regression):

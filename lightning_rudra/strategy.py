@@ -9,11 +9,10 @@ Collectives (barrier, broadcast, reduce, all_gather) go through the server inste
 """
 
 from subprocess import Popen
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Optional
 
 import pytorch_lightning as pl
 import torch
-from torch.optim import Optimizer
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.callbacks import ModelCheckpoint, Timer
@@ -24,6 +23,7 @@ from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_rudra.client import LearnerClient, join, leave
+from lightning_rudra.checkpoints import ServerCheckpoints
 from lightning_rudra.collectives import ServerCollectives
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
@@ -34,7 +34,7 @@ from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader
 SAMPLINGS = ("shared", "static")
 
 
-class RudraStrategy(ServerCollectives, ParallelStrategy):
+class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
     """Parameter-server training with the protocols of Rudra (Gupta, Zhang, Wang, ICDM 2016).
 
     Args:
@@ -336,46 +336,6 @@ class RudraStrategy(ServerCollectives, ParallelStrategy):
             self._next_port = self._gather(free_port() if self.is_global_zero else None)[0]
         except Exception:  # a peer is gone: this run is over anyway
             self._next_port = None
-
-    # ---- checkpoints -----------------------------------------------------------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Learner 0 (which writes checkpoints) takes the server's weights, optimizer states and statistics in
-        one snapshot, all of one clock; the other learners' copies are not written and stay as they are."""
-        self._checkpoint = None
-        if self.is_global_zero and self._learner is not None:
-            self._checkpoint = self._learner.snapshot()
-        return super().lightning_module_state_dict()
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not self.is_global_zero:
-            return {}  # only learner 0's checkpoint is written: nothing to fetch from the server
-        if isinstance(optimizer, LearnerOptimizer):
-            if self._checkpoint is not None:
-                return with_groups(self._checkpoint[0][optimizer.index], optimizer.local)
-            return optimizer.state_dict()
-        return super().optimizer_state(optimizer)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        stats = self._checkpoint[1] if self._checkpoint is not None else self.stats
-        if self.is_global_zero and stats is not None:
-            checkpoint["rudra"] = {"stats": stats.to_dict()}
-        self._checkpoint = None
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """On resume, learner 0 hands the server the optimizer states and statistics with the weights, before
-        any learner pulls or pushes (:meth:`setup`)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if "rudra" in checkpoint:
-            self._resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
-        self._resume_optimizer_states = checkpoint.get("optimizer_states")
-        return checkpoint
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """The server has the states since setup; the learners take back their parameter groups' values (the
-        learning rate their schedulers step from)."""
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_groups(state)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

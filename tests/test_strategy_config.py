@@ -1,12 +1,16 @@
 """RudraStrategy as the Trainer and LightningCLI build it: no process starts here."""
 
+from datetime import timedelta
+
 import pytest
 import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 import lightning_rudra
 from lightning_rudra import RudraStrategy
+from lightning_rudra.strategy import _warn_of_meetings_per_batch
 from tests.lightning_models import Regression
 
 
@@ -92,3 +96,13 @@ def test_a_lightning_pytorch_trainer_says_which_trainer_to_use():
 
 def test_the_package_exports_its_public_api():
     assert {"RudraStrategy", "Stats"} <= set(lightning_rudra.__all__)
+
+
+@pytest.mark.parametrize("kwargs, callbacks, message", [
+    (dict(max_time={"minutes": 5}), [], r"Trainer\(max_time=300 s\)"),
+    ({}, [ModelCheckpoint(train_time_interval=timedelta(minutes=1))], r"train_time_interval=0:01:00"),
+])
+def test_features_that_meet_after_every_batch_are_warned_of_under_static_shards(kwargs, callbacks, message):
+    built = trainer(RudraStrategy(protocol="async", sampling="static"), callbacks=callbacks, **kwargs)
+    with pytest.warns(UserWarning, match=message + ".*every batch becomes a meeting"):
+        _warn_of_meetings_per_batch(built)

@@ -68,7 +68,9 @@ class ProbedRudra(RudraStrategy):
         super().on_train_end()
         if self.is_global_zero and self.probe_path:
             params, buffers = self._client.pull()
-            lrs = [[g["lr"] for g in opt.state_dict()["param_groups"]] for opt in self.optimizers]
+            # the rate of each optimizer's last update on the server (a checkpoint holds the learners' rate)
+            lrs = [[g["lr"] for g in self._client.optimizer_state(i)["param_groups"]]
+                   for i in range(len(self.optimizers))]
             torch.save({"params": params, "buffers": buffers, "lrs": lrs, "pid": os.getpid()}, self.probe_path)
 
 

@@ -162,15 +162,15 @@ class ParameterServer:
             self._check_alive()
             core = self._core()
             closed = core.finish(learner)
-            released = [(w[0], i, w[2], w[3]) for i in closed for w in self.round_waiters.pop(i, [])]
+            released = [(w, self._lr_scale(i)) for i in closed for w in self.round_waiters.pop(i, [])]
             weights = self._weights(list(range(self.num_learners)))
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
             done = self.finished == set(range(self.num_learners))
             everyone = self.finish_waiters if done else []
-        for waiter, optimizer, status, staleness in released:
-            waiter.set_result((status, staleness, self._lr_scale(optimizer), *weights))
+        for (waiter, _, status, staleness), lr_scale in released:
+            waiter.set_result((status, staleness, lr_scale, *weights))
         for waiter in everyone:
             waiter.set_result(weights)
         return future

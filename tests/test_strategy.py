@@ -180,7 +180,7 @@ def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path):
     env = {**os.environ, "PYTHONPATH": root}
     env.pop("MASTER_PORT", None)
     done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "popen_fit.py"), "hardsync", "2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     result = json.loads(line[len("RESULT "):])

@@ -61,4 +61,5 @@ class ServerCheckpoints:
         """The server has the states since setup; the learners take back their parameter groups' values (the
         learning rate their schedulers step from)."""
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_groups(state)
+            if isinstance(optimizer, LearnerOptimizer):  # not Lightning's placeholder for no optimizer
+                optimizer.load_groups(state)

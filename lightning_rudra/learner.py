@@ -120,7 +120,9 @@ class Learner:
         ``overlap`` (Rudra-adv*), continue at once from the newest weights already received: the reply to this
         push is loaded at the next push, so that communication overlaps the next step's computation."""
         params = self.optimizer_params[index]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        # sparse gradients (nn.Embedding(sparse=True)) travel dense: the server's flat buffers are dense
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
+                 for p in params]
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
         # of the weights this gradient came from (no hook saw it: a gradient set by hand, from the current ones)
         timestamp = self.grad_timestamps[index]

@@ -27,6 +27,12 @@ from lightning_rudra.rpc_world import init_rpc, set_rpc_counters, shutdown_rpc
 from lightning_rudra.shm import SharedNames, SharedWeights
 
 
+def _fail(futures: list[Future], reason: Optional[str]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(RuntimeError(reason))
+
+
 def _done(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
@@ -123,14 +129,19 @@ class ParameterServer:
             if grads is None:
                 grads = self._shared_gradient(learner, optimizer)
             result = core.push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
-            if core.config.protocol == "hardsync" and not result.closed:
-                future: Future = Future()
-                self.round_waiters.setdefault(optimizer, []).append((future, learner, result.status,
+            in_round = core.config.protocol == "hardsync" and not result.closed
+            if in_round:
+                reply: Future = Future()
+                self.round_waiters.setdefault(optimizer, []).append((reply, learner, result.status,
                                                                      result.staleness))
-                return future
-            waiters = self.round_waiters.pop(optimizer, []) if result.closed else []
-            weights = self._weights([learner] + [w[1] for w in waiters])
-            lr_scale = self._lr_scale(optimizer)
+                failed = self._give_up_if_deadlocked()
+            else:
+                waiters = self.round_waiters.pop(optimizer, []) if result.closed else []
+                weights = self._weights([learner] + [w[1] for w in waiters])
+                lr_scale = self._lr_scale(optimizer)
+        if in_round:
+            _fail(failed, self.lost)
+            return reply
         for future, _, status, staleness in waiters:
             future.set_result((status, staleness, lr_scale, *weights))
         return _done((result.status, result.staleness, lr_scale, *weights))
@@ -187,8 +198,10 @@ class ParameterServer:
             complete = len(seen) == self.num_learners
             if complete:
                 del self.gatherings[sequence]
+            failed = [] if complete else self._give_up_if_deadlocked()
         if complete:
             future.set_result(objs)
+        _fail(failed, self.lost)
         return future
 
     def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int) -> tuple[Optional[Any], int, str]:
@@ -217,22 +230,45 @@ class ParameterServer:
                                 if learner not in self.left and now - heard > self.timeout)
                 if not silent:
                     continue
-                self.lost = (f"learner {silent[0]} has not been heard from for more than {self.timeout:g} s "
-                             "(rpc_timeout): its process died or hung, and training cannot go on without it")
-                waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
-                waiters += [f for f, _, _ in self.gatherings.values()] + self.finish_waiters
-                self.round_waiters, self.gatherings, self.finish_waiters = {}, {}, []
-            if not self.registered.done():
-                waiters.append(self.registered)
-            for future in waiters:
-                if not future.done():
-                    future.set_exception(RuntimeError(self.lost))
+                failed = self._give_up(f"learner {silent[0]} has not been heard from for more than {self.timeout:g} "
+                                       "s (rpc_timeout): its process died or hung, and training cannot go on without it")
+            _fail(failed, self.lost)
 
     def leave(self, learner: int) -> None:
         with self.lock:
             self.left.add(learner)
             if len(self.left) == self.num_learners:
                 self.all_left.set()
+            failed = []
+            if self.core is not None and learner in self.core.active and self.lost is None:
+                failed = self._give_up(f"learner {learner} left before training ended (it stopped with an error: see "
+                                       "its own output), and training cannot go on without it")
+        _fail(failed, self.lost)
+
+    def _give_up(self, reason: str) -> list[Future]:
+        """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
+        caller fails the returned futures once it has released it (:func:`_fail`)."""
+        self.lost = reason
+        waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
+        waiters += [f for f, _, _ in self.gatherings.values()] + self.finish_waiters
+        self.round_waiters, self.gatherings, self.finish_waiters = {}, {}, []
+        return waiters + ([self.registered] if not self.registered.done() else [])
+
+    def _give_up_if_deadlocked(self) -> list[Future]:
+        """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
+        the learner waiting in the round can never join the collective. Called under the lock."""
+        in_round = sorted({w[1] for ws in self.round_waiters.values() for w in ws})
+        at_collective = sorted({learner for _, _, seen in self.gatherings.values() for learner in seen}
+                               & (self.core.active if self.core is not None else set()))
+        if not (in_round and at_collective):
+            return []
+        return self._give_up(
+            f"learner {at_collective[0]} waits for the others at a collective (validation, a value logged with "
+            f"sync_dist, a checkpoint, the end of an epoch) while learner {in_round[0]} waits in a hardsync round for "
+            "its gradient, so neither can go on. Under hardsync every learner must train on the same number of "
+            "batches per epoch, and theirs differ: an IterableDataset, or a sampler of your own, that yields a "
+            "different number of batches on each learner? Make every learner's stream yield the same number of "
+            "batches, or use protocol='softsync' or 'async', whose learners do not wait for each other.")
 
     def stats(self) -> dict[str, Any]:
         return self._locked(lambda: self._core().stats.to_dict())

@@ -15,12 +15,11 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from pytorch_lightning.accelerators import Accelerator
-from pytorch_lightning.callbacks import ModelCheckpoint, Timer
+from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
-from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_rudra.client import LearnerClient, join, leave
 from lightning_rudra.checkpoints import ServerCheckpoints
@@ -30,6 +29,9 @@ from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_
 from lightning_rudra.rpc_world import free_port
 from lightning_rudra.sampler import SharedEpochSampler
 from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader
+from lightning_rudra.spawn import SpawnLauncher
+from lightning_rudra.support import (check_module, check_optimizers, check_trainer, is_placeholder,
+                                    warn_of_meetings_per_batch)
 
 SAMPLINGS = ("shared", "static")
 
@@ -130,6 +132,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self._failed = False
         self._pools = 0  # train dataloaders drawing from the server in this stage
         self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
+        self._end_of_training: Optional[tuple[pl.Trainer, _EndOfTraining]] = None  # the callback, while training
         self._accepted = self._staleness_sum = self._staleness_max = 0  # this learner's accepted pushes
         self._lr_scales: dict[int, float] = {}  # optimizer -> the rate its newest update applied, as a fraction
 
@@ -184,7 +187,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         if self.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _SpawnLauncher(self)
+            self._launcher = SpawnLauncher(self)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -204,14 +207,21 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self._sync_metrics_through_server()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            # every learner checks the same things, so a refusal ends them all before any waits for another
+            check_trainer(trainer)
+            check_module(self.model)
             self.setup_optimizers(trainer)
+            check_optimizers(self.optimizers, list(self.model.parameters()))
+            # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
+            stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
             self._learner = Learner(self.model, self._client, self.overlap, self.shared_memory)
             self._learner.on_push = self._record_push
             if self.is_global_zero:
-                self._learner.register(self._protocol_config(), self.optimizers, self._resume_stats,
+                self._learner.register(self._protocol_config(), stepping, self._resume_stats,
                                        self._resume_optimizer_states)
             self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
-            self.optimizers = self._learner.wrap(self.optimizers)
+            if stepping:
+                self.optimizers = self._learner.wrap(stepping)
         self._resume_stats = self._resume_optimizer_states = None  # a checkpoint given to this stage only
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
 
@@ -256,7 +266,10 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             self._shared = SharedEpochLoop(trainer, samplers, self.num_learners)
             self._shared.install()
         elif self.protocol != "hardsync":
-            _warn_of_meetings_per_batch(trainer)
+            warn_of_meetings_per_batch(trainer)
+        # before every other callback's on_train_end, which may still change the weights (weight averaging)
+        self._end_of_training = (trainer, _EndOfTraining())
+        trainer.callbacks.insert(0, self._end_of_training[1])
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._shared is not None:
@@ -296,8 +309,13 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self._pull_newest()
 
     def on_train_end(self) -> None:
+        self._end_training()  # done already, unless training ended before on_train_start
+
+    def _end_training(self) -> None:
         """Every learner stops pushing; pending softsync gradients are applied; all take the final weights.
-        Learner 0 also keeps the final optimizer states, for ``trainer.save_checkpoint`` after ``fit``."""
+        Learner 0 also keeps the final optimizer states, for ``trainer.save_checkpoint`` after ``fit``. Runs
+        before the callbacks' ``on_train_end``: what they do to the weights (SWA, EMA) is what fit returns."""
+        self._remove_end_of_training()
         if self._shared is not None:
             self._shared.uninstall()
             self._shared = None
@@ -312,6 +330,11 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             self._learner.unwrap()
             self._learner = None
 
+    def _remove_end_of_training(self) -> None:
+        if self._end_of_training is not None:
+            (trainer, callback), self._end_of_training = self._end_of_training, None
+            trainer.callbacks = [cb for cb in trainer.callbacks if cb is not callback]
+
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
 
@@ -324,6 +347,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             self._shared.uninstall()
         if self._learner is not None:
             self._learner.unwrap()
+        self._remove_end_of_training()
         self._client = self._server_process = self._learner = self._shared = self._checkpoint = None
         self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
@@ -346,31 +370,8 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
                                        override=True, protocol=protocol)
 
 
-def _warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:
-    """With static shards, Lightning features that broadcast a decision after every batch put softsync and async
-    learners in lock-step. (Under the shared epoch each learner decides for itself: no meeting.)"""
-    timed = [f"Trainer(max_time={cb._duration:g} s)" for cb in trainer.callbacks
-             if isinstance(cb, Timer) and cb._duration is not None]
-    timed += [f"ModelCheckpoint(train_time_interval={cb._train_time_interval})" for cb in trainer.callbacks
-              if isinstance(cb, ModelCheckpoint) and cb._train_time_interval is not None]
-    if timed:
-        rank_zero_warn(f"{' and '.join(timed)} with RudraStrategy(sampling='static'): Lightning broadcasts its "
-                       "decision after every training batch, so every batch becomes a meeting of all learners and "
-                       "softsync/async run in lock-step. Use sampling='shared' (the default under softsync and "
-                       "async: each learner decides on its own clock), or max_epochs/max_steps.")
+class _EndOfTraining(Callback):
+    """The first callback while training: ends training on the server before the others' ``on_train_end``."""
 
-
-class _SpawnLauncher(_MultiProcessingLauncher):
-    """Brings the server's statistics back to the process that called ``fit``, with the model weights."""
-
-    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        extra = super().get_extra_results(trainer)
-        stats = self._strategy.stats
-        extra["rudra_stats"] = stats.to_dict() if stats is not None else None
-        return extra
-
-    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
-        super().update_main_process_results(trainer, extra)
-        if extra.get("rudra_stats") is not None:
-            self._strategy.stats = Stats.from_dict(extra["rudra_stats"])
-
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        trainer.strategy._end_training()

@@ -2,9 +2,11 @@
 
 import os
 import time
+from typing import Optional
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import StochasticWeightAveraging, WeightAveraging
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_rudra import RudraStrategy
@@ -23,6 +25,22 @@ def loader(batch_size: int, num_samples: int = 256, seed: int = 0) -> DataLoader
 
 def flat(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def single_process_sgd(epochs: int, batch_size: int, model: Optional[pl.LightningModule] = None,
+                       **kwargs) -> torch.Tensor:
+    """Plain SGD over the batches of μλ samples that the λ learners' shards make up together: Lightning's
+    DistributedSampler shuffles training data with the permutation seeded by the epoch."""
+    model = model if model is not None else Regression(**kwargs)
+    opt = model.configure_optimizers()
+    x, y = loader(batch_size).dataset.tensors
+    for epoch in range(epochs):
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        for rows in order.split(batch_size):
+            opt.zero_grad()
+            model.loss((x[rows], y[rows])).backward()
+            opt.step()
+    return flat(model.parameters())
 
 
 class Regression(pl.LightningModule):
@@ -220,3 +238,82 @@ class GathersInStep(Regression):
     def training_step(self, batch, batch_idx):
         self.all_gather(torch.tensor([1.0]))
         return super().training_step(batch, batch_idx)
+
+
+class Unusual(Regression):
+    """Parameters beyond plain float32 leaves: an embedding with sparse gradients, a float64 parameter, and a
+    weight-normalized layer (the module's parameters are the parametrization's originals)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(12, 6, sparse=True)
+        self.scale = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
+        self.net[2] = torch.nn.utils.parametrizations.weight_norm(self.net[2])
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        rows = (x[:, 0].abs() * 4).long().clamp(max=11)
+        out = self.net(x + self.embedding(rows)) * self.scale.to(x.dtype)
+        return torch.nn.functional.mse_loss(out, y)
+
+
+class Compiled(Regression):
+    """``torch.compile`` in ``configure_model``, where Lightning's docs put it (the aot_eager backend: Dynamo and
+    AOTAutograd without a C++ compile, so the test stays short)."""
+
+    def configure_model(self) -> None:
+        self.net = torch.compile(self.net, backend="aot_eager")
+
+
+class WithoutOptimizer(Regression):
+    """``configure_optimizers`` returns None (Lightning trains without stepping), or an optimizer with no
+    parameters."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def configure_optimizers(self):
+        return None if self.how == "none" else torch.optim.SGD([{"params": []}], lr=0.1)
+
+
+class SavesItsAverage:
+    """Mixed into a weight-averaging callback: learner 0 saves the averaged weights once training has ended."""
+
+    def __init__(self, path: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        if trainer.global_rank == 0:
+            average = self._average_model
+            average = average.module if isinstance(average, torch.optim.swa_utils.AveragedModel) else average
+            torch.save(flat(average.parameters()), self.path)
+
+
+class SWA(SavesItsAverage, StochasticWeightAveraging):
+    pass
+
+
+class Averaging(SavesItsAverage, WeightAveraging):
+    pass
+
+
+class UnevenStreams(Regression):
+    """Learner k's training stream yields 5 + k batches: lengths differ, as with a sharded IterableDataset."""
+
+    def train_dataloader(self):
+        return DataLoader(Stream(8 * (5 + self.global_rank)), batch_size=8)
+
+    def val_dataloader(self):
+        return loader(8, num_samples=16)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def __iter__(self):
+        x, y = regression_data().tensors
+        return iter(zip(x[:self.num_samples], y[:self.num_samples]))

@@ -13,7 +13,7 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import (FailingLearner, Features, OneBackwardTwoSteps, ProbedRudra, Regression, Scheduled,
-                                    TwoOptimizers, flat, loader, quiet_trainer)
+                                    TwoOptimizers, flat, loader, quiet_trainer, single_process_sgd)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -22,21 +22,6 @@ def probed(tmp_path, **kwargs) -> ProbedRudra:
     strategy = ProbedRudra(start_method="spawn", rpc_timeout=60, **kwargs)
     strategy.probe_path = str(tmp_path / "probe.pt")
     return strategy
-
-
-def single_process_sgd(epochs: int, batch_size: int, **kwargs) -> torch.Tensor:
-    """Plain SGD over the batches of μλ samples that the λ learners' shards make up together: Lightning's
-    DistributedSampler shuffles training data with the permutation seeded by the epoch."""
-    model = Regression(**kwargs)
-    opt = model.configure_optimizers()
-    x, y = loader(batch_size).dataset.tensors
-    for epoch in range(epochs):
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
-        for rows in order.split(batch_size):
-            opt.zero_grad()
-            model.loss((x[rows], y[rows])).backward()
-            opt.step()
-    return flat(model.parameters())
 
 
 def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):

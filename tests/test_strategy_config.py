@@ -10,7 +10,7 @@ from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _Su
 
 import lightning_rudra
 from lightning_rudra import RudraStrategy
-from lightning_rudra.strategy import _warn_of_meetings_per_batch
+from lightning_rudra.support import warn_of_meetings_per_batch
 from tests.lightning_models import Regression
 
 
@@ -105,4 +105,4 @@ def test_the_package_exports_its_public_api():
 def test_features_that_meet_after_every_batch_are_warned_of_under_static_shards(kwargs, callbacks, message):
     built = trainer(RudraStrategy(protocol="async", sampling="static"), callbacks=callbacks, **kwargs)
     with pytest.warns(UserWarning, match=message + ".*every batch becomes a meeting"):
-        _warn_of_meetings_per_batch(built)
+        warn_of_meetings_per_batch(built)

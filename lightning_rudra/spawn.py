@@ -1,0 +1,44 @@
+"""``start_method="spawn"``: Lightning's multiprocessing launcher, bringing back what the calling process needs."""
+
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher
+from pytorch_lightning.strategies.launchers.multiprocessing import _WorkerOutput
+from pytorch_lightning.utilities import rank_zero_warn
+
+from lightning_rudra.protocol import Stats
+
+_COMPILED = "_orig_mod."  # what torch.compile's wrapper adds to the names of the module it compiles
+
+
+class SpawnLauncher(_MultiProcessingLauncher):
+    """Brings the server's statistics back to the process that called ``fit``, with learner 0's weights, also
+    when ``configure_model`` compiled parts of the module (Lightning loads them by name, and without this the
+    compiled parts' names would not match and their trained weights would be silently dropped)."""
+
+    def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        stats = self._strategy.stats
+        extra["rudra_stats"] = stats.to_dict() if stats is not None else None
+        return extra
+
+    def update_main_process_results(self, trainer: "pl.Trainer", extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        if extra.get("rudra_stats") is not None:
+            self._strategy.stats = Stats.from_dict(extra["rudra_stats"])
+
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: "pl.Trainer") -> None:
+        if worker_output.weights_path is not None:
+            io = self._strategy.checkpoint_io
+            weights = io.load_checkpoint(worker_output.weights_path)
+            ours = trainer.lightning_module.state_dict()
+            renamed = {name if name in ours else name.replace(_COMPILED, ""): value for name, value in weights.items()}
+            lost = sorted(set(renamed) - set(ours))
+            if lost:
+                rank_zero_warn(f"{len(lost)} trained tensors of learner 0 ({', '.join(lost[:3])}"
+                               f"{', ...' if len(lost) > 3 else ''}) have no place in the module of this process: "
+                               "configure_model changed the module's composition in the learners. They were not "
+                               "returned; use start_method='popen' (the default), or load them from a checkpoint.")
+            io.save_checkpoint(renamed, worker_output.weights_path)
+        super()._recover_results_in_main_process(worker_output, trainer)

@@ -1,0 +1,97 @@
+"""What a LightningModule and a Trainer may combine with RudraStrategy.
+
+Every learner runs the same checks on the same module, optimizers and callbacks at setup, before any learner
+waits on another, so a combination that cannot work under a parameter server ends every learner at once, with
+an error that names the part at fault and what to do instead. The README's table "What works, what is
+refused" lists each case and its test.
+"""
+
+import inspect
+from typing import Sequence
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import LearningRateFinder, ModelCheckpoint, Timer
+from pytorch_lightning.core.optimizer import _MockOptimizer
+from pytorch_lightning.utilities import rank_zero_warn
+from torch.nn.parameter import is_lazy
+from torch.optim import Optimizer
+
+from lightning_rudra.protocol import OptimizerSpec
+
+
+def is_placeholder(optimizer: Optimizer) -> bool:
+    """Lightning's stand-in when ``configure_optimizers`` returns None: training runs and nothing steps."""
+    return isinstance(optimizer, _MockOptimizer)
+
+
+def check_trainer(trainer: "pl.Trainer") -> None:
+    for callback in trainer.callbacks:
+        if isinstance(callback, LearningRateFinder):
+            raise ValueError(
+                f"{type(callback).__name__} (what Tuner.lr_find adds) cannot run under RudraStrategy: its range test "
+                "trains inside fit and then puts the weights back from a checkpoint on each learner, while the "
+                "weights that count live on the parameter server. Find the rate on one device first "
+                "(Tuner(pl.Trainer(devices=1)).lr_find(model)), then train with RudraStrategy.")
+
+
+def check_module(module: torch.nn.Module) -> None:
+    """The server needs every parameter's shape, on the learner's one device, before training starts."""
+    lazy = [name for name, p in module.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"the parameters {', '.join(lazy)} are not initialized yet (lazy modules such as nn.LazyLinear), and "
+            "the parameter server needs their shapes before training starts. Materialize them before fit: run a "
+            "forward pass on an example batch at the end of __init__ or in configure_model, or give the layers "
+            "their input sizes (nn.Linear instead of nn.LazyLinear).")
+    devices: dict[str, list[str]] = {}
+    for name, p in module.named_parameters():
+        devices.setdefault(str(p.device), []).append(name)
+    if len(devices) > 1:
+        where = "; ".join(f"{device}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                          for device, names in devices.items())
+        raise ValueError(f"the module's parameters are on several devices ({where}): RudraStrategy trains one whole "
+                         "copy of the module per learner, on that learner's device, as DDP does. Keep every "
+                         "parameter on one device (no model parallelism inside a learner).")
+
+
+def check_optimizers(optimizers: Sequence[Optimizer], params: Sequence[torch.Tensor]) -> None:
+    """The server steps its own copy of each optimizer, rebuilt as ``cls(param_groups)``, with the gradients the
+    learners push and no closure."""
+    for index, optimizer in enumerate(optimizers):
+        if is_placeholder(optimizer):
+            continue
+        name = f"optimizer {index} ({type(optimizer).__name__})"
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise ValueError(f"{name} needs sparse gradients, but the learners push dense ones (sparse gradients "
+                             "are made dense on the learner). Use torch.optim.Adam, or SGD / Adagrad, which give "
+                             "the same result with dense gradients as with sparse ones.")
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"{name} needs a closure in every step: it re-evaluates the loss at weights of its own choosing "
+                "(LBFGS does, several times per step), and the parameter server only receives gradients. Use a "
+                "first-order optimizer (SGD, Adam, ...), or train this module with DDP.")
+        spec = OptimizerSpec.from_optimizer(optimizer, params)  # refuses tensors that are not module parameters
+        try:
+            spec.build([torch.empty_like(p, device="meta") for p in params])
+        except Exception as error:
+            raise ValueError(
+                f"the parameter server cannot rebuild {name} as {type(optimizer).__name__}(param_groups): {error}. It "
+                "steps its own copy, made from the parameter groups' values alone; an optimizer whose constructor "
+                "needs more (another optimizer it wraps, the model) cannot run there. Use a plain torch optimizer, "
+                "or one whose settings all live in its parameter groups.") from error
+
+
+def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:
+    """With static shards, Lightning features that broadcast a decision after every batch put softsync and async
+    learners in lock-step. (Under the shared epoch each learner decides for itself: no meeting.)"""
+    timed = [f"Trainer(max_time={cb._duration:g} s)" for cb in trainer.callbacks
+             if isinstance(cb, Timer) and cb._duration is not None]
+    timed += [f"ModelCheckpoint(train_time_interval={cb._train_time_interval})" for cb in trainer.callbacks
+              if isinstance(cb, ModelCheckpoint) and cb._train_time_interval is not None]
+    if timed:
+        rank_zero_warn(f"{' and '.join(timed)} with RudraStrategy(sampling='static'): Lightning broadcasts its "
+                       "decision after every training batch, so every batch becomes a meeting of all learners and "
+                       "softsync/async run in lock-step. Use sampling='shared' (the default under softsync and "
+                       "async: each learner decides on its own clock), or max_epochs/max_steps.")

@@ -26,10 +26,23 @@ _NO_TIME_LIMIT = 0
 
 
 # Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server`, not in a copy named
-# __main__. The package is entered without running its __init__, which imports Lightning (seconds, unused).
-_SERVER_ENTRY = """import sys, types
+# __main__. The package is entered without running its __init__, which imports Lightning (seconds), until a
+# module of the user's that the server imports (one that defines an optimizer) asks for the public API.
+_SERVER_ENTRY = """import os, sys, threading, types
 package = types.ModuleType("lightning_rudra")
 package.__path__ = [{package!r}]
+lock = threading.Lock()  # RPC threads may ask at once, and torch's lazy imports are not thread-safe
+def __getattr__(name):
+    if name.startswith("__"):  # the import machinery probing (__file__, __spec__...): not the public API
+        raise AttributeError(name)
+    with lock:
+        if "__all__" not in package.__dict__:
+            init = os.path.join({package!r}, "__init__.py")
+            exec(compile(open(init).read(), init, "exec"), package.__dict__)
+    if name not in package.__dict__:
+        raise AttributeError(name)
+    return package.__dict__[name]
+package.__getattr__ = __getattr__
 sys.modules["lightning_rudra"] = package
 from lightning_rudra.server import main
 main()"""

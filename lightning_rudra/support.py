@@ -79,7 +79,7 @@ def check_optimizers(optimizers: Sequence[Optimizer], params: Sequence[torch.Ten
             raise ValueError(
                 f"the parameter server cannot rebuild {name} as {type(optimizer).__name__}(param_groups): {error}. It "
                 "steps its own copy, made from the parameter groups' values alone; an optimizer whose constructor "
-                "needs more (another optimizer it wraps, the model) cannot run there. Use a plain torch optimizer, "
+                "needs more (an argument without a default, another optimizer it wraps, the model) cannot run there. Use a plain torch optimizer, "
                 "or one whose settings all live in its parameter groups.") from error
 
 

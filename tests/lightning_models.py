@@ -6,6 +6,7 @@ from typing import Optional
 
 import pytorch_lightning as pl
 import torch
+import torch.utils.checkpoint
 from pytorch_lightning.callbacks import StochasticWeightAveraging, WeightAveraging
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -240,21 +241,43 @@ class GathersInStep(Regression):
         return super().training_step(batch, batch_idx)
 
 
+class WarmingUp(torch.optim.SGD):
+    """SGD whose rate warms up over its first steps, counted in an attribute (state outside ``optimizer.state``)."""
+
+    def __init__(self, params, lr: float = 0.01, momentum: float = 0.0) -> None:
+        super().__init__(params, lr=lr, momentum=momentum)
+        self.steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        for group in self.param_groups:
+            group["lr"] = group.setdefault("target_lr", group["lr"]) * min(1.0, self.steps / 10)
+        return super().step(closure)
+
+
 class Unusual(Regression):
-    """Parameters beyond plain float32 leaves: an embedding with sparse gradients, a float64 parameter, and a
-    weight-normalized layer (the module's parameters are the parametrization's originals)."""
+    """Beyond plain float32 leaves: an embedding with sparse gradients, a float64 parameter, a weight-normalized
+    layer (the module's parameters are the parametrization's originals), a tied weight, activation
+    checkpointing, and an optimizer with state in an attribute."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embedding = torch.nn.Embedding(12, 6, sparse=True)
         self.scale = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
         self.net[2] = torch.nn.utils.parametrizations.weight_norm(self.net[2])
+        self.first = torch.nn.Linear(6, 6, bias=False)
+        self.second = torch.nn.Linear(6, 6, bias=False)
+        self.second.weight = self.first.weight  # tied
 
     def loss(self, batch) -> torch.Tensor:
         x, y = batch
         rows = (x[:, 0].abs() * 4).long().clamp(max=11)
-        out = self.net(x + self.embedding(rows)) * self.scale.to(x.dtype)
+        h = x + self.embedding(rows) + 0.1 * self.second(torch.tanh(self.first(x)))
+        out = torch.utils.checkpoint.checkpoint(self.net, h, use_reentrant=False) * self.scale.to(x.dtype)
         return torch.nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self):
+        return WarmingUp(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 class Compiled(Regression):

@@ -240,11 +240,9 @@ class ParameterServer:
             if len(self.left) == self.num_learners:
                 self.all_left.set()
             failed = []
-            training = self.core is not None and learner in self.core.active
-            awaited = any(learner not in seen for _, _, seen in self.gatherings.values())  # a collective it skipped
-            if (training or awaited) and self.lost is None:
-                failed = self._give_up(f"learner {learner} left while the others still needed it (it stopped with an "
-                                       "error: see its own output), and training cannot go on without it")
+            if self.core is not None and learner in self.core.active and self.lost is None:
+                failed = self._give_up(f"learner {learner} left before training ended (it stopped with an error: see "
+                                       "its own output), and training cannot go on without it")
         _fail(failed, self.lost)
 
     def _give_up(self, reason: str) -> list[Future]:

@@ -83,7 +83,7 @@ class Learner:
         """Load the server's weights, and return its optimizer states and statistics of the same clock."""
         self.settle()
         params, buffers, self.client.timestamp, states, stats = self.client.snapshot()
-        self._load(params, buffers)
+        self.load(params, buffers)
         return states, stats
 
     def pull(self) -> None:
@@ -93,7 +93,7 @@ class Learner:
         if self.shm is not None:
             self._read_shared()
         else:
-            self._load(*self.client.pull())
+            self.load(*self.client.pull())
 
     def _attach(self) -> None:
         """Map the server's shared memory if it has some and runs on this host; tell it either way."""
@@ -113,7 +113,7 @@ class Learner:
 
     def _read_shared(self) -> None:
         assert self.shm is not None
-        self.client.timestamp = self.shm.read(self._load)
+        self.client.timestamp = self.shm.read(self.load)
 
     def push(self, index: int, optimizer: Optimizer) -> None:
         """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
@@ -149,7 +149,7 @@ class Learner:
             if flat_params is None:
                 self._read_shared()
             else:
-                self._load(flat_params, flat_buffers)
+                self.load(flat_params, flat_buffers)
             if self.on_push is not None:
                 self.on_push(index, status, staleness, lr_scale)
 
@@ -160,10 +160,11 @@ class Learner:
         if flat_params is None:
             self._read_shared()
         else:
-            self._load(flat_params, flat_buffers)
+            self.load(flat_params, flat_buffers)
 
     @torch.no_grad()
-    def _load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
+    def load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
+        """Copy flat weights and buffers (laid out as the server keeps them) into the module."""
         for layout, flats, targets in ((self.param_layout, flat_params, self.params),
                                        (self.buffer_layout, flat_buffers, self.buffers)):
             if targets:

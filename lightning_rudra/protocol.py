@@ -309,6 +309,14 @@ class Server:
     def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
         self.optimizers[optimizer].load_state_dict(state)
 
+    def load_optimizer_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """On resume: the saved state of every optimizer (none: start afresh)."""
+        if states and len(states) != len(self.optimizers):
+            raise ValueError(f"{len(states)} optimizer states to restore for {len(self.optimizers)} optimizers: "
+                             "the checkpoint was saved from a module with a different configure_optimizers.")
+        for i, state in enumerate(states):
+            self.load_optimizer_state(i, state)
+
     def _ready(self, pending: _Pending) -> bool:
         if self.config.protocol == "hardsync":
             return self.active <= pending.learners

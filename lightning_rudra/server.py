@@ -80,9 +80,6 @@ class ParameterServer:
         with self.lock:
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
-            if optimizer_states is not None and len(optimizer_states) != len(specs):
-                raise ValueError(f"{len(optimizer_states)} optimizer states to restore for {len(specs)} optimizers: "
-                                 "the checkpoint was saved from a module with a different configure_optimizers.")
             if shared_memory:
                 try:
                     self.core = self._server_in_shared_memory(config, params, buffers, specs, stats)
@@ -90,8 +87,7 @@ class ParameterServer:
                     self.shared_error = str(error)
             if self.core is None:
                 self.core = Server(config, params, buffers, specs, stats)
-            for i, state in enumerate(optimizer_states or []):
-                self.core.load_optimizer_state(i, state)
+            self.core.load_optimizer_states(optimizer_states or [])
         self.registered.set_result(None)
 
     def _server_in_shared_memory(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],

@@ -37,6 +37,28 @@ def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int) -> Opti
     return _update_dataloader(dataloader, SharedEpochSampler(client, pool, plan), mode=RunningStage.TRAINING)
 
 
+def start_shared_epoch(trainer: "pl.Trainer", loaders: list[Any], num_learners: int) -> Optional["SharedEpochLoop"]:
+    """The shared epoch for this ``fit``, installed; None if no train dataloader draws from the server."""
+    samplers = [dl.sampler for dl in loaders if isinstance(getattr(dl, "sampler", None), SharedEpochSampler)]
+    if samplers and len(samplers) < len(loaders):
+        raise ValueError(
+            f"{len(loaders) - len(samplers)} of the {len(loaders)} train dataloaders cannot share their epoch "
+            "(an IterableDataset, or a sampler of your own, keeps one stream per learner), and the others do: "
+            "their epochs would end at different batches on different learners. Use "
+            "RudraStrategy(sampling='static'), or plain map-style datasets for every train dataloader.")
+    if len(samplers) > 1:
+        raise ValueError(
+            f"{len(samplers)} train dataloaders cannot share their epochs yet: Lightning cycles the shorter ones "
+            "until the longest is done, and a drained shared pool does not cycle, so the epoch would end with the "
+            "shortest. Use RudraStrategy(sampling='static') (each learner its own shard of every dataloader), or "
+            "one train dataloader.")
+    if not samplers:
+        return None
+    loop = SharedEpochLoop(trainer, samplers, num_learners)
+    loop.install()
+    return loop
+
+
 class SharedEpochLoop:
     """Fits Lightning's fit loop to the shared epoch for one ``fit``: :meth:`install` at the start of training,
     :meth:`uninstall` at its end. ``samplers`` are the shared samplers of the train dataloaders, in order."""

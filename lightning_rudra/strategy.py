@@ -5,7 +5,8 @@ protocol gives back. There is deliberately no default torch.distributed process 
 2.6 its presence makes every training batch a collective, which would turn async training into lock-step.
 Collectives (barrier, broadcast, reduce, all_gather) go through the server instead
 (:mod:`lightning_rudra.collectives`). Under softsync and async the learners share each epoch's batches
-(:mod:`lightning_rudra.shared_epoch`), so that a fast learner takes more of them.
+(:mod:`lightning_rudra.shared_epoch`), so that a fast learner takes more of them. With ``simulate=λ`` one
+process trains λ virtual learners under the same protocol code (:mod:`lightning_rudra.simulated_epoch`).
 """
 
 from subprocess import Popen
@@ -27,11 +28,14 @@ from lightning_rudra.collectives import ServerCollectives
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
 from lightning_rudra.rpc_world import free_port
-from lightning_rudra.sampler import SharedEpochSampler
-from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader
+from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
+from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
+                                             start_simulation)
+from lightning_rudra.simulation import SimulatedClient
 from lightning_rudra.spawn import SpawnLauncher
 from lightning_rudra.support import (check_module, check_optimizers, check_trainer, is_placeholder,
                                     warn_of_meetings_per_batch)
+from lightning_rudra.timing import Homogeneous, TimingModel
 
 SAMPLINGS = ("shared", "static")
 
@@ -65,6 +69,12 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         shared_memory: learners on the server's host exchange gradients and weights with it through shared
             memory (``/dev/shm``), RPC carrying only control; learners on other hosts use RPC. ``False`` sends
             everything through RPC. If shared memory cannot be allocated, a warning says so and RPC is used.
+        simulate: λ, the number of learners to simulate in this one process (``Trainer(devices=1)``), each with
+            the weights it last received and the shard of the data a real learner of its rank reads, their pushes
+            ordered by ``timing``: the paper's λ = 30 on one machine, at one learner's speed. None: real learners.
+        timing: with ``simulate``, how long each learner's steps take (:mod:`lightning_rudra.timing`):
+            ``Homogeneous()`` (the default), ``Jittered(spread, seed, slowdown)``, ``Stragglers({rank: factor})``
+            or ``Measured(times)``.
 
     After ``trainer.fit``, :attr:`stats` holds the server's statistics: ``clock`` (updates applied),
     ``gradients``, ``dropped``, ``rejected``, ``staleness`` (σ -> count) and, under the shared epoch,
@@ -85,6 +95,8 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         overlap: bool = False,
         shared_memory: bool = True,
+        simulate: Optional[int] = None,
+        timing: Optional[TimingModel] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -109,6 +121,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
                              "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'.")
         if not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
+        check_simulation(simulate, timing, sampling, overlap)
         self.protocol = protocol
         self.n = n
         self.lr_modulation = lr_modulation
@@ -118,7 +131,9 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self.start_method = start_method
         self.overlap = overlap
         self.shared_memory = shared_memory
-        self.sampling = sampling or ("static" if protocol == "hardsync" else "shared")
+        self.sampling = sampling or ("static" if protocol == "hardsync" or simulate else "shared")
+        self.simulate = simulate
+        self.timing = (timing or Homogeneous()) if simulate else timing
         self.stats: Optional[Stats] = None
         self._num_nodes = 1
         # created per stage, in the learner processes (never in __init__: spawn pickles the strategy)
@@ -132,6 +147,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self._failed = False
         self._pools = 0  # train dataloaders drawing from the server in this stage
         self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
+        self._simulated: Optional[SimulatedEpochLoop] = None  # while training simulated learners
         self._end_of_training: Optional[tuple[pl.Trainer, _EndOfTraining]] = None  # the callback, while training
         self._accepted = self._staleness_sum = self._staleness_max = 0  # this learner's accepted pushes
         self._lr_scales: dict[int, float] = {}  # optimizer -> the rate its newest update applied, as a fraction
@@ -161,8 +177,8 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
 
     @property
     def num_learners(self) -> int:
-        """λ: one learner per process, on every node."""
-        return self.num_nodes * self.num_processes
+        """λ: one learner per process, on every node, or the number of simulated learners."""
+        return self.simulate or self.num_nodes * self.num_processes
 
     @property
     def is_distributed(self) -> bool:
@@ -171,16 +187,23 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_learners, "rank": self.global_rank}
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_learners)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
 
     def _configure_launcher(self) -> None:
         # Called when the Trainer is built: λ is known, no process has started yet.
         validate_n(self.protocol, self.n, self.num_learners)
+        if self.simulate:
+            if self.num_nodes * self.num_processes != 1:
+                raise ValueError(
+                    f"simulate={self.simulate} trains every learner in this one process: use Trainer(devices=1, "
+                    f"num_nodes=1), not devices={self.num_processes}, num_nodes={self.num_nodes}. For real learner "
+                    "processes, leave simulate unset.")
+            return  # no launcher: the Trainer runs in this process
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
             return
@@ -192,15 +215,19 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
+        self._failed = False
+        if self.simulate:
+            return
         assert self.cluster_environment is not None
         env = self.cluster_environment
         port = self._next_port or env.main_port
         self._client, self._server_process = join(self.global_rank, self.num_learners, env.main_address, port,
                                                   self.rpc_timeout)
-        self._failed = False
 
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None and self._client is not None
+        assert self.accelerator is not None and self.model is not None
+        client = SimulatedClient(self.simulate) if self.simulate else self._client
+        assert client is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -214,7 +241,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             check_optimizers(self.optimizers, list(self.model.parameters()))
             # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
             stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
-            self._learner = Learner(self.model, self._client, self.overlap, self.shared_memory)
+            self._learner = Learner(self.model, client, self.overlap, self.shared_memory and not self.simulate)
             self._learner.on_push = self._record_push
             if self.is_global_zero:
                 self._learner.register(self._protocol_config(), stepping, self._resume_stats,
@@ -236,6 +263,8 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
     # ---- training --------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
+        if self.simulate and self._learner is not None and trainer.state.stage == RunningStage.TRAINING:
+            return simulated_dataloader(dataloader, self.simulate, self.protocol, self.timing, self._learner.client)
         if self.sampling == "shared" and self._client is not None and trainer.state.stage == RunningStage.TRAINING:
             shared = shared_dataloader(dataloader, self._client, self._pools)
             if shared is not None:
@@ -249,24 +278,12 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         trainer = self.lightning_module.trainer
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
-        samplers = [dl.sampler for dl in loaders if isinstance(getattr(dl, "sampler", None), SharedEpochSampler)]
-        if samplers and len(samplers) < len(loaders):
-            raise ValueError(
-                f"{len(loaders) - len(samplers)} of the {len(loaders)} train dataloaders cannot share their epoch "
-                "(an IterableDataset, or a sampler of your own, keeps one stream per learner), and the others do: "
-                "their epochs would end at different batches on different learners. Use "
-                "RudraStrategy(sampling='static'), or plain map-style datasets for every train dataloader.")
-        if len(samplers) > 1:
-            raise ValueError(
-                f"{len(samplers)} train dataloaders cannot share their epochs yet: Lightning cycles the shorter ones "
-                "until the longest is done, and a drained shared pool does not cycle, so the epoch would end with the "
-                "shortest. Use RudraStrategy(sampling='static') (each learner its own shard of every dataloader), or "
-                "one train dataloader.")
-        if samplers:
-            self._shared = SharedEpochLoop(trainer, samplers, self.num_learners)
-            self._shared.install()
-        elif self.protocol != "hardsync":
-            warn_of_meetings_per_batch(trainer)
+        if self.simulate:
+            self._simulated = start_simulation(trainer, loaders, self.num_learners)
+        else:
+            self._shared = start_shared_epoch(trainer, loaders, self.num_learners)
+            if self._shared is None and self.protocol != "hardsync":
+                warn_of_meetings_per_batch(trainer)
         # before every other callback's on_train_end, which may still change the weights (weight averaging)
         self._end_of_training = (trainer, _EndOfTraining())
         trainer.callbacks.insert(0, self._end_of_training[1])
@@ -274,6 +291,10 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._shared is not None:
             self._shared.on_train_batch_start()
+        if self._simulated is not None and self._learner is not None:
+            weights = self._learner.client.switch(self._simulated.next_learner())
+            if weights is not None:
+                self._learner.load(*weights)
 
     def _record_push(self, optimizer: int, status: str, staleness: int, lr_scale: float) -> None:
         if status in ("accepted", "queued"):  # queued (several optimizers): σ when it reached the server
@@ -292,7 +313,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             module = self.lightning_module
             module.log("staleness_mean", self._staleness_sum / self._accepted, prog_bar=True, on_step=True)
             module.log("staleness_max", float(self._staleness_max), prog_bar=True, on_step=True)
-            module.log("server_clock", float(self._client.timestamp), prog_bar=True, on_step=True)
+            module.log("server_clock", float(self._learner.client.timestamp), prog_bar=True, on_step=True)
             # the rate the server applied (LearningRateMonitor shows the learners' rate, before modulation)
             for index, scale in self._lr_scales.items():
                 name = "lr_applied" if len(self.optimizers) == 1 else f"lr_applied_{index}"
@@ -319,6 +340,9 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         if self._shared is not None:
             self._shared.uninstall()
             self._shared = None
+        if self._simulated is not None:
+            self._simulated.uninstall()
+            self._simulated = None
         if self._learner is not None:
             self._learner.finish()
             if self.is_global_zero:
@@ -345,10 +369,12 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             leave(self._client, self._server_process, timeout=min(self.rpc_timeout, 30.0))
         if self._shared is not None:  # training failed: give the Trainer its own loop back
             self._shared.uninstall()
+        if self._simulated is not None:
+            self._simulated.uninstall()
         if self._learner is not None:
             self._learner.unwrap()
         self._remove_end_of_training()
-        self._client = self._server_process = self._learner = self._shared = self._checkpoint = None
+        self._client = self._server_process = self._learner = self._shared = self._simulated = self._checkpoint = None
         self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
         super().teardown()
@@ -375,3 +401,4 @@ class _EndOfTraining(Callback):
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         trainer.strategy._end_training()
+

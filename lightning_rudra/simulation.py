@@ -1,0 +1,193 @@
+"""λ virtual learners in one process, under the real protocol: the paper's scale (λ = 30) on one machine.
+
+:class:`SimulatedClient` stands where a learner's RPC client stands (:class:`~lightning_rudra.learner.Learner`
+uses it unchanged) and serves every virtual learner from an in-process
+:class:`~lightning_rudra.protocol.Server`, the same one the parameter server process runs. Each virtual learner
+holds the weights it last received and their timestamp, so a gradient is computed from exactly the weights a
+real learner would hold when it pushes. :class:`SimulatedSampler` deals every learner the batches its own
+DistributedSampler shard would give it, in the order the timing model (:mod:`lightning_rudra.timing`) says
+they reach the server. No Lightning here.
+"""
+
+from collections import deque
+from typing import Any, Iterator, Optional, Sequence
+
+from torch import Tensor
+from torch.futures import Future
+from torch.utils.data import DistributedSampler, Sampler
+
+from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats
+from lightning_rudra.timing import TimingModel, push_order
+
+
+class SimulatedClient:
+    """The client calls a :class:`Learner` makes, answered for the virtual learner whose step runs now
+    (:meth:`switch`). Memory: at most one copy of the weights per distinct timestamp the learners hold (λ + 1)."""
+
+    rank = 0  # the one process is Lightning's rank 0: it registers the model and restores checkpoints
+
+    def __init__(self, num_learners: int) -> None:
+        self.num_learners = num_learners
+        self.learner = 0  # the virtual learner whose step runs now
+        self.timestamp = 0  # of the weights it holds
+        self.server: Optional[Server] = None
+        self._held = [0] * num_learners  # per learner, the clock of the weights it holds
+        self._snapshots: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # clock -> flat weights and buffers
+        self._parked: dict[int, list[int]] = {}  # hardsync, per optimizer: learners waiting for the round to close
+        self._loaded: Optional[int] = None  # the clock of the weights in the module, while nothing changed them
+
+    def register(self, config: ProtocolConfig, params: list[Tensor], buffers: list[Tensor],
+                 specs: list[OptimizerSpec], stats: Optional[Stats], shared_memory: bool = False,
+                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+        if config.num_learners != self.num_learners:
+            raise ValueError(f"a protocol for λ={config.num_learners} learners cannot run {self.num_learners} "
+                             "simulated learners.")
+        self.server = Server(config, params, buffers, specs, stats)
+        self.server.load_optimizer_states(optimizer_states or [])
+        self._held = [self.server.clock] * self.num_learners
+
+    def attached(self, mapped: bool) -> None:
+        """Nothing to map: the weights are in this process."""
+
+    def switch(self, learner: int) -> Optional[tuple[list[Tensor], list[Tensor]]]:
+        """The next step is ``learner``'s: the weights it holds, for the module to load first (None: the module
+        holds them already). Either way the step about to run changes the module (buffers in its forward, a push's
+        reply), so the next switch cannot take it for untouched."""
+        if learner not in range(self.num_learners):
+            raise ValueError(f"learner {learner!r} is not one of the {self.num_learners} simulated learners.")
+        server = self._server()
+        self.learner = learner
+        self.timestamp = self._held[learner]
+        stale = self._loaded != self.timestamp
+        self._loaded = None
+        server.stats.batches[learner] = server.stats.batches.get(learner, 0) + 1
+        return self._weights(self.timestamp) if stale else None
+
+    def pull(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The newest weights (validation, the start of training); the next :meth:`switch` restores a learner's."""
+        self.timestamp = self._loaded = self._server().clock
+        return self._weights(self.timestamp)
+
+    def push(self, optimizer: int, grads: list[Tensor], has_grad: Tensor, hparams: list[dict[str, Any]],
+             buffers: list[Tensor], timestamp: int) -> Future:
+        """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
+        there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
+        server = self._server()
+        result = server.push(self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
+        if server.config.protocol == "hardsync" and not result.closed:
+            self._parked.setdefault(optimizer, []).append(self.learner)
+            clock = self._held[self.learner]
+        else:
+            clock = server.clock
+            for learner in [self.learner] + (self._parked.pop(optimizer, []) if result.closed else []):
+                self._held[learner] = clock
+        update = server.last_updates[optimizer]
+        reply: Future = Future()
+        reply.set_result((result.status, result.staleness, update.lr_scale if update is not None else 1.0,
+                          *self._weights(clock), clock))
+        return reply
+
+    def receive(self, pushed: Future) -> tuple[str, int, float, list[Tensor], list[Tensor]]:
+        status, staleness, lr_scale, params, buffers, self.timestamp = pushed.wait()
+        self._loaded = self.timestamp  # the Learner loads these into the module now
+        return status, staleness, lr_scale, params, buffers
+
+    def finish(self) -> tuple[list[Tensor], list[Tensor]]:
+        """Every learner stops: gradients still waiting for a softsync update are applied. The newest weights."""
+        server = self._server()
+        for learner in sorted(server.active):
+            server.finish(learner)
+        self._parked = {}
+        self._held = [server.clock] * self.num_learners
+        self.timestamp = self._loaded = server.clock
+        return self._weights(server.clock)
+
+    def stats(self) -> Stats:
+        return self._server().stats
+
+    def snapshot(self) -> tuple[list[Tensor], list[Tensor], int, list[dict[str, Any]], Stats]:
+        server = self._server()
+        params, buffers, clock = server.pull()
+        self._loaded = clock  # the Learner loads these into the module now
+        states = [server.optimizer_state(i) for i in range(len(server.optimizers))]
+        return params, buffers, clock, states, Stats.from_dict(server.stats.to_dict())
+
+    def optimizer_state(self, optimizer: int) -> dict[str, Any]:
+        return self._server().optimizer_state(optimizer)
+
+    def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
+        self._server().load_optimizer_state(optimizer, state)
+
+    def _server(self) -> Server:
+        if self.server is None:
+            raise RuntimeError("the simulated parameter server holds no weights yet: the model was not registered")
+        return self.server
+
+    def _weights(self, clock: int) -> tuple[list[Tensor], list[Tensor]]:
+        """The weights of ``clock`` (the newest, or one a learner holds); copies no learner holds are dropped."""
+        if clock not in self._snapshots:
+            params, buffers, newest = self._server().pull()
+            assert newest == clock, "only the newest weights can be handed out for the first time"
+            self._snapshots[clock] = (params, buffers)
+        held = set(self._held) | {clock}
+        self._snapshots = {c: weights for c, weights in self._snapshots.items() if c in held}
+        return self._snapshots[clock]
+
+
+class SimulatedSampler(Sampler[list[int]]):
+    """A batch sampler for the one process of a simulated run. Every epoch, learner r gets the batches of
+    ``shards[r]`` (Lightning's DistributedSampler for rank r of λ: what a real learner of that rank reads), cut
+    into ``batch_size`` as its DataLoader would, and the batches of all learners come in the order in which
+    :func:`~lightning_rudra.timing.push_order` says they are pushed.
+
+    ``learners`` holds the learner of every batch yielded and not yet trained on (Lightning and the DataLoader
+    fetch ahead); :meth:`next_learner` takes the oldest. ``max_batches`` caps every learner's batches per epoch
+    (``limit_train_batches``), ``budget`` its steps over the run (``max_steps``); ``taken`` counts the batches
+    each learner took before this epoch (the server's statistics, restored with a checkpoint).
+    """
+
+    def __init__(self, shards: Sequence[DistributedSampler], batch_size: int, drop_last: bool, protocol: str,
+                 timing: TimingModel, taken: dict[int, int]) -> None:
+        self.shards = list(shards)
+        self.sampler = self  # where Lightning sets the epoch of a batch sampler (``batch_sampler.sampler``)
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.protocol = protocol
+        self.timing = timing
+        self.taken = taken
+        self.max_batches: Optional[int] = None
+        self.budget: Optional[int] = None
+        self.learners: deque[int] = deque()
+
+    def set_epoch(self, epoch: int) -> None:
+        for shard in self.shards:
+            shard.set_epoch(epoch)
+
+    def batches_per_learner(self) -> int:
+        full, rest = divmod(len(self.shards[0]), self.batch_size)
+        batches = full + (1 if rest and not self.drop_last else 0)
+        return batches if self.max_batches is None else min(batches, self.max_batches)
+
+    def __len__(self) -> int:
+        return self.batches_per_learner() * len(self.shards)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_learner = self.batches_per_learner()
+        batches = [self._cut(list(shard))[:per_learner] for shard in self.shards]
+        done = [self.taken.get(r, 0) for r in range(len(self.shards))]
+        steps = [len(b) if self.budget is None else max(0, min(len(b), self.budget - d)) for b, d in zip(batches, done)]
+        order = push_order(self.protocol, steps, self.timing, done)
+        self.learners.clear()
+        position = [0] * len(self.shards)
+        for learner in order:
+            self.learners.append(learner)
+            yield batches[learner][position[learner]]
+            position[learner] += 1
+
+    def next_learner(self) -> int:
+        return self.learners.popleft()
+
+    def _cut(self, indices: list[int]) -> list[list[int]]:
+        size = self.batch_size
+        cut = [indices[i:i + size] for i in range(0, len(indices), size)]
+        return cut[:-1] if cut and self.drop_last and len(cut[-1]) < size else cut

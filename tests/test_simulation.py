@@ -1,0 +1,228 @@
+"""Simulated learners: λ virtual learners in one process under the real protocol code.
+
+The push order and staleness are checked against hand-computed cases; exactness (hardsync = SGD with batch μλ,
+async with one learner = plain SGD) and the data each learner reads through the Trainer, in-process.
+"""
+
+from collections import Counter
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.cli import LightningCLI
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_rudra import RudraStrategy
+from lightning_rudra.timing import Homogeneous, Jittered, Measured, Stragglers, push_order
+from tests.lightning_models import (IndexedData, Regression, Stream, flat, indexed_loader, loader, quiet_trainer,
+                                    single_process_sgd)
+
+
+# ---- the order of pushes, by hand --------------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", ["softsync", "async", "hardsync"])
+def test_homogeneous_learners_push_in_rank_order(protocol):
+    assert push_order(protocol, [2, 2, 2], Homogeneous(), [0, 0, 0]) == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_straggler_pushes_less_often_unless_hardsync_waits_for_it():
+    # learner 0 pushes at 3, 6, 9; learner 1 at 1, 2, 3 (a tie at 3 goes to the lower rank)
+    assert push_order("async", [3, 3], Stragglers({0: 3.0}), [0, 0]) == [1, 1, 0, 1, 0, 0]
+    # hardsync: every round waits for the slowest; within a round the fast learner pushes first
+    assert push_order("hardsync", [3, 3], Stragglers({0: 3.0}), [0, 0]) == [1, 0, 1, 0, 1, 0]
+
+
+def test_measured_times_are_used_in_turn_and_cycle_over_learners():
+    timing = Measured([[1.0, 3.0], [2.0]])
+    assert [timing.duration(0, s) for s in range(3)] == [1.0, 3.0, 1.0]
+    assert timing.duration(3, 0) == 2.0  # learner 3 takes learner 1's times
+    # learner 0: pushes at 1, 4; learner 1: at 2, 4 (tie: rank 0 first)
+    assert push_order("softsync", [2, 2], timing, [0, 0]) == [0, 1, 0, 1]
+    # the timing goes on where the previous epoch left it: learner 0's steps 1 and 2 take 3 and 1
+    assert push_order("softsync", [2, 2], timing, [1, 0]) == [1, 0, 0, 1]
+
+
+def test_jitter_is_reproducible_from_its_seed():
+    steps = [20] * 4
+    assert push_order("async", steps, Jittered(0.5, seed=1), [0] * 4) == push_order("async", steps, Jittered(0.5, seed=1), [0] * 4)
+    assert push_order("async", steps, Jittered(0.5, seed=1), [0] * 4) != push_order("async", steps, Jittered(0.5, seed=2), [0] * 4)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Jittered(spread=-1), "spread=-1"),
+    (lambda: Stragglers({0: 0.0}), "slowdown of learner 0 is 0.0"),
+    (lambda: Stragglers({-1: 2.0}), "slowdown names learner -1"),
+    (lambda: Measured([]), "Measured"),
+    (lambda: Measured([[1.0, -2.0]]), "finite and > 0"),
+])
+def test_bad_timing_models_are_refused(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+# ---- the strategy's arguments ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(simulate=0), "simulate=0 is not valid"),
+    (dict(simulate=2.5), "simulate=2.5 is not valid"),
+    (dict(timing=Homogeneous()), "set simulate=λ too"),
+    (dict(simulate=4, timing="fast"), "is not a timing model"),
+    (dict(simulate=4, sampling="shared"), "sampling='shared' cannot be simulated"),
+    (dict(simulate=4, overlap=True), "overlap=True cannot be simulated"),
+])
+def test_bad_simulation_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RudraStrategy(**kwargs)
+
+
+def test_simulated_learners_run_in_one_process():
+    with pytest.raises(ValueError, match="simulate=4 trains every learner in this one process: use Trainer"):
+        quiet_trainer(RudraStrategy(simulate=4), devices=2)
+    with pytest.raises(ValueError, match="n=5 is larger than the number of learners λ=4"):
+        quiet_trainer(RudraStrategy(n=5, simulate=4), devices=1)
+    strategy = quiet_trainer(RudraStrategy(n=4, simulate=4), devices=1).strategy
+    assert strategy.num_learners == 4 and strategy._launcher is None and strategy.sampling == "static"
+    assert isinstance(strategy.timing, Homogeneous)
+
+
+# ---- through the Trainer, in this process --------------------------------------------------------------
+def fit(strategy, model=None, data=None, **kwargs):
+    model = model if model is not None else Regression()
+    trainer = quiet_trainer(strategy, devices=1, **kwargs)
+    trainer.fit(model, data if data is not None else loader(8))
+    return model, trainer
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("learners", [1, 4])
+def test_hardsync_with_simulated_learners_equals_sgd_with_batch_mu_lambda(learners):
+    model, trainer = fit(RudraStrategy(protocol="hardsync", simulate=learners), max_epochs=2)
+    assert torch.allclose(flat(model.parameters()), single_process_sgd(2, 8 * learners), atol=1e-6)
+    stats = trainer.strategy.stats
+    assert stats.clock == 2 * 256 // (8 * learners) and stats.staleness == {0: 2 * 256 // 8}
+    assert stats.batches == {r: 2 * 256 // (8 * learners) for r in range(learners)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_async_with_one_simulated_learner_equals_plain_sgd():
+    model, trainer = fit(RudraStrategy(protocol="async", simulate=1), max_epochs=2)
+    assert torch.allclose(flat(model.parameters()), single_process_sgd(2, 8), atol=1e-6)
+    assert trainer.strategy.stats.staleness == {0: 64}
+
+
+def predicted_staleness(n: int, learners: int, pushes: int) -> Counter:
+    """n-softsync, homogeneous learners pushing in rank order, c = λ/n: push p (counted from 0) leaves the
+    clock at ⌊(p+1)/c⌋; a learner's next push comes λ pushes later, at clock ⌊(p+λ)/c⌋, so its σ is n − 1 if
+    push p closed an update and n otherwise; in the first round σ = ⌊p/c⌋ (everyone starts from clock 0)."""
+    c = learners // n
+    sigmas = [p // c if p < learners else n - ((p - learners + 1) % c == 0) for p in range(pushes)]
+    return Counter(sigmas)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [1, 2, 3, 6])
+def test_softsync_staleness_of_homogeneous_learners_is_what_the_protocol_predicts(n):
+    learners = 6
+    _, trainer = fit(RudraStrategy(protocol="softsync" if n < learners else "async", n=n, simulate=learners),
+                     data=loader(4, num_samples=240), max_epochs=1)
+    stats = trainer.strategy.stats
+    pushes = 240 // 4
+    assert stats.staleness == dict(predicted_staleness(n, learners, pushes))
+    assert stats.clock == pushes // (learners // n)
+    # ⟨σ⟩ → n(λ−1)/λ, not n: the learner whose push closes an update is one fresher (the first round, from
+    # clock 0, is fresher still: a difference that fades as 1/pushes)
+    assert abs(stats.mean_staleness - n * (learners - 1) / learners) <= n * learners / pushes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("protocol", ["hardsync", "async"])
+def test_each_simulated_learner_reads_the_shard_a_real_learner_of_its_rank_reads(protocol):
+    learners, epochs = 3, 2
+
+    class Seen(Regression):
+        def __init__(self):
+            super().__init__()
+            self.seen: dict[int, list[list[int]]] = {r: [] for r in range(learners)}
+
+        def training_step(self, batch, batch_idx):
+            x, y, index = batch
+            # the simulated learner whose step this is (what a real learner knows as its global_rank)
+            self.seen[self.trainer.strategy._learner.client.learner].append(index.tolist())
+            return self.loss((x, y))
+
+    pl.seed_everything(7, verbose=False)  # Lightning seeds its DistributedSampler with the global seed
+    model, trainer = fit(RudraStrategy(protocol=protocol, simulate=learners, timing=Jittered(0.5, seed=3)),
+                         model=Seen(), data=indexed_loader(5, num_samples=100), max_epochs=epochs)
+    for rank in range(learners):
+        expected = []
+        for epoch in range(epochs):
+            shard = DistributedSampler(IndexedData(100), num_replicas=learners, rank=rank, shuffle=True, seed=7)
+            shard.set_epoch(epoch)
+            expected += [batch.tolist() for batch in DataLoader(list(shard), batch_size=5)]
+        assert model.seen[rank] == expected
+    assert trainer.strategy.stats.batches == {r: epochs * 7 for r in range(learners)}  # 34 samples: 7 batches
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_limit_train_batches_and_max_steps_count_per_simulated_learner():
+    _, trainer = fit(RudraStrategy(protocol="async", simulate=4), limit_train_batches=3, max_epochs=2)
+    assert trainer.strategy.stats.batches == {r: 6 for r in range(4)}
+    _, trainer = fit(RudraStrategy(protocol="softsync", simulate=4, timing=Stragglers({0: 3.0})), max_steps=5)
+    assert trainer.strategy.stats.batches == {r: 5 for r in range(4)}  # the straggler too: steps per learner
+    assert trainer.global_step == 20  # the steps of all learners together
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_straggler_raises_the_others_staleness_only_without_hardsync():
+    _, even = fit(RudraStrategy(protocol="async", simulate=4), max_epochs=1)
+    _, slow = fit(RudraStrategy(protocol="async", simulate=4, timing=Stragglers({0: 3.0})), max_epochs=1)
+    # with 4 homogeneous learners every push after the first round has σ = 3; the straggler's pushes see ~9
+    assert even.strategy.stats.max_staleness == 3
+    assert slow.strategy.stats.max_staleness >= 8
+    _, hard = fit(RudraStrategy(protocol="hardsync", simulate=4, timing=Stragglers({0: 3.0})), max_epochs=1)
+    assert hard.strategy.stats.staleness == {0: 32}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_resumed_simulated_hardsync_run_equals_an_uninterrupted_one(tmp_path):
+    whole, _ = fit(RudraStrategy(protocol="hardsync", simulate=4), max_epochs=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(RudraStrategy(protocol="hardsync", simulate=4), max_epochs=1, callbacks=[checkpoint],
+        enable_checkpointing=True)
+    resumed = Regression()
+    trainer = quiet_trainer(RudraStrategy(protocol="hardsync", simulate=4), devices=1, max_epochs=2)
+    trainer.fit(resumed, loader(8), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert torch.allclose(flat(resumed.parameters()), flat(whole.parameters()), atol=1e-6)
+    assert trainer.strategy.stats.clock == 16 and trainer.strategy.stats.batches == {r: 16 for r in range(4)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_what_cannot_be_simulated_is_refused_with_a_remedy():
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2 cannot be simulated yet"):
+        fit(RudraStrategy(simulate=2), accumulate_grad_batches=2, max_epochs=1)
+    with pytest.raises(ValueError, match="needs a train DataLoader over a map-style dataset"):
+        fit(RudraStrategy(simulate=2), data=DataLoader(Stream(64), batch_size=8), max_epochs=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_lightning_cli_runs_a_simulation_from_yaml(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  max_epochs: 1\n  logger: false\n  enable_progress_bar: false\n"
+        "  enable_checkpointing: false\n  enable_model_summary: false\n  strategy:\n"
+        "    class_path: lightning_rudra.RudraStrategy\n    init_args:\n      protocol: softsync\n      n: 2\n"
+        "      simulate: 8\n      timing:\n        class_path: lightning_rudra.timing.Jittered\n"
+        "        init_args:\n          spread: 0.2\n          slowdown: {0: 2.0}\n")
+    cli = LightningCLI(Regression, run=False, args=["--config", str(config)])
+    strategy = cli.trainer.strategy
+    assert (strategy.simulate, strategy.timing.spread, strategy.timing.slowdown) == (8, 0.2, {0: 2.0})
+    cli.trainer.fit(cli.model, loader(4))
+    assert sum(strategy.stats.batches.values()) == 64 and set(strategy.stats.batches) == set(range(8))

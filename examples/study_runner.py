@@ -4,6 +4,8 @@
         --lr-modulation mean --epochs 5 --result /tmp/run.json
 
 ``--protocol single`` trains one plain Lightning process (no parameter server): the λ = 1 baseline.
+``--simulate`` trains the λ learners in this one process (``RudraStrategy(simulate=λ)``), their step times
+log-normal with ``--spread``.
 Otherwise the λ learners train under ``RudraStrategy`` with the ``popen`` launcher, which re-runs this
 module once per learner. After ``fit`` every learner holds the server's final weights; learner 0 then
 evaluates them on the whole test split itself (no second Trainer stage) and writes the result file.
@@ -64,6 +66,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=42, help="data and initial weights")
     p.add_argument("--rpc-timeout", type=float, default=120.0)
+    p.add_argument("--simulate", action="store_true", help="simulate the λ learners in this one process")
+    p.add_argument("--spread", type=float, default=0.0, help="simulated learners' step-time spread (0: homogeneous)")
     p.add_argument("--result", required=True, help="JSON file that learner 0 writes")
     return p.parse_args(argv)
 
@@ -80,13 +84,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         strategy: Any = "auto"
     else:
         from lightning_rudra import RudraStrategy
+        from lightning_rudra.timing import Jittered
 
+        simulation: dict[str, Any] = {}
+        if args.simulate:
+            simulation = dict(simulate=args.learners, timing=Jittered(args.spread, seed=args.seed))
         strategy = RudraStrategy(protocol=args.protocol, n=args.n if args.protocol == "softsync" else 1,
                                  lr_modulation=args.lr_modulation, rpc_timeout=args.rpc_timeout,
-                                 start_method="popen")
+                                 start_method="popen", **simulation)
     timer = TrainTimer()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.learners, strategy=strategy, max_epochs=args.epochs,
+        accelerator="cpu", devices=1 if args.simulate else args.learners, strategy=strategy, max_epochs=args.epochs,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
     )

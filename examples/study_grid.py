@@ -178,7 +178,8 @@ def paper_grid(alpha0: float, seeds: Iterable[int] = PAPER_SEEDS) -> list[RunCon
         μλ growing to 1800): 3 seeds;
     (2, 3) λ = 30, μ = 8: n = 1, 2, 4, 15, 30 without modulation and with α0/⟨σ⟩ (3 seeds), and with α0/σ per
         gradient (1 seed);
-    plus real learner processes beside simulated ones for λ = 4 (1 seed), to check the simulator.
+    plus real learner processes beside simulated ones for λ = 4 (1 seed), to check the simulator; and, 1 seed, the
+    rows of (1) and (3) again at α0/2, away from the edge of stability that the baseline's best α0 is close to.
     """
     seeds = list(seeds)
     constant = [("single", 0, 1, PAPER_MU_LAMBDA, "none")]
@@ -195,7 +196,8 @@ def paper_grid(alpha0: float, seeds: Iterable[int] = PAPER_SEEDS) -> list[RunCon
     common = dict(epochs=PAPER_EPOCHS, num_samples=PAPER_SAMPLES, lr=alpha0, spread=PAPER_SPREAD)
     configs = (_grid(constant + growing + modulated, seeds=seeds, simulated=True, **common)
                + _grid(per_gradient + check, seeds=seeds[:1], simulated=True, **common)
-               + _grid(check, seeds=seeds[:1], **common))
+               + _grid(check, seeds=seeds[:1], **common)
+               + _grid(constant + modulated, seeds=seeds[:1], simulated=True, **{**common, "lr": alpha0 / 2}))
     return list({c.key(): c for c in configs}.values())
 
 

@@ -1,5 +1,5 @@
 """The examples end to end, as a user runs them: the MNIST-1D configs through LightningCLI (popen launcher:
-the script is re-run for every learner) and a two-run tradeoff study. Each CLI run starts λ = 2 learner
+the script is re-run for every learner) and a three-run tradeoff study (one of simulated learners). Each CLI run starts λ = 2 learner
 processes and one server process and costs 15-30 s on two CPU cores."""
 
 import csv
@@ -97,11 +97,13 @@ def test_study_writes_results_and_resumes(tmp_path):
     out = tmp_path / "study"
     first = run_python(["-m", "examples.study", "--grid", "tiny", "--out", str(out)])
     assert first.returncode == 0, (first.stdout + first.stderr)[-6000:]
-    assert "[1/2] single" in first.stdout and "[2/2] softsync n=1 λ=2" in first.stdout
-    assert first.stdout.count("test error") == 2, first.stdout
+    assert "[1/3] single" in first.stdout and "[2/3] softsync n=1 λ=2" in first.stdout, first.stdout
+    assert "[3/3] softsync n=2 λ=8 μ=4 lr_mod=mean simulated" in first.stdout, first.stdout
+    assert first.stdout.count("test error") == 3, first.stdout
 
     rows = _csv_rows(out / "runs.csv")
-    assert [(r["protocol"], r["learners"]) for r in rows] == [("single", "1"), ("softsync", "2")]
+    assert [(r["protocol"], r["learners"], r["simulated"]) for r in rows] == [
+        ("single", "1", "0"), ("softsync", "2", "0"), ("softsync", "8", "1")]
     for r in rows:
         assert 0.0 <= float(r["test_error"]) <= 1.0
         assert float(r["wall_s"]) > 0 and float(r["samples_per_s"]) > 0 and int(r["updates"]) > 0
@@ -110,6 +112,10 @@ def test_study_writes_results_and_resumes(tmp_path):
     # 1-softsync on λ=2: c = 2 per update; a last odd gradient is applied alone when training ends
     assert int(softsync["updates"]) == -(-int(softsync["gradients"]) // 2)
     assert float(softsync["mean_staleness"]) <= 2 and softsync["dropped"] == "0"
+    simulated = rows[2]
+    # 2-softsync on λ = 8 simulated learners: an update every 4 gradients, ⟨σ⟩ near n(λ−1)/λ = 1.75
+    assert int(simulated["updates"]) == -(-int(simulated["gradients"]) // 4)
+    assert 1.0 < float(simulated["mean_staleness"]) < 2.5
 
     table = (out / "results.md").read_text()
     assert "| protocol | n | λ | μ | μλ |" in table and table.count("\n| single |") == 1
@@ -119,18 +125,18 @@ def test_study_writes_results_and_resumes(tmp_path):
     # resume: a finished run is never trained again; a missing one is
     with open(out / "runs.csv", newline="") as f:
         lines = f.readlines()
-    (out / "runs.csv").write_text(lines[0] + lines[2])  # forget the single-learner run
+    (out / "runs.csv").write_text(lines[0] + lines[2] + lines[3])  # forget the single-learner run
     start = time.monotonic()
     second = run_python(["-m", "examples.study", "--grid", "tiny", "--out", str(out), "--resume"])
     assert second.returncode == 0, (second.stdout + second.stderr)[-6000:]
-    assert "[2/2] softsync n=1 λ=2 μ=16 lr_mod=mean ... already in" in second.stdout, second.stdout
+    assert "[2/3] softsync n=1 λ=2 μ=16 lr_mod=mean ... already in" in second.stdout, second.stdout
     assert second.stdout.count("test error") == 1, second.stdout  # only the single learner trained again
     rows_after = _csv_rows(out / "runs.csv")
-    assert sorted(r["protocol"] for r in rows_after) == ["single", "softsync"]
-    assert rows_after[0] == {**rows[1]}  # the softsync row is untouched
+    assert sorted(r["protocol"] for r in rows_after) == ["single", "softsync", "softsync"]
+    assert rows_after[:2] == rows[1:]  # the other rows are untouched
 
     third = run_python(["-m", "examples.study", "--grid", "tiny", "--out", str(out), "--resume"])
-    assert third.returncode == 0 and third.stdout.count(", skipped") == 2, third.stdout
+    assert third.returncode == 0 and third.stdout.count(", skipped") == 3, third.stdout
     assert "0 run(s) trained" in third.stdout
-    assert len(_csv_rows(out / "runs.csv")) == 2
+    assert len(_csv_rows(out / "runs.csv")) == 3
     assert time.monotonic() - start < SUBPROCESS_TIMEOUT

@@ -16,7 +16,8 @@ from torch.futures import Future
 
 from lightning_rudra import server as _server
 from lightning_rudra.epoch import EpochPlan
-from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Stats
+from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.protocol import ProtocolConfig, Stats
 from lightning_rudra.rpc_world import SERVER_NAME, check_port_free, init_rpc, rpc_counters, shutdown_rpc
 from lightning_rudra.shm import SharedNames
 

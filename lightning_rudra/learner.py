@@ -17,7 +17,8 @@ from torch.optim import Optimizer
 
 from lightning_rudra.client import LearnerClient
 from lightning_rudra.flat import FlatLayout
-from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Stats, hyperparameters
+from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.protocol import ProtocolConfig, Stats
 from lightning_rudra.shm import MappedWeights
 
 _CPU = torch.device("cpu")

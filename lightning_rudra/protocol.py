@@ -13,13 +13,11 @@ import torch
 from torch import Tensor
 
 from lightning_rudra.flat import FlatLayout, WeightsStore
+from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
 
 PROTOCOLS = ("hardsync", "softsync", "async")
 LR_MODULATIONS = ("none", "mean", "per_gradient")
 NONFINITE_POLICIES = ("skip", "raise")
-
-# Optimizer settings that pick a kernel for the learner's device; the server runs its own CPU copy.
-_IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
@@ -105,37 +103,6 @@ class Stats:
     def from_dict(cls, data: dict[str, Any]) -> "Stats":
         counts = {key: {int(k): int(c) for k, c in data.get(key, {}).items()} for key in ("staleness", "batches")}
         return cls(**{**data, **counts})
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """How to rebuild a learner's optimizer on the server: its class, and per parameter group the indices of
-    its parameters (into the model's parameter list) and its hyper-parameters."""
-
-    cls: type
-    groups: list[tuple[list[int], dict[str, Any]]]
-
-    @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> "OptimizerSpec":
-        index = {id(p): i for i, p in enumerate(params)}
-        groups = []
-        for group in optimizer.param_groups:
-            missing = [tuple(p.shape) for p in group["params"] if id(p) not in index]
-            if missing:
-                raise ValueError(f"{type(optimizer).__name__} optimizes tensors of shapes {missing} that are not "
-                                 "parameters of the LightningModule: the server can only hold module parameters.")
-            groups.append(([index[id(p)] for p in group["params"]], hyperparameters(group)))
-        return cls(type(optimizer), groups)
-
-    def build(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
-        return self.cls([{"params": [params[i] for i in idx], **hp} for idx, hp in self.groups])
-
-
-def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's hyper-parameters (lr, momentum, ...), without its tensors or kernel choices. A
-    one-element tensor (``lr=torch.tensor(0.1)``) travels as the number it holds."""
-    return {k: v.item() if isinstance(v, Tensor) and v.numel() == 1 else v
-            for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
 
 
 @dataclass(frozen=True)

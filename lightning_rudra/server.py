@@ -22,7 +22,8 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from lightning_rudra.epoch import EpochPlan, EpochPool
-from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats
+from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.protocol import ProtocolConfig, Server, Stats
 from lightning_rudra.rpc_world import init_rpc, set_rpc_counters, shutdown_rpc
 from lightning_rudra.shm import SharedNames, SharedWeights
 

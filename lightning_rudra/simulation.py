@@ -16,7 +16,8 @@ from torch import Tensor
 from torch.futures import Future
 from torch.utils.data import DistributedSampler, Sampler
 
-from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats
+from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.protocol import ProtocolConfig, Server, Stats
 from lightning_rudra.timing import TimingModel, push_order
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lightning_rudra.flat import FlatLayout
-from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server, Stats, hyperparameters
+from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.protocol import ProtocolConfig, Server, Stats
 
 
 def make_server(protocol="softsync", n=1, learners=2, lr_modulation="none", max_staleness=None,

@@ -74,8 +74,16 @@ class SimulatedClient:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
         there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
         server = self._server()
+        hardsync = server.config.protocol == "hardsync"
+        if hardsync and any(self.learner in parked for parked in self._parked.values()):
+            raise RuntimeError(
+                f"simulated learner {self.learner} stepped an optimizer again in the same batch while its previous "
+                "push waits for the hardsync round to close. A real learner would wait for the round in between; a "
+                "simulated one trains each batch in one go, so more than one optimizer step per batch (several "
+                "optimizers, manual optimization) cannot be simulated under hardsync. Use softsync or async, or real "
+                "learners (devices=λ).")
         result = server.push(self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
-        if server.config.protocol == "hardsync" and not result.closed:
+        if hardsync and not result.closed:
             self._parked.setdefault(optimizer, []).append(self.learner)
             clock = self._held[self.learner]
         else:

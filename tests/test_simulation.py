@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.timing import Homogeneous, Jittered, Measured, Stragglers, push_order
-from tests.lightning_models import (IndexedData, Regression, Stream, flat, indexed_loader, loader, quiet_trainer,
-                                    single_process_sgd)
+from tests.lightning_models import (IndexedData, OneBackwardTwoSteps, Regression, Stream, TwoOptimizers, flat,
+                                    indexed_loader, loader, quiet_trainer, single_process_sgd)
 
 
 # ---- the order of pushes, by hand --------------------------------------------------------------------------
@@ -214,9 +214,10 @@ def test_what_cannot_be_simulated_is_refused_with_a_remedy():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_lightning_cli_runs_a_simulation_from_yaml(tmp_path):
-    config = tmp_path / "config.yaml"
+    config = tmp_path / "simulate.yaml"
     config.write_text(
-        "trainer:\n  accelerator: cpu\n  devices: 1\n  max_epochs: 1\n  logger: false\n  enable_progress_bar: false\n"
+        f"trainer:\n  default_root_dir: {tmp_path}\n  accelerator: cpu\n  devices: 1\n  max_epochs: 1\n  logger: false\n"
+        "  enable_progress_bar: false\n"
         "  enable_checkpointing: false\n  enable_model_summary: false\n  strategy:\n"
         "    class_path: lightning_rudra.RudraStrategy\n    init_args:\n      protocol: softsync\n      n: 2\n"
         "      simulate: 8\n      timing:\n        class_path: lightning_rudra.timing.Jittered\n"
@@ -226,3 +227,18 @@ def test_lightning_cli_runs_a_simulation_from_yaml(tmp_path):
     assert (strategy.simulate, strategy.timing.spread, strategy.timing.slowdown) == (8, 0.2, {0: 2.0})
     cli.trainer.fit(cli.model, loader(4))
     assert sum(strategy.stats.batches.values()) == 64 and set(strategy.stats.batches) == set(range(8))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_several_optimizers_and_manual_optimization_are_simulated():
+    _, trainer = fit(RudraStrategy(protocol="softsync", n=2, lr_modulation="none", simulate=2), model=TwoOptimizers(),
+                     data=loader(16), max_epochs=1)
+    assert trainer.strategy.stats.gradients == trainer.strategy.stats.clock == 2 * 2 * 8  # two pushes a step
+    # a real hardsync learner waits for the first round before its second step: one process cannot
+    with pytest.raises(RuntimeError, match="cannot be simulated under hardsync"):
+        fit(RudraStrategy(protocol="hardsync", simulate=2), model=TwoOptimizers(), data=loader(16), max_epochs=1)
+    # one backward, two steps: the second optimizer's gradient comes from the weights before the first's update
+    _, trainer = fit(RudraStrategy(protocol="async", simulate=1), model=OneBackwardTwoSteps(), data=loader(16),
+                     max_epochs=1)
+    assert trainer.strategy.stats.staleness == {0: 16, 1: 16}

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Optional
 
 from examples.study_findings import write_findings
-from examples.study_grid import GRIDS, PAPER_ALPHA0, PAPER_SEEDS, RunConfig, choose_alpha0, paper_grid
+from examples.study_grid import (GRIDS, PAPER_SEEDS, RunConfig, choose_alpha0, paper_grid, paper_grid_without_momentum,
+                                 paper_sweep)
 from examples.study_report import plot, write_markdown
 from examples.study_runs import RunFailed, append_row, read_rows, row_key, run_one
 
@@ -102,6 +103,20 @@ def run_configs(configs: list[RunConfig], csv_path: Path, args: argparse.Namespa
     return failed
 
 
+def run_paper_stages(csv_path: Path, args: argparse.Namespace) -> list[RunConfig]:
+    """After the sweep at momentum 0.9: every run at the α0 it chose; then plain SGD's own sweep and runs."""
+    seeds = args.seeds or PAPER_SEEDS
+    alpha0 = choose_alpha0(read_rows(csv_path))
+    print(f"α0 = {alpha0:g}: the lowest mean test error of the single learner in the sweep; every run uses it")
+    failed = run_configs(paper_grid(alpha0, seeds), csv_path, args, True)
+    failed += run_configs(paper_sweep(seeds, momentum=0.0), csv_path, args, True)
+    if failed:
+        return failed
+    alpha0 = choose_alpha0(read_rows(csv_path), momentum=0.0)
+    print(f"without momentum: α0 = {alpha0:g}, the lowest mean test error of its sweep")
+    return run_configs(paper_grid_without_momentum(alpha0, seeds), csv_path, args, True)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
@@ -114,8 +129,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for i, config in enumerate(configs, 1):
             print(f"[{i}/{len(configs)}] {config.label(show_seed)}")
         if args.grid == "paper":
-            print(f"then, at the α0 the sweep chooses: {len(paper_grid(PAPER_ALPHA0[0], args.seeds or PAPER_SEEDS))} "
-                  "runs (see examples/study_grid.py: paper_grid)")
+            seeds = args.seeds or PAPER_SEEDS
+            print(f"then, at the α0 the sweep chooses: {len(paper_grid(0.1, seeds))} runs (paper_grid in "
+                  f"examples/study_grid.py); then without momentum: a sweep of {len(paper_sweep(seeds, 0.0))} runs and "
+                  f"{len(paper_grid_without_momentum(1.0, seeds))} runs at the α0 it chooses")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     failed: list[RunConfig] = []
@@ -126,9 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"starting over: the previous {csv_path} is now {backup} (use --resume to continue it)")
         failed = run_configs(configs, csv_path, args, show_seed)
         if args.grid == "paper" and not failed:
-            alpha0 = choose_alpha0(read_rows(csv_path))
-            print(f"α0 = {alpha0:g}: the lowest mean test error of the single learner in the sweep; every run uses it")
-            failed = run_configs(paper_grid(alpha0, args.seeds or PAPER_SEEDS), csv_path, args, True)
+            failed = run_paper_stages(csv_path, args)
     rows = read_rows(csv_path)
     if not rows:
         print(f"no finished runs in {csv_path}: nothing to report")

@@ -9,6 +9,7 @@ Writes ``findings.md`` and three plots from the rows of ``runs.csv`` that the pa
 Every number is a mean over the seeds of a configuration, ± their standard deviation.
 """
 
+import itertools
 import json
 import math
 import statistics
@@ -74,8 +75,12 @@ def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
         alpha0 = choose_alpha0(rows)
     except ValueError:
         return []
-    at = [r for r in rows if float(r["lr"]) == alpha0]
-    half = [r for r in rows if float(r["lr"]) == alpha0 / 2]  # the robustness rows
+    at = [r for r in rows if RunConfig.from_row(r).lr == alpha0 and RunConfig.from_row(r).momentum == 0.9]
+    try:  # stage 3: plain SGD at the α0 of its own sweep
+        plain_alpha0 = choose_alpha0(rows, momentum=0.0)
+    except ValueError:
+        plain_alpha0 = math.nan
+    plain = [r for r in rows if RunConfig.from_row(r).lr == plain_alpha0 and RunConfig.from_row(r).momentum == 0.0]
     lam = PAPER_LEARNERS[-1]
     mu = PAPER_MU_LAMBDA // lam
     baseline = _errors(at, protocol="single", batch_size=PAPER_MU_LAMBDA)
@@ -83,7 +88,8 @@ def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
         "# The Rudra paper's findings at λ = 30, on MNIST-1D (simulated learners)",
         "",
         f"Made by `python -m examples.study --grid paper --jobs 2 --out docs/study/paper`: {len(rows)} runs, "
-        f"{PAPER_EPOCHS} epochs of {PAPER_SAMPLES} samples' training split, SGD with momentum 0.9. Learners are "
+        f"{PAPER_EPOCHS} epochs of {PAPER_SAMPLES} samples' training split, SGD with momentum 0.9 (the paper's), "
+        "and the finding rows again with plain SGD (momentum 0, 1 seed) at the α0 of its own sweep. Learners are "
         f"simulated in one process (`RudraStrategy(simulate=λ, timing=Jittered({PAPER_SPREAD}))`: step times "
         f"log-normal, spread {PAPER_SPREAD}) unless marked real. Cells: mean test error ± standard deviation over "
         "seeds (number of seeds).",
@@ -91,32 +97,33 @@ def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
         "## α0, chosen the paper's way",
         "",
         f"The single learner with μ = {PAPER_MU_LAMBDA}, for each α0 of the sweep; the lowest mean error wins and "
-        "every run below uses it.",
+        "every run at that momentum uses it.",
         "",
-        "| α0 | test error |",
-        "|---|---|",
+        "| momentum | α0 | test error |",
+        "|---|---|---|",
     ]
-    for lr in PAPER_ALPHA0:
-        values = _errors(rows, protocol="single", batch_size=PAPER_MU_LAMBDA, lr=lr)
-        lines.append(f"| {lr:g}{' (chosen)' if lr == alpha0 else ''} | {_cell(values)} |")
+    for momentum, chosen in ((0.9, alpha0), (0.0, plain_alpha0)):
+        for lr in PAPER_ALPHA0[momentum]:
+            values = _errors(rows, protocol="single", batch_size=PAPER_MU_LAMBDA, lr=lr, momentum=momentum)
+            lines.append(f"| {momentum:g} | {lr:g}{' (chosen)' if lr == chosen else ''} | {_cell(values)} |")
 
     lines += ["", "## 1. μλ constant keeps the baseline's accuracy; μλ growing loses it", "",
               f"μλ = {PAPER_MU_LAMBDA} constant (μ = {PAPER_MU_LAMBDA}/λ), against μ = {PAPER_GROWING_MU} "
               f"constant (μλ = {PAPER_GROWING_MU}·λ). Same epochs, same α0 = {alpha0:g}; the last two columns "
-              f"repeat μλ constant at α0/2 = {alpha0 / 2:g}.", "",
+              f"repeat μλ constant without momentum (α0 = {plain_alpha0:g}).", "",
               "| λ | μ | hardsync | 1-softsync, α0/⟨σ⟩ | μλ growing: μλ | hardsync "
-              "| at α0/2: hardsync | 1-softsync |",
+              "| no momentum: hardsync | 1-softsync |",
               "|---|---|---|---|---|---|---|---|"]
     for learners in PAPER_LEARNERS:
         batch = PAPER_MU_LAMBDA // learners
         if learners == 1:
-            constant = [_cell(baseline), "(single learner)", _cell(_errors(half, protocol="single",
-                                                                            batch_size=batch)), "–"]
+            constant = [_cell(baseline), "(single learner)", _cell(_errors(plain, protocol="single",
+                                                                            batch_size=batch)), "(single learner)"]
             growing = _cell(_errors(at, protocol="single", batch_size=PAPER_GROWING_MU))
         else:
             constant = [_cell(_errors(rows_at, protocol=protocol, n=n, learners=learners, batch_size=batch,
                                       simulated=1))
-                        for rows_at in (at, half) for protocol, n in (("hardsync", 0), ("softsync", 1))]
+                        for rows_at in (at, plain) for protocol, n in (("hardsync", 0), ("softsync", 1))]
             growing = _cell(_errors(at, protocol="hardsync", learners=learners, batch_size=PAPER_GROWING_MU,
                                     simulated=1))
         lines.append(f"| {learners} | {batch} | {constant[0]} | {constant[1]} | {PAPER_GROWING_MU * learners} "
@@ -134,12 +141,13 @@ def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
     lines += ["", f"## 3. Without LR modulation large n degrades; with it every n reaches the baseline (λ = {lam})",
               "", f"Single learner (μ = {PAPER_MU_LAMBDA}): {_cell(baseline)}; hardsync λ = {lam}: "
               f"{_cell(_errors(at, protocol='hardsync', learners=lam, batch_size=mu, simulated=1))}.", "",
-              f"The last two columns: the same at α0/2 = {alpha0 / 2:g}.", "",
-              "| n | " + " | ".join(_LR_MOD_NAMES[m] for m in _LR_MODS) + " | at α0/2: none | mean |",
+              f"The last two columns: the same without momentum (α0 = {plain_alpha0:g}; single learner "
+              f"{_cell(_errors(plain, protocol='single', batch_size=PAPER_MU_LAMBDA))}).", "",
+              "| n | " + " | ".join(_LR_MOD_NAMES[m] for m in _LR_MODS) + " | no momentum: none | mean |",
               "|---|---|---|---|---|---|"]
     for n in PAPER_NS:
         cells = [_cell(_errors(rows_at, learners=lam, n=n, batch_size=mu, lr_modulation=m, simulated=1))
-                 for rows_at, mods in ((at, _LR_MODS), (half, ("none", "mean"))) for m in mods]
+                 for rows_at, mods in ((at, _LR_MODS), (plain, ("none", "mean"))) for m in mods]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
 
     lines += ["", "## The simulator against real learner processes (λ = 4)", "",
@@ -159,10 +167,11 @@ def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
               "![error vs n](findings_modulation.png)", ""]
     path = out / "findings.md"
     path.write_text("\n".join(lines))
-    return [path] + _plots(at, out, baseline)
+    return [path] + _plots(at, plain, out, baseline)
 
 
-def _plots(at: list[dict[str, str]], out: Path, baseline: list[float]) -> list[Path]:
+def _plots(at: list[dict[str, str]], plain: list[dict[str, str]], out: Path, baseline: list[float]) -> list[Path]:
+    """``at``: the runs at momentum 0.9 and its α0 (solid); ``plain``: without momentum (dotted)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,12 +198,15 @@ def _plots(at: list[dict[str, str]], out: Path, baseline: list[float]) -> list[P
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     learners = PAPER_LEARNERS
-    for protocol, n, lr_mod, color in (("hardsync", 0, "none", "tab:blue"), ("softsync", 1, "mean", "tab:green")):
-        samples = [_errors(at, protocol="single", batch_size=PAPER_MU_LAMBDA) if l == 1 else
-                   _errors(at, protocol=protocol, n=n, learners=l, batch_size=PAPER_MU_LAMBDA // l,
+    for (protocol, n, lr_mod, color), (rows, style) in itertools.product(
+            (("hardsync", 0, "none", "tab:blue"), ("softsync", 1, "mean", "tab:green")),
+            ((at, "-"), (plain, ":"))):
+        samples = [_errors(rows, protocol="single", batch_size=PAPER_MU_LAMBDA) if l == 1 else
+                   _errors(rows, protocol=protocol, n=n, learners=l, batch_size=PAPER_MU_LAMBDA // l,
                            lr_modulation=lr_mod, simulated=1) for l in learners]
-        errorbars(ax, learners, samples, color=color,
-                  label=f"{'hardsync' if n == 0 else '1-softsync, α0/⟨σ⟩'}, μλ = {PAPER_MU_LAMBDA}")
+        errorbars(ax, learners, samples, color=color, linestyle=style,
+                  label=f"{'hardsync' if n == 0 else '1-softsync, α0/⟨σ⟩'}, μλ = {PAPER_MU_LAMBDA}"
+                        + (", no momentum" if rows is plain else ""))
     samples = [_errors(at, protocol="single", batch_size=PAPER_GROWING_MU) if l == 1 else
                _errors(at, protocol="hardsync", learners=l, batch_size=PAPER_GROWING_MU, simulated=1) for l in learners]
     errorbars(ax, learners, samples, color="tab:red", linestyle="--", label=f"hardsync, μ = {PAPER_GROWING_MU}: μλ grows")
@@ -228,6 +240,9 @@ def _plots(at: list[dict[str, str]], out: Path, baseline: list[float]) -> list[P
     for lr_mod, color in zip(_LR_MODS, ("tab:gray", "tab:green", "tab:purple")):
         errorbars(ax, ns, [_errors(at, learners=lam, n=n, batch_size=mu, lr_modulation=lr_mod, simulated=1)
                            for n in ns], color=color, label=_LR_MOD_NAMES[lr_mod])
+        if lr_mod != "per_gradient":
+            errorbars(ax, ns, [_errors(plain, learners=lam, n=n, batch_size=mu, lr_modulation=lr_mod, simulated=1)
+                               for n in ns], color=color, linestyle=":", label=_LR_MOD_NAMES[lr_mod] + ", no momentum")
     if baseline:
         ax.axhline(statistics.fmean(baseline), color="k", linestyle="--", linewidth=1, label="single learner")
     ax.set_xscale("log", base=2)

@@ -26,6 +26,7 @@ class RunConfig:
     seed: int
     simulated: int = 0  # 1: the λ learners are simulated in one process (RudraStrategy(simulate=λ))
     spread: float = 0.0  # simulated learners' step times: log-normal with this spread (0: homogeneous)
+    momentum: float = 0.9  # SGD's
 
     @property
     def mu_lambda(self) -> int:
@@ -43,13 +44,15 @@ class RunConfig:
         name = {"softsync": f"softsync n={self.n}", "single": "single"}.get(self.protocol, self.protocol)
         return (f"{name} λ={self.learners} μ={self.batch_size} lr_mod={self.lr_modulation}"
                 + (" simulated" if self.simulated else "") + (f" α0={self.lr:g}" if self.protocol == "single" else "")
+                + (f" momentum={self.momentum:g}" if self.momentum != 0.9 else "")
                 + (f" seed={self.seed}" if seed else ""))
 
     def runner_args(self) -> list[str]:
         return ["--protocol", self.protocol, "--n", str(max(1, self.n)), "--learners", str(self.learners),
                 "--batch-size", str(self.batch_size), "--lr-modulation", self.lr_modulation,
                 "--epochs", str(self.epochs), "--num-samples", str(self.num_samples), "--lr", repr(self.lr),
-                "--seed", str(self.seed)] + (["--simulate", "--spread", repr(self.spread)] if self.simulated else [])
+                "--seed", str(self.seed), "--momentum", repr(self.momentum)] + (
+                    ["--simulate", "--spread", repr(self.spread)] if self.simulated else [])
 
 
 KEY_FIELDS = [f.name for f in fields(RunConfig)]
@@ -59,7 +62,8 @@ CSV_FIELDS = KEY_FIELDS + RESULT_FIELDS
 
 # ---- the grids -----------------------------------------------------------------------------------------------
 def _grid(rows: Iterable[tuple[str, int, int, int, str]], epochs: int, num_samples: int, lr: float,
-          seeds: Iterable[int] = (42,), simulated: bool = False, spread: float = 0.0) -> list[RunConfig]:
+          seeds: Iterable[int] = (42,), simulated: bool = False, spread: float = 0.0,
+          momentum: float = 0.9) -> list[RunConfig]:
     """Configurations from (protocol, n, λ, μ, lr_modulation); duplicates dropped, order kept."""
     out: dict[tuple, RunConfig] = {}
     for seed in seeds:
@@ -72,7 +76,7 @@ def _grid(rows: Iterable[tuple[str, int, int, int, str]], epochs: int, num_sampl
                 lr_mod = "none"  # never stale: modulation would change nothing
             sim = simulated and protocol != "single"
             config = RunConfig(protocol, n, learners, mu, lr_mod, epochs, num_samples, lr, seed, int(sim),
-                               spread if sim else 0.0)
+                               spread if sim else 0.0, momentum)
             out.setdefault(config.key(), config)
     return list(out.values())
 
@@ -150,21 +154,21 @@ PAPER_EPOCHS = 30
 PAPER_SAMPLES = 4000
 PAPER_SEEDS = (42, 43, 44)
 PAPER_SPREAD = 0.3  # simulated step times vary by about 30 % (log-normal)
-PAPER_ALPHA0 = (0.05, 0.1, 0.2, 0.3)
+PAPER_ALPHA0 = {0.9: (0.05, 0.1, 0.2, 0.3), 0.0: (0.5, 1.0, 2.0, 3.0)}  # per SGD momentum: the paper's 0.9, and none
 
 
-def paper_sweep(seeds: Iterable[int] = PAPER_SEEDS) -> list[RunConfig]:
+def paper_sweep(seeds: Iterable[int] = PAPER_SEEDS, momentum: float = 0.9) -> list[RunConfig]:
     """Stage 1: the single learner with μ = μλ at every α0 of the sweep."""
-    return [config for lr in PAPER_ALPHA0 for config in _grid([("single", 0, 1, PAPER_MU_LAMBDA, "none")], PAPER_EPOCHS,
-                                                                 PAPER_SAMPLES, lr, seeds)]
+    return [config for lr in PAPER_ALPHA0[momentum] for config in _grid(
+        [("single", 0, 1, PAPER_MU_LAMBDA, "none")], PAPER_EPOCHS, PAPER_SAMPLES, lr, seeds, momentum=momentum)]
 
 
-def choose_alpha0(rows: list[dict[str, str]]) -> float:
+def choose_alpha0(rows: list[dict[str, str]], momentum: float = 0.9) -> float:
     """The α0 of the sweep with the lowest mean test error over its seeds (the paper's way)."""
     errors: dict[float, list[float]] = {}
     for row in rows:
         config = RunConfig.from_row(row)
-        if config in paper_sweep(seeds=[config.seed]):
+        if config in paper_sweep(seeds=[config.seed], momentum=momentum):
             errors.setdefault(config.lr, []).append(float(row["test_error"]))
     if not errors:
         raise ValueError("no run of the α0 sweep has finished: cannot choose α0")
@@ -178,8 +182,7 @@ def paper_grid(alpha0: float, seeds: Iterable[int] = PAPER_SEEDS) -> list[RunCon
         μλ growing to 1800): 3 seeds;
     (2, 3) λ = 30, μ = 8: n = 1, 2, 4, 15, 30 without modulation and with α0/⟨σ⟩ (3 seeds), and with α0/σ per
         gradient (1 seed);
-    plus real learner processes beside simulated ones for λ = 4 (1 seed), to check the simulator; and, 1 seed, the
-    rows of (1) and (3) again at α0/2, away from the edge of stability that the baseline's best α0 is close to.
+    plus real learner processes beside simulated ones for λ = 4 (1 seed), to check the simulator.
     """
     seeds = list(seeds)
     constant = [("single", 0, 1, PAPER_MU_LAMBDA, "none")]
@@ -196,9 +199,22 @@ def paper_grid(alpha0: float, seeds: Iterable[int] = PAPER_SEEDS) -> list[RunCon
     common = dict(epochs=PAPER_EPOCHS, num_samples=PAPER_SAMPLES, lr=alpha0, spread=PAPER_SPREAD)
     configs = (_grid(constant + growing + modulated, seeds=seeds, simulated=True, **common)
                + _grid(per_gradient + check, seeds=seeds[:1], simulated=True, **common)
-               + _grid(check, seeds=seeds[:1], **common)
-               + _grid(constant + modulated, seeds=seeds[:1], simulated=True, **{**common, "lr": alpha0 / 2}))
+               + _grid(check, seeds=seeds[:1], **common))
     return list({c.key(): c for c in configs}.values())
+
+
+def paper_grid_without_momentum(alpha0: float, seeds: Iterable[int] = PAPER_SEEDS) -> list[RunConfig]:
+    """Stage 3, plain SGD (momentum 0) at the α0 its own sweep chose, 1 seed: the rows of findings (1) and (3).
+    Momentum acts on the stale gradients again and again (it is a delay of its own), so this separates what
+    staleness does from what it does to momentum."""
+    constant = [("single", 0, 1, PAPER_MU_LAMBDA, "none")]
+    for learners in PAPER_LEARNERS[1:]:
+        constant += [("hardsync", 0, learners, PAPER_MU_LAMBDA // learners, "none"),
+                     ("softsync", 1, learners, PAPER_MU_LAMBDA // learners, "mean")]
+    lam, mu = PAPER_LEARNERS[-1], PAPER_MU_LAMBDA // PAPER_LEARNERS[-1]
+    modulated = [("softsync" if n < lam else "async", n, lam, mu, lr_mod) for n in PAPER_NS for lr_mod in ("none", "mean")]
+    return _grid(constant + modulated, PAPER_EPOCHS, PAPER_SAMPLES, alpha0, list(seeds)[:1], simulated=True,
+                 spread=PAPER_SPREAD, momentum=0.0)
 
 
 GRIDS = {"tiny": tiny_grid, "small": small_grid, "medium": medium_grid, "large": large_grid, "paper": paper_sweep}

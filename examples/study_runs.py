@@ -74,6 +74,7 @@ def read_rows(path: Path) -> list[dict[str, str]]:
 
 
 def append_row(path: Path, config: RunConfig, result: dict[str, Any]) -> None:
+    _upgrade(path)
     new = not path.exists() or path.stat().st_size == 0
     row: dict[str, Any] = {**asdict(config), "mu_lambda": config.mu_lambda}
     for name in RESULT_FIELDS[1:]:
@@ -90,6 +91,23 @@ def append_row(path: Path, config: RunConfig, result: dict[str, Any]) -> None:
         writer.writerow(row)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _upgrade(path: Path) -> None:
+    """A ``runs.csv`` written before the configuration gained fields gets them (empty: their defaults)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames == CSV_FIELDS:
+            return
+        rows = list(reader)
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, restval="", extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
 
 
 def row_key(row: dict[str, str]) -> tuple[Any, ...]:

@@ -76,7 +76,8 @@ class ProtocolConfig:
 class Stats:
     """What a user reads after training: updates applied (the clock), gradients received, dropped (staler than
     ``max_staleness``), rejected (non-finite), the staleness histogram σ -> count of applied gradients, and
-    under the shared epoch the batches each learner took (learner -> count, first train dataloader)."""
+    under the shared epoch, or with simulated learners, the batches each learner took (learner -> count, first
+    train dataloader)."""
 
     clock: int = 0
     gradients: int = 0

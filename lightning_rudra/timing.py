@@ -12,6 +12,7 @@ collectives (validation, logging with ``sync_dist``, checkpoints) make them meet
 """
 
 import heapq
+import json
 import math
 import random
 from typing import Mapping, Optional, Sequence
@@ -74,6 +75,12 @@ class Measured(TimingModel):
     def duration(self, learner: int, step: int) -> float:
         own = self.times[learner % len(self.times)]
         return own[step % len(own)]
+
+    @classmethod
+    def from_json(cls, path: str) -> "Measured":
+        """The times that :class:`lightning_rudra.step_times.StepTimes` wrote in a real run."""
+        with open(path) as f:
+            return cls(json.load(f)["times"])
 
 
 def _checked_slowdown(slowdown: Mapping[int, float]) -> dict[int, float]:

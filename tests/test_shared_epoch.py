@@ -6,6 +6,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_rudra import RudraStrategy
+from lightning_rudra.step_times import StepTimes
+from lightning_rudra.timing import Measured
 from tests.lightning_models import GathersInStep, Recording, Regression, indexed_loader, loader, quiet_trainer, regression_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -24,7 +26,8 @@ def batches_of(records, epoch):
 
 
 def test_every_sample_once_per_epoch_fast_learner_takes_more_in_the_seeded_order(tmp_path):
-    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.03), max_epochs=2)
+    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.03), max_epochs=2,
+                           callbacks=[StepTimes(str(tmp_path / "step_times.json"))])
     for epoch in range(2):
         mine, theirs = batches_of(records, epoch)
         seen = [i for batch in mine + theirs for i in batch]
@@ -39,6 +42,10 @@ def test_every_sample_once_per_epoch_fast_learner_takes_more_in_the_seeded_order
     for record in records:  # validation once per epoch, at its end, on every learner
         assert [epoch for epoch, _ in record["validations"]] == [0, 1]
     assert "val_loss" in trainer.callback_metrics and "train_loss" in trainer.callback_metrics
+    # every learner's step times, for a simulation to replay: learner 1 sleeps 0.03 s in each of its steps
+    timing = Measured.from_json(str(tmp_path / "step_times.json"))
+    assert [len(t) for t in timing.times] == [len(record["batches"]) for record in records]
+    assert min(timing.times[1]) >= 0.03 > sorted(timing.times[0])[len(timing.times[0]) // 2]
 
 
 def test_limits_and_validation_points_count_the_batches_of_all_learners(tmp_path):

@@ -14,6 +14,7 @@ from pytorch_lightning.cli import LightningCLI
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_rudra import RudraStrategy
+from lightning_rudra.step_times import StepTimes
 from lightning_rudra.timing import Homogeneous, Jittered, Measured, Stragglers, push_order
 from tests.lightning_models import (IndexedData, OneBackwardTwoSteps, Regression, Stream, TwoOptimizers, flat,
                                     indexed_loader, loader, quiet_trainer, single_process_sgd)
@@ -242,3 +243,14 @@ def test_several_optimizers_and_manual_optimization_are_simulated():
     _, trainer = fit(RudraStrategy(protocol="async", simulate=1), model=OneBackwardTwoSteps(), data=loader(16),
                      max_epochs=1)
     assert trainer.strategy.stats.staleness == {0: 16, 1: 16}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_step_times_measured_in_a_run_time_a_simulation(tmp_path):
+    path = str(tmp_path / "times.json")
+    fit("auto", max_epochs=1, callbacks=[StepTimes(path)])  # one plain process: one list of 32 steps
+    timing = Measured.from_json(path)
+    assert len(timing.times) == 1 and len(timing.times[0]) == 32 and min(timing.times[0]) > 0
+    _, trainer = fit(RudraStrategy(protocol="async", simulate=4, timing=timing), max_epochs=1)
+    assert trainer.strategy.stats.batches == {r: 8 for r in range(4)}

@@ -77,7 +77,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             or ``Measured(times)``.
 
     After ``trainer.fit``, :attr:`stats` holds the server's statistics: ``clock`` (updates applied),
-    ``gradients``, ``dropped``, ``rejected``, ``staleness`` (σ -> count) and, under the shared epoch,
+    ``gradients``, ``dropped``, ``rejected``, ``staleness`` (σ -> count) and, under the shared epoch or simulated,
     ``batches`` (learner -> batches it took).
     """
 
@@ -226,8 +226,6 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
-        client = SimulatedClient(self.simulate) if self.simulate else self._client
-        assert client is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -241,6 +239,8 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             check_optimizers(self.optimizers, list(self.model.parameters()))
             # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
             stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
+            client = SimulatedClient(self.simulate) if self.simulate else self._client
+            assert client is not None
             self._learner = Learner(self.model, client, self.overlap, self.shared_memory and not self.simulate)
             self._learner.on_push = self._record_push
             if self.is_global_zero:
@@ -401,4 +401,3 @@ class _EndOfTraining(Callback):
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         trainer.strategy._end_training()
-

@@ -162,6 +162,10 @@ class LearnerClient:
         return rpc.rpc_async(SERVER_NAME, _server._call, args=("draw", pool, epoch, self.rank, plan, want),
                              timeout=self.timeout)
 
+    def stop_drawing(self) -> None:
+        """This learner stops training: no learner gets another batch of the shared epoch."""
+        self._sync("stop_drawing", self.rank)
+
     def leave(self) -> None:
         self._stop_heartbeat.set()
         self._heartbeat.join()

@@ -74,6 +74,7 @@ class EpochPool:
         self.epochs: dict[int, _Epoch] = {}
         self.newest = -1
         self.drawn = 0  # batches handed out over the run, for ``budget``
+        self.stopped = False  # a learner stopped training (:meth:`stop`): the budget counts as spent
         self.taken: dict[int, int] = {}  # learner -> batches taken over the run
 
     def draw(self, epoch: int, learner: int, plan: EpochPlan, want: int = 1) -> tuple[Optional[Tensor], int, str]:
@@ -97,7 +98,7 @@ class EpochPool:
             self.newest = epoch
         state = self.epochs.get(epoch)
         total = self.plan.num_batches
-        if self.plan.budget is not None and self.drawn >= self.plan.budget:
+        if self.stopped or (self.plan.budget is not None and self.drawn >= self.plan.budget):
             return None, total, "budget"
         if state is None or state.cursor >= total:
             return None, total, "epoch"
@@ -111,3 +112,9 @@ class EpochPool:
         self.drawn += count
         self.taken[learner] = self.taken.get(learner, 0) + count
         return indices, position, "batch"
+
+    def stop(self) -> None:
+        """No more batches for anyone: a learner decided on its own to stop training (``max_time``'s Timer, a
+        callback setting ``trainer.should_stop`` during a batch). Every other learner then stops at its next draw,
+        as when ``max_steps`` is spent, so that all of them end training at the same place."""
+        self.stopped = True

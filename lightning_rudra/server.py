@@ -213,6 +213,12 @@ class ParameterServer:
                 core.stats.batches[learner] = core.stats.batches.get(learner, 0) + count
             return indices, position, what
 
+    def stop_drawing(self, learner: int) -> None:
+        """``learner`` stops training: every pool of the shared epoch is spent (:meth:`EpochPool.stop`)."""
+        with self.lock:
+            for pool in self.pools.values():
+                pool.stop()
+
     def heartbeat(self, learner: int) -> None:
         self.last_heard[learner] = time.monotonic()
 

@@ -72,6 +72,7 @@ class SharedEpochLoop:
         self._points_done = 0  # validation points passed (in this epoch, or in the run if counted across epochs)
         self._points_epoch = -1
         self._max_steps = trainer.fit_loop.max_steps
+        self._stopping = False  # this learner told the server that it stops
 
     def install(self) -> None:
         trainer, fit_loop = self.trainer, self.trainer.fit_loop
@@ -147,6 +148,11 @@ class SharedEpochLoop:
     def _should_check_val(self, data_fetcher: Any) -> bool:
         self.in_batch = False  # Lightning asks this once per batch, after the batch's last hook
         trainer = self.trainer
+        if trainer.should_stop and trainer.fit_loop._can_stop_early and not self._stopping:
+            # decided by this learner alone (max_time's Timer decides inside the batch): the others must stop at
+            # the same place, or one would validate (and meet) in an epoch that another never starts
+            self._stopping = True
+            self.samplers[0].client.stop_drawing()
         epoch_loop = trainer.fit_loop.epoch_loop
         if not epoch_loop._should_check_val_epoch():
             return False

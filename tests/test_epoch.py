@@ -61,6 +61,14 @@ def test_limits_per_epoch_and_a_budget_over_the_run():
     assert pool.taken == {0: 5, 1: 1}
 
 
+def test_a_stopped_pool_gives_no_batch_to_anyone():
+    plan = EpochPlan(100, 10)
+    pool = EpochPool(plan, num_learners=2)
+    assert pool.draw(0, 0, plan)[2] == "batch"
+    pool.stop()  # learner 0's Timer stopped it: learner 1 stops at its next draw, in this epoch or the next
+    assert pool.draw(0, 1, plan)[::2] == (None, "budget") and pool.draw(1, 1, plan)[::2] == (None, "budget")
+
+
 def test_an_old_epoch_is_over_once_two_newer_ones_have_opened():
     plan = EpochPlan(40, 10)
     pool = EpochPool(plan)

@@ -76,6 +76,8 @@ def test_max_time_stops_every_learner_without_a_meeting_per_batch(tmp_path):
     assert trainer.strategy.stats.gradients == sum(len(record["batches"]) for record in records) > 0
     for record in records:  # both stopped, and validated together when they did
         assert len(record["validations"]) == len(records[0]["validations"])
+    # in the same epoch: the first to stop tells the server, and the other gets no further batch
+    assert len({max(epoch for epoch, _ in record["batches"]) for record in records}) == 1
 
 
 def test_a_learner_slower_than_the_rpc_timeout_does_not_end_the_run(tmp_path):

@@ -10,7 +10,6 @@ learner's batches is recounted for λ learners:
   ``trainer.global_step`` counts the steps of all learners together.
 """
 
-import os
 from typing import Any, Optional
 
 import pytorch_lightning as pl
@@ -55,9 +54,9 @@ def simulated_dataloader(dataloader: Any, num_learners: int, protocol: str, timi
             "Lightning's own sampler, so that every simulated learner reads the shard a real learner of its rank "
             f"would; got {type(dataloader).__name__} with sampler {type(sampler).__name__}. An IterableDataset or a "
             "sampler of your own keeps one stream per process: run real learners (devices=λ) instead.")
-    seed = int(os.getenv("PL_GLOBAL_SEED", 0))  # what Lightning seeds its DistributedSampler with
+    # Lightning's one-replica sampler holds the shuffle and seed (the global seed) that real learners' would
     shards = [DistributedSampler(sampler.dataset, num_replicas=num_learners, rank=r, shuffle=sampler.shuffle,
-                                 seed=seed) for r in range(num_learners)]
+                                 seed=sampler.seed, drop_last=sampler.drop_last) for r in range(num_learners)]
     batches = SimulatedSampler(shards, dataloader.batch_size, dataloader.drop_last, protocol, timing,
                                client.stats().batches)
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, RunningStage.TRAINING)

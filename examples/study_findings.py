@@ -122,8 +122,9 @@ def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
             growing = _cell(_errors(at, protocol="single", batch_size=PAPER_GROWING_MU))
         else:
             constant = [_cell(_errors(rows_at, protocol=protocol, n=n, learners=learners, batch_size=batch,
-                                      simulated=1))
-                        for rows_at in (at, plain) for protocol, n in (("hardsync", 0), ("softsync", 1))]
+                                      lr_modulation=lr_mod, simulated=1))
+                        for rows_at in (at, plain)
+                        for protocol, n, lr_mod in (("hardsync", 0, "none"), ("softsync", 1, "mean"))]
             growing = _cell(_errors(at, protocol="hardsync", learners=learners, batch_size=PAPER_GROWING_MU,
                                     simulated=1))
         lines.append(f"| {learners} | {batch} | {constant[0]} | {constant[1]} | {PAPER_GROWING_MU * learners} "

@@ -45,7 +45,8 @@ def test_alpha0_is_the_lowest_mean_error_of_the_sweep_and_the_report_shows_it(tm
     grids = paper_grid(0.1) + paper_grid_without_momentum(2.0)
     for config in (c for c in grids if c.key() not in swept):  # the baselines at α0 ran in the sweeps
         n = max(config.n, 1)
-        error = 0.5 if config.lr_modulation == "none" and config.n >= 15 else 0.13
+        error = 0.5 if config.lr_modulation == "none" and config.n >= 15 else 0.9 if config.lr_modulation == "none" \
+            and config.n == 1 else 0.13
         rows.append(row(config, error, {} if config.protocol == "single" else {n - 1: 3, n: 6, 2 * n + 1: 1}))
     written = write_findings(rows, tmp_path)
     assert [p.name for p in written] == ["findings.md", "findings_mu_lambda.png", "findings_staleness.png",
@@ -56,6 +57,8 @@ def test_alpha0_is_the_lowest_mean_error_of_the_sweep_and_the_report_shows_it(tm
     assert "| 2 | 2.00 | 1.93 | 1.00e-01 | 5 |" in report
     assert "| 30 | 0.500 ± 0.000 (3) | 0.130 ± 0.000 (3) | 0.130 (1) | 0.500 (1) | 0.130 (1) |" in report
     assert "| 16 | 15 | 0.130 ± 0.000 (3) | 0.130 ± 0.000 (3) | 960 | 0.130 ± 0.000 (3) | 0.130 (1) | 0.130 (1) |" in report
+    # 1-softsync rows are those with α0/⟨σ⟩, never the unmodulated ones (made up here as 0.9)
+    assert "| 30 | 8 | 0.130 ± 0.000 (3) | 0.130 ± 0.000 (3) | 1800 |" in report
     assert "| 1 | 240 | 0.121 ± 0.001 (3) | (single learner) | 60 |" in report
     for png in written[1:]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

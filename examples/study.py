@@ -131,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.grid == "paper":
             seeds = args.seeds or PAPER_SEEDS
             print(f"then, at the α0 the sweep chooses: {len(paper_grid(0.1, seeds))} runs (paper_grid in "
-                  f"examples/study_grid.py); then without momentum: a sweep of {len(paper_sweep(seeds, 0.0))} runs and "
+                  f"examples/study_grid.py); then without momentum: a sweep of {len(paper_sweep(seeds, momentum=0.0))} runs and "
                   f"{len(paper_grid_without_momentum(1.0, seeds))} runs at the α0 it chooses")
         return 0
     out.mkdir(parents=True, exist_ok=True)

@@ -154,7 +154,7 @@ PAPER_EPOCHS = 30
 PAPER_SAMPLES = 4000
 PAPER_SEEDS = (42, 43, 44)
 PAPER_SPREAD = 0.3  # simulated step times vary by about 30 % (log-normal)
-PAPER_ALPHA0 = {0.9: (0.05, 0.1, 0.2, 0.3), 0.0: (0.5, 1.0, 2.0, 3.0)}  # per SGD momentum: the paper's 0.9, and none
+PAPER_ALPHA0 = {0.9: (0.05, 0.1, 0.2, 0.3), 0.0: (0.25, 0.5, 0.75, 1.0)}  # per SGD momentum: the paper's 0.9, and none
 
 
 def paper_sweep(seeds: Iterable[int] = PAPER_SEEDS, momentum: float = 0.9) -> list[RunConfig]:

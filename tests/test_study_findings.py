@@ -37,12 +37,12 @@ def test_the_paper_grid_has_every_configuration_the_findings_need():
 
 
 def test_alpha0_is_the_lowest_mean_error_of_the_sweep_and_the_report_shows_it(tmp_path):
-    error_at = {0.05: 0.30, 0.1: 0.12, 0.2: 0.15, 0.3: 0.9, 0.5: 0.2, 1.0: 0.3, 2.0: 0.11, 3.0: 0.4}
+    error_at = {0.05: 0.30, 0.1: 0.12, 0.2: 0.15, 0.3: 0.9, 0.25: 0.2, 0.5: 0.3, 0.75: 0.11, 1.0: 0.4}
     sweeps = paper_sweep() + paper_sweep(momentum=0.0)
     rows = [row(c, error_at[c.lr] + 0.001 * (c.seed - 42), {}) for c in sweeps]
-    assert choose_alpha0(rows) == 0.1 and choose_alpha0(rows, momentum=0.0) == 2.0
+    assert choose_alpha0(rows) == 0.1 and choose_alpha0(rows, momentum=0.0) == 0.75
     swept = {c.key() for c in sweeps}
-    grids = paper_grid(0.1) + paper_grid_without_momentum(2.0)
+    grids = paper_grid(0.1) + paper_grid_without_momentum(0.75)
     for config in (c for c in grids if c.key() not in swept):  # the baselines at α0 ran in the sweeps
         n = max(config.n, 1)
         error = 0.5 if config.lr_modulation == "none" and config.n >= 15 else 0.9 if config.lr_modulation == "none" \
@@ -52,7 +52,7 @@ def test_alpha0_is_the_lowest_mean_error_of_the_sweep_and_the_report_shows_it(tm
     assert [p.name for p in written] == ["findings.md", "findings_mu_lambda.png", "findings_staleness.png",
                                          "findings_modulation.png"]
     report = (tmp_path / "findings.md").read_text()
-    assert "| 0.9 | 0.1 (chosen) | 0.121 ± 0.001 (3) |" in report and "| 0 | 2 (chosen) | 0.111 ± 0.001 (3) |" in report
+    assert "| 0.9 | 0.1 (chosen) | 0.121 ± 0.001 (3) |" in report and "| 0 | 0.75 (chosen) | 0.111 ± 0.001 (3) |" in report
     # ⟨σ⟩ of the made-up histogram: (3(n−1) + 6n + (2n+1)) / 10; one gradient in ten beyond 2n
     assert "| 2 | 2.00 | 1.93 | 1.00e-01 | 5 |" in report
     assert "| 30 | 0.500 ± 0.000 (3) | 0.130 ± 0.000 (3) | 0.130 (1) | 0.500 (1) | 0.130 (1) |" in report

@@ -246,6 +246,10 @@ def _plots(at: list[dict[str, str]], plain: list[dict[str, str]], out: Path, bas
                                for n in ns], color=color, linestyle=":", label=_LR_MOD_NAMES[lr_mod] + ", no momentum")
     if baseline:
         ax.axhline(statistics.fmean(baseline), color="k", linestyle="--", linewidth=1, label="single learner")
+    plain_baseline = _errors(plain, protocol="single", batch_size=PAPER_MU_LAMBDA)
+    if plain_baseline:
+        ax.axhline(statistics.fmean(plain_baseline), color="k", linestyle=":", linewidth=1,
+                   label="single learner, no momentum")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_xlabel(f"n (λ = {lam}; n = {lam} is async)")

@@ -140,7 +140,7 @@ def test_softsync_staleness_of_homogeneous_learners_is_what_the_protocol_predict
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("protocol", ["hardsync", "async"])
-def test_each_simulated_learner_reads_the_shard_a_real_learner_of_its_rank_reads(protocol):
+def test_each_simulated_learner_reads_the_shard_a_real_learner_of_its_rank_reads(protocol, monkeypatch):
     learners, epochs = 3, 2
 
     class Seen(Regression):
@@ -154,7 +154,10 @@ def test_each_simulated_learner_reads_the_shard_a_real_learner_of_its_rank_reads
             self.seen[self.trainer.strategy._learner.client.learner].append(index.tolist())
             return self.loss((x, y))
 
-    pl.seed_everything(7, verbose=False)  # Lightning seeds its DistributedSampler with the global seed
+    # Lightning seeds its DistributedSampler with the global seed, which it keeps in the environment: set it for
+    # this test only (learner processes that later tests start would inherit it)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    pl.seed_everything(7, verbose=False)
     model, trainer = fit(RudraStrategy(protocol=protocol, simulate=learners, timing=Jittered(0.5, seed=3)),
                          model=Seen(), data=indexed_loader(5, num_samples=100), max_epochs=epochs)
     for rank in range(learners):

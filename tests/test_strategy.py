@@ -76,7 +76,16 @@ def test_resume_from_checkpoint_continues_exactly_with_a_scheduler(tmp_path):
         trainer.fit(model, loader(8), ckpt_path=ckpt_path)
         return flat(model.parameters()), trainer.strategy.stats
 
-    straight, straight_stats = run(2)
+    # hardsync is SGD with batch μλ: the run that did not stop, computed in this process
+    reference = Scheduled()
+    [optimizer], [scheduler] = reference.configure_optimizers()
+    x, y = loader(8).dataset.tensors
+    for epoch in range(2):
+        for rows in torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch)).split(16):
+            optimizer.zero_grad()
+            reference.loss((x[rows], y[rows])).backward()
+            optimizer.step()
+        scheduler.step()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     _, first_stats = run(1, callbacks=[checkpoint])
     saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
@@ -84,8 +93,8 @@ def test_resume_from_checkpoint_continues_exactly_with_a_scheduler(tmp_path):
     assert saved["optimizer_states"][0]["state"], "the server's momentum buffers are in the checkpoint"
     assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.005)  # the learners' rate
     resumed, resumed_stats = run(2, ckpt_path=str(tmp_path / "last.ckpt"))
-    torch.testing.assert_close(resumed, straight, rtol=0, atol=1e-6)
-    assert resumed_stats == straight_stats
+    torch.testing.assert_close(resumed, flat(reference.parameters()), rtol=0, atol=1e-5)
+    assert (resumed_stats.clock, resumed_stats.gradients, resumed_stats.staleness) == (32, 64, {0: 64})
 
 
 def test_automatic_optimization_features_callbacks_and_test_after_fit(tmp_path):

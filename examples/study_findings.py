@@ -22,14 +22,14 @@ _LR_MODS = ("none", "mean", "per_gradient")
 _LR_MOD_NAMES = {"none": "α0 (none)", "mean": "α0/⟨σ⟩ (mean)", "per_gradient": "α0/σ (per gradient)"}
 
 
+def _matching(rows: list[dict[str, str]], **match) -> list[dict[str, str]]:
+    """The rows whose configuration has the given field values."""
+    return [row for row in rows
+            if all(getattr(config, k) == v for config in [RunConfig.from_row(row)] for k, v in match.items())]
+
+
 def _errors(rows: list[dict[str, str]], **match) -> list[float]:
-    """Test errors of the rows whose configuration has the given field values."""
-    out = []
-    for row in rows:
-        config = RunConfig.from_row(row)
-        if all(getattr(config, k) == v for k, v in match.items()):
-            out.append(float(row["test_error"]))
-    return out
+    return [float(row["test_error"]) for row in _matching(rows, **match)]
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -47,11 +47,9 @@ def _cell(values: list[float]) -> str:
 
 def _histogram(rows: list[dict[str, str]], **match) -> dict[int, int]:
     hist: dict[int, int] = {}
-    for row in rows:
-        config = RunConfig.from_row(row)
-        if all(getattr(config, k) == v for k, v in match.items()):
-            for s, c in json.loads(row["staleness"] or "{}").items():
-                hist[int(s)] = hist.get(int(s), 0) + int(c)
+    for row in _matching(rows, **match):
+        for s, c in json.loads(row["staleness"] or "{}").items():
+            hist[int(s)] = hist.get(int(s), 0) + int(c)
     return hist
 
 
@@ -64,23 +62,20 @@ def _staleness_summary(hist: dict[int, int], n: int) -> tuple[float, float, int]
     return mean, sum(c for s, c in hist.items() if s > 2 * n) / total, max(hist)
 
 
-def _paper_rows(rows: list[dict[str, str]]) -> list[dict[str, str]]:
-    return [r for r in rows if RunConfig.from_row(r).epochs == PAPER_EPOCHS
-            and RunConfig.from_row(r).num_samples == PAPER_SAMPLES]
 
 
 def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
-    rows = _paper_rows(rows)
+    rows = _matching(rows, epochs=PAPER_EPOCHS, num_samples=PAPER_SAMPLES)
     try:
         alpha0 = choose_alpha0(rows)
     except ValueError:
         return []
-    at = [r for r in rows if RunConfig.from_row(r).lr == alpha0 and RunConfig.from_row(r).momentum == 0.9]
+    at = _matching(rows, lr=alpha0, momentum=0.9)
     try:  # stage 3: plain SGD at the α0 of its own sweep
         plain_alpha0 = choose_alpha0(rows, momentum=0.0)
     except ValueError:
         plain_alpha0 = math.nan
-    plain = [r for r in rows if RunConfig.from_row(r).lr == plain_alpha0 and RunConfig.from_row(r).momentum == 0.0]
+    plain = _matching(rows, lr=plain_alpha0, momentum=0.0)
     lam = PAPER_LEARNERS[-1]
     mu = PAPER_MU_LAMBDA // lam
     baseline = _errors(at, protocol="single", batch_size=PAPER_MU_LAMBDA)

@@ -4,10 +4,15 @@ Both sides import this module and nothing of each other's, so the server never d
 """
 
 import errno
+import fcntl
+import os
 import socket
+import struct
 import warnings
+from datetime import timedelta
 from typing import Any, Optional
 
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 SERVER_NAME = "server"
@@ -21,6 +26,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def port_from_agent_store(rank: int, host: str, port: int, timeout: float, key: str) -> int:
+    """Under torchrun, its agent's TCP store already listens on host:port (MASTER_ADDR:MASTER_PORT), so the
+    learners cannot meet there: learner 0 picks a free port on its host and publishes it in that store under
+    ``key``, and the others read it from there (waiting up to ``timeout`` seconds for learner 0)."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+    if rank == 0:
+        chosen = free_port()
+        store.set(key, str(chosen))
+        return chosen
+    return int(store.get(key))
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -50,16 +67,50 @@ def set_rpc_counters(counters: dict[str, Any]) -> None:
     rpc.api._all_gather_sequence_id.update(counters["all_gather"])
 
 
+def interface_towards(host: str) -> Optional[str]:
+    """The name of this machine's network interface that traffic to ``host`` (IPv4) leaves from, or None. No
+    packet is sent: connecting a UDP socket only chooses the route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                packed = fcntl.ioctl(query.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == address:
+            return name
+    return None
+
+
 def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeout: float) -> None:
     """Join as learner number ``learner``, or as the server (None). The server is RPC rank 0, which hosts the
     rendezvous' TCP store: its port then closes when the server exits after the stage, and a new Trainer in
     learner 0's process can meet on the same port (torch keeps the store of a shut-down agent listening)."""
     name, rank = (SERVER_NAME, 0) if learner is None else (learner_name(learner), learner + 1)
+    # TensorPipe and the gloo group it makes at init advertise the address this machine's hostname resolves to,
+    # which in containers and network namespaces is often not one the other hosts can reach: unless told
+    # otherwise, use the interface that reaches the rendezvous
+    interface = interface_towards(init_method.removeprefix("tcp://").rpartition(":")[0])
+    for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        if interface is not None and variable not in os.environ:
+            os.environ[variable] = interface
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
-        rpc.init_rpc(name, rank=rank, world_size=num_learners + 1, rpc_backend_options=options)
+    # Under torchrun this variable makes every tcp:// rendezvous a client of torchrun's own store; ours is the
+    # server's (see port_from_agent_store).
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, at every init
+            rpc.init_rpc(name, rank=rank, world_size=num_learners + 1, rpc_backend_options=options)
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
 
 
 def shutdown_rpc() -> None:

@@ -9,6 +9,7 @@ Collectives (barrier, broadcast, reduce, all_gather) go through the server inste
 process trains λ virtual learners under the same protocol code (:mod:`lightning_rudra.simulated_epoch`).
 """
 
+import os
 from subprocess import Popen
 from typing import Any, Literal, Optional
 
@@ -27,7 +28,7 @@ from lightning_rudra.checkpoints import ServerCheckpoints
 from lightning_rudra.collectives import ServerCollectives
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
-from lightning_rudra.rpc_world import free_port
+from lightning_rudra.rpc_world import free_port, port_from_agent_store
 from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
 from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
                                              start_simulation)
@@ -38,6 +39,7 @@ from lightning_rudra.support import (check_module, check_optimizers, check_train
 from lightning_rudra.timing import Homogeneous, TimingModel
 
 SAMPLINGS = ("shared", "static")
+START_METHODS = ("popen", "spawn", "forkserver")
 
 
 class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
@@ -63,7 +65,8 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             rounds, collectives, the end of training) has no time limit.
         start_method: ``"popen"`` re-runs the script for every learner (like DDP; works with LightningCLI,
             torchrun and SLURM); ``"spawn"`` starts them with multiprocessing (works inside notebooks' scripts
-            and tests).
+            and tests); ``"forkserver"`` forks them from a process that imported Lightning once, so a learner
+            starts in a fraction of a second instead of the seconds an import takes (after the first ``fit``).
         overlap: push and pull in the background while the next step computes, on the newest weights
             received (Rudra-adv*): higher throughput, about λ more updates of staleness. Not with hardsync.
         shared_memory: learners on the server's host exchange gradients and weights with it through shared
@@ -92,7 +95,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         nonfinite: Literal["skip", "raise"] = "skip",
         sampling: Optional[Literal["shared", "static"]] = None,
         rpc_timeout: float = 120.0,
-        start_method: Literal["popen", "spawn"] = "popen",
+        start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         overlap: bool = False,
         shared_memory: bool = True,
         simulate: Optional[int] = None,
@@ -107,8 +110,9 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         validate_options(protocol, n, lr_modulation, max_staleness, nonfinite)
-        if start_method not in ("popen", "spawn"):
-            raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen' or 'spawn'.")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or "
+                             "'forkserver'.")
         if overlap and protocol == "hardsync":
             raise ValueError("overlap=True is not available with protocol='hardsync': computing on weights one "
                              "update old would make every gradient stale (σ = 1). Use softsync or async.")
@@ -144,6 +148,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self._resume_optimizer_states: Optional[list[dict[str, Any]]] = None
         self._checkpoint: Optional[tuple[list[dict[str, Any]], Stats]] = None  # learner 0: the server's snapshot
         self._next_port: Optional[int] = None  # where the learners meet for the next stage (fit, then test...)
+        self._rendezvous = 0  # stages met through torchrun's store
         self._failed = False
         self._pools = 0  # train dataloaders drawing from the server in this stage
         self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
@@ -153,9 +158,12 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self._lr_scales: dict[int, float] = {}  # optimizer -> the rate its newest update applied, as a fraction
 
     def __repr__(self) -> str:
-        # Lightning quotes this repr when a `lightning.pytorch` Trainer refuses the strategy.
+        # Lightning quotes this repr when the other flavour's Trainer refuses the strategy.
+        ours, other = (("pytorch_lightning", "lightning_rudra"), ("lightning.pytorch", "lightning_rudra.lightning"))
+        if pl.__name__ != ours[0]:
+            ours, other = other, ours
         return (f"RudraStrategy(protocol={self.protocol!r}, n={self.n}, lr_modulation={self.lr_modulation!r}) "
-                "[a `pytorch_lightning` strategy: use it with `pytorch_lightning.Trainer`, not `lightning.pytorch`]")
+                f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]")
 
     # ---- ranks, devices and launch -------------------------------------------------------------------
     @property
@@ -210,7 +218,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         if self.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = SpawnLauncher(self)
+            self._launcher = SpawnLauncher(self, self.start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -221,6 +229,10 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         assert self.cluster_environment is not None
         env = self.cluster_environment
         port = self._next_port or env.main_port
+        if self._next_port is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            self._rendezvous += 1  # the same count on every learner: one per stage
+            key = f"lightning_rudra/port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._rendezvous}"
+            port = port_from_agent_store(self.global_rank, env.main_address, port, self.rpc_timeout, key)
         self._client, self._server_process = join(self.global_rank, self.num_learners, env.main_address, port,
                                                   self.rpc_timeout)
 

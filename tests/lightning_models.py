@@ -12,6 +12,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_rudra import RudraStrategy
 
+# Learners forked from one fork server that imported Lightning once for the whole session, not spawned: an
+# import of Lightning takes 9-12 s on the 2-core CI machine, paid by each spawned learner of each test.
+START = "forkserver"
+
 
 def regression_data(num_samples: int = 256, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
@@ -44,7 +48,10 @@ def single_process_sgd(epochs: int, batch_size: int, model: Optional[pl.Lightnin
     return flat(model.parameters())
 
 
-class Regression(pl.LightningModule):
+class RegressionSteps:
+    """The regression module's steps, for a LightningModule of either flavour (``pytorch_lightning`` and the
+    unified ``lightning``)."""
+
     def __init__(self, lr: float = 0.05, momentum: float = 0.9) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -68,6 +75,10 @@ class Regression(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+class Regression(RegressionSteps, pl.LightningModule):
+    pass
 
 
 class Scheduled(Regression):
@@ -166,6 +177,18 @@ class OneBackwardTwoSteps(TwoOptimizers):
         self.manual_backward(torch.nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y))
         opt_first.step()
         opt_second.step()
+
+
+class ReadsItsStart(Regression):
+    """Keeps in a buffer (returned with learner 0's weights) what its process saw at the start of fit: the
+    environment variable RUDRA_TEST_MARK and the first number its random generator draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(2))
+
+    def on_fit_start(self) -> None:
+        self.seen.copy_(torch.tensor([float(os.environ.get("RUDRA_TEST_MARK", "-1")), torch.rand(1).item()]))
 
 
 class FailingLearner(Regression):

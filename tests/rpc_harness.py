@@ -2,26 +2,17 @@
 
 import io
 import os
-import sys
 import time
 import traceback
-import types
 from queue import Empty
 
-_ENGINE_ONLY = "LIGHTNING_RUDRA_TEST_ENGINE_ONLY"
-if os.environ.get(_ENGINE_ONLY) and "lightning_rudra" not in sys.modules:
-    # A spawned learner: the engine without the package's __init__, which imports Lightning (seconds, unused).
-    _package = types.ModuleType("lightning_rudra")
-    _package.__path__ = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lightning_rudra")]
-    sys.modules["lightning_rudra"] = _package
+import torch
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from lightning_rudra.client import join, leave  # noqa: E402
-from lightning_rudra.learner import Learner  # noqa: E402
-from lightning_rudra.rpc_world import free_port  # noqa: E402
-from lightning_rudra.sampler import SharedEpochSampler  # noqa: E402
+from lightning_rudra.client import join, leave
+from lightning_rudra.learner import Learner
+from lightning_rudra.rpc_world import free_port
+from lightning_rudra.sampler import SharedEpochSampler
 
 DATA_SEED = 1234
 
@@ -40,16 +31,16 @@ def run_learners(num_learners: int, target, timeout: float = 20.0, **kwargs):
     """Run ``target(rank, client_learner, **kwargs)`` in ``num_learners`` processes around one server.
     Returns each learner's result (or the text of its exception), in rank order."""
     port = free_port()
-    ctx = mp.get_context("spawn")
+    # forked from one fork server that imported torch and the package once for the session (seconds per learner)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_learner_main, args=(rank, num_learners, port, timeout, target, kwargs, queue))
+    environ = dict(os.environ)  # a fork server's children have the environment of when it started
+    procs = [ctx.Process(target=_learner_main, args=(rank, num_learners, port, timeout, target, kwargs, queue,
+                                                     environ))
              for rank in range(num_learners)]
-    os.environ[_ENGINE_ONLY] = "1"  # read by the children as they import this module
-    try:
-        for proc in procs:
-            proc.start()
-    finally:
-        del os.environ[_ENGINE_ONLY]
+    for proc in procs:
+        proc.start()
     results = {}
     while len(results) < num_learners and any(p.is_alive() for p in procs) or not queue.empty():
         try:
@@ -64,7 +55,9 @@ def run_learners(num_learners: int, target, timeout: float = 20.0, **kwargs):
     return [results.get(r, f"died with exit code {procs[r].exitcode}") for r in range(num_learners)]
 
 
-def _learner_main(rank, num_learners, port, timeout, target, kwargs, queue):
+def _learner_main(rank, num_learners, port, timeout, target, kwargs, queue, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     client = process = None
     try:

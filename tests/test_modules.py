@@ -13,7 +13,7 @@ from pytorch_lightning.tuner import Tuner
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.support import check_module, check_optimizers, check_trainer
-from tests.lightning_models import (SWA, Averaging, Compiled, ProbedRudra, Regression, Unusual, UnevenStreams,
+from tests.lightning_models import (START, SWA, Averaging, Compiled, ProbedRudra, Regression, Unusual, UnevenStreams,
                                     WithoutOptimizer, flat, loader, quiet_trainer, single_process_sgd)
 
 
@@ -72,7 +72,7 @@ def test_the_learning_rate_finder_is_refused():
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_lr_find_is_refused_on_every_learner_before_any_waits():
-    trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=20), 2, max_epochs=1)
+    trainer = quiet_trainer(RudraStrategy(start_method=START, rpc_timeout=20), 2, max_epochs=1)
     with pytest.raises(Exception, match="LearningRateFinder .* cannot run under RudraStrategy"):
         Tuner(trainer).lr_find(Regression(), train_dataloaders=loader(8))
 
@@ -112,7 +112,7 @@ def test_a_module_compiled_in_configure_model_trains_exactly():
 def test_a_module_without_an_optimizer_trains_without_stepping(how):
     module = WithoutOptimizer(how)
     before = flat(module.parameters())
-    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method="spawn", rpc_timeout=60), 2, max_epochs=1)
+    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=60), 2, max_epochs=1)
     trainer.fit(module, loader(8))
     assert torch.equal(flat(module.parameters()), before)
     stats = trainer.strategy.stats
@@ -128,7 +128,7 @@ def test_weight_averaging_ends_in_the_returned_model(tmp_path, callback):
     server's last weights."""
     average = tmp_path / "average.pt"
     kwargs = dict(swa_lrs=0.01, swa_epoch_start=1) if callback is SWA else {}
-    strategy = ProbedRudra(protocol="hardsync", start_method="spawn", rpc_timeout=60)
+    strategy = ProbedRudra(protocol="hardsync", start_method=START, rpc_timeout=60)
     strategy.probe_path = str(tmp_path / "probe.pt")
     module = Regression()
     trainer = quiet_trainer(strategy, 2, max_epochs=3, callbacks=[callback(str(average), **kwargs)])
@@ -142,6 +142,6 @@ def test_weight_averaging_ends_in_the_returned_model(tmp_path, callback):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_hardsync_with_streams_of_different_lengths_ends_with_an_error_not_a_hang():
-    trainer = quiet_trainer(RudraStrategy(protocol="hardsync", start_method="spawn", rpc_timeout=60), 2, max_epochs=2)
+    trainer = quiet_trainer(RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=60), 2, max_epochs=2)
     with pytest.raises(Exception, match="Under hardsync every learner must train on the same number of batches"):
         trainer.fit(UnevenStreams())

@@ -8,13 +8,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_rudra import RudraStrategy
 from lightning_rudra.step_times import StepTimes
 from lightning_rudra.timing import Measured
-from tests.lightning_models import GathersInStep, Recording, Regression, indexed_loader, loader, quiet_trainer, regression_data
+from tests.lightning_models import (START, GathersInStep, Recording, Regression, indexed_loader, loader, quiet_trainer,
+                                    regression_data)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def fit(tmp_path, model, learners=2, strategy_kwargs=None, batch_size=8, **trainer_kwargs):
-    strategy = RudraStrategy(start_method="spawn", rpc_timeout=30, **{"protocol": "async", **(strategy_kwargs or {})})
+    strategy = RudraStrategy(start_method=START, rpc_timeout=30, **{"protocol": "async", **(strategy_kwargs or {})})
     trainer = quiet_trainer(strategy, learners, **trainer_kwargs)
     trainer.fit(model, indexed_loader(batch_size), indexed_loader(64, num_samples=64, shuffle=False))
     records = [torch.load(tmp_path / f"learner{rank}.pt") for rank in range(learners)]
@@ -83,7 +84,7 @@ def test_max_time_stops_every_learner_without_a_meeting_per_batch(tmp_path):
 def test_a_learner_slower_than_the_rpc_timeout_does_not_end_the_run(tmp_path):
     # hardsync rounds wait the same way: test_rpc.py::test_a_live_learner_slower_than_the_timeout_is_waited_for
     model = Recording(str(tmp_path), slow_once=7.0)
-    strategy = RudraStrategy(protocol="async", start_method="spawn", rpc_timeout=3)
+    strategy = RudraStrategy(protocol="async", start_method=START, rpc_timeout=3)
     trainer = quiet_trainer(strategy, 2, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
                             callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")])
     trainer.fit(model, indexed_loader(8), indexed_loader(64, num_samples=64, shuffle=False))
@@ -99,7 +100,7 @@ class Stream(IterableDataset):
 
 
 def test_an_iterable_dataset_keeps_one_stream_per_learner():
-    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method="spawn", rpc_timeout=30), 2, max_epochs=1)
+    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=30), 2, max_epochs=1)
     trainer.fit(Regression(), DataLoader(Stream(), batch_size=8))
     assert trainer.strategy.stats.gradients == 2 * 8 and trainer.strategy.stats.batches == {}
 
@@ -111,13 +112,13 @@ def test_an_iterable_dataset_keeps_one_stream_per_learner():
                         r"to an epoch hook"),
 ])
 def test_what_needs_learners_in_step_is_refused_with_a_remedy(tmp_path, module, callbacks, message):
-    trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=30), 1, max_epochs=1,
+    trainer = quiet_trainer(RudraStrategy(start_method=START, rpc_timeout=30), 1, max_epochs=1,
                             enable_checkpointing=bool(callbacks), default_root_dir=tmp_path, callbacks=callbacks)
     with pytest.raises(Exception, match=message):
         trainer.fit(module(), loader(8))
 
 
 def test_several_train_dataloaders_are_refused_with_a_remedy():
-    trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=30), 1, max_epochs=1)
+    trainer = quiet_trainer(RudraStrategy(start_method=START, rpc_timeout=30), 1, max_epochs=1)
     with pytest.raises(Exception, match=r"2 train dataloaders cannot share their epochs yet.*sampling='static'"):
         trainer.fit(Regression(), {"a": loader(8), "b": loader(8, num_samples=128)})

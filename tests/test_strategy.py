@@ -12,14 +12,14 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
-from tests.lightning_models import (FailingLearner, Features, OneBackwardTwoSteps, ProbedRudra, Regression, Scheduled,
-                                    TwoOptimizers, flat, loader, quiet_trainer, single_process_sgd)
+from tests.lightning_models import (START, FailingLearner, Features, OneBackwardTwoSteps, ProbedRudra, ReadsItsStart,
+                                    Regression, Scheduled, TwoOptimizers, flat, loader, quiet_trainer, single_process_sgd)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def probed(tmp_path, **kwargs) -> ProbedRudra:
-    strategy = ProbedRudra(start_method="spawn", rpc_timeout=60, **kwargs)
+    strategy = ProbedRudra(start_method=START, rpc_timeout=60, **kwargs)
     strategy.probe_path = str(tmp_path / "probe.pt")
     return strategy
 
@@ -70,7 +70,7 @@ def test_protocols_train_and_return_the_server_weights(tmp_path, protocol, n, le
 def test_resume_from_checkpoint_continues_exactly_with_a_scheduler(tmp_path):
     def run(max_epochs, ckpt_path=None, callbacks=()):
         model = Scheduled()
-        strategy = RudraStrategy(protocol="hardsync", start_method="spawn", rpc_timeout=60)
+        strategy = RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=60)
         trainer = quiet_trainer(strategy, 2, max_epochs=max_epochs, callbacks=list(callbacks),
                                 enable_checkpointing=bool(callbacks), default_root_dir=tmp_path)
         trainer.fit(model, loader(8), ckpt_path=ckpt_path)
@@ -131,17 +131,30 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert probe["lrs"] == [[0.01], [0.05]]
 
 
+def test_forkserver_learners_start_with_the_callers_environment_and_random_state(monkeypatch):
+    for mark in (1, 2):  # the second fit's learner is forked from the fork server the first fit started
+        model = ReadsItsStart()
+        monkeypatch.setenv("RUDRA_TEST_MARK", str(mark))
+        torch.manual_seed(mark)
+        expected = torch.rand(1).item()
+        torch.manual_seed(mark)
+        trainer = quiet_trainer(RudraStrategy(start_method="forkserver", rpc_timeout=30), 1, max_epochs=1)
+        trainer.fit(model, loader(64))
+        assert model.seen.tolist() == [mark, expected]
+        assert trainer.strategy.stats.gradients == 4
+
+
 def test_a_gradient_is_stamped_with_the_weights_it_came_from(tmp_path):
     # async, one learner: the first step's push moves the clock, and the second optimizer's gradient (from the
     # same backward) is one update stale (dropping it under max_staleness=0 is checked in test_protocol).
-    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method="spawn", rpc_timeout=60), 1, max_epochs=1)
+    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=60), 1, max_epochs=1)
     trainer.fit(OneBackwardTwoSteps(), loader(16))
     assert trainer.strategy.stats.staleness == {0: 16, 1: 16}
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])
 def test_a_failing_learner_ends_the_run_with_an_error_and_leaves_no_process(how):
-    strategy = RudraStrategy(protocol="hardsync", start_method="spawn", rpc_timeout=10)
+    strategy = RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=10)
     trainer = quiet_trainer(strategy, 2, max_epochs=1)
     with pytest.raises(Exception, match="learner 1 broke on purpose" if how == "raise" else "exit code 7"):
         trainer.fit(FailingLearner(how), loader(8))

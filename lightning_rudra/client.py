@@ -18,7 +18,8 @@ from lightning_rudra import server as _server
 from lightning_rudra.epoch import EpochPlan
 from lightning_rudra.optimizers import OptimizerSpec
 from lightning_rudra.protocol import ProtocolConfig, Stats
-from lightning_rudra.rpc_world import SERVER_NAME, check_port_free, init_rpc, rpc_counters, shutdown_rpc
+from lightning_rudra.rpc_world import (SERVER_NAME, address_towards, check_port_free, init_rpc, rpc_counters,
+                                      shutdown_rpc)
 from lightning_rudra.shm import SharedNames
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
@@ -76,9 +77,11 @@ class LearnerClient:
     goes unanswered for that long. Either way a wait with no time limit ends with an error.
     """
 
-    def __init__(self, rank: int, timeout: float) -> None:
+    def __init__(self, rank: int, timeout: float, server_host: str) -> None:
         self.rank = rank
         self.timeout = timeout
+        self.server_host = server_host
+        self.address = address_towards(server_host) or "an unknown address"  # named by the server if lost
         self.timestamp = 0
         self._collectives = 0
         self._interval = min(5.0, timeout / 4)
@@ -90,11 +93,12 @@ class LearnerClient:
     def _beat(self) -> None:
         while not self._stop_heartbeat.wait(self._interval):
             try:
-                rpc.rpc_sync(SERVER_NAME, _server._call, args=("heartbeat", self.rank), timeout=self.timeout)
+                rpc.rpc_sync(SERVER_NAME, _server._call, args=("heartbeat", self.rank, self.address),
+                             timeout=self.timeout)
             except Exception as error:
                 if not self._stop_heartbeat.is_set():
-                    self._server_lost = (f"the parameter server did not answer a heartbeat within {self.timeout:g} s "
-                                         f"(rpc_timeout): {error}")
+                    self._server_lost = (f"the parameter server (on {self.server_host}) did not answer a heartbeat "
+                                         f"within {self.timeout:g} s (rpc_timeout): {error}")
                 return
 
     def _sync(self, method: str, *args: Any) -> Any:
@@ -201,7 +205,7 @@ def join(rank: int, num_learners: int, host: str, port: int, timeout: float) -> 
             process.kill()
             process.wait()
         raise
-    return LearnerClient(rank, timeout), process
+    return LearnerClient(rank, timeout, host), process
 
 
 def leave(client: LearnerClient, process: Optional[subprocess.Popen], timeout: float) -> None:

@@ -67,14 +67,21 @@ def set_rpc_counters(counters: dict[str, Any]) -> None:
     rpc.api._all_gather_sequence_id.update(counters["all_gather"])
 
 
-def interface_towards(host: str) -> Optional[str]:
-    """The name of this machine's network interface that traffic to ``host`` (IPv4) leaves from, or None. No
-    packet is sent: connecting a UDP socket only chooses the route."""
+def address_towards(host: str) -> Optional[str]:
+    """This machine's IPv4 address that traffic to ``host`` leaves from, or None. No packet is sent: connecting
+    a UDP socket only chooses the route."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((host, 9))
-            address = probe.getsockname()[0]
+            return probe.getsockname()[0]
     except OSError:
+        return None
+
+
+def interface_towards(host: str) -> Optional[str]:
+    """The name of this machine's network interface that traffic to ``host`` (IPv4) leaves from, or None."""
+    address = address_towards(host)
+    if address is None:
         return None
     for _, name in socket.if_nameindex():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:

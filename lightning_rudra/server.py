@@ -64,6 +64,7 @@ class ParameterServer:
         self.all_left = threading.Event()
         self.pools: dict[int, EpochPool] = {}  # per train dataloader
         self.last_heard = {learner: time.monotonic() for learner in range(num_learners)}
+        self.addresses: dict[int, str] = {}  # learner -> the address it reaches this server from
         self.lost: Optional[str] = None  # why training cannot go on, once a learner is lost
         self.shared: Optional[SharedWeights] = None
         self.shared_names: Optional[SharedNames] = None
@@ -219,8 +220,9 @@ class ParameterServer:
             for pool in self.pools.values():
                 pool.stop()
 
-    def heartbeat(self, learner: int) -> None:
+    def heartbeat(self, learner: int, address: str) -> None:
         self.last_heard[learner] = time.monotonic()
+        self.addresses[learner] = address
 
     def watch(self) -> None:
         """Runs in its own thread: a learner that has not left and has been silent for longer than the timeout
@@ -233,8 +235,10 @@ class ParameterServer:
                                 if learner not in self.left and now - heard > self.timeout)
                 if not silent:
                     continue
-                failed = self._give_up(f"learner {silent[0]} has not been heard from for more than {self.timeout:g} "
-                                       "s (rpc_timeout): its process died or hung, and training cannot go on without it")
+                where = self.addresses.get(silent[0], "its host")
+                failed = self._give_up(f"learner {silent[0]} (on {where}) has not been heard from for more than "
+                                       f"{self.timeout:g} s (rpc_timeout): its process died or hung, or its host "
+                                       "cannot be reached, and training cannot go on without it")
             _fail(failed, self.lost)
 
     def leave(self, learner: int) -> None:

@@ -45,6 +45,11 @@ class Host:
             return subprocess.Popen(["ip", "netns", "exec", self.namespace, *args], env=env, cwd=REPO, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
 
+    def pids(self) -> list[int]:
+        """The processes running in this host's namespace."""
+        listed = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True, text=True, timeout=10)
+        return [int(pid) for pid in listed.stdout.split()]
+
     def cut_link(self) -> None:
         _ip("-n", self.namespace, "link", "set", self.interface, "down")
 
@@ -66,11 +71,9 @@ def two_hosts() -> Iterator[list[Host]]:
         yield hosts
     finally:
         for host in hosts:
-            pids = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True,
-                                  timeout=10).stdout.split()
-            for pid in pids:
+            for pid in host.pids():
                 try:
-                    os.kill(int(pid), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True, timeout=10)

@@ -20,18 +20,24 @@ SCRIPT = "tests/scripts/hosts_fit.py"
 EPOCHS = 2
 
 
-def run_on_hosts(hosts, commands, envs, tmp_path, timeout=150.0):
-    """Start each host's command, wait for all (bounded), return each host's exit code and output."""
-    procs = [host.start(command, env, tmp_path / f"host{i}.log")
-             for i, (host, command, env) in enumerate(zip(hosts, commands, envs))]
+def run_on_hosts(hosts, commands, envs, tmp_path, timeout=150.0, during=None):
+    """Start each host's command, run ``during(logs)`` if given, wait for all (bounded: a process still running
+    then is killed and its code is None). Returns each host's exit code and output, and the processes left in
+    each host's namespace once they ended."""
+    logs = [tmp_path / f"host{i}.log" for i in range(len(hosts))]
+    procs = [host.start(command, env, log) for host, command, env, log in zip(hosts, commands, envs, logs)]
+    if during is not None:
+        during(logs)
     deadline = time.monotonic() + timeout
+    codes = []
     for proc in procs:
         try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return [proc.returncode for proc in procs], [(tmp_path / f"host{i}.log").read_text() for i in range(len(procs))]
+            codes.append(None)
+    return codes, [log.read_text() for log in logs], [host.pids() for host in hosts]
 
 
 def assert_hardsync_over(learners, codes, logs):
@@ -49,7 +55,7 @@ def test_lightnings_launcher_two_hosts_two_learners_each(tmp_path):
     with two_hosts() as hosts:
         envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
         command = [sys.executable, SCRIPT, "2", "2", str(EPOCHS)]
-        codes, logs = run_on_hosts(hosts, [command, command], envs, tmp_path)
+        codes, logs, _ = run_on_hosts(hosts, [command, command], envs, tmp_path)
     assert_hardsync_over(4, codes, logs)
 
 
@@ -58,7 +64,7 @@ def test_torchrun_on_two_hosts(tmp_path):
         commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                      "--node-rank", str(i), "--master-addr", hosts[0].address, "--master-port", "29500",
                      SCRIPT, "2", "1", str(EPOCHS)] for i in range(2)]
-        codes, logs = run_on_hosts(hosts, commands, [host_env(), host_env()], tmp_path)
+        codes, logs, _ = run_on_hosts(hosts, commands, [host_env(), host_env()], tmp_path)
     assert_hardsync_over(2, codes, logs)
 
 
@@ -71,5 +77,27 @@ def test_slurm_on_two_hosts(tmp_path):
                          SLURM_NODEID=i, SLURM_JOB_ID=4242, SLURM_JOB_NAME="rudra-test", SLURM_NODELIST=nodes)
                 for i in range(2)]
         command = [sys.executable, SCRIPT, "2", "1", str(EPOCHS)]
-        codes, logs = run_on_hosts(hosts, [command, command], envs, tmp_path)
+        codes, logs, _ = run_on_hosts(hosts, [command, command], envs, tmp_path)
     assert_hardsync_over(2, codes, logs)
+
+
+def test_a_cut_link_ends_both_hosts_with_an_error_that_names_the_unreachable_host(tmp_path):
+    """Async, one learner per host; the link goes down mid-run. Each side gives up after rpc_timeout (8 s) of
+    silence, with an error, by itself (not killed by the test's bound), and no process is left on either host."""
+    def cut_once_training(logs):
+        for _ in range(600):  # bounded: 120 s
+            if "TRAINING" in logs[0].read_text():
+                break
+            time.sleep(0.2)
+        time.sleep(2.0)  # some steps over the link first
+        hosts[1].cut_link()
+
+    with two_hosts() as hosts:
+        envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
+        command = [sys.executable, SCRIPT, "2", "1", "1000", "async", "0.02", "8"]
+        codes, logs, left = run_on_hosts(hosts, [command, command], envs, tmp_path, during=cut_once_training)
+    assert None not in codes and 0 not in codes, (codes, [log[-2000:] for log in logs])
+    assert "TRAINING" in logs[0]
+    assert f"learner 1 (on {hosts[1].address}) has not been heard from" in logs[0], logs[0][-3000:]
+    assert f"(on {hosts[0].address})" in logs[1], logs[1][-3000:]
+    assert left == [[], []]

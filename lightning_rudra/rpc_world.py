@@ -6,11 +6,15 @@ Both sides import this module and nothing of each other's, so the server never d
 import errno
 import fcntl
 import os
+import re
 import socket
 import struct
+import sys
+import threading
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -118,6 +122,42 @@ def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeou
     finally:
         if agent_store is not None:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+
+
+# What TensorPipe logs (C++, to fd 2) in a process whose peer closes a connection while its own agent runs, and
+# in the server when it shuts down with a reply to a learner that has left still unsent
+_PEER_LEFT = re.compile(rb"tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ (encountered error when (reading incoming "
+                        rb"(request|response) from|sending response to request #\d+ to) \S+: (pipe closed|EOF: end "
+                        rb"of file)|won't send response to request #\d+ to \S+, as the agent is shutting down)")
+
+
+@contextmanager
+def quiet_peers_leaving() -> Iterator[None]:
+    """Drops TensorPipe's warnings about a peer that closed its connection from this process's stderr while the
+    context is open; every other line passes unchanged. At the end of every run each process sees the others
+    leave, and torch only keeps quiet about it in a graceful shutdown (which :func:`shutdown_rpc` cannot use).
+    The lines are C++ writes to file descriptor 2, so the filter sits there, and only around the leaving."""
+    sys.stderr.flush()
+    original = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def forward() -> None:
+        with os.fdopen(read_end, "rb") as lines:
+            for line in lines:
+                if not _PEER_LEFT.search(line):
+                    os.write(original, line)
+
+    forwarder = threading.Thread(target=forward, name="rudra-stderr", daemon=True)
+    forwarder.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(original, 2)  # closes the pipe's write end: the forwarder reads what is left, then ends
+        forwarder.join(timeout=5)
+        os.close(original)
 
 
 def shutdown_rpc() -> None:

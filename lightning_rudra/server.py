@@ -24,7 +24,7 @@ from torch.futures import Future
 from lightning_rudra.epoch import EpochPlan, EpochPool
 from lightning_rudra.optimizers import OptimizerSpec
 from lightning_rudra.protocol import ProtocolConfig, Server, Stats
-from lightning_rudra.rpc_world import init_rpc, set_rpc_counters, shutdown_rpc
+from lightning_rudra.rpc_world import init_rpc, quiet_peers_leaving, set_rpc_counters, shutdown_rpc
 from lightning_rudra.shm import SharedNames, SharedWeights
 
 
@@ -355,9 +355,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     _server.last_heard = {learner: time.monotonic() for learner in range(args.learners)}  # all have just joined
     threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.
-    try:
-        _server.all_left.wait()
-    finally:
-        _release_shared_memory()
-    shutdown_rpc()
+    with quiet_peers_leaving():
+        try:
+            _server.all_left.wait()
+        finally:
+            _release_shared_memory()
+        shutdown_rpc()
 

@@ -28,18 +28,15 @@ from lightning_rudra.checkpoints import ServerCheckpoints
 from lightning_rudra.collectives import ServerCollectives
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
-from lightning_rudra.rpc_world import free_port, port_from_agent_store
+from lightning_rudra.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
 from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
 from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
                                              start_simulation)
 from lightning_rudra.simulation import SimulatedClient
 from lightning_rudra.spawn import SpawnLauncher
-from lightning_rudra.support import (check_module, check_optimizers, check_trainer, is_placeholder,
+from lightning_rudra.support import (check_arguments, check_module, check_optimizers, check_trainer, is_placeholder,
                                     warn_of_meetings_per_batch)
 from lightning_rudra.timing import Homogeneous, TimingModel
-
-SAMPLINGS = ("shared", "static")
-START_METHODS = ("popen", "spawn", "forkserver")
 
 
 class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
@@ -110,21 +107,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         validate_options(protocol, n, lr_modulation, max_staleness, nonfinite)
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or "
-                             "'forkserver'.")
-        if overlap and protocol == "hardsync":
-            raise ValueError("overlap=True is not available with protocol='hardsync': computing on weights one "
-                             "update old would make every gradient stale (σ = 1). Use softsync or async.")
-        if sampling is not None and sampling not in SAMPLINGS:
-            raise ValueError(f"sampling={sampling!r} is not supported: expected 'shared', 'static' or None (shared "
-                             "under softsync and async, static under hardsync).")
-        if sampling == "shared" and protocol == "hardsync":
-            raise ValueError("sampling='shared' is not available with protocol='hardsync': a hardsync round takes "
-                             "one batch from every learner, so every learner needs the same number of batches. "
-                             "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'.")
-        if not rpc_timeout > 0:
-            raise ValueError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
+        check_arguments(protocol, sampling, rpc_timeout, start_method, overlap)
         check_simulation(simulate, timing, sampling, overlap)
         self.protocol = protocol
         self.n = n
@@ -376,9 +359,10 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
 
     def teardown(self) -> None:
         if self._client is not None:
-            if not self._failed:
-                self._agree_on_next_port()
-            leave(self._client, self._server_process, timeout=min(self.rpc_timeout, 30.0))
+            with quiet_peers_leaving():
+                if not self._failed:
+                    self._agree_on_next_port()
+                leave(self._client, self._server_process, timeout=min(self.rpc_timeout, 30.0))
         if self._shared is not None:  # training failed: give the Trainer its own loop back
             self._shared.uninstall()
         if self._simulated is not None:

@@ -1,4 +1,4 @@
-"""What a LightningModule and a Trainer may combine with RudraStrategy.
+"""What a LightningModule and a Trainer may combine with RudraStrategy, and the strategy's own arguments.
 
 Every learner runs the same checks on the same module, optimizers and callbacks at setup, before any learner
 waits on another, so a combination that cannot work under a parameter server ends every learner at once, with
@@ -7,7 +7,7 @@ refused" lists each case and its test.
 """
 
 import inspect
-from typing import Sequence
+from typing import Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -18,6 +18,30 @@ from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
 from lightning_rudra.optimizers import OptimizerSpec
+
+
+SAMPLINGS = ("shared", "static")
+START_METHODS = ("popen", "spawn", "forkserver")
+
+
+def check_arguments(protocol: str, sampling: Optional[str], rpc_timeout: float, start_method: str,
+                    overlap: bool) -> None:
+    """RudraStrategy's own arguments, as it is built (the protocol's are :func:`protocol.validate_options`)."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or "
+                         "'forkserver'.")
+    if overlap and protocol == "hardsync":
+        raise ValueError("overlap=True is not available with protocol='hardsync': computing on weights one "
+                         "update old would make every gradient stale (σ = 1). Use softsync or async.")
+    if sampling is not None and sampling not in SAMPLINGS:
+        raise ValueError(f"sampling={sampling!r} is not supported: expected 'shared', 'static' or None (shared "
+                         "under softsync and async, static under hardsync).")
+    if sampling == "shared" and protocol == "hardsync":
+        raise ValueError("sampling='shared' is not available with protocol='hardsync': a hardsync round takes "
+                         "one batch from every learner, so every learner needs the same number of batches. "
+                         "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'.")
+    if not rpc_timeout > 0:
+        raise ValueError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
 
 
 def is_placeholder(optimizer: Optimizer) -> bool:

@@ -51,6 +51,8 @@ def assert_trained_and_summarised(proc: subprocess.CompletedProcess) -> None:
     assert "staleness histogram: σ=" in proc.stdout, output[-3000:]
     # printed once, by learner 0
     assert len(ACCURACY.findall(proc.stdout)) == 1
+    # a quiet console: no C++ warning from torch (TensorPipe's about peers leaving at the end, above all)
+    assert not re.search(r"^\[W\d", proc.stderr, re.MULTILINE), proc.stderr[-3000:]
 
 
 @pytest.mark.timeout(300)

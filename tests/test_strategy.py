@@ -198,3 +198,4 @@ def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path):
     assert result["saved_lr"] == pytest.approx(0.02 * 0.1 ** 2)
     assert result["again_clock"] == 48 and result["again_lr"] == pytest.approx(0.02 * 0.1 ** 3)
     assert "lr_scheduler.step()" not in done.stderr  # torch's warning: the server steps for the learners
+    assert "tensorpipe" not in done.stderr  # peers leaving at the end of each stage, filtered

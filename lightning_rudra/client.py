@@ -173,7 +173,8 @@ class LearnerClient:
     def leave(self) -> None:
         self._stop_heartbeat.set()
         self._heartbeat.join()
-        self._sync("leave", self.rank)
+        if self._server_lost is None:  # a server that stopped answering would only make this call wait it out
+            self._sync("leave", self.rank)
 
     def stats(self) -> Stats:
         return Stats.from_dict(self._sync("stats"))

@@ -65,6 +65,7 @@ class ParameterServer:
         self.pools: dict[int, EpochPool] = {}  # per train dataloader
         self.last_heard = {learner: time.monotonic() for learner in range(num_learners)}
         self.addresses: dict[int, str] = {}  # learner -> the address it reaches this server from
+        self.silent: set[int] = set()  # learners lost to silence: they will not leave
         self.lost: Optional[str] = None  # why training cannot go on, once a learner is lost
         self.shared: Optional[SharedWeights] = None
         self.shared_names: Optional[SharedNames] = None
@@ -235,6 +236,8 @@ class ParameterServer:
                                 if learner not in self.left and now - heard > self.timeout)
                 if not silent:
                     continue
+                self.silent.update(silent)
+                self._check_all_left()
                 where = self.addresses.get(silent[0], "its host")
                 failed = self._give_up(f"learner {silent[0]} (on {where}) has not been heard from for more than "
                                        f"{self.timeout:g} s (rpc_timeout): its process died or hung, or its host "
@@ -244,13 +247,17 @@ class ParameterServer:
     def leave(self, learner: int) -> None:
         with self.lock:
             self.left.add(learner)
-            if len(self.left) == self.num_learners:
-                self.all_left.set()
+            self._check_all_left()
             failed = []
             if self.core is not None and learner in self.core.active and self.lost is None:
                 failed = self._give_up(f"learner {learner} left before training ended (it stopped with an error: see "
                                        "its own output), and training cannot go on without it")
         _fail(failed, self.lost)
+
+    def _check_all_left(self) -> None:
+        """Every learner has left, or is lost to silence and never will: this server's work is over."""
+        if len(self.left | self.silent) == self.num_learners:
+            self.all_left.set()
 
     def _give_up(self, reason: str) -> list[Future]:
         """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the

@@ -1,10 +1,12 @@
 """Checkpoints of a strategy whose optimizer state lives on the parameter server.
 
 Learner 0 writes them; it takes the server's weights, optimizer states and statistics in one snapshot, all of
-one clock. On resume, learner 0 hands the server the saved states with the weights before any learner pulls
-or pushes, and every learner takes back its parameter groups (the rate its LR scheduler steps from).
+one clock, and writes it beside the previous checkpoint before renaming it over it (a crash while writing leaves
+the previous one whole). On resume, learner 0 hands the server the saved states with the weights before any
+learner pulls or pushes, and every learner takes back its parameter groups (the rate its LR scheduler steps from).
 """
 
+import os
 from typing import Any, Mapping, Optional
 
 from torch.optim import Optimizer
@@ -46,7 +48,17 @@ class ServerCheckpoints:
         if self.is_global_zero and stats is not None:
             checkpoint["rudra"] = {"stats": stats.to_dict()}
         self._checkpoint = None
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not self.is_global_zero or "://" in str(filepath):
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # writes nothing / a remote store's way
+            return
+        # A crash while writing must leave the previous checkpoint whole: write beside it, then rename over it.
+        partial = f"{filepath}.partial"
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+            os.replace(partial, filepath)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """On resume, learner 0 hands the server the optimizer states and statistics with the weights, before

@@ -130,12 +130,11 @@ class SharedEpochLoop:
                              "collectives in validation would not meet. Use a fraction or a number of batches, or "
                              "RudraStrategy(sampling='static').")
         for callback in trainer.callbacks:
-            if isinstance(callback, ModelCheckpoint) and (callback._every_n_train_steps or callback._train_time_interval):
+            if isinstance(callback, ModelCheckpoint) and callback._train_time_interval is not None:
                 raise ValueError(
-                    f"ModelCheckpoint(every_n_train_steps={callback._every_n_train_steps}, train_time_interval="
-                    f"{callback._train_time_interval}) cannot be used with RudraStrategy's shared epoch: learners take "
-                    "different numbers of steps, so they would not save together. Use every_n_epochs (or "
-                    "val_check_interval to save after validation), or RudraStrategy(sampling='static').")
+                    f"ModelCheckpoint(train_time_interval={callback._train_time_interval}) cannot be used with "
+                    "RudraStrategy's shared epoch yet. Use every_n_train_steps (learner 0's steps), every_n_epochs, "
+                    "or RudraStrategy(sampling='static').")
 
     # ---- validation at the same places in the epoch for every learner ----------------------------------
     def _interval(self, epoch_batches: int) -> int:

@@ -1,4 +1,6 @@
-"""The shared epoch through the Trainer: real learner processes (spawn), a real server process, real data."""
+"""The shared epoch through the Trainer: real learner processes (forked), a real server process, real data."""
+
+from datetime import timedelta
 
 import pytest
 import torch
@@ -106,8 +108,9 @@ def test_an_iterable_dataset_keeps_one_stream_per_learner():
 
 
 @pytest.mark.parametrize("module, callbacks, message", [
-    (Regression, [ModelCheckpoint(every_n_train_steps=5)],
-     r"ModelCheckpoint\(every_n_train_steps=5, .*cannot be used with RudraStrategy's shared epoch.*sampling='static'"),
+    (Regression, [ModelCheckpoint(train_time_interval=timedelta(seconds=5))],
+     r"ModelCheckpoint\(train_time_interval=0:00:05\) cannot be used with RudraStrategy's shared epoch.*"
+     r"every_n_train_steps"),
     (GathersInStep, [], r"all_gather was called during a training batch under RudraStrategy's shared epoch.*Move it "
                         r"to an epoch hook"),
 ])
@@ -116,6 +119,30 @@ def test_what_needs_learners_in_step_is_refused_with_a_remedy(tmp_path, module, 
                             enable_checkpointing=bool(callbacks), default_root_dir=tmp_path, callbacks=callbacks)
     with pytest.raises(Exception, match=message):
         trainer.fit(module(), loader(8))
+
+
+def test_step_checkpoints_hold_the_servers_state_mid_epoch_and_resume(tmp_path):
+    """ModelCheckpoint(every_n_train_steps) counts learner 0's steps; learner 0 writes the server's snapshot."""
+    def run(max_epochs, ckpt_path=None):
+        checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+        trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=30), 2,
+                                max_epochs=max_epochs, enable_checkpointing=True, default_root_dir=tmp_path,
+                                callbacks=[checkpoint])
+        trainer.fit(Regression(), loader(8), ckpt_path=ckpt_path)
+        return trainer.strategy.stats
+
+    first = run(1)
+    saved = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("step=*.ckpt"),
+                                                                      key=lambda p: int(p.stem[5:]))]
+    assert len(saved) >= 2 and not list(tmp_path.glob("*.partial"))
+    clocks = [checkpoint["rudra"]["stats"]["clock"] for checkpoint in saved]
+    assert clocks == sorted(clocks) and 0 < clocks[0] < clocks[-1] < first.clock == 32
+    for checkpoint in saved:  # one snapshot of one clock: async applies each gradient as it comes
+        stats = checkpoint["rudra"]["stats"]
+        assert stats["clock"] == stats["gradients"] == sum(stats["staleness"].values())
+        assert checkpoint["optimizer_states"][0]["state"], "the server's momentum buffers"
+    resumed = run(2, ckpt_path=str(sorted(tmp_path.glob("step=*.ckpt"), key=lambda p: int(p.stem[5:]))[-1]))
+    assert resumed.gradients >= clocks[-1] + 32  # from the snapshot's statistics, then at least one whole epoch
 
 
 def test_several_train_dataloaders_are_refused_with_a_remedy():

@@ -4,6 +4,8 @@ from datetime import timedelta
 
 import pytest
 import pytorch_lightning as pl
+import torch
+from lightning_fabric.plugins import TorchCheckpointIO
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -101,3 +103,19 @@ def test_features_that_meet_after_every_batch_are_warned_of_under_static_shards(
     built = trainer(RudraStrategy(protocol="async", sampling="static"), callbacks=callbacks, **kwargs)
     with pytest.warns(UserWarning, match=message + ".*every batch becomes a meeting"):
         warn_of_meetings_per_batch(built)
+
+
+def test_a_checkpoint_write_that_fails_leaves_the_previous_one(tmp_path):
+    class BreaksHalfway(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            with open(path, "wb") as file:
+                file.write(b"half a checkpoint")
+            raise OSError("No space left on device (made up)")
+
+    strategy = RudraStrategy(checkpoint_io=TorchCheckpointIO())
+    path = tmp_path / "last.ckpt"
+    strategy.save_checkpoint({"state": 1}, path)
+    strategy.checkpoint_io = BreaksHalfway()
+    with pytest.raises(OSError, match="made up"):
+        strategy.save_checkpoint({"state": 2}, path)
+    assert torch.load(path)["state"] == 1 and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

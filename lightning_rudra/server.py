@@ -187,8 +187,6 @@ class ParameterServer:
 
     def gather(self, sequence: int, learner: int, obj: Any) -> Future:
         """The ``sequence``-th collective of every learner: resolves with the list of all their objects."""
-        if learner not in range(self.num_learners):
-            raise ValueError(f"learner {learner!r} is unknown: expected 0..{self.num_learners - 1}")
         with self.lock:
             self._check_alive()
             future, objs, seen = self.gatherings.setdefault(sequence, (Future(), [None] * self.num_learners, set()))
@@ -220,6 +218,20 @@ class ParameterServer:
         with self.lock:
             for pool in self.pools.values():
                 pool.stop()
+
+    def check_caller(self, method: str, learner: Any) -> None:
+        """A call from a learner this run does not know, or no longer counts, is refused before it changes
+        anything: a learner lost to silence (a stalled process that wakes up) is not merged back in."""
+        if not isinstance(learner, int) or learner not in range(self.num_learners):
+            raise ValueError(f"{method} from learner {learner!r} refused: this run's learners are "
+                             f"0..{self.num_learners - 1}")
+        if learner in self.silent:
+            raise RuntimeError(f"{method} from learner {learner} refused: it was silent for more than "
+                               f"{self.timeout:g} s (rpc_timeout) and counted as lost, and it cannot rejoin this run")
+        if learner in self.left:
+            raise RuntimeError(f"{method} from learner {learner} refused: it has left this run")
+        if method == "push" and learner in self.finished:
+            raise RuntimeError(f"push from learner {learner} refused: it has finished training")
 
     def heartbeat(self, learner: int, address: str) -> None:
         self.last_heard[learner] = time.monotonic()
@@ -321,13 +333,32 @@ class ParameterServer:
 _server: Optional[ParameterServer] = None
 
 
+# What a learner may call, and where the calling learner is among the arguments (None: no learner argument)
+ENTRY_POINTS: dict[str, Optional[int]] = {
+    "register": None, "attach": 0, "attached": 0, "pull": None, "push": 0, "finish": 0, "gather": 1, "draw": 2,
+    "stop_drawing": 0, "heartbeat": 0, "leave": 0, "stats": None, "snapshot": None, "optimizer_state": None,
+    "load_optimizer_state": None,
+}
+
+
+def _entry(method: str, args: tuple) -> Callable:
+    """The server's method for a call from a learner, once the call is checked: nothing changes before."""
+    if method not in ENTRY_POINTS:
+        raise ValueError(f"{method!r} is not a call the parameter server answers: expected one of "
+                         f"{', '.join(sorted(ENTRY_POINTS))}")
+    position = ENTRY_POINTS[method]
+    if position is not None:
+        _server.check_caller(method, args[position] if position < len(args) else None)
+    return getattr(_server, method)
+
+
 def _call(method: str, *args: Any) -> Any:
-    return getattr(_server, method)(*args)
+    return _entry(method, args)(*args)
 
 
 @rpc.functions.async_execution
 def _call_async(method: str, *args: Any) -> Future:
-    return getattr(_server, method)(*args)  # raising here, before any future, reaches the caller
+    return _entry(method, args)(*args)  # raising here, before any future, reaches the caller
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

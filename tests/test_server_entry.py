@@ -1,0 +1,56 @@
+"""Every call that reaches the server is checked before it changes anything (in-process: the functions the RPC
+calls run, without RPC)."""
+
+import pytest
+import torch
+
+from lightning_rudra import server
+from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.protocol import ProtocolConfig
+
+
+@pytest.fixture
+def parameter_server(monkeypatch):
+    ps = server.ParameterServer(2, timeout=5.0)
+    monkeypatch.setattr(server, "_server", ps)
+    params = [torch.zeros(3)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1), params)
+    server._call("register", ProtocolConfig(2, "async"), params, [], [spec], None, False)
+    return ps
+
+
+def push(learner):
+    return server._call_async("push", learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0,
+                              [{"lr": 0.1}], [])
+
+
+@pytest.mark.parametrize("method, args, error, message", [
+    ("_give_up", ("any reason",), ValueError, "'_give_up' is not a call the parameter server answers: expected"),
+    ("lost", (), ValueError, "'lost' is not a call"),
+    ("heartbeat", (2, "10.0.0.3"), ValueError, r"heartbeat from learner 2 refused: this run's learners are 0..1"),
+    ("push", ("0",), ValueError, r"push from learner '0' refused"),
+    ("leave", (), ValueError, r"leave from learner None refused"),
+])
+def test_unknown_calls_and_learners_are_refused(parameter_server, method, args, error, message):
+    heard = dict(parameter_server.last_heard)
+    with pytest.raises(error, match=message):
+        server._call(method, *args)
+    assert parameter_server.last_heard == heard and parameter_server.lost is None and not parameter_server.left
+
+
+def test_a_learner_that_left_or_was_lost_cannot_come_back(parameter_server):
+    server._call("leave", 1)
+    with pytest.raises(RuntimeError, match="push from learner 1 refused: it has left this run"):
+        push(1)
+    parameter_server.silent.add(0)  # as watch() does after rpc_timeout of silence
+    with pytest.raises(RuntimeError, match="heartbeat from learner 0 refused: it was silent for more than 5 s"):
+        server._call("heartbeat", 0, "10.0.0.2")
+    assert parameter_server.core.clock == 0 and parameter_server.core.stats.gradients == 0
+
+
+def test_a_push_after_finish_is_refused(parameter_server):
+    push(0).wait()
+    server._call_async("finish", 0)
+    with pytest.raises(RuntimeError, match="push from learner 0 refused: it has finished training"):
+        push(0)
+    assert parameter_server.core.stats.gradients == 1

@@ -5,10 +5,12 @@ Lightning."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -25,6 +27,8 @@ from lightning_rudra.shm import SharedNames
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
 # heartbeat watch fails them instead when a learner is lost.
 _NO_TIME_LIMIT = 0
+# How TensorPipe words a connection the other side closed or never answered
+_CONNECTION_LOST = re.compile(r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe", re.I)
 
 
 # Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server`, not in a copy named
@@ -102,7 +106,19 @@ class LearnerClient:
                 return
 
     def _sync(self, method: str, *args: Any) -> Any:
-        return rpc.rpc_sync(SERVER_NAME, _server._call, args=(method, *args), timeout=self.timeout)
+        with self._naming_a_lost_server():
+            return rpc.rpc_sync(SERVER_NAME, _server._call, args=(method, *args), timeout=self.timeout)
+
+    @contextmanager
+    def _naming_a_lost_server(self) -> Iterator[None]:
+        """TensorPipe reports a server whose process died as "EOF: end of file": say what happened."""
+        try:
+            yield
+        except RuntimeError as error:
+            if not _CONNECTION_LOST.search(str(error)):
+                raise
+            raise RuntimeError(f"the parameter server (on {self.server_host}) is gone: its connection closed "
+                               f"({error}). Its process died or was killed; its own output may say why.") from error
 
     def _wait(self, method: str, *args: Any) -> Any:
         return self.result(rpc.rpc_async(SERVER_NAME, _server._call_async, args=(method, *args),
@@ -115,7 +131,8 @@ class LearnerClient:
         while not done.wait(self._interval):
             if self._server_lost is not None:
                 raise RuntimeError(self._server_lost)
-        value = future.wait()
+        with self._naming_a_lost_server():
+            value = future.wait()
         if isinstance(value, BaseException):  # a wait the server failed (a learner was lost) arrives as a value
             raise value
         return value

@@ -13,11 +13,13 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from functools import lru_cache
 from typing import Iterator, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+@lru_cache(maxsize=None)
 def why_no_hosts() -> Optional[str]:
     """None where namespaces can be made here, else the reason (for pytest's skip)."""
     if sys.platform != "linux":
@@ -26,6 +28,11 @@ def why_no_hosts() -> Optional[str]:
         return "making network namespaces needs root"
     if shutil.which("ip") is None:
         return "the ip command (iproute2) is not installed"
+    probe = f"rudra{os.getpid()}probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+    if made.returncode != 0:
+        return f"a network namespace cannot be made here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
     return None
 
 

@@ -40,8 +40,9 @@ def run_on_hosts(hosts, commands, envs, tmp_path, timeout=150.0, during=None):
     return codes, [log.read_text() for log in logs], [host.pids() for host in hosts]
 
 
-def assert_hardsync_over(learners, codes, logs):
+def assert_hardsync_over(learners, codes, logs, left):
     assert codes == [0] * len(codes), "\n".join(log[-3000:] for log in logs)
+    assert left == [[], []], "processes left on the hosts"
     [line] = [line for line in logs[0].splitlines() if line.startswith("RESULT ")]
     result = json.loads(line[len("RESULT "):])
     assert result["learners"] == learners
@@ -55,8 +56,8 @@ def test_lightnings_launcher_two_hosts_two_learners_each(tmp_path):
     with two_hosts() as hosts:
         envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
         command = [sys.executable, SCRIPT, "2", "2", str(EPOCHS)]
-        codes, logs, _ = run_on_hosts(hosts, [command, command], envs, tmp_path)
-    assert_hardsync_over(4, codes, logs)
+        codes, logs, left = run_on_hosts(hosts, [command, command], envs, tmp_path)
+    assert_hardsync_over(4, codes, logs, left)
 
 
 def test_torchrun_on_two_hosts(tmp_path):
@@ -64,8 +65,8 @@ def test_torchrun_on_two_hosts(tmp_path):
         commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                      "--node-rank", str(i), "--master-addr", hosts[0].address, "--master-port", "29500",
                      SCRIPT, "2", "1", str(EPOCHS)] for i in range(2)]
-        codes, logs, _ = run_on_hosts(hosts, commands, [host_env(), host_env()], tmp_path)
-    assert_hardsync_over(2, codes, logs)
+        codes, logs, left = run_on_hosts(hosts, commands, [host_env(), host_env()], tmp_path)
+    assert_hardsync_over(2, codes, logs, left)
 
 
 def test_slurm_on_two_hosts(tmp_path):
@@ -77,8 +78,8 @@ def test_slurm_on_two_hosts(tmp_path):
                          SLURM_NODEID=i, SLURM_JOB_ID=4242, SLURM_JOB_NAME="rudra-test", SLURM_NODELIST=nodes)
                 for i in range(2)]
         command = [sys.executable, SCRIPT, "2", "1", str(EPOCHS)]
-        codes, logs, _ = run_on_hosts(hosts, [command, command], envs, tmp_path)
-    assert_hardsync_over(2, codes, logs)
+        codes, logs, left = run_on_hosts(hosts, [command, command], envs, tmp_path)
+    assert_hardsync_over(2, codes, logs, left)
 
 
 def test_a_cut_link_ends_both_hosts_with_an_error_that_names_the_unreachable_host(tmp_path):

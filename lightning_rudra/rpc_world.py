@@ -105,23 +105,37 @@ def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeou
     name, rank = (SERVER_NAME, 0) if learner is None else (learner_name(learner), learner + 1)
     # TensorPipe and the gloo group it makes at init advertise the address this machine's hostname resolves to,
     # which in containers and network namespaces is often not one the other hosts can reach: unless told
-    # otherwise, use the interface that reaches the rendezvous
+    # otherwise, use the interface that reaches the rendezvous. Under torchrun, TORCHELASTIC_USE_AGENT_STORE
+    # makes every tcp:// rendezvous a client of torchrun's own store; ours is the server's (port_from_agent_store).
     interface = interface_towards(init_method.removeprefix("tcp://").rpartition(":")[0])
-    for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        if interface is not None and variable not in os.environ:
-            os.environ[variable] = interface
+    changes: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": None}
+    if interface is not None:
+        changes.update({variable: interface for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+                        if variable not in os.environ})
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
-    # Under torchrun this variable makes every tcp:// rendezvous a client of torchrun's own store; ours is the
-    # server's (see port_from_agent_store).
-    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    with _environment(changes), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
+        rpc.init_rpc(name, rank=rank, world_size=num_learners + 1, rpc_backend_options=options)
+
+
+@contextmanager
+def _environment(changes: dict[str, Optional[str]]) -> Iterator[None]:
+    """Environment variables set (None: removed) while the context is open, as they were afterwards."""
+    before = {variable: os.environ.get(variable) for variable in changes}
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, at every init
-            rpc.init_rpc(name, rank=rank, world_size=num_learners + 1, rpc_backend_options=options)
+        for variable, value in changes.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
+        yield
     finally:
-        if agent_store is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+        for variable, value in before.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
 
 
 # What TensorPipe logs (C++, to fd 2) in a process whose peer closes a connection while its own agent runs, and

@@ -124,18 +124,18 @@ def _environment(changes: dict[str, Optional[str]]) -> Iterator[None]:
     """Environment variables set (None: removed) while the context is open, as they were afterwards."""
     before = {variable: os.environ.get(variable) for variable in changes}
     try:
-        for variable, value in changes.items():
-            if value is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = value
+        _set_environment(changes)
         yield
     finally:
-        for variable, value in before.items():
-            if value is None:
-                os.environ.pop(variable, None)
-            else:
-                os.environ[variable] = value
+        _set_environment(before)
+
+
+def _set_environment(values: dict[str, Optional[str]]) -> None:
+    for variable, value in values.items():
+        if value is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = value
 
 
 # What TensorPipe logs (C++, to fd 2) in a process whose peer closes a connection while its own agent runs, and

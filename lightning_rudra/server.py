@@ -250,7 +250,7 @@ class ParameterServer:
                     continue
                 self.silent.update(silent)
                 self._check_all_left()
-                where = self.addresses.get(silent[0], "its host")
+                where = self.addresses.get(silent[0], "a host it never named")
                 failed = self._give_up(f"learner {silent[0]} (on {where}) has not been heard from for more than "
                                        f"{self.timeout:g} s (rpc_timeout): its process died or hung, or its host "
                                        "cannot be reached, and training cannot go on without it")

@@ -6,13 +6,34 @@ import os
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher
 from pytorch_lightning.strategies.launchers.multiprocessing import _GlobalStateSnapshot, _WorkerOutput
 from pytorch_lightning.utilities import rank_zero_warn
+from torchmetrics import Metric
 
 from lightning_rudra.protocol import Stats
 
 _COMPILED = "_orig_mod."  # what torch.compile's wrapper adds to the names of the module it compiles
+
+
+def _own_copies(module: torch.nn.Module) -> None:
+    """torch's multiprocessing pickler hands a started process the caller's CPU tensors in shared memory: every
+    learner would read and write the same parameters, buffers and torchmetrics states (one learner loading the
+    server's weights under another's step, metric states summed over all learners before their sync). Each
+    learner takes its own copy."""
+    for part in module.modules():
+        for tensors in (part._parameters, part._buffers):
+            for name, tensor in tensors.items():
+                if tensor is not None and tensor.is_shared():
+                    tensor.data = tensor.data.clone()
+        if isinstance(part, Metric):
+            for name in part._defaults:
+                value = getattr(part, name)
+                if isinstance(value, torch.Tensor) and value.is_shared():
+                    setattr(part, name, value.clone())
+                elif isinstance(value, list):
+                    setattr(part, name, [v.clone() if v.is_shared() else v for v in value])
 
 
 class SpawnLauncher(_MultiProcessingLauncher):
@@ -43,6 +64,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
             os.environ.clear()
             os.environ.update(self._environ)
             global_states = self._global_states
+        for module in (arg for arg in args if isinstance(arg, torch.nn.Module)):
+            _own_copies(module)
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
 
     def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Optional
 import pytorch_lightning as pl
 import torch
 import torch.utils.checkpoint
+import torchmetrics
 from pytorch_lightning.callbacks import StochasticWeightAveraging, WeightAveraging
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -179,16 +180,32 @@ class OneBackwardTwoSteps(TwoOptimizers):
         opt_second.step()
 
 
-class ReadsItsStart(Regression):
-    """Keeps in a buffer (returned with learner 0's weights) what its process saw at the start of fit: the
-    environment variable RUDRA_TEST_MARK and the first number its random generator draws."""
+class Metered(Regression):
+    """Validation's mean squared error as a torchmetrics Metric: its state syncs through the server."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("seen", torch.zeros(2))
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_mse.update(self.net(x), y)
+        self.log("val_mse", self.val_mse)
+
+
+class ReadsItsStart(Regression):
+    """Keeps in a buffer (returned with learner 0's weights) what its process saw at the start of fit: the
+    environment variable RUDRA_TEST_MARK, the first number its random generator draws, and whether any of its
+    parameters lives in memory shared with another process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3))
 
     def on_fit_start(self) -> None:
-        self.seen.copy_(torch.tensor([float(os.environ.get("RUDRA_TEST_MARK", "-1")), torch.rand(1).item()]))
+        shared = any(t.is_shared() for t in list(self.parameters()) + list(self.buffers()))
+        self.seen.copy_(torch.tensor([float(os.environ.get("RUDRA_TEST_MARK", "-1")), torch.rand(1).item(),
+                                      float(shared)]))
 
 
 class FailingLearner(Regression):

@@ -12,8 +12,9 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
-from tests.lightning_models import (START, FailingLearner, Features, OneBackwardTwoSteps, ProbedRudra, ReadsItsStart,
-                                    Regression, Scheduled, TwoOptimizers, flat, loader, quiet_trainer, single_process_sgd)
+from tests.lightning_models import (START, FailingLearner, Features, Metered, OneBackwardTwoSteps, ProbedRudra,
+                                    ReadsItsStart, Regression, Scheduled, TwoOptimizers, flat, loader, quiet_trainer,
+                                    regression_data, single_process_sgd)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -131,7 +132,7 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert probe["lrs"] == [[0.01], [0.05]]
 
 
-def test_forkserver_learners_start_with_the_callers_environment_and_random_state(monkeypatch):
+def test_forkserver_learners_start_with_the_callers_environment_random_state_and_own_memory(monkeypatch):
     for mark in (1, 2):  # the second fit's learner is forked from the fork server the first fit started
         model = ReadsItsStart()
         monkeypatch.setenv("RUDRA_TEST_MARK", str(mark))
@@ -140,8 +141,19 @@ def test_forkserver_learners_start_with_the_callers_environment_and_random_state
         torch.manual_seed(mark)
         trainer = quiet_trainer(RudraStrategy(start_method="forkserver", rpc_timeout=30), 1, max_epochs=1)
         trainer.fit(model, loader(64))
-        assert model.seen.tolist() == [mark, expected]
+        assert model.seen.tolist() == [mark, expected, 0.0]  # 0: its own parameters, not the caller's memory
         assert trainer.strategy.stats.gradients == 4
+
+
+def test_a_torchmetrics_metric_syncs_over_every_learner_through_the_server():
+    model = Metered()
+    trainer = quiet_trainer(RudraStrategy(start_method=START, rpc_timeout=30), 2)
+    [result] = trainer.validate(model, loader(16, num_samples=96, seed=3), verbose=False)
+    x, y = regression_data(96, seed=3).tensors
+    with torch.no_grad():
+        whole = torch.nn.functional.mse_loss(model.net(x), y).item()
+        shard_0 = torch.nn.functional.mse_loss(model.net(x[0::2]), y[0::2]).item()  # learner 0's samples
+    assert result["val_mse"] == pytest.approx(whole, rel=1e-5) and shard_0 != pytest.approx(whole, rel=1e-3)
 
 
 def test_a_gradient_is_stamped_with_the_weights_it_came_from(tmp_path):

@@ -152,7 +152,11 @@ def quiet_peers_leaving() -> Iterator[None]:
     leave, and torch only keeps quiet about it in a graceful shutdown (which :func:`shutdown_rpc` cannot use).
     The lines are C++ writes to file descriptor 2, so the filter sits there, and only around the leaving."""
     sys.stderr.flush()
-    original = os.dup(2)
+    try:
+        original = os.dup(2)
+    except OSError:  # no stderr to filter (closed by a daemon's launcher)
+        yield
+        return
     read_end, write_end = os.pipe()
     os.dup2(write_end, 2)
     os.close(write_end)

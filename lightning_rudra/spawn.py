@@ -24,7 +24,7 @@ def _own_copies(module: torch.nn.Module) -> None:
     learner takes its own copy."""
     for part in module.modules():
         for tensors in (part._parameters, part._buffers):
-            for name, tensor in tensors.items():
+            for tensor in tensors.values():
                 if tensor is not None and tensor.is_shared():
                     tensor.data = tensor.data.clone()
         if isinstance(part, Metric):

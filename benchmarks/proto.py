@@ -7,11 +7,10 @@ Learner side: ``LEARNER_PATCHES`` modify a ``Learner`` object in place.
 """
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 # name -> (file in lightning_rudra, [(old text, new text)]); each old text must occur exactly once.
 # Measured this way and since applied to the package (commit a75c8be): "finite_sum" (Server.push checked every
@@ -114,13 +113,8 @@ def prototype_server(patches: Sequence[str]) -> Iterator[None]:
         patched_source(package, PATCHES[name][0], [name])
     original = client.start_server
 
-    def start_server(init_method: str, num_learners: int, timeout: float) -> subprocess.Popen:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
-        command = [sys.executable, "-c", _ENTRY.format(package=package, patches=list(patches)),
-                   "--init-method", init_method, "--rpc-counters", json.dumps(client.rpc_counters()),
-                   "--learners", str(num_learners), "--timeout", str(timeout), "--parent-pid", str(os.getpid())]
-        return subprocess.Popen(command, env=env)
+    def start_server(*args: Any) -> subprocess.Popen:
+        return original(*args, code=_ENTRY.format(package=package, patches=list(patches)))
 
     client.start_server = start_server
     try:

@@ -18,6 +18,7 @@ from torch.futures import Future
 
 from lightning_rudra import server as _server
 from lightning_rudra.epoch import EpochPlan
+from lightning_rudra.membership import this_process
 from lightning_rudra.optimizers import OptimizerSpec
 from lightning_rudra.protocol import ProtocolConfig, Stats
 from lightning_rudra.rpc_world import (SERVER_NAME, address_towards, check_port_free, init_rpc, rpc_counters,
@@ -54,14 +55,18 @@ from lightning_rudra.server import main
 main()"""
 
 
-def start_server(init_method: str, num_learners: int, timeout: float) -> subprocess.Popen:
-    """Start the server process. It exits when every learner has left, or at once if this process dies."""
+def start_server(init_method: str, num_learners: int, timeout: float, min_learners: Optional[int] = None,
+                 code: Optional[str] = None) -> subprocess.Popen:
+    """Start the server process (``code``: the Python it runs, if not the server's own entry). It exits when every
+    learner has left, or at once if this process dies."""
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
-    command = [sys.executable, "-c", _SERVER_ENTRY.format(package=os.path.dirname(__file__)),
+    command = [sys.executable, "-c", code or _SERVER_ENTRY.format(package=os.path.dirname(__file__)),
                "--init-method", init_method, "--rpc-counters", json.dumps(rpc_counters()), "--learners", str(num_learners),
                "--timeout", str(timeout), "--parent-pid", str(os.getpid())]
+    if min_learners is not None:
+        command += ["--min-learners", str(min_learners)]
     return subprocess.Popen(command, env=env)
 
 
@@ -76,9 +81,10 @@ def stop_server(process: subprocess.Popen, timeout: float) -> None:
 class LearnerClient:
     """One learner's calls to the server. Holds the timestamp of the weights the learner last received.
 
-    A thread of its own sends a heartbeat every ``timeout / 4`` seconds (at most 5): the server counts a learner
-    silent for longer than ``timeout`` as lost, and this learner counts the server as lost when a heartbeat
-    goes unanswered for that long. Either way a wait with no time limit ends with an error.
+    A thread of its own sends a heartbeat every ``timeout / 4`` seconds (at most 5), with this learner's address
+    and process: the server counts a learner silent for longer than ``timeout``, or whose process it sees end, as
+    lost, and this learner counts the server as lost when a heartbeat goes unanswered for that long. Either way a
+    wait with no time limit ends with an error (or, for a lost learner under ``min_learners``, goes on without it).
     """
 
     def __init__(self, rank: int, timeout: float, server_host: str) -> None:
@@ -95,14 +101,17 @@ class LearnerClient:
         self._heartbeat.start()
 
     def _beat(self) -> None:
-        while not self._stop_heartbeat.wait(self._interval):
+        process = this_process()
+        while True:
             try:
-                rpc.rpc_sync(SERVER_NAME, _server._call, args=("heartbeat", self.rank, self.address),
+                rpc.rpc_sync(SERVER_NAME, _server._call, args=("heartbeat", self.rank, self.address, process),
                              timeout=self.timeout)
             except Exception as error:
                 if not self._stop_heartbeat.is_set():
                     self._server_lost = (f"the parameter server (on {self.server_host}) did not answer a heartbeat "
                                          f"within {self.timeout:g} s (rpc_timeout): {error}")
+                return
+            if self._stop_heartbeat.wait(self._interval):
                 return
 
     def _sync(self, method: str, *args: Any) -> Any:
@@ -172,8 +181,9 @@ class LearnerClient:
         params, buffers, self.timestamp = self._wait("finish", self.rank)
         return params, buffers
 
-    def gather(self, obj: Any) -> list[Any]:
-        """Every learner's ``obj``, in rank order. All learners must call collectives in the same order."""
+    def gather(self, obj: Any) -> dict[int, Any]:
+        """Every learner's ``obj`` (learner -> obj, in rank order), but those of learners lost under
+        ``min_learners``. All learners must call collectives in the same order."""
         self._collectives += 1
         return self._wait("gather", self._collectives, self.rank, obj)
 
@@ -187,11 +197,12 @@ class LearnerClient:
         """This learner stops training: no learner gets another batch of the shared epoch."""
         self._sync("stop_drawing", self.rank)
 
-    def leave(self) -> None:
+    def leave(self, error: Optional[str] = None) -> None:
+        """Leave this stage (``error``: why this learner stopped training early, for the others to hear)."""
         self._stop_heartbeat.set()
         self._heartbeat.join()
         if self._server_lost is None:  # a server that stopped answering would only make this call wait it out
-            self._sync("leave", self.rank)
+            self._sync("leave", self.rank, error)
 
     def stats(self) -> Stats:
         return Stats.from_dict(self._sync("stats"))
@@ -208,14 +219,15 @@ class LearnerClient:
         self._sync("load_optimizer_state", optimizer, state)
 
 
-def join(rank: int, num_learners: int, host: str, port: int, timeout: float) -> tuple[LearnerClient, Optional[subprocess.Popen]]:
+def join(rank: int, num_learners: int, host: str, port: int, timeout: float,
+         min_learners: Optional[int] = None) -> tuple[LearnerClient, Optional[subprocess.Popen]]:
     """Join the RPC world of ``num_learners`` learners and one server; learner 0 checks the port and starts
     the server process. Returns the client and, on learner 0, the server process."""
     init_method = f"tcp://{host}:{port}"
     process = None
     if rank == 0:
         check_port_free(host, port)
-        process = start_server(init_method, num_learners, timeout)
+        process = start_server(init_method, num_learners, timeout, min_learners)
     try:
         init_rpc(rank, num_learners, init_method, timeout)
     except BaseException:
@@ -226,10 +238,11 @@ def join(rank: int, num_learners: int, host: str, port: int, timeout: float) -> 
     return LearnerClient(rank, timeout, host), process
 
 
-def leave(client: LearnerClient, process: Optional[subprocess.Popen], timeout: float) -> None:
+def leave(client: LearnerClient, process: Optional[subprocess.Popen], timeout: float,
+          error: Optional[str] = None) -> None:
     """Leave the RPC world; learner 0 then waits (bounded) for its server process to exit."""
     try:
-        client.leave()
+        client.leave(error)
     except Exception:
         pass  # the server is gone, or went as this learner left last: nothing is left to say to it
     shutdown_rpc()

@@ -6,6 +6,7 @@ call them in the same order. Under the shared epoch the learners take different 
 during a training batch (its hooks, ``training_step``, the optimizer step) no call is made by all of them:
 there ``reduce``, ``broadcast``, ``barrier`` and metric syncs stay local (each learner logs its own value, and
 decides for itself, e.g. the Timer of ``max_time``), and ``all_gather`` is refused with a message that says why.
+With ``min_learners``, a lost learner's part is left out: a reduction covers the learners left.
 """
 
 from typing import Any, Optional, Union
@@ -32,7 +33,8 @@ class ServerCollectives:
         shared = getattr(self, "_shared", None)
         return shared is not None and shared.in_batch
 
-    def _gather(self, obj: Any) -> list[Any]:
+    def _gather(self, obj: Any) -> dict[int, Any]:
+        """learner -> its ``obj``, for every learner left."""
         assert self._client is not None
         sent = apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())  # the server holds CPU tensors
         return self._client.gather(sent)
@@ -51,7 +53,7 @@ class ServerCollectives:
     def _gather_metric_state(self, tensor: Tensor, group: Optional[Any] = None) -> list[Tensor]:
         if self._local_only():
             return [tensor]
-        return [t.to(tensor.device) for t in self._gather(tensor)]
+        return [t.to(tensor.device) for t in self._gather(tensor).values()]
 
     def barrier(self, name: Optional[str] = None) -> None:
         if self._client is not None and not self._local_only():
@@ -60,7 +62,10 @@ class ServerCollectives:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._client is None or self._local_only():
             return obj
-        received = self._gather(obj if self.global_rank == src else None)[src]
+        gathered = self._gather(obj if self.global_rank == src else None)
+        if src not in gathered:
+            raise RuntimeError(f"broadcast from learner {src}, which was lost: there is nothing to receive.")
+        received = gathered[src]
         return apply_to_collection(received, Tensor, lambda t: t.to(self.root_device))
 
     def reduce(self, tensor: Any, group: Optional[Any] = None,
@@ -68,7 +73,7 @@ class ServerCollectives:
         reduce = _REDUCTIONS[_reduce_op_name(reduce_op)]
         if not isinstance(tensor, Tensor) or self._client is None or self._local_only():
             return tensor
-        stacked = torch.stack(self._gather(tensor))
+        stacked = torch.stack(list(self._gather(tensor).values()))
         if stacked.dtype in (torch.bool, torch.int32, torch.int64) and reduce is torch.mean:
             stacked = stacked.float()
         return reduce(stacked, dim=0).to(device=tensor.device)
@@ -84,7 +89,7 @@ class ServerCollectives:
                 "all_gather was called during a training batch under RudraStrategy's shared epoch: learners take "
                 "different numbers of batches, so no batch is shared by all of them. Move it to an epoch hook "
                 "(e.g. on_train_epoch_end), or use RudraStrategy(sampling='static').")
-        return torch.stack(self._gather(tensor)).to(tensor.device)
+        return torch.stack(list(self._gather(tensor).values())).to(tensor.device)
 
 
 def _reduce_op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> str:

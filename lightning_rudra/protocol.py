@@ -77,7 +77,8 @@ class Stats:
     """What a user reads after training: updates applied (the clock), gradients received, dropped (staler than
     ``max_staleness``), rejected (non-finite), the staleness histogram σ -> count of applied gradients, and
     under the shared epoch, or with simulated learners, the batches each learner took (learner -> count, first
-    train dataloader)."""
+    train dataloader), and the learners lost during training with why (only with ``min_learners``: otherwise a
+    loss ends training)."""
 
     clock: int = 0
     gradients: int = 0
@@ -85,6 +86,7 @@ class Stats:
     rejected: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
     batches: dict[int, int] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)  # learner -> why it was lost (``min_learners``)
 
     @property
     def mean_staleness(self) -> float:
@@ -98,12 +100,13 @@ class Stats:
     def to_dict(self) -> dict[str, Any]:
         return {"clock": self.clock, "gradients": self.gradients, "dropped": self.dropped,
                 "rejected": self.rejected, "staleness": dict(sorted(self.staleness.items())),
-                "batches": dict(sorted(self.batches.items()))}
+                "batches": dict(sorted(self.batches.items())), "lost": dict(sorted(self.lost.items()))}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stats":
         counts = {key: {int(k): int(c) for k, c in data.get(key, {}).items()} for key in ("staleness", "batches")}
-        return cls(**{**data, **counts})
+        lost = {int(k): str(why) for k, why in data.get("lost", {}).items()}
+        return cls(**{**data, **counts, "lost": lost})
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,8 @@ class Server:
         # per optimizer: the model-parameter indices it updates, and the layout of its pushed gradients
         self.optimizer_params = [[i for idx, _ in spec.groups for i in idx] for spec in optimizers]
         self.grad_layouts = [FlatLayout([params[i] for i in idx]) for idx in self.optimizer_params]
-        self.active = set(range(config.num_learners))
+        self.active = set(range(config.num_learners))  # learners still pushing
+        self.members = set(range(config.num_learners))  # learners not lost: c counts them
         self._pending = [_Pending() for _ in optimizers]
         self._defer = len(optimizers) > 1  # σ may change between a gradient's arrival and its update
         self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
@@ -271,6 +275,19 @@ class Server:
             self._close(optimizer)
         return closed
 
+    def remove(self, learner: int) -> list[int]:
+        """A learner is lost (``min_learners``): it stops pushing, as with :meth:`finish`, and softsync's c is
+        ⌊λ'/n⌋ of the λ' learners left (at least 1) from now on. Returns the optimizers whose wait this closed."""
+        self.members.discard(learner)
+        return self.finish(learner) if learner in self.active else []
+
+    @property
+    def gradients_per_update(self) -> int:
+        """c of the learners left: the configuration's c until a learner is lost."""
+        if self.config.protocol == "softsync":
+            return max(1, len(self.members) // self.config.n)
+        return self.config.gradients_per_update
+
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self.optimizers[optimizer].state_dict()
 
@@ -288,11 +305,12 @@ class Server:
     def _ready(self, pending: _Pending) -> bool:
         if self.config.protocol == "hardsync":
             return self.active <= pending.learners
-        return pending.received >= self.config.gradients_per_update
+        return pending.received >= self.gradients_per_update
 
     def _check_learner(self, learner: int) -> None:
         if learner not in self.active:
-            state = "has already finished" if learner in range(self.config.num_learners) else "is unknown"
+            state = ("is unknown" if learner not in range(self.config.num_learners) else
+                     "was lost" if learner not in self.members else "has already finished")
             raise ValueError(f"learner {learner!r} {state}: expected one of the active learners "
                              f"{sorted(self.active)} (λ={self.config.num_learners}).")
 

@@ -4,8 +4,9 @@ plus the shared epoch's pools (:mod:`lightning_rudra.epoch`) and the learners' r
 Handlers never block an RPC thread: whatever must wait (a hardsync round, a collective, the end of
 training) returns a ``torch.futures.Future`` from an ``@rpc.functions.async_execution`` function, and the
 push that completes the wait resolves it. Such waits have no time limit, since waiting for a slow learner is
-not an error; instead every learner sends a heartbeat, and a learner silent for longer than the timeout is
-lost: every wait fails at once with a message that names it.
+not an error; instead every learner sends a heartbeat, and a learner whose process ended, or that is silent for
+longer than the timeout, is lost (:mod:`lightning_rudra.membership`): every wait fails at once with a message that
+names it, or, with ``min_learners``, completes with the learners left.
 The strategy starts it with :func:`lightning_rudra.client.start_server`.
 """
 
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -22,16 +24,24 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from lightning_rudra.epoch import EpochPlan, EpochPool
+from lightning_rudra.membership import Membership
 from lightning_rudra.optimizers import OptimizerSpec
 from lightning_rudra.protocol import ProtocolConfig, Server, Stats
 from lightning_rudra.rpc_world import init_rpc, quiet_peers_leaving, set_rpc_counters, shutdown_rpc
 from lightning_rudra.shm import SharedNames, SharedWeights
 
 
-def _fail(futures: list[Future], reason: Optional[str]) -> None:
-    for future in futures:
-        if not future.done():
-            future.set_exception(RuntimeError(reason))
+Outcomes = list[tuple[Future, Any]]  # futures to resolve once the lock is released: a value, or an exception
+
+
+def _settle(outcomes: Outcomes) -> None:
+    for future, value in outcomes:
+        if future.done():
+            continue
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
 
 
 def _done(value: Any) -> Future:
@@ -50,23 +60,19 @@ class ParameterServer:
     their buffer) and get ``None`` for the weights, which they read themselves.
     """
 
-    def __init__(self, num_learners: int, timeout: float = 60.0) -> None:
+    def __init__(self, num_learners: int, timeout: float = 60.0, min_learners: Optional[int] = None) -> None:
         self.num_learners = num_learners
-        self.timeout = timeout
+        self.membership = Membership(num_learners, timeout, min_learners)
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
         self.round_waiters: dict[int, list[tuple[Future, int, str, int]]] = {}  # (reply, learner, status, σ)
-        self.gatherings: dict[int, tuple[Future, list[Any], set[int]]] = {}
+        self.gatherings: dict[int, tuple[Future, dict[int, Any]]] = {}  # sequence -> (reply, learner -> object)
         self.finished: set[int] = set()
         self.finish_waiters: list[Future] = []
-        self.left: set[int] = set()
         self.all_left = threading.Event()
         self.pools: dict[int, EpochPool] = {}  # per train dataloader
-        self.last_heard = {learner: time.monotonic() for learner in range(num_learners)}
-        self.addresses: dict[int, str] = {}  # learner -> the address it reaches this server from
-        self.silent: set[int] = set()  # learners lost to silence: they will not leave
-        self.lost: Optional[str] = None  # why training cannot go on, once a learner is lost
+        self.failure: Optional[str] = None  # why training cannot go on, once it cannot
         self.shared: Optional[SharedWeights] = None
         self.shared_names: Optional[SharedNames] = None
         self.shared_grads: dict[tuple[int, int], list[Any]] = {}
@@ -91,6 +97,9 @@ class ParameterServer:
             if self.core is None:
                 self.core = Server(config, params, buffers, specs, stats)
             self.core.load_optimizer_states(optimizer_states or [])
+            self.core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
+            for learner in self.membership.lost:
+                self.core.remove(learner)
         self.registered.set_result(None)
 
     def _server_in_shared_memory(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
@@ -114,7 +123,7 @@ class ParameterServer:
             if mapped:
                 self.mapped.add(learner)
             self.answered.add(learner)
-            if self.shared is not None and len(self.answered) == self.num_learners:
+            if self.shared is not None and self.answered >= self.membership.members:
                 self.shared.unlink()
 
     def pull(self) -> Future:
@@ -133,17 +142,22 @@ class ParameterServer:
                 reply: Future = Future()
                 self.round_waiters.setdefault(optimizer, []).append((reply, learner, result.status,
                                                                      result.staleness))
-                failed = self._give_up_if_deadlocked()
+                outcomes = self._give_up_if_deadlocked()
             else:
-                waiters = self.round_waiters.pop(optimizer, []) if result.closed else []
-                weights = self._weights([learner] + [w[1] for w in waiters])
+                outcomes, weights = self._release_rounds([optimizer] if result.closed else [], learner)
                 lr_scale = self._lr_scale(optimizer)
+        _settle(outcomes)
         if in_round:
-            _fail(failed, self.lost)
             return reply
-        for future, _, status, staleness in waiters:
-            future.set_result((status, staleness, lr_scale, *weights))
         return _done((result.status, result.staleness, lr_scale, *weights))
+
+    def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> tuple[Outcomes, tuple]:
+        """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
+        weights they carry (also for ``pusher``, which did not wait). Called under the lock."""
+        released = [(waiter, optimizer) for optimizer in closed for waiter in self.round_waiters.pop(optimizer, [])]
+        weights = self._weights(([] if pusher is None else [pusher]) + [waiter[1] for waiter, _ in released])
+        return [(future, (status, staleness, self._lr_scale(optimizer), *weights))
+                for (future, _, status, staleness), optimizer in released], weights
 
     def _lr_scale(self, optimizer: int) -> float:
         update = self._core().last_updates[optimizer]
@@ -154,8 +168,8 @@ class ParameterServer:
             raise ValueError(f"learner {learner} pushed its gradient for optimizer {optimizer} through shared "
                              "memory, but it has not mapped the server's shared memory.")
         grads = self.shared_grads[(learner, optimizer)]
-        config = self._core().config
-        if config.protocol == "softsync" and config.gradients_per_update > 1:
+        core = self._core()
+        if core.config.protocol == "softsync" and core.gradients_per_update > 1:
             return [g.clone() for g in grads]  # it waits for the next update, after this learner's next push
         return grads  # applied before the learner gets its reply, and so before it writes the buffer again
 
@@ -167,39 +181,45 @@ class ParameterServer:
         return core.pull()
 
     def finish(self, learner: int) -> Future:
-        """A learner is done training; resolves, once all are, with the final weights."""
+        """A learner is done training; resolves, once all learners left are, with the final weights."""
         with self.lock:
             self._check_alive()
-            core = self._core()
-            closed = core.finish(learner)
-            released = [(w, self._lr_scale(i)) for i in closed for w in self.round_waiters.pop(i, [])]
-            weights = self._weights(list(range(self.num_learners)))
+            outcomes, _ = self._release_rounds(self._core().finish(learner))
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
-            done = self.finished == set(range(self.num_learners))
-            everyone = self.finish_waiters if done else []
-        for (waiter, _, status, staleness), lr_scale in released:
-            waiter.set_result((status, staleness, lr_scale, *weights))
-        for waiter in everyone:
-            waiter.set_result(weights)
+            outcomes += self._complete_finish()
+        _settle(outcomes)
         return future
 
+    def _complete_finish(self) -> Outcomes:
+        if not self.finish_waiters or not self.membership.members <= self.finished:
+            return []
+        weights = self._weights(sorted(self.membership.members))
+        waiters, self.finish_waiters = self.finish_waiters, []
+        return [(waiter, weights) for waiter in waiters]
+
     def gather(self, sequence: int, learner: int, obj: Any) -> Future:
-        """The ``sequence``-th collective of every learner: resolves with the list of all their objects."""
+        """The ``sequence``-th collective of every learner: resolves with the objects of all learners left
+        (learner -> object, in rank order)."""
         with self.lock:
             self._check_alive()
-            future, objs, seen = self.gatherings.setdefault(sequence, (Future(), [None] * self.num_learners, set()))
+            future, objs = self.gatherings.setdefault(sequence, (Future(), {}))
             objs[learner] = obj
-            seen.add(learner)
-            complete = len(seen) == self.num_learners
-            if complete:
-                del self.gatherings[sequence]
-            failed = [] if complete else self._give_up_if_deadlocked()
-        if complete:
-            future.set_result(objs)
-        _fail(failed, self.lost)
+            outcomes = self._complete_gatherings()
+            if not future.done() and sequence in self.gatherings:
+                outcomes += self._give_up_if_deadlocked()
+        _settle(outcomes)
         return future
+
+    def _complete_gatherings(self) -> Outcomes:
+        members = self.membership.members
+        complete = [sequence for sequence, (_, objs) in self.gatherings.items() if members <= set(objs)]
+        outcomes = []
+        for sequence in complete:
+            future, objs = self.gatherings.pop(sequence)
+            outcomes.append((future, {learner: objs[learner] for learner in sorted(objs) if learner in members}))
+        return outcomes
 
     def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int) -> tuple[Optional[Any], int, str]:
         """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
@@ -220,71 +240,71 @@ class ParameterServer:
                 pool.stop()
 
     def check_caller(self, method: str, learner: Any) -> None:
-        """A call from a learner this run does not know, or no longer counts, is refused before it changes
-        anything: a learner lost to silence (a stalled process that wakes up) is not merged back in."""
-        if not isinstance(learner, int) or learner not in range(self.num_learners):
-            raise ValueError(f"{method} from learner {learner!r} refused: this run's learners are "
-                             f"0..{self.num_learners - 1}")
-        if learner in self.silent:
-            raise RuntimeError(f"{method} from learner {learner} refused: it was silent for more than "
-                               f"{self.timeout:g} s (rpc_timeout) and counted as lost, and it cannot rejoin this run")
-        if learner in self.left:
-            raise RuntimeError(f"{method} from learner {learner} refused: it has left this run")
+        """Refuses, before anything changes, a call from a learner this run does not know or no longer counts."""
+        self.membership.check_caller(method, learner)
         if method == "push" and learner in self.finished:
             raise RuntimeError(f"push from learner {learner} refused: it has finished training")
 
-    def heartbeat(self, learner: int, address: str) -> None:
-        self.last_heard[learner] = time.monotonic()
-        self.addresses[learner] = address
+    def heartbeat(self, learner: int, address: str, process: Any = None) -> None:
+        """``process``: (machine, pid) (:func:`~lightning_rudra.membership.this_process`)."""
+        self.membership.heard(learner, address, process)
 
     def watch(self) -> None:
-        """Runs in its own thread: a learner that has not left and has been silent for longer than the timeout
-        is lost, and every wait fails, now and later, with a message that says which learner and why."""
-        while self.lost is None and not self.all_left.is_set():
-            time.sleep(min(1.0, self.timeout / 4))
-            now = time.monotonic()
+        """Runs in its own thread: finds the learners lost (a process that ended, a learner silent for longer
+        than the timeout) and applies :meth:`_lose`."""
+        while self.failure is None and not self.all_left.is_set():
+            time.sleep(min(1.0, self.membership.timeout / 4))
             with self.lock:
-                silent = sorted(learner for learner, heard in self.last_heard.items()
-                                if learner not in self.left and now - heard > self.timeout)
-                if not silent:
-                    continue
-                self.silent.update(silent)
-                self._check_all_left()
-                where = self.addresses.get(silent[0], "a host it never named")
-                failed = self._give_up(f"learner {silent[0]} (on {where}) has not been heard from for more than "
-                                       f"{self.timeout:g} s (rpc_timeout): its process died or hung, or its host "
-                                       "cannot be reached, and training cannot go on without it")
-            _fail(failed, self.lost)
+                outcomes = [o for learner, why in self.membership.newly_lost() for o in self._lose(learner, why)]
+            _settle(outcomes)
 
-    def leave(self, learner: int) -> None:
+    def leave(self, learner: int, error: Optional[str] = None) -> None:
+        """A learner leaves the stage; one that has not finished training (``error``: why it stopped) is lost."""
         with self.lock:
-            self.left.add(learner)
+            outcomes = []
+            if self.core is not None and learner in self.core.active and self.failure is None:
+                why = f"stopped with an error ({error})" if error else "left before training ended"
+                outcomes = self._lose(learner, why)
+            self.membership.left.add(learner)
             self._check_all_left()
-            failed = []
-            if self.core is not None and learner in self.core.active and self.lost is None:
-                failed = self._give_up(f"learner {learner} left before training ended (it stopped with an error: see "
-                                       "its own output), and training cannot go on without it")
-        _fail(failed, self.lost)
+        _settle(outcomes)
+
+    def _lose(self, learner: int, why: str) -> Outcomes:
+        """``learner`` is lost: without ``min_learners`` (or too few left) training ends; otherwise hardsync
+        rounds, collectives and the end of training go on with the learners left. Called under the lock."""
+        failure = self.membership.lose(learner, why)
+        self._check_all_left()
+        if self.core is not None:
+            self.core.stats.lost[learner] = why
+        if failure is not None:
+            return self._give_up(failure)
+        left = sorted(self.membership.members)
+        print(f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Training goes on with "
+              f"learners {left} (min_learners={self.membership.min_learners}).", file=sys.stderr, flush=True)
+        if self.core is None:
+            return []
+        outcomes, _ = self._release_rounds(self.core.remove(learner))
+        return outcomes + self._complete_gatherings() + self._complete_finish()
 
     def _check_all_left(self) -> None:
-        """Every learner has left, or is lost to silence and never will: this server's work is over."""
-        if len(self.left | self.silent) == self.num_learners:
+        if self.membership.all_gone():
             self.all_left.set()
 
-    def _give_up(self, reason: str) -> list[Future]:
+    def _give_up(self, reason: str) -> Outcomes:
         """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
-        caller fails the returned futures once it has released it (:func:`_fail`)."""
-        self.lost = reason
+        caller settles the returned outcomes once it has released it (:func:`_settle`)."""
+        self.failure = reason
         waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
-        waiters += [f for f, _, _ in self.gatherings.values()] + self.finish_waiters
+        waiters += [f for f, _ in self.gatherings.values()] + self.finish_waiters
         self.round_waiters, self.gatherings, self.finish_waiters = {}, {}, []
-        return waiters + ([self.registered] if not self.registered.done() else [])
+        waiters += [self.registered] if not self.registered.done() else []
+        return [(waiter, RuntimeError(reason)) for waiter in waiters]
 
-    def _give_up_if_deadlocked(self) -> list[Future]:
+    def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
         the learner waiting in the round can never join the collective. Called under the lock."""
         in_round = sorted({w[1] for ws in self.round_waiters.values() for w in ws})
-        at_collective = sorted({learner for _, _, seen in self.gatherings.values() for learner in seen}
+        at_collective = sorted({learner for _, objs in self.gatherings.values() for learner in objs}
                                & (self.core.active if self.core is not None else set()))
         if not (in_round and at_collective):
             return []
@@ -316,8 +336,8 @@ class ParameterServer:
         self._locked(lambda: self._core().load_optimizer_state(optimizer, state))
 
     def _check_alive(self) -> None:
-        if self.lost is not None:
-            raise RuntimeError(self.lost)
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
 
     def _core(self) -> Server:
         if self.core is None:
@@ -382,15 +402,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--timeout", type=float, required=True,
                         help="seconds, for every RPC call that does not wait for other learners, and for a "
                              "learner's silence before it counts as lost")
+    parser.add_argument("--min-learners", type=int, default=None,
+                        help="train on while this many learners are left (default: a lost learner ends training)")
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
-    _server = ParameterServer(args.learners, args.timeout)
+    _server = ParameterServer(args.learners, args.timeout, args.min_learners)
     set_rpc_counters(args.rpc_counters)
     init_rpc(None, args.learners, args.init_method, args.timeout)
-    _server.last_heard = {learner: time.monotonic() for learner in range(args.learners)}  # all have just joined
+    _server.membership.all_joined()
     threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.
     with quiet_peers_leaving():

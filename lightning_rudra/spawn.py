@@ -7,14 +7,25 @@ from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
+import torch.multiprocessing as mp
+from lightning_fabric.strategies.launchers.multiprocessing import _check_bad_cuda_fork, _check_missing_main_guard
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher
 from pytorch_lightning.strategies.launchers.multiprocessing import _GlobalStateSnapshot, _WorkerOutput
+from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 from torchmetrics import Metric
 
+from lightning_rudra.launchers import join_survivors
 from lightning_rudra.protocol import Stats
 
 _COMPILED = "_orig_mod."  # what torch.compile's wrapper adds to the names of the module it compiles
+
+
+def _lost(outputs: list[_WorkerOutput], return_queue: Any) -> list[int]:
+    """Learner 0 has ended well: its output (kept in ``outputs``) names the learners the server lost."""
+    outputs.append(return_queue.get())
+    stats = outputs[0].extra.get("rudra_stats")
+    return sorted(int(rank) for rank in stats["lost"]) if stats else []
 
 
 def _own_copies(module: torch.nn.Module) -> None:
@@ -48,22 +59,45 @@ class SpawnLauncher(_MultiProcessingLauncher):
     """
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+        """Lightning's launch, but for what the fork server needs and, with ``min_learners``, for how the learners
+        are joined (:func:`~lightning_rudra.launchers.join_survivors`)."""
         if self._start_method == "forkserver":
+            _check_bad_cuda_fork()
             # only read when the fork server starts (the first launch); "__main__" is Python's own default
             multiprocessing.set_forkserver_preload(["__main__", pl.__name__, __name__.rpartition(".")[0]])
-            assert self._strategy.cluster_environment is not None
-            os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # as Lightning does
-            self._environ = dict(os.environ)
-            self._global_states = _GlobalStateSnapshot.capture()
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        else:
+            _check_missing_main_guard()
+        if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            raise NotImplementedError("Calling `trainer.fit()` twice on the same Trainer instance using a spawn-based "
+                                      "strategy is not supported: create a new Trainer and pass `fit(ckpt_path=...)`.")
+        assert self._strategy.cluster_environment is not None
+        os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
+        self._environ = dict(os.environ)
+        self._global_states = _GlobalStateSnapshot.capture()
+        return_queue = mp.get_context(self._start_method).SimpleQueue()
+        context = mp.start_processes(self._wrapping_function, nprocs=self._strategy.num_processes, join=False,
+                                     args=(trainer, function, args, kwargs, return_queue),
+                                     start_method=self._start_method)
+        self.procs = context.processes
+        outputs: list[_WorkerOutput] = []
+        min_learners = self._strategy.min_learners
+        if min_learners is None:
+            while not context.join():
+                pass
+        else:
+            join_survivors(context, min_learners, lambda: _lost(outputs, return_queue))
+        worker_output = outputs[0] if outputs else return_queue.get()
+        if trainer is None:
+            return worker_output
+        self._already_fit |= trainer.state.fn == TrainerFn.FITTING
+        self._recover_results_in_main_process(worker_output, trainer)
+        return worker_output.trainer_results
 
     def _wrapping_function(self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, args: Any,
-                           kwargs: Any, return_queue: Any,
-                           global_states: Optional[_GlobalStateSnapshot] = None) -> None:
-        if self._start_method == "forkserver":
-            os.environ.clear()
-            os.environ.update(self._environ)
-            global_states = self._global_states
+                           kwargs: Any, return_queue: Any) -> None:
+        os.environ.clear()  # a fork server's child has the environment of when the fork server started
+        os.environ.update(self._environ)
+        global_states = self._global_states
         for module in (arg for arg in args if isinstance(arg, torch.nn.Module)):
             _own_copies(module)
         super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)

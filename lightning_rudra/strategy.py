@@ -26,6 +26,7 @@ from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from lightning_rudra.client import LearnerClient, join, leave
 from lightning_rudra.checkpoints import ServerCheckpoints
 from lightning_rudra.collectives import ServerCollectives
+from lightning_rudra.launchers import PopenLauncher
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
 from lightning_rudra.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
@@ -34,8 +35,8 @@ from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulatio
                                              start_simulation)
 from lightning_rudra.simulation import SimulatedClient
 from lightning_rudra.spawn import SpawnLauncher
-from lightning_rudra.support import (check_arguments, check_module, check_optimizers, check_trainer, is_placeholder,
-                                    warn_of_meetings_per_batch)
+from lightning_rudra.support import (check_arguments, check_min_learners, check_module, check_optimizers,
+                                    check_trainer, is_placeholder, warn_of_meetings_per_batch)
 from lightning_rudra.timing import Homogeneous, TimingModel
 
 
@@ -58,8 +59,13 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             all learners end the epoch within about one batch of each other. ``"static"`` (hardsync's only
             choice): Lightning's DistributedSampler, an equal fixed shard per learner, DDP's exact data order.
         rpc_timeout: seconds a call to the server may take, and how long a learner (or the server) may stay
-            silent before it counts as lost, ending the run. Waiting for a slow but live learner (hardsync
-            rounds, collectives, the end of training) has no time limit.
+            silent before it counts as lost. Waiting for a slow but live learner (hardsync rounds, collectives,
+            the end of training) has no time limit.
+        min_learners: None (the default): a lost learner (its process ended or raised, or it was silent for
+            ``rpc_timeout``) ends the run, as under DDP. ``k``: training goes on without it while at least k
+            learners are left, under every protocol (softsync's c is recomputed from the learners left, hardsync
+            rounds and collectives wait only for them); :attr:`stats` ``.lost`` says who was lost and why. Learner
+            0 runs the server: its loss always ends the run.
         start_method: ``"popen"`` re-runs the script for every learner (like DDP; works with LightningCLI,
             torchrun and SLURM); ``"spawn"`` starts them with multiprocessing (works inside notebooks' scripts
             and tests); ``"forkserver"`` forks them from a process that imported Lightning once, so a learner
@@ -92,6 +98,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         nonfinite: Literal["skip", "raise"] = "skip",
         sampling: Optional[Literal["shared", "static"]] = None,
         rpc_timeout: float = 120.0,
+        min_learners: Optional[int] = None,
         start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         overlap: bool = False,
         shared_memory: bool = True,
@@ -107,7 +114,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         validate_options(protocol, n, lr_modulation, max_staleness, nonfinite)
-        check_arguments(protocol, sampling, rpc_timeout, start_method, overlap)
+        check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners)
         check_simulation(simulate, timing, sampling, overlap)
         self.protocol = protocol
         self.n = n
@@ -115,6 +122,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self.max_staleness = max_staleness
         self.nonfinite = nonfinite
         self.rpc_timeout = float(rpc_timeout)
+        self.min_learners = min_learners
         self.start_method = start_method
         self.overlap = overlap
         self.shared_memory = shared_memory
@@ -132,7 +140,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self._checkpoint: Optional[tuple[list[dict[str, Any]], Stats]] = None  # learner 0: the server's snapshot
         self._next_port: Optional[int] = None  # where the learners meet for the next stage (fit, then test...)
         self._rendezvous = 0  # stages met through torchrun's store
-        self._failed = False
+        self._failed: Optional[str] = None  # this stage failed on this learner: why
         self._pools = 0  # train dataloaders drawing from the server in this stage
         self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
         self._simulated: Optional[SimulatedEpochLoop] = None  # while training simulated learners
@@ -188,6 +196,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
     def _configure_launcher(self) -> None:
         # Called when the Trainer is built: λ is known, no process has started yet.
         validate_n(self.protocol, self.n, self.num_learners)
+        check_min_learners(self.min_learners, self.num_learners, self.simulate)
         if self.simulate:
             if self.num_nodes * self.num_processes != 1:
                 raise ValueError(
@@ -198,15 +207,18 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
             return
-        if self.start_method == "popen":
+        if self.start_method == "popen" and self.min_learners is None:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        elif self.start_method == "popen":
+            self._launcher = PopenLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                           min_learners=self.min_learners)
         else:
             self._launcher = SpawnLauncher(self, self.start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        self._failed = False
+        self._failed = None
         if self.simulate:
             return
         assert self.cluster_environment is not None
@@ -217,7 +229,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             key = f"lightning_rudra/port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._rendezvous}"
             port = port_from_agent_store(self.global_rank, env.main_address, port, self.rpc_timeout, key)
         self._client, self._server_process = join(self.global_rank, self.num_learners, env.main_address, port,
-                                                  self.rpc_timeout)
+                                                  self.rpc_timeout, self.min_learners)
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
@@ -355,14 +367,16 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             trainer.callbacks = [cb for cb in trainer.callbacks if cb is not callback]
 
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        self._failed = f"{type(exception).__name__}: {exception}"[:500]
 
     def teardown(self) -> None:
         if self._client is not None:
             with quiet_peers_leaving():
-                if not self._failed:
+                if self._failed is None:
                     self._agree_on_next_port()
-                leave(self._client, self._server_process, timeout=min(self.rpc_timeout, 30.0))
+                leave(self._client, self._server_process, min(self.rpc_timeout, 30.0), self._failed)
+            if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
+                self._launcher.end_lost(sorted(self.stats.lost))
         if self._shared is not None:  # training failed: give the Trainer its own loop back
             self._shared.uninstall()
         if self._simulated is not None:

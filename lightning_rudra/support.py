@@ -25,7 +25,7 @@ START_METHODS = ("popen", "spawn", "forkserver")
 
 
 def check_arguments(protocol: str, sampling: Optional[str], rpc_timeout: float, start_method: str,
-                    overlap: bool) -> None:
+                    overlap: bool, min_learners: Optional[int] = None) -> None:
     """RudraStrategy's own arguments, as it is built (the protocol's are :func:`protocol.validate_options`)."""
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or "
@@ -42,6 +42,22 @@ def check_arguments(protocol: str, sampling: Optional[str], rpc_timeout: float, 
                          "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'.")
     if not rpc_timeout > 0:
         raise ValueError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
+    if min_learners is not None and (isinstance(min_learners, bool) or not isinstance(min_learners, int)
+                                     or min_learners < 1):
+        raise ValueError(f"min_learners={min_learners!r} is not valid: expected an integer >= 1 (train on while that "
+                         "many learners are left), or None (a lost learner ends training).")
+
+
+def check_min_learners(min_learners: Optional[int], num_learners: int, simulate: Optional[int]) -> None:
+    """Once λ is known (the Trainer is built)."""
+    if min_learners is None:
+        return
+    if simulate:
+        raise ValueError(f"min_learners={min_learners} has no meaning with simulate={simulate}: simulated learners "
+                         "are never lost. Leave min_learners unset.")
+    if min_learners > num_learners:
+        raise ValueError(f"min_learners={min_learners} is more than the {num_learners} learners of this run "
+                         "(devices × num_nodes): expected 1 <= min_learners <= λ.")
 
 
 def is_placeholder(optimizer: Optimizer) -> bool:

@@ -32,18 +32,21 @@ def push(learner):
     ("leave", (), ValueError, r"leave from learner None refused"),
 ])
 def test_unknown_calls_and_learners_are_refused(parameter_server, method, args, error, message):
-    heard = dict(parameter_server.last_heard)
+    heard = dict(parameter_server.membership.last_heard)
     with pytest.raises(error, match=message):
         server._call(method, *args)
-    assert parameter_server.last_heard == heard and parameter_server.lost is None and not parameter_server.left
+    membership = parameter_server.membership
+    assert membership.last_heard == heard and parameter_server.failure is None and not membership.left
 
 
 def test_a_learner_that_left_or_was_lost_cannot_come_back(parameter_server):
+    server._call_async("finish", 1)
     server._call("leave", 1)
     with pytest.raises(RuntimeError, match="push from learner 1 refused: it has left this run"):
         push(1)
-    parameter_server.silent.add(0)  # as watch() does after rpc_timeout of silence
-    with pytest.raises(RuntimeError, match="heartbeat from learner 0 refused: it was silent for more than 5 s"):
+    parameter_server.membership.lost[0] = "has not been heard from for more than 5 s"  # as watch() finds
+    with pytest.raises(RuntimeError, match="heartbeat from learner 0 refused: it was counted as lost .it has not been "
+                                           "heard from for more than 5 s., and it cannot rejoin"):
         server._call("heartbeat", 0, "10.0.0.2")
     assert parameter_server.core.clock == 0 and parameter_server.core.stats.gradients == 0
 

@@ -1,0 +1,98 @@
+"""Launching learners so that training survives a lost one (``RudraStrategy(min_learners=k)``).
+
+Lightning's launchers end every learner as soon as one fails (its popen launcher's observer SIGKILLs them all;
+torch's process join for spawn terminates them), which is DDP's only choice. A parameter server's learners do not
+need each other: the server decides whether training can go on (:mod:`lightning_rudra.membership`). Here a
+learner other than 0 that ends is reported with its exit code or signal, the others train on, and once training
+is over a lost learner still running (a stalled process that woke up too late) is ended. Learner 0's process
+runs the server, so its loss still ends the run.
+"""
+
+import multiprocessing.connection
+import signal
+import threading
+import warnings
+from subprocess import Popen
+from typing import Any, Callable, Optional
+
+from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+
+
+def describe_exit(code: int) -> str:
+    """A process's exit status in words: ``exit code 7`` or ``signal SIGKILL``."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def warn_lost(rank: int, code: int, min_learners: int) -> None:
+    warnings.warn(f"lightning_rudra: learner {rank}'s process ended with {describe_exit(code)}. The others train on "
+                  f"while at least min_learners={min_learners} are left; the data it had not trained on in this epoch "
+                  "is not seen.", stacklevel=1)
+
+
+class PopenLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher (the script re-run per learner), whose observer reports a lost child instead of
+    ending every learner."""
+
+    def __init__(self, *args: Any, min_learners: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.min_learners = min_learners
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            first = self.cluster_environment.node_rank() * self.num_processes + 1  # this node's first child
+            threading.Thread(target=_observe, args=(list(self.procs), first, self.min_learners), daemon=True,
+                             name="rudra-learner-observer").start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+    def end_lost(self, lost: list[int]) -> None:
+        """Training is over: end this node's learners that the server counted as lost and still run."""
+        first = self.cluster_environment.node_rank() * self.num_processes + 1
+        for rank in lost:
+            if 0 <= rank - first < len(self.procs) and self.procs[rank - first].poll() is None:
+                self.procs[rank - first].kill()
+                self.procs[rank - first].wait()
+
+
+def _observe(procs: list[Popen], first_rank: int, min_learners: int) -> None:
+    reported: set[int] = set()
+    while len(reported) < len(procs):
+        for index, proc in enumerate(procs):
+            if index not in reported and proc.poll() is not None:
+                reported.add(index)
+                if proc.returncode != 0:
+                    warn_lost(first_rank + index, proc.returncode, min_learners)
+        threading.Event().wait(1.0)
+
+
+def join_survivors(context: Any, min_learners: int, stats_ready: Callable[[], Optional[list[int]]]) -> None:
+    """``torch.multiprocessing``'s ``ProcessContext.join`` until every process has ended, except that a learner
+    other than 0 that fails is reported and the others go on. Once learner 0 has ended well, ``stats_ready()``
+    names the learners the server lost; those still running are ended. A failure of learner 0 raises as torch's
+    join does (ending the others)."""
+    lost_ended = False
+    while context.sentinels:
+        ready = multiprocessing.connection.wait(list(context.sentinels), timeout=1.0)
+        for sentinel in ready:
+            index = context.sentinels[sentinel]
+            process = context.processes[index]
+            process.join()
+            if process.exitcode == 0 or index != 0:
+                del context.sentinels[sentinel]
+            if process.exitcode != 0 and index != 0:
+                warn_lost(index, process.exitcode, min_learners)
+            if process.exitcode != 0 and index == 0:
+                context.join()  # raises torch's error for learner 0, ending the others
+        if not lost_ended and context.processes[0].exitcode == 0:
+            lost_ended = True
+            for rank in stats_ready() or []:
+                if context.processes[rank].is_alive():
+                    context.processes[rank].kill()

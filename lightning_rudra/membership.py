@@ -1,0 +1,110 @@
+"""Who takes part in a run, as the server sees it: learners heard from, left, or lost, and why.
+
+A learner is lost when its process ends before it leaves (seen at once on the server's machine), when it is
+silent for longer than the timeout (a hung process, an unreachable host), or when it leaves with an error.
+Without ``min_learners`` a loss ends training; with it, training goes on while at least that many are left.
+No RPC, no torch: the server drives it under its lock.
+"""
+
+import os
+import time
+from typing import Any, Optional
+
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def this_process() -> tuple[str, int]:
+    """(machine, pid): the machine names one running kernel and pid namespace, so that another process with the
+    same machine can tell whether this pid is alive (another container, even of the same host name, differs)."""
+    try:
+        with open(_BOOT_ID) as boot:
+            machine = f"{boot.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        machine = f"unknown/{os.getpid()}"  # never equal to another process's: no liveness check by pid
+    return machine, os.getpid()
+
+
+def _ended(pid: int) -> bool:
+    """The process has exited (it may still be a zombie, waiting for its parent to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
+
+
+class Membership:
+    """The learners of one run. ``min_learners=None``: every learner is needed."""
+
+    def __init__(self, num_learners: int, timeout: float, min_learners: Optional[int] = None) -> None:
+        self.num_learners = num_learners
+        self.timeout = timeout
+        self.min_learners = min_learners
+        self.machine = this_process()[0]
+        self.last_heard = {learner: time.monotonic() for learner in range(num_learners)}
+        self.addresses: dict[int, str] = {}  # learner -> the address it reaches the server from
+        self.pids: dict[int, int] = {}  # learner -> its pid, if it runs on the server's machine
+        self.left: set[int] = set()
+        self.lost: dict[int, str] = {}  # learner -> why
+
+    @property
+    def members(self) -> set[int]:
+        """The learners not lost: those that collectives, the end of training and softsync's c count."""
+        return set(range(self.num_learners)) - set(self.lost)
+
+    def all_joined(self) -> None:
+        self.last_heard = {learner: time.monotonic() for learner in range(self.num_learners)}
+
+    def heard(self, learner: int, address: str, process: Any) -> None:
+        self.last_heard[learner] = time.monotonic()
+        self.addresses[learner] = address
+        if isinstance(process, tuple) and len(process) == 2 and process[0] == self.machine:
+            self.pids[learner] = int(process[1])
+
+    def where(self, learner: int) -> str:
+        return f"learner {learner} (on {self.addresses.get(learner, 'a host it never named')})"
+
+    def newly_lost(self) -> list[tuple[int, str]]:
+        """Learners still counted whose process has ended, or that have been silent for too long, with why."""
+        now = time.monotonic()
+        found = []
+        for learner in sorted(self.members - self.left):
+            if learner in self.pids and _ended(self.pids[learner]):
+                found.append((learner, f"ended before training did: its process (pid {self.pids[learner]}) is gone"))
+            elif now - self.last_heard[learner] > self.timeout:
+                found.append((learner, f"has not been heard from for more than {self.timeout:g} s (rpc_timeout): its "
+                                       "process died or hung, or its host cannot be reached"))
+        return found
+
+    def lose(self, learner: int, why: str) -> Optional[str]:
+        """Count ``learner`` as lost. Returns why training cannot go on without it, or None if it can."""
+        self.lost[learner] = why
+        if self.min_learners is None:
+            return (f"{self.where(learner)} {why}, and training cannot go on without it (with "
+                    "RudraStrategy(min_learners=k), training goes on while k learners are left)")
+        if learner == 0:
+            return (f"{self.where(learner)} {why}, and training cannot go on without learner 0: its process runs the "
+                    "parameter server")
+        left = len(self.members)
+        if left < self.min_learners:
+            return (f"{self.where(learner)} {why}: {left} learner{'s' if left != 1 else ''} left, fewer than "
+                    f"min_learners={self.min_learners}, so training cannot go on")
+        return None
+
+    def all_gone(self) -> bool:
+        """Every learner has left or is lost: the server's work is over."""
+        return len(self.left | set(self.lost)) == self.num_learners
+
+    def check_caller(self, method: str, learner: Any) -> None:
+        """A call from a learner this run does not know, or no longer counts, is refused before it changes
+        anything: a lost learner (a stalled process that wakes up) is not merged back in."""
+        if not isinstance(learner, int) or learner not in range(self.num_learners):
+            raise ValueError(f"{method} from learner {learner!r} refused: this run's learners are "
+                             f"0..{self.num_learners - 1}")
+        if learner in self.lost:
+            raise RuntimeError(f"{method} from learner {learner} refused: it was counted as lost (it "
+                               f"{self.lost[learner]}), and it cannot rejoin this run")
+        if learner in self.left:
+            raise RuntimeError(f"{method} from learner {learner} refused: it has left this run")

@@ -1,0 +1,119 @@
+"""What the server does when a learner is lost (in-process: the functions the RPC calls run, without RPC). With
+``min_learners`` every wait completes with the learners left; without it, or with too few left, every wait
+fails with a message that names the learner and why. (Real processes: test_faults.py.)"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lightning_rudra import server
+from lightning_rudra.membership import Membership, this_process
+from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.protocol import ProtocolConfig
+
+
+def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n: int = 1) -> server.ParameterServer:
+    ps = server.ParameterServer(learners, timeout=5.0, min_learners=min_learners)
+    monkeypatch.setattr(server, "_server", ps)
+    params = [torch.zeros(2)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
+    server._call("register", ProtocolConfig(learners, protocol, n=n), params, [], [spec], None, False)
+    return ps
+
+
+def push(learner: int, value: float, timestamp: int = 0):
+    return server._call_async("push", learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool),
+                              timestamp, [{"lr": 1.0}], [])
+
+
+def lose(ps: server.ParameterServer, learner: int, why: str = "ended before training did: its process (pid 1) is gone"):
+    with ps.lock:
+        outcomes = ps._lose(learner, why)
+    server._settle(outcomes)
+
+
+def test_hardsync_rounds_wait_only_for_the_learners_left(monkeypatch):
+    ps = parameter_server(monkeypatch, "hardsync", 3, min_learners=2)
+    first, second = push(0, 1.0), push(1, 3.0)
+    assert not first.done()  # waits for learner 2
+    lose(ps, 2)
+    assert first.wait()[0] == "accepted" and second.done()
+    assert ps.core.pull()[0][0].tolist() == [-2.0, -2.0]  # the mean of the two gradients left: SGD on their union
+    replies = push(0, 2.0, 1), push(1, 2.0, 1)  # the next round: two learners
+    assert all(r.done() for r in replies) and ps.core.clock == 2
+    assert ps.core.stats.lost == {2: "ended before training did: its process (pid 1) is gone"}
+
+
+def test_softsync_recomputes_c_from_the_learners_left(monkeypatch):
+    ps = parameter_server(monkeypatch, "softsync", 4, min_learners=1, n=1)  # c = 4
+    for learner in range(3):
+        push(learner, 1.0).wait()
+    assert ps.core.clock == 0
+    lose(ps, 3)  # c = 3: the three gradients received make an update
+    assert ps.core.clock == 1 and ps.core.gradients_per_update == 3
+    lose(ps, 2)
+    lose(ps, 1)
+    assert ps.core.gradients_per_update == 1  # never below 1
+    push(0, 1.0, 1).wait()
+    assert ps.core.clock == 2
+
+
+def test_collectives_and_the_end_of_training_complete_with_the_learners_left(monkeypatch):
+    ps = parameter_server(monkeypatch, "async", 3, min_learners=2)
+    gathered = [server._call_async("gather", 1, learner, f"from {learner}") for learner in (0, 2)]
+    finished = [server._call_async("finish", learner) for learner in (0, 2)]
+    assert not any(f.done() for f in gathered + finished)
+    lose(ps, 1)
+    assert all(f.wait() == {0: "from 0", 2: "from 2"} for f in gathered)
+    assert all(f.done() for f in finished)
+    later = [server._call_async("gather", 2, learner, learner) for learner in (0, 2)]
+    assert later[1].wait() == {0: 0, 2: 2}
+
+
+def test_a_lost_learner_that_comes_back_is_refused(monkeypatch):
+    ps = parameter_server(monkeypatch, "async", 2, min_learners=1)
+    lose(ps, 1, "has not been heard from for more than 5 s (rpc_timeout): its process died or hung")
+    with pytest.raises(RuntimeError, match=r"push from learner 1 refused: it was counted as lost \(it has not been "
+                                           r"heard from for more than 5 s"):
+        push(1, 1.0)
+    assert ps.core.stats.gradients == 0
+
+
+@pytest.mark.parametrize("learners, min_learners, lost, message", [
+    (2, None, 1, r"learner 1 \(on 10.0.0.2\) stopped with an error \(ValueError: broke\), and training cannot go on "
+                 r"without it \(with RudraStrategy\(min_learners=k\), training goes on while k learners are left\)"),
+    (3, 3, 2, r"learner 2 \(on a host it never named\) stopped with an error \(ValueError: broke\): 2 learners left, "
+              r"fewer than min_learners=3, so training cannot go on"),
+    (2, 1, 0, r"learner 0 \(on 10.0.0.1\) stopped with an error \(ValueError: broke\), and training cannot go on "
+              r"without learner 0: its process runs the parameter server"),
+])
+def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(monkeypatch, learners, min_learners, lost,
+                                                                        message):
+    ps = parameter_server(monkeypatch, "hardsync", learners, min_learners)
+    for learner, address in ((0, "10.0.0.1"), (1, "10.0.0.2")):
+        server._call("heartbeat", learner, address, None)
+    waiting = push(1 if lost != 1 else 0, 1.0)
+    server._call("leave", lost, "ValueError: broke")
+    with pytest.raises(RuntimeError, match=message):
+        waiting.wait()
+    with pytest.raises(RuntimeError, match=message):  # and every later call
+        server._call_async("gather", 1, 1 if lost == 0 else 0, None)
+
+
+def test_the_watch_finds_a_learner_whose_process_ended_on_this_machine():
+    membership = Membership(2, timeout=60.0, min_learners=1)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    membership.heard(0, "127.0.0.1", this_process())
+    membership.heard(1, "127.0.0.1", (this_process()[0], child.pid))
+    assert membership.newly_lost() == [(1, f"ended before training did: its process (pid {child.pid}) is gone")]
+    del membership.pids[1]
+    membership.heard(1, "127.0.0.1", ("another-machine/pid:[1]", child.pid))  # not this machine: no pid to check
+    assert membership.newly_lost() == [] and membership.pids == {0: os.getpid()}
+    membership.last_heard[1] = time.monotonic() - 61  # but silence counts everywhere
+    assert membership.newly_lost() == [(1, "has not been heard from for more than 60 s (rpc_timeout): its process "
+                                           "died or hung, or its host cannot be reached")]

@@ -9,6 +9,7 @@ runs the server, so its loss still ends the run.
 """
 
 import multiprocessing.connection
+import pickle
 import signal
 import threading
 import warnings
@@ -29,10 +30,20 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def warn_lost(rank: int, code: int, min_learners: int) -> None:
-    warnings.warn(f"lightning_rudra: learner {rank}'s process ended with {describe_exit(code)}. The others train on "
-                  f"while at least min_learners={min_learners} are left; the data it had not trained on in this epoch "
-                  "is not seen.", stacklevel=1)
+def warn_lost(rank: int, code: int, min_learners: int, trace: str = "") -> None:
+    error = f" Its error:\n{trace}" if trace else ""
+    warnings.warn(f"lightning_rudra: learner {rank}'s process ended with {describe_exit(code)} (min_learners="
+                  f"{min_learners}: training goes on while at least {min_learners} learners are left, without the "
+                  f"data it had not trained on in this epoch).{error}", stacklevel=1)
+
+
+def _trace(error_file: str) -> str:
+    """What torch's spawned process wrote about its exception, if it raised one."""
+    try:
+        with open(error_file, "rb") as file:
+            return str(pickle.load(file)).rstrip()
+    except (OSError, pickle.UnpicklingError, EOFError):
+        return ""
 
 
 class PopenLauncher(_SubprocessScriptLauncher):
@@ -78,21 +89,19 @@ def join_survivors(context: Any, min_learners: int, stats_ready: Callable[[], Op
     other than 0 that fails is reported and the others go on. Once learner 0 has ended well, ``stats_ready()``
     names the learners the server lost; those still running are ended. A failure of learner 0 raises as torch's
     join does (ending the others)."""
-    lost_ended = False
+    ended: Optional[set[int]] = None  # the lost learners ended here, once learner 0 has ended well
     while context.sentinels:
         ready = multiprocessing.connection.wait(list(context.sentinels), timeout=1.0)
         for sentinel in ready:
             index = context.sentinels[sentinel]
             process = context.processes[index]
             process.join()
-            if process.exitcode == 0 or index != 0:
-                del context.sentinels[sentinel]
-            if process.exitcode != 0 and index != 0:
-                warn_lost(index, process.exitcode, min_learners)
-            if process.exitcode != 0 and index == 0:
+            if index == 0 and process.exitcode != 0:
                 context.join()  # raises torch's error for learner 0, ending the others
-        if not lost_ended and context.processes[0].exitcode == 0:
-            lost_ended = True
-            for rank in stats_ready() or []:
-                if context.processes[rank].is_alive():
-                    context.processes[rank].kill()
+            del context.sentinels[sentinel]
+            if process.exitcode != 0 and index not in (ended or ()):
+                warn_lost(index, process.exitcode, min_learners, _trace(context.error_files[index]))
+        if ended is None and context.processes[0].exitcode == 0:
+            ended = {rank for rank in stats_ready() or [] if context.processes[rank].is_alive()}
+            for rank in ended:
+                context.processes[rank].kill()

@@ -100,7 +100,14 @@ class SpawnLauncher(_MultiProcessingLauncher):
         global_states = self._global_states
         for module in (arg for arg in args if isinstance(arg, torch.nn.Module)):
             _own_copies(module)
-        super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+        try:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, return_queue, global_states)
+        except BaseException as exception:
+            # Lightning tears a failed stage down in the calling process only: here the learner leaves its run,
+            # saying why, instead of going silent
+            self._strategy.on_exception(exception)
+            self._strategy.teardown()
+            raise
 
     def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:
         extra = super().get_extra_results(trainer)

@@ -49,6 +49,27 @@ def single_process_sgd(epochs: int, batch_size: int, model: Optional[pl.Lightnin
     return flat(model.parameters())
 
 
+def sgd_after_a_loss(epochs: int, mu: int, learners: int, lost: int, lost_at: int) -> torch.Tensor:
+    """Hardsync when learner ``lost`` is lost before its step ``lost_at`` (0-based, over the run): plain SGD over
+    the union of every learner's batch (DistributedSampler's shards, ``mu`` samples each), then over the union of
+    the learners left."""
+    model = Regression()
+    opt = model.configure_optimizers()
+    x, y = loader(mu).dataset.tensors
+    step = 0
+    for epoch in range(epochs):
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        shards = [order[rank::learners] for rank in range(learners)]
+        for k in range(len(shards[0]) // mu):
+            left = [r for r in range(learners) if step < lost_at or r != lost]
+            rows = torch.cat([shards[r][k * mu:(k + 1) * mu] for r in left])
+            opt.zero_grad()
+            model.loss((x[rows], y[rows])).backward()
+            opt.step()
+            step += 1
+    return flat(model.parameters())
+
+
 class RegressionSteps:
     """The regression module's steps, for a LightningModule of either flavour (``pytorch_lightning`` and the
     unified ``lightning``)."""

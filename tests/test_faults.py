@@ -1,14 +1,19 @@
-"""Faults injected into a real run (async, 2 learners forked, a real server process), read as a table:
+"""Faults injected into a real run (2 learners forked, a real server process), read as a table:
 
-| fault, mid-run                        | expected                                                          |
-| ------------------------------------- | ----------------------------------------------------------------- |
-| kill -9 of the server                 | every learner ends with an error that names the server            |
-| kill -9 of learner 0 (the server's    | the run ends; the server, orphaned, exits                         |
-|   parent)                             |                                                                   |
-| SIGSTOP of learner 1 past rpc_timeout | counted as lost: the run ends with an error that names learner 1  |
+| fault, mid-run                        | min_learners | protocol | expected                                               |
+| ------------------------------------- | ------------ | -------- | ------------------------------------------------------ |
+| kill -9 of the server                 | -            | async    | every learner ends with an error that names the server |
+| kill -9 of learner 0 (the server's    | 1            | async    | the run ends; the server, orphaned, exits              |
+|   parent)                             |              |          |                                                        |
+| SIGSTOP of learner 1 past rpc_timeout | -            | async    | the run ends with an error that names learner 1        |
+| kill -9 of learner 1                  | 1            | async    | learner 0 trains on; stats.lost names learner 1        |
+| kill -9 of learner 1                  | 2            | async    | the run ends: fewer than min_learners left             |
+| SIGSTOP of learner 1 past rpc_timeout | 1            | softsync | learner 0 trains on (c = 1); the stalled one is ended  |
+| an exception in learner 1's step      | 1            | hardsync | learner 0 trains on: exactly SGD on the batches left   |
 
-Each asserts the error and that no process of the run is left. (A learner that raises or exits:
-test_strategy.py; a host cut off: test_hosts.py.)
+Each asserts the outcome and that no process of the run is left; survivors must have trained. (Without
+min_learners, a learner that raises or exits: test_strategy.py; popen: test_popen_survives_a_lost_learner; a host
+cut off: test_hosts.py.)
 """
 
 import os
@@ -16,11 +21,15 @@ import signal
 import threading
 import time
 
+from typing import Any, Optional
+
 import pytest
+import torch
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.rpc_world import free_port
-from tests.lightning_models import START, Regression, loader, quiet_trainer
+from tests.lightning_models import (START, FailingLearner, Regression, flat, loader, quiet_trainer, regression_data,
+                                    sgd_after_a_loss)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -68,9 +77,11 @@ def pid_of(tmp_path, who: str, port: int) -> int:
     raise AssertionError(f"{who} never started")
 
 
-def run_with_fault(tmp_path, monkeypatch, who: str, signum: int) -> tuple[str, list[int]]:
-    """Fit for a long time; once both learners train, send ``signum`` to ``who``. Returns the error's text and
-    the pids that were still alive a while after the fit ended (stopped ones are let go first)."""
+def run_with_fault(tmp_path, monkeypatch, who: str, signum: int, protocol: str = "async",
+                   min_learners: Optional[int] = None, max_epochs: int = 1000) -> tuple[Optional[str], list[int], Marked, Any]:
+    """Fit; once both learners train, send ``signum`` to ``who``. Returns the error's text (None: fit ended well),
+    the pids that were still alive a while after the fit ended (stopped ones are let go first), the model and the
+    server's statistics."""
     port = free_port()
     monkeypatch.setenv("MASTER_PORT", str(port))
     signalled: list[int] = []
@@ -93,10 +104,13 @@ def run_with_fault(tmp_path, monkeypatch, who: str, signum: int) -> tuple[str, l
 
     injector = threading.Thread(target=inject, daemon=True)
     injector.start()
-    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=TIMEOUT), 2,
-                            max_epochs=1000)
-    with pytest.raises(Exception) as raised:
-        trainer.fit(Marked(str(tmp_path)), loader(8))
+    strategy = RudraStrategy(protocol=protocol, start_method=START, rpc_timeout=TIMEOUT, min_learners=min_learners)
+    model = Marked(str(tmp_path))
+    error = None
+    try:
+        quiet_trainer(strategy, 2, max_epochs=max_epochs).fit(model, loader(8))
+    except Exception as raised:
+        error = str(raised)
     injector.join(timeout=10)
     assert not failures, failures
     pids = [pid_of(tmp_path, f"learner{rank}", port) for rank in range(2)]
@@ -107,7 +121,13 @@ def run_with_fault(tmp_path, monkeypatch, who: str, signum: int) -> tuple[str, l
         if not alive:
             break
         time.sleep(0.25)
-    return str(raised.value), alive
+    return error, alive, model, strategy.stats
+
+
+def trained(model: Regression) -> bool:
+    x, y = regression_data().tensors
+    with torch.no_grad():
+        return model.loss((x, y)).item() < 0.5 * Regression().loss((x, y)).item()
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -126,18 +146,65 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_killed_server_ends_every_learner_with_an_error_that_names_it(tmp_path, monkeypatch):
-    error, alive = run_with_fault(tmp_path, monkeypatch, "server", signal.SIGKILL)
-    assert "the parameter server (on 127.0.0.1) is gone: its connection closed" in error, error
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server", signal.SIGKILL)
+    assert error is not None and "the parameter server (on 127.0.0.1) is gone: its connection closed" in error, error
     assert alive == []
 
 
-def test_a_killed_learner_0_ends_the_run_and_its_server(tmp_path, monkeypatch):
-    error, alive = run_with_fault(tmp_path, monkeypatch, "learner0", signal.SIGKILL)
-    assert "process 0 terminated with signal SIGKILL" in error, error
+def test_a_killed_learner_0_ends_the_run_and_its_server_even_with_min_learners(tmp_path, monkeypatch):
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner0", signal.SIGKILL, min_learners=1)
+    assert error is not None and "process 0 terminated with signal SIGKILL" in error, error
     assert alive == []
 
 
 def test_a_learner_stalled_past_the_timeout_is_lost_and_the_run_ends_naming_it(tmp_path, monkeypatch):
-    error, alive = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGSTOP)
-    assert "learner 1 (on 127.0.0.1) has not been heard from for more than 5 s" in error, error
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGSTOP)
+    assert error is not None and "learner 1 (on 127.0.0.1) has not been heard from for more than 5 s" in error, error
+    assert "with RudraStrategy(min_learners=k), training goes on" in error
     assert alive == []
+
+
+def test_with_min_learners_a_killed_learner_is_lost_and_the_others_train_on(tmp_path, monkeypatch):
+    epochs = 8
+    with pytest.warns(UserWarning, match=r"learner 1's process ended with signal SIGKILL \(min_learners=1: training "
+                                         "goes on while at least 1 learners are left"):
+        error, alive, model, stats = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGKILL,
+                                                    min_learners=1, max_epochs=epochs)
+    assert error is None and alive == []
+    assert list(stats.lost) == [1] and stats.lost[1].startswith("ended before training did: its process (pid ")
+    assert sum(stats.batches.values()) == epochs * 32  # every batch of every epoch was handed out
+    assert stats.batches[0] > stats.batches[1] and stats.clock == stats.gradients  # async: one update per gradient
+    assert trained(model)
+
+
+def test_with_too_few_learners_left_the_run_ends_saying_so(tmp_path, monkeypatch):
+    with pytest.warns(UserWarning, match="learner 1's process ended with signal SIGKILL"):
+        error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGKILL, min_learners=2)
+    assert error is not None and "1 learner left, fewer than min_learners=2, so training cannot go on" in error, error
+    assert alive == []
+
+
+def test_with_min_learners_a_stalled_learner_is_lost_and_ended_once_training_is_over(tmp_path, monkeypatch):
+    error, alive, model, stats = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGSTOP,
+                                                protocol="softsync", min_learners=1, max_epochs=25)
+    assert error is None and alive == []
+    assert list(stats.lost) == [1] and "has not been heard from for more than 5 s" in stats.lost[1]
+    # c = 2 until the loss, then 1: every gradient learner 0 pushed alone made an update
+    assert stats.gradients > stats.clock > stats.gradients // 2
+    assert trained(model)
+
+
+@pytest.mark.parametrize("protocol", ["hardsync"])
+def test_with_min_learners_hardsync_goes_on_exactly_with_the_learners_left(protocol):
+    epochs, mu = 2, 8
+    model = FailingLearner("raise")  # learner 1 raises at its third batch, before pushing it
+    trainer = quiet_trainer(RudraStrategy(protocol=protocol, start_method=START, rpc_timeout=30, min_learners=1), 2,
+                            max_epochs=epochs)
+    with pytest.warns(UserWarning, match="(?s)learner 1's process ended with exit code 1 .*Its error:.*ValueError: "
+                                         "learner 1 broke on purpose"):
+        trainer.fit(model, loader(mu))
+    expected = sgd_after_a_loss(epochs, mu, learners=2, lost=1, lost_at=2)
+    torch.testing.assert_close(flat(model.parameters()), expected, rtol=0, atol=1e-5)
+    stats = trainer.strategy.stats
+    assert stats.lost == {1: "stopped with an error (ValueError: learner 1 broke on purpose)"}
+    assert stats.clock == epochs * 16 and stats.gradients == epochs * 16 + 2  # two rounds with both learners

@@ -93,7 +93,7 @@ def test_a_lost_learner_that_comes_back_is_refused(monkeypatch):
 ])
 def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(monkeypatch, learners, min_learners, lost,
                                                                         message):
-    ps = parameter_server(monkeypatch, "hardsync", learners, min_learners)
+    parameter_server(monkeypatch, "hardsync", learners, min_learners)
     for learner, address in ((0, "10.0.0.1"), (1, "10.0.0.2")):
         server._call("heartbeat", learner, address, None)
     waiting = push(1 if lost != 1 else 0, 1.0)

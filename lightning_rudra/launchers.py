@@ -12,8 +12,8 @@ import multiprocessing.connection
 import pickle
 import signal
 import threading
+import time
 import warnings
-from subprocess import Popen
 from typing import Any, Callable, Optional
 
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
@@ -33,8 +33,8 @@ def describe_exit(code: int) -> str:
 def warn_lost(rank: int, code: int, min_learners: int, trace: str = "") -> None:
     error = f" Its error:\n{trace}" if trace else ""
     warnings.warn(f"lightning_rudra: learner {rank}'s process ended with {describe_exit(code)} (min_learners="
-                  f"{min_learners}: training goes on while at least {min_learners} learners are left, without the "
-                  f"data it had not trained on in this epoch).{error}", stacklevel=1)
+                  f"{min_learners}: training goes on while that many learners are left, without the data it had not "
+                  f"trained on in this epoch).{error}", stacklevel=1)
 
 
 def _trace(error_file: str) -> str:
@@ -53,35 +53,38 @@ class PopenLauncher(_SubprocessScriptLauncher):
     def __init__(self, *args: Any, min_learners: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.min_learners = min_learners
+        self._reported: set[int] = set()  # children whose end was reported, or that were ended here
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            first = self.cluster_environment.node_rank() * self.num_processes + 1  # this node's first child
-            threading.Thread(target=_observe, args=(list(self.procs), first, self.min_learners), daemon=True,
-                             name="rudra-learner-observer").start()
+            threading.Thread(target=self._observe, daemon=True, name="rudra-learner-observer").start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
+    @property
+    def _first_rank(self) -> int:
+        """The global rank of this node's first child (its local rank 1)."""
+        return self.cluster_environment.node_rank() * self.num_processes + 1
+
+    def _observe(self) -> None:
+        while len(self._reported) < len(self.procs):
+            for index, proc in enumerate(self.procs):
+                if index not in self._reported and proc.poll() is not None:
+                    self._reported.add(index)
+                    if proc.returncode != 0:
+                        warn_lost(self._first_rank + index, proc.returncode, self.min_learners)
+            time.sleep(1.0)
+
     def end_lost(self, lost: list[int]) -> None:
         """Training is over: end this node's learners that the server counted as lost and still run."""
-        first = self.cluster_environment.node_rank() * self.num_processes + 1
         for rank in lost:
-            if 0 <= rank - first < len(self.procs) and self.procs[rank - first].poll() is None:
-                self.procs[rank - first].kill()
-                self.procs[rank - first].wait()
-
-
-def _observe(procs: list[Popen], first_rank: int, min_learners: int) -> None:
-    reported: set[int] = set()
-    while len(reported) < len(procs):
-        for index, proc in enumerate(procs):
-            if index not in reported and proc.poll() is not None:
-                reported.add(index)
-                if proc.returncode != 0:
-                    warn_lost(first_rank + index, proc.returncode, min_learners)
-        threading.Event().wait(1.0)
+            index = rank - self._first_rank
+            if 0 <= index < len(self.procs) and self.procs[index].poll() is None:
+                self._reported.add(index)
+                self.procs[index].kill()
+                self.procs[index].wait()
 
 
 def join_survivors(context: Any, min_learners: int, stats_ready: Callable[[], Optional[list[int]]]) -> None:

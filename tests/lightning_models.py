@@ -1,6 +1,7 @@
 """Small LightningModules and helpers for the strategy tests (importable by spawned learners)."""
 
 import os
+import signal
 import time
 from typing import Optional
 
@@ -230,16 +231,18 @@ class ReadsItsStart(Regression):
 
 
 class FailingLearner(Regression):
-    """Learner 1 dies (``exit``) or raises (``raise``) at its third batch."""
+    """Learner 1 dies (``exit``), raises (``raise``) or stops itself (``stop``: SIGSTOP) at its third batch."""
 
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
 
     def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and batch_idx == 2:
+        if self.global_rank == 1 and batch_idx == 2 and self.trainer.current_epoch == 0:
             if self.how == "exit":
                 os._exit(7)
+            if self.how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             raise ValueError("learner 1 broke on purpose")
         return super().training_step(batch, batch_idx)
 

@@ -16,8 +16,11 @@ min_learners, a learner that raises or exits: test_strategy.py; popen: test_pope
 cut off: test_hosts.py.)
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -167,7 +170,7 @@ def test_a_learner_stalled_past_the_timeout_is_lost_and_the_run_ends_naming_it(t
 def test_with_min_learners_a_killed_learner_is_lost_and_the_others_train_on(tmp_path, monkeypatch):
     epochs = 8
     with pytest.warns(UserWarning, match=r"learner 1's process ended with signal SIGKILL \(min_learners=1: training "
-                                         "goes on while at least 1 learners are left"):
+                                         "goes on while that many learners are left"):
         error, alive, model, stats = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGKILL,
                                                     min_learners=1, max_epochs=epochs)
     assert error is None and alive == []
@@ -208,3 +211,25 @@ def test_with_min_learners_hardsync_goes_on_exactly_with_the_learners_left(proto
     stats = trainer.strategy.stats
     assert stats.lost == {1: "stopped with an error (ValueError: learner 1 broke on purpose)"}
     assert stats.clock == epochs * 16 and stats.gradients == epochs * 16 + 2  # two rounds with both learners
+
+
+@pytest.mark.parametrize("how, why", [("exit", "ended before training did: its process (pid "),
+                                      ("stop", "has not been heard from for more than 5 s")])
+def test_popen_survives_a_lost_learner(tmp_path, how, why):
+    """Lightning's popen launcher would end every learner; with min_learners the strategy's own lets learner 0 train
+    on (hardsync: exactly SGD on the batches left) and ends a stalled learner once training is over."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    env.pop("MASTER_PORT", None)
+    done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "survive_fit.py"), how, "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    expected = sgd_after_a_loss(2, 8, learners=2, lost=1, lost_at=2)
+    torch.testing.assert_close(torch.tensor(result["weights"]), expected, rtol=0, atol=1e-5)
+    assert list(result["stats"]["lost"]) == ["1"] and why in result["stats"]["lost"]["1"]
+    assert f"learner 1 (on 127.0.0.1) was lost: it {why}" in done.stderr  # the server says so as it happens
+    if how == "exit":
+        assert "learner 1's process ended with exit code 7" in done.stderr
+    assert [pid for pid in result["children"] if _alive(pid)] == []

@@ -247,6 +247,16 @@ class FailingLearner(Regression):
         return super().training_step(batch, batch_idx)
 
 
+class MeteredFailing(FailingLearner):
+    """FailingLearner, validated with :class:`Metered`'s metric."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(how)
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+    validation_step = Metered.validation_step
+
+
 class IndexedData(torch.utils.data.Dataset):
     """The regression data, with each sample's index, so that a test can tell which learner trained on what."""
 

@@ -31,7 +31,7 @@ import torch
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.rpc_world import free_port
-from tests.lightning_models import (START, FailingLearner, Regression, flat, loader, quiet_trainer, regression_data,
+from tests.lightning_models import (START, FailingLearner, MeteredFailing, Regression, flat, loader, quiet_trainer, regression_data,
                                     sgd_after_a_loss)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -233,3 +233,21 @@ def test_popen_survives_a_lost_learner(tmp_path, how, why):
     if how == "exit":
         assert "learner 1's process ended with exit code 7" in done.stderr
     assert [pid for pid in result["children"] if _alive(pid)] == []
+
+
+def test_a_torchmetrics_metric_syncs_over_the_learners_left():
+    """Learner 1 of 3 raises while training; at the epoch's end learners 0 and 2 validate their shards, and the
+    synced metric covers exactly theirs."""
+    model = MeteredFailing("raise")
+    trainer = quiet_trainer(RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=30, min_learners=2),
+                            3, max_epochs=1)
+    with pytest.warns(UserWarning, match="learner 1's process ended with exit code 1"):
+        trainer.fit(model, loader(8, num_samples=96), loader(16, num_samples=96, seed=3))
+    x, y = regression_data(96, seed=3).tensors
+    with torch.no_grad():
+        left = torch.cat([torch.arange(0, 96, 3), torch.arange(2, 96, 3)])  # DistributedSampler's shards 0 and 2
+        expected = torch.nn.functional.mse_loss(model.net(x[left]), y[left]).item()
+        shard_0 = torch.nn.functional.mse_loss(model.net(x[0::3]), y[0::3]).item()
+    assert trainer.callback_metrics["val_mse"].item() == pytest.approx(expected, rel=1e-5)
+    assert shard_0 != pytest.approx(expected, rel=1e-3)
+    assert list(trainer.strategy.stats.lost) == [1]

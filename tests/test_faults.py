@@ -1,19 +1,20 @@
 """Faults injected into a real run (2 learners forked, a real server process), read as a table:
 
-| fault, mid-run                        | min_learners | protocol | expected                                               |
-| ------------------------------------- | ------------ | -------- | ------------------------------------------------------ |
-| kill -9 of the server                 | -            | async    | every learner ends with an error that names the server |
-| kill -9 of learner 0 (the server's    | 1            | async    | the run ends; the server, orphaned, exits              |
-|   parent)                             |              |          |                                                        |
-| SIGSTOP of learner 1 past rpc_timeout | -            | async    | the run ends with an error that names learner 1        |
-| kill -9 of learner 1                  | 1            | async    | learner 0 trains on; stats.lost names learner 1        |
-| kill -9 of learner 1                  | 2            | async    | the run ends: fewer than min_learners left             |
-| SIGSTOP of learner 1 past rpc_timeout | 1            | softsync | learner 0 trains on (c = 1); the stalled one is ended  |
-| an exception in learner 1's step      | 1            | hardsync | learner 0 trains on: exactly SGD on the batches left   |
+| fault, mid-run                         | min_learners | protocol | expected                                     |
+| -------------------------------------- | ------------ | -------- | -------------------------------------------- |
+| kill -9 of the server                  | -            | async    | every learner ends with an error naming it   |
+| kill -9 of learner 0 (runs the server) | 1            | async    | the run ends; the orphaned server exits      |
+| SIGSTOP of learner 1 past rpc_timeout  | -            | async    | the run ends with an error naming learner 1  |
+| kill -9 of learner 1                   | 1            | async    | learner 0 trains on; stats.lost names 1      |
+| kill -9 of learner 1                   | 2            | async    | the run ends: fewer than min_learners left   |
+| SIGSTOP of learner 1 past rpc_timeout  | 1            | softsync | learner 0 trains on (c = 1); 1 is ended      |
+| an exception in learner 1's step       | 1            | hardsync | exactly SGD on the batches left              |
+| the same, 3 learners, then validation  | 2            | hardsync | a metric synced over learners 0 and 2        |
+| popen: learner 1 exits, or stops       | 1            | hardsync | exactly SGD on the batches left; 1 is ended  |
 
-Each asserts the outcome and that no process of the run is left; survivors must have trained. (Without
-min_learners, a learner that raises or exits: test_strategy.py; popen: test_popen_survives_a_lost_learner; a host
-cut off: test_hosts.py.)
+Each asserts the outcome, that survivors trained, and that no process it signalled or launched is left. (Without
+min_learners, a learner that raises or exits: test_strategy.py; a host cut off: test_hosts.py; the server's side,
+in-process: test_lost_learners.py.)
 """
 
 import json
@@ -31,8 +32,8 @@ import torch
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.rpc_world import free_port
-from tests.lightning_models import (START, FailingLearner, MeteredFailing, Regression, flat, loader, quiet_trainer, regression_data,
-                                    sgd_after_a_loss)
+from tests.lightning_models import (START, FailingLearner, MeteredFailing, Regression, flat, loader, quiet_trainer,
+                                    regression_data, sgd_after_a_loss)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -81,7 +82,8 @@ def pid_of(tmp_path, who: str, port: int) -> int:
 
 
 def run_with_fault(tmp_path, monkeypatch, who: str, signum: int, protocol: str = "async",
-                   min_learners: Optional[int] = None, max_epochs: int = 1000) -> tuple[Optional[str], list[int], Marked, Any]:
+                   min_learners: Optional[int] = None,
+                   max_epochs: int = 1000) -> tuple[Optional[str], list[int], Marked, Any]:
     """Fit; once both learners train, send ``signum`` to ``who``. Returns the error's text (None: fit ended well),
     the pids that were still alive a while after the fit ended (stopped ones are let go first), the model and the
     server's statistics."""

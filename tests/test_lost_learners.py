@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from lightning_rudra import server
+from lightning_rudra.parameter_server import ParameterServer, _settle
 from lightning_rudra.membership import Membership, this_process
 from lightning_rudra.optimizers import OptimizerSpec
 from lightning_rudra.protocol import ProtocolConfig
 
 
-def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n: int = 1) -> server.ParameterServer:
-    ps = server.ParameterServer(learners, timeout=5.0, min_learners=min_learners)
+def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n: int = 1) -> ParameterServer:
+    ps = ParameterServer(learners, timeout=5.0, min_learners=min_learners)
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
@@ -30,10 +31,10 @@ def push(learner: int, value: float, timestamp: int = 0):
                               timestamp, [{"lr": 1.0}], [])
 
 
-def lose(ps: server.ParameterServer, learner: int, why: str = "ended before training did: its process (pid 1) is gone"):
+def lose(ps: ParameterServer, learner: int, why: str = "ended before training did: its process (pid 1) is gone"):
     with ps.lock:
         outcomes = ps._lose(learner, why)
-    server._settle(outcomes)
+    _settle(outcomes)
 
 
 def test_hardsync_rounds_wait_only_for_the_learners_left(monkeypatch):

@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from lightning_rudra import server
+from lightning_rudra.parameter_server import ParameterServer
 from lightning_rudra.optimizers import OptimizerSpec
 from lightning_rudra.protocol import ProtocolConfig
 
 
 @pytest.fixture
 def parameter_server(monkeypatch):
-    ps = server.ParameterServer(2, timeout=5.0)
+    ps = ParameterServer(2, timeout=5.0)
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(3)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1), params)

@@ -1,0 +1,343 @@
+"""The parameter server's state over futures: :class:`~lightning_rudra.protocol.Server` shared by concurrent
+learners, plus the shared epoch's pools (:mod:`lightning_rudra.epoch`), the learners' rendezvous for collectives
+and who is in the run (:mod:`lightning_rudra.membership`). No RPC here: :mod:`lightning_rudra.server` serves it.
+
+Nothing blocks: whatever must wait (a hardsync round, a collective, the end of training) gets a
+``torch.futures.Future`` that the call completing the wait resolves. Such waits have no time limit, since waiting
+for a slow learner is not an error; instead every learner sends a heartbeat, and a learner whose process ended,
+or that is silent for longer than the timeout, is lost: every wait fails at once with a message that names it, or,
+with ``min_learners``, completes with the learners left.
+"""
+
+
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from torch.futures import Future
+
+from lightning_rudra.epoch import EpochPlan, EpochPool
+from lightning_rudra.membership import Membership
+from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.protocol import ProtocolConfig, Server, Stats
+from lightning_rudra.shm import SharedNames, SharedWeights
+
+
+Outcomes = list[tuple[Future, Any]]  # futures to resolve once the lock is released: a value, or an exception
+
+
+def _settle(outcomes: Outcomes) -> None:
+    for future, value in outcomes:
+        if future.done():
+            continue
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class ParameterServer:
+    """A :class:`Server` shared by concurrent learners, plus a rendezvous for the strategy's collectives.
+
+    A push reply is ``(status, staleness, lr_scale, params, buffers, clock)``: what became of the gradient
+    and the rate of its optimizer's newest update (a fraction of the learners' rate), then the
+    newest weights (flat) and their timestamp. hardsync replies wait for the end of the round. Learners that
+    mapped the server's shared memory (:mod:`lightning_rudra.shm`) push ``grads=None`` (the gradient is in
+    their buffer) and get ``None`` for the weights, which they read themselves.
+    """
+
+    def __init__(self, num_learners: int, timeout: float = 60.0, min_learners: Optional[int] = None) -> None:
+        self.num_learners = num_learners
+        self.membership = Membership(num_learners, timeout, min_learners)
+        self.core: Optional[Server] = None
+        self.lock = threading.Lock()
+        self.registered: Future = Future()
+        self.round_waiters: dict[int, list[tuple[Future, int, str, int]]] = {}  # (reply, learner, status, σ)
+        self.gatherings: dict[int, tuple[Future, dict[int, Any]]] = {}  # sequence -> (reply, learner -> object)
+        self.finished: set[int] = set()
+        self.finish_waiters: list[Future] = []
+        self.all_left = threading.Event()
+        self.pools: dict[int, EpochPool] = {}  # per train dataloader
+        self.failure: Optional[str] = None  # why training cannot go on, once it cannot
+        self.shared: Optional[SharedWeights] = None
+        self.shared_names: Optional[SharedNames] = None
+        self.shared_grads: dict[tuple[int, int], list[Any]] = {}
+        self.shared_error: Optional[str] = None  # why shared memory could not be set up
+        self.mapped: set[int] = set()  # learners that read and write the shared memory
+        self.answered: set[int] = set()  # learners that said whether they could map it
+
+    def register(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
+                 stats: Optional[Stats], shared_memory: bool = True,
+                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+        """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics and the
+        optimizers' states: all in place before any learner pulls. With ``shared_memory`` the weights live in
+        shared memory, or, if it cannot be allocated, in plain memory (the learners are told why)."""
+        with self.lock:
+            if self.core is not None:
+                raise RuntimeError("the parameter server was registered twice")
+            if shared_memory:
+                try:
+                    self.core = self._server_in_shared_memory(config, params, buffers, specs, stats)
+                except OSError as error:
+                    self.shared_error = str(error)
+            if self.core is None:
+                self.core = Server(config, params, buffers, specs, stats)
+            self.core.load_optimizer_states(optimizer_states or [])
+            self.core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
+            for learner in self.membership.lost:
+                self.core.remove(learner)
+        self.registered.set_result(None)
+
+    def _server_in_shared_memory(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
+                                 stats: Optional[Stats]) -> Server:
+        shared = SharedWeights(socket.gethostname())  # allocation failures unlink what was made and raise
+        core = Server(config, params, buffers, specs, stats, shared)
+        self.shared_grads = shared.allocate_grads(self.num_learners, core.grad_layouts)
+        self.shared_names = shared.names(core.flat_params, core.flat_buffers, self.shared_grads)
+        self.shared = shared
+        return core
+
+    def attach(self, learner: int) -> Future:
+        """Once registered: the shared memory's names (None without it), and why it is missing, if it failed."""
+        self._check_alive()
+        return self.registered.then(lambda registered: registered.wait() or (self.shared_names, self.shared_error))
+
+    def attached(self, learner: int, mapped: bool) -> None:
+        """A learner says whether it mapped the shared memory. Once all have, the files go: nothing is left
+        in /dev/shm even if a process is killed later, and the mappings stay valid."""
+        with self.lock:
+            if mapped:
+                self.mapped.add(learner)
+            self.answered.add(learner)
+            if self.shared is not None and self.answered >= self.membership.members:
+                self.shared.unlink()
+
+    def pull(self) -> Future:
+        self._check_alive()
+        return self.registered.then(lambda registered: registered.wait() or self._locked(self.core.pull))
+
+    def push(self, learner: int, optimizer: int, grads, has_grad, timestamp: int, hparams, buffers) -> Future:
+        with self.lock:
+            self._check_alive()
+            core = self._core()
+            if grads is None:
+                grads = self._shared_gradient(learner, optimizer)
+            result = core.push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
+            in_round = core.config.protocol == "hardsync" and not result.closed
+            if in_round:
+                reply: Future = Future()
+                self.round_waiters.setdefault(optimizer, []).append((reply, learner, result.status,
+                                                                     result.staleness))
+                outcomes = self._give_up_if_deadlocked()
+            else:
+                outcomes, weights = self._release_rounds([optimizer] if result.closed else [], learner)
+                lr_scale = self._lr_scale(optimizer)
+        _settle(outcomes)
+        if in_round:
+            return reply
+        return _done((result.status, result.staleness, lr_scale, *weights))
+
+    def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> tuple[Outcomes, tuple]:
+        """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
+        weights they carry (also for ``pusher``, which did not wait). Called under the lock."""
+        released = [(waiter, optimizer) for optimizer in closed for waiter in self.round_waiters.pop(optimizer, [])]
+        weights = self._weights(([] if pusher is None else [pusher]) + [waiter[1] for waiter, _ in released])
+        return [(future, (status, staleness, self._lr_scale(optimizer), *weights))
+                for (future, _, status, staleness), optimizer in released], weights
+
+    def _lr_scale(self, optimizer: int) -> float:
+        update = self._core().last_updates[optimizer]
+        return update.lr_scale if update is not None else 1.0
+
+    def _shared_gradient(self, learner: int, optimizer: int) -> list[Any]:
+        if learner not in self.mapped or (learner, optimizer) not in self.shared_grads:
+            raise ValueError(f"learner {learner} pushed its gradient for optimizer {optimizer} through shared "
+                             "memory, but it has not mapped the server's shared memory.")
+        grads = self.shared_grads[(learner, optimizer)]
+        core = self._core()
+        if core.config.protocol == "softsync" and core.gradients_per_update > 1:
+            return [g.clone() for g in grads]  # it waits for the next update, after this learner's next push
+        return grads  # applied before the learner gets its reply, and so before it writes the buffer again
+
+    def _weights(self, learners: list[int]) -> tuple:
+        """What to send back with a reply: nothing but the clock if every learner reads shared memory."""
+        core = self._core()
+        if set(learners) <= self.mapped:
+            return None, None, core.clock
+        return core.pull()
+
+    def finish(self, learner: int) -> Future:
+        """A learner is done training; resolves, once all learners left are, with the final weights."""
+        with self.lock:
+            self._check_alive()
+            outcomes, _ = self._release_rounds(self._core().finish(learner))
+            self.finished.add(learner)
+            future: Future = Future()
+            self.finish_waiters.append(future)
+            outcomes += self._complete_finish()
+        _settle(outcomes)
+        return future
+
+    def _complete_finish(self) -> Outcomes:
+        if not self.finish_waiters or not self.membership.members <= self.finished:
+            return []
+        weights = self._weights(sorted(self.membership.members))
+        waiters, self.finish_waiters = self.finish_waiters, []
+        return [(waiter, weights) for waiter in waiters]
+
+    def gather(self, sequence: int, learner: int, obj: Any) -> Future:
+        """The ``sequence``-th collective of every learner: resolves with the objects of all learners left
+        (learner -> object, in rank order)."""
+        with self.lock:
+            self._check_alive()
+            future, objs = self.gatherings.setdefault(sequence, (Future(), {}))
+            objs[learner] = obj
+            outcomes = self._complete_gatherings()
+            if not future.done() and sequence in self.gatherings:
+                outcomes += self._give_up_if_deadlocked()
+        _settle(outcomes)
+        return future
+
+    def _complete_gatherings(self) -> Outcomes:
+        members = self.membership.members
+        complete = [sequence for sequence, (_, objs) in self.gatherings.items() if members <= set(objs)]
+        outcomes = []
+        for sequence in complete:
+            future, objs = self.gatherings.pop(sequence)
+            outcomes.append((future, {learner: objs[learner] for learner in sorted(objs) if learner in members}))
+        return outcomes
+
+    def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int) -> tuple[Optional[Any], int, str]:
+        """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
+        with self.lock:
+            core = self._core()
+            if pool not in self.pools:
+                self.pools[pool] = EpochPool(plan, self.num_learners)
+            indices, position, what = self.pools[pool].draw(epoch, learner, plan, want)
+            if indices is not None and pool == 0:
+                count = -(-len(indices) // plan.batch_size)
+                core.stats.batches[learner] = core.stats.batches.get(learner, 0) + count
+            return indices, position, what
+
+    def stop_drawing(self, learner: int) -> None:
+        """``learner`` stops training: every pool of the shared epoch is spent (:meth:`EpochPool.stop`)."""
+        with self.lock:
+            for pool in self.pools.values():
+                pool.stop()
+
+    def check_caller(self, method: str, learner: Any) -> None:
+        """Refuses, before anything changes, a call from a learner this run does not know or no longer counts."""
+        self.membership.check_caller(method, learner)
+        if method == "push" and learner in self.finished:
+            raise RuntimeError(f"push from learner {learner} refused: it has finished training")
+
+    def heartbeat(self, learner: int, address: str, process: Any = None) -> None:
+        """``process``: (machine, pid) (:func:`~lightning_rudra.membership.this_process`)."""
+        self.membership.heard(learner, address, process)
+
+    def watch(self) -> None:
+        """Runs in its own thread: finds the learners lost (a process that ended, a learner silent for longer
+        than the timeout) and applies :meth:`_lose`."""
+        while self.failure is None and not self.all_left.is_set():
+            time.sleep(min(1.0, self.membership.timeout / 4))
+            with self.lock:
+                outcomes = [o for learner, why in self.membership.newly_lost() for o in self._lose(learner, why)]
+            _settle(outcomes)
+
+    def leave(self, learner: int, error: Optional[str] = None) -> None:
+        """A learner leaves the stage; one that has not finished training (``error``: why it stopped) is lost."""
+        with self.lock:
+            outcomes = []
+            if self.core is not None and learner in self.core.active and self.failure is None:
+                why = f"stopped with an error ({error})" if error else "left before training ended"
+                outcomes = self._lose(learner, why)
+            self.membership.left.add(learner)
+            self._check_all_left()
+        _settle(outcomes)
+
+    def _lose(self, learner: int, why: str) -> Outcomes:
+        """``learner`` is lost: without ``min_learners`` (or too few left) training ends; otherwise hardsync
+        rounds, collectives and the end of training go on with the learners left. Called under the lock."""
+        failure = self.membership.lose(learner, why)
+        self._check_all_left()
+        if self.core is not None:
+            self.core.stats.lost[learner] = why
+        if failure is not None:
+            return self._give_up(failure)
+        left = sorted(self.membership.members)
+        print(f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Training goes on with "
+              f"learners {left} (min_learners={self.membership.min_learners}).", file=sys.stderr, flush=True)
+        if self.core is None:
+            return []
+        outcomes, _ = self._release_rounds(self.core.remove(learner))
+        return outcomes + self._complete_gatherings() + self._complete_finish()
+
+    def _check_all_left(self) -> None:
+        if self.membership.all_gone():
+            self.all_left.set()
+
+    def _give_up(self, reason: str) -> Outcomes:
+        """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
+        caller settles the returned outcomes once it has released it (:func:`_settle`)."""
+        self.failure = reason
+        waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
+        waiters += [f for f, _ in self.gatherings.values()] + self.finish_waiters
+        self.round_waiters, self.gatherings, self.finish_waiters = {}, {}, []
+        waiters += [self.registered] if not self.registered.done() else []
+        return [(waiter, RuntimeError(reason)) for waiter in waiters]
+
+    def _give_up_if_deadlocked(self) -> Outcomes:
+        """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
+        the learner waiting in the round can never join the collective. Called under the lock."""
+        in_round = sorted({w[1] for ws in self.round_waiters.values() for w in ws})
+        at_collective = sorted({learner for _, objs in self.gatherings.values() for learner in objs}
+                               & (self.core.active if self.core is not None else set()))
+        if not (in_round and at_collective):
+            return []
+        return self._give_up(
+            f"learner {at_collective[0]} waits for the others at a collective (validation, a value logged with "
+            f"sync_dist, a checkpoint, the end of an epoch) while learner {in_round[0]} waits in a hardsync round for "
+            "its gradient, so neither can go on. Under hardsync every learner must train on the same number of "
+            "batches per epoch, and theirs differ: an IterableDataset, or a sampler of your own, that yields a "
+            "different number of batches on each learner? Make every learner's stream yield the same number of "
+            "batches, or use protocol='softsync' or 'async', whose learners do not wait for each other.")
+
+    def stats(self) -> dict[str, Any]:
+        return self._locked(lambda: self._core().stats.to_dict())
+
+    def snapshot(self) -> tuple:
+        """What a checkpoint holds, all of one clock: weights and buffers (flat), the clock, every optimizer's
+        state and the statistics."""
+        def take() -> tuple:
+            core = self._core()
+            params, buffers, clock = core.pull()
+            states = [core.optimizer_state(i) for i in range(len(core.optimizers))]
+            return params, buffers, clock, states, core.stats.to_dict()
+        return self._locked(take)
+
+    def optimizer_state(self, optimizer: int) -> dict[str, Any]:
+        return self._locked(lambda: self._core().optimizer_state(optimizer))
+
+    def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
+        self._locked(lambda: self._core().load_optimizer_state(optimizer, state))
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+
+    def _core(self) -> Server:
+        if self.core is None:
+            raise RuntimeError("the parameter server holds no weights yet: learner 0 has not registered the model")
+        return self.core
+
+    def _locked(self, fn: Callable[[], Any]) -> Any:
+        with self.lock:
+            return fn()

@@ -29,6 +29,7 @@ from lightning_rudra.collectives import ServerCollectives
 from lightning_rudra.launchers import PopenLauncher
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
+from lightning_rudra.push_metrics import PushMetrics
 from lightning_rudra.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
 from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
 from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
@@ -40,7 +41,7 @@ from lightning_rudra.support import (check_arguments, check_min_learners, check_
 from lightning_rudra.timing import Homogeneous, TimingModel
 
 
-class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
+class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelStrategy):
     """Parameter-server training with the protocols of Rudra (Gupta, Zhang, Wang, ICDM 2016).
 
     Args:
@@ -145,8 +146,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
         self._simulated: Optional[SimulatedEpochLoop] = None  # while training simulated learners
         self._end_of_training: Optional[tuple[pl.Trainer, _EndOfTraining]] = None  # the callback, while training
-        self._accepted = self._staleness_sum = self._staleness_max = 0  # this learner's accepted pushes
-        self._lr_scales: dict[int, float] = {}  # optimizer -> the rate its newest update applied, as a fraction
+        self._reset_push_metrics()
 
     def __repr__(self) -> str:
         # Lightning quotes this repr when the other flavour's Trainer refuses the strategy.
@@ -280,8 +280,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
         return dataloader
 
     def on_train_start(self) -> None:
-        self._accepted = self._staleness_sum = self._staleness_max = 0
-        self._lr_scales = {}
+        self._reset_push_metrics()
         trainer = self.lightning_module.trainer
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
@@ -302,30 +301,6 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, ParallelStrategy):
             weights = self._learner.client.switch(self._simulated.next_learner())
             if weights is not None:
                 self._learner.load(*weights)
-
-    def _record_push(self, optimizer: int, status: str, staleness: int, lr_scale: float) -> None:
-        if status in ("accepted", "queued"):  # queued (several optimizers): σ when it reached the server
-            self._accepted += 1
-            self._staleness_sum += staleness
-            self._staleness_max = max(self._staleness_max, staleness)
-        self._lr_scales[optimizer] = lr_scale
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        # Under automatic optimization the push follows training_step, so these describe the previous steps.
-        # Logged only where Lightning writes logs (and at an epoch's end): logging costs more than a small step.
-        trainer = self.lightning_module.trainer
-        if self._accepted and (trainer._logger_connector.should_update_logs
-                               or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
-            module = self.lightning_module
-            module.log("staleness_mean", self._staleness_sum / self._accepted, prog_bar=True, on_step=True)
-            module.log("staleness_max", float(self._staleness_max), prog_bar=True, on_step=True)
-            module.log("server_clock", float(self._learner.client.timestamp), prog_bar=True, on_step=True)
-            # the rate the server applied (LearningRateMonitor shows the learners' rate, before modulation)
-            for index, scale in self._lr_scales.items():
-                name = "lr_applied" if len(self.optimizers) == 1 else f"lr_applied_{index}"
-                module.log(name, self.optimizers[index].param_groups[0]["lr"] * scale, on_step=True)
-        return output
 
     def _pull_newest(self) -> None:
         if self._learner is not None:

@@ -11,6 +11,7 @@
 | an exception in learner 1's step       | 1            | hardsync | exactly SGD on the batches left              |
 | the same, 3 learners, then validation  | 2            | hardsync | a metric synced over learners 0 and 2        |
 | popen: learner 1 exits, or stops       | 1            | hardsync | exactly SGD on the batches left; 1 is ended  |
+| SLURM's processes: learner 1 exits     | 1            | hardsync | exactly SGD on the batches left              |
 
 Each asserts the outcome, that survivors trained, and that no process it signalled or launched is left. (Without
 min_learners, a learner that raises or exits: test_strategy.py; a host cut off: test_hosts.py; the server's side,
@@ -253,3 +254,29 @@ def test_a_torchmetrics_metric_syncs_over_the_learners_left():
     assert trainer.callback_metrics["val_mse"].item() == pytest.approx(expected, rel=1e-5)
     assert shard_0 != pytest.approx(expected, rel=1e-3)
     assert list(trainer.strategy.stats.lost) == [1]
+
+
+def test_under_slurm_the_learners_left_train_on(tmp_path):
+    """Processes that srun started (its variables, one host): nobody ends learner 0 when learner 1 exits, and the
+    server, seeing learner 1's process end, goes on without it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")
+            and key not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base.update(PYTHONPATH=root, MASTER_PORT=str(free_port()), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
+                SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="rudra-test",
+                SLURM_NODELIST="127.0.0.1")
+    script = os.path.join(root, "tests", "scripts", "survive_fit.py")
+    learners = [subprocess.Popen([sys.executable, script, "exit", "2"], cwd=tmp_path, text=True,
+                                 env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(2)]
+    try:
+        outputs = [learner.communicate(timeout=200) for learner in learners]
+    finally:
+        for learner in learners:
+            learner.kill()
+    assert [learner.returncode for learner in learners] == [0, 7], outputs[0][1][-3000:]
+    [line] = [line for line in outputs[0][0].splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line[len("RESULT "):])
+    expected = sgd_after_a_loss(2, 8, learners=2, lost=1, lost_at=2)
+    torch.testing.assert_close(torch.tensor(result["weights"]), expected, rtol=0, atol=1e-5)
+    assert list(result["stats"]["lost"]) == ["1"]

@@ -18,4 +18,4 @@ if __name__ == "__main__":
     if trainer.is_global_zero:
         print("RESULT " + json.dumps({"weights": flat(model.parameters()).tolist(),
                                       "stats": strategy.stats.to_dict(),
-                                      "children": [p.pid for p in strategy.launcher.procs]}))
+                                      "children": [p.pid for p in getattr(strategy.launcher, "procs", [])]}))

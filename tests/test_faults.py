@@ -3,6 +3,8 @@
 | fault, mid-run                         | min_learners | protocol | expected                                     |
 | -------------------------------------- | ------------ | -------- | -------------------------------------------- |
 | kill -9 of the server                  | -            | async    | every learner ends with an error naming it   |
+|   then fit(ckpt_path=last.ckpt)        | -            | async    | resumes from the last periodic checkpoint    |
+| kill -9 of learner 1                   | -            | async    | the run ends (the launcher names learner 1)  |
 | kill -9 of learner 0 (runs the server) | 1            | async    | the run ends; the orphaned server exits      |
 | SIGSTOP of learner 1 past rpc_timeout  | -            | async    | the run ends with an error naming learner 1  |
 | kill -9 of learner 1                   | 1            | async    | learner 0 trains on; stats.lost names 1      |
@@ -30,6 +32,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.rpc_world import free_port
@@ -83,8 +86,8 @@ def pid_of(tmp_path, who: str, port: int) -> int:
 
 
 def run_with_fault(tmp_path, monkeypatch, who: str, signum: int, protocol: str = "async",
-                   min_learners: Optional[int] = None,
-                   max_epochs: int = 1000) -> tuple[Optional[str], list[int], Marked, Any]:
+                   min_learners: Optional[int] = None, max_epochs: int = 1000,
+                   **trainer_options: Any) -> tuple[Optional[str], list[int], Marked, Any]:
     """Fit; once both learners train, send ``signum`` to ``who``. Returns the error's text (None: fit ended well),
     the pids that were still alive a while after the fit ended (stopped ones are let go first), the model and the
     server's statistics."""
@@ -114,7 +117,7 @@ def run_with_fault(tmp_path, monkeypatch, who: str, signum: int, protocol: str =
     model = Marked(str(tmp_path))
     error = None
     try:
-        quiet_trainer(strategy, 2, max_epochs=max_epochs).fit(model, loader(8))
+        quiet_trainer(strategy, 2, max_epochs=max_epochs, **trainer_options).fit(model, loader(8))
     except Exception as raised:
         error = str(raised)
     injector.join(timeout=10)
@@ -161,6 +164,28 @@ def test_a_killed_learner_0_ends_the_run_and_its_server_even_with_min_learners(t
     error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner0", signal.SIGKILL, min_learners=1)
     assert error is not None and "process 0 terminated with signal SIGKILL" in error, error
     assert alive == []
+
+
+def test_a_killed_learner_ends_the_run_without_min_learners(tmp_path, monkeypatch):
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGKILL)
+    assert error is not None and "process 1 terminated with signal SIGKILL" in error, error
+    assert alive == []
+
+
+def test_after_a_killed_server_training_resumes_from_the_last_periodic_checkpoint(tmp_path, monkeypatch):
+    saves = tmp_path / "checkpoints"
+    every = ModelCheckpoint(dirpath=saves, every_n_train_steps=10, save_last=True)
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server", signal.SIGKILL, max_epochs=1000,
+                                        enable_checkpointing=True, callbacks=[every])
+    assert error is not None and "the parameter server (on 127.0.0.1) is gone" in error and alive == []
+    saved = torch.load(saves / "last.ckpt", weights_only=False)
+    clock = saved["rudra"]["stats"]["clock"]
+    assert clock > 0 and saved["optimizer_states"][0]["state"]  # the server's clock and momentum, mid-run
+    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=TIMEOUT), 2,
+                            max_epochs=saved["epoch"] + 2)
+    trainer.fit(Regression(lr=0.01), loader(8), ckpt_path=str(saves / "last.ckpt"))
+    assert trainer.state.status == "finished"
+    assert trainer.strategy.stats.clock > clock + 32  # went on from the saved clock, for at least an epoch
 
 
 def test_a_learner_stalled_past_the_timeout_is_lost_and_the_run_ends_naming_it(tmp_path, monkeypatch):

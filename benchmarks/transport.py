@@ -158,7 +158,7 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
         times.append(time.perf_counter() - start)
     out["server_update"].append(statistics.median(times))
     reply = [grad.clone()]
-    out["load"].append(_median_time(lambda: learner._load(reply, []), iters))
+    out["load"].append(_median_time(lambda: learner.load(reply, []), iters))
 
 
 # ---- TensorPipe settings, bare round trips between the two workers ----------------------------------------

@@ -2,17 +2,13 @@
 Plain torch."""
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 # Optimizer settings that pick a kernel for the learner's device; the server runs its own CPU copy.
 _IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
-# torch's optimizers with a fused CPU kernel: one pass over memory instead of several (SGD with momentum on 10 M
-# float32: about 6 ms instead of 10 here), the same arithmetic up to rounding (a last bit, at times). Only these
-# classes (a subclass may step otherwise), and not where the learner's optimizer says fused=False.
-_FUSED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
 
 
 @dataclass(frozen=True)
@@ -22,7 +18,6 @@ class OptimizerSpec:
 
     cls: type
     groups: list[tuple[list[int], dict[str, Any]]]
-    fused: Optional[bool] = None  # the learner's own choice, if it made one
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> "OptimizerSpec":
@@ -34,22 +29,10 @@ class OptimizerSpec:
                 raise ValueError(f"{type(optimizer).__name__} optimizes tensors of shapes {missing} that are not "
                                  "parameters of the LightningModule: the server can only hold module parameters.")
             groups.append(([index[id(p)] for p in group["params"]], hyperparameters(group)))
-        return cls(type(optimizer), groups, optimizer.defaults.get("fused"))
+        return cls(type(optimizer), groups)
 
     def build(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
-        """The server's copy, over ``params`` (CPU), with torch's fused kernel where the class has one."""
-        fuse = self.cls in _FUSED and self.fused is not False and all(p.is_floating_point() for p in params)
-        fused = {"fused": True} if fuse else {}
-        return self.cls([{"params": [params[i] for i in idx], **hp} for idx, hp in self.groups], **fused)
-
-
-def load_state_keeping_kernels(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """``optimizer.load_state_dict(state)``, keeping its own kernel choices (a saved state has the learner's)."""
-    kernels = [{k: group[k] for k in _IMPLEMENTATION_KEYS - {"params"} if k in group}
-               for group in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, chosen in zip(optimizer.param_groups, kernels):
-        group.update(chosen)
+        return self.cls([{"params": [params[i] for i in idx], **hp} for idx, hp in self.groups])
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_rudra.flat import FlatLayout, WeightsStore
-from lightning_rudra.optimizers import OptimizerSpec, hyperparameters, load_state_keeping_kernels
+from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
 
 PROTOCOLS = ("hardsync", "softsync", "async")
 LR_MODULATIONS = ("none", "mean", "per_gradient")
@@ -292,7 +292,7 @@ class Server:
         return self.optimizers[optimizer].state_dict()
 
     def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
-        load_state_keeping_kernels(self.optimizers[optimizer], state)
+        self.optimizers[optimizer].load_state_dict(state)
 
     def load_optimizer_states(self, states: Sequence[dict[str, Any]]) -> None:
         """On resume: the saved state of every optimizer (none: start afresh)."""

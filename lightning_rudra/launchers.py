@@ -50,9 +50,10 @@ class PopenLauncher(_SubprocessScriptLauncher):
     """Lightning's popen launcher (the script re-run per learner), whose observer reports a lost child instead of
     ending every learner."""
 
-    def __init__(self, *args: Any, min_learners: int, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, min_learners: int, report: Callable[[int, str], None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.min_learners = min_learners
+        self.report = report  # tells the server (rank, why): on another machine it would only see silence
         self._reported: set[int] = set()  # children whose end was reported, or that were ended here
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
@@ -75,6 +76,7 @@ class PopenLauncher(_SubprocessScriptLauncher):
                     self._reported.add(index)
                     if proc.returncode != 0:
                         warn_lost(self._first_rank + index, proc.returncode, self.min_learners)
+                        self.report(self._first_rank + index, describe_exit(proc.returncode))
             time.sleep(1.0)
 
     def end_lost(self, lost: list[int]) -> None:

@@ -263,6 +263,14 @@ class ParameterServer:
             self._check_all_left()
         _settle(outcomes)
 
+    def report(self, reporter: int, learner: Any, why: str) -> None:
+        """``reporter``'s launcher saw ``learner``'s process end (on another machine, sooner than its silence)."""
+        with self.lock:
+            outcomes = []
+            if learner in self.membership.members - self.membership.left and self.failure is None:
+                outcomes = self._lose(learner, f"ended before training did ({why}, as its launcher saw)")
+        _settle(outcomes)
+
     def _lose(self, learner: int, why: str) -> Outcomes:
         """``learner`` is lost: without ``min_learners`` (or too few left) training ends; otherwise hardsync
         rounds, collectives and the end of training go on with the learners left. Called under the lock."""

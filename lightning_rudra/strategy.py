@@ -211,7 +211,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         elif self.start_method == "popen":
             self._launcher = PopenLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                           min_learners=self.min_learners)
+                                           min_learners=self.min_learners, report=self._report_lost)
         else:
             self._launcher = SpawnLauncher(self, self.start_method)
 
@@ -340,6 +340,15 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         if self._end_of_training is not None:
             (trainer, callback), self._end_of_training = self._end_of_training, None
             trainer.callbacks = [cb for cb in trainer.callbacks if cb is not callback]
+
+    def _report_lost(self, learner: int, why: str) -> None:
+        """The launcher (in this learner's process) saw ``learner``'s process end."""
+        client = self._client
+        if client is not None:
+            try:
+                client.report(learner, why)
+            except Exception:  # the server is gone or refused: this run's own errors say what happened
+                pass
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = f"{type(exception).__name__}: {exception}"[:500]

@@ -75,6 +75,19 @@ def test_collectives_and_the_end_of_training_complete_with_the_learners_left(mon
     assert later[1].wait() == {0: 0, 2: 2}
 
 
+def test_a_launcher_reports_a_learner_whose_process_ended(monkeypatch):
+    ps = parameter_server(monkeypatch, "async", 3, min_learners=1)
+    server._call_async("finish", 2)
+    server._call("leave", 2)
+    server._call("report", 0, 2, "exit code 0")  # it had left: nothing to do
+    server._call("report", 0, 1, "signal SIGKILL")
+    assert ps.core.stats.lost == {1: "ended before training did (signal SIGKILL, as its launcher saw)"}
+    server._call("report", 0, 1, "signal SIGKILL")  # reported twice (two launchers, or the watch first): once
+    with pytest.raises(ValueError, match="report from learner 7 refused"):
+        server._call("report", 7, 0, "signal SIGKILL")
+    assert ps.core.stats.lost.keys() == {1}
+
+
 def test_a_lost_learner_that_comes_back_is_refused(monkeypatch):
     ps = parameter_server(monkeypatch, "async", 2, min_learners=1)
     lose(ps, 1, "has not been heard from for more than 5 s (rpc_timeout): its process died or hung")

@@ -274,6 +274,8 @@ class ParameterServer:
     def _lose(self, learner: int, why: str) -> Outcomes:
         """``learner`` is lost: without ``min_learners`` (or too few left) training ends; otherwise hardsync
         rounds, collectives and the end of training go on with the learners left. Called under the lock."""
+        if self.failure is not None:  # training is over already, for the reason every learner was given
+            return []
         failure = self.membership.lose(learner, why)
         self._check_all_left()
         if self.core is not None:

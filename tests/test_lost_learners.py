@@ -131,3 +131,11 @@ def test_the_watch_finds_a_learner_whose_process_ended_on_this_machine():
     membership.last_heard[1] = time.monotonic() - 61  # but silence counts everywhere
     assert membership.newly_lost() == [(1, "has not been heard from for more than 60 s (rpc_timeout): its process "
                                            "died or hung, or its host cannot be reached")]
+
+
+def test_after_training_failed_a_second_loss_does_not_change_the_reason(monkeypatch):
+    ps = parameter_server(monkeypatch, "async", 3, min_learners=None)
+    lose(ps, 1, "stopped with an error (ValueError: first)")
+    lose(ps, 2, "stopped with an error (ValueError: second)")
+    with pytest.raises(RuntimeError, match=r"learner 1 .* \(ValueError: first\), and training cannot go on"):
+        server._call_async("gather", 1, 0, None)

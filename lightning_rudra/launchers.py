@@ -89,12 +89,15 @@ class PopenLauncher(_SubprocessScriptLauncher):
                 self.procs[index].wait()
 
 
-def join_survivors(context: Any, min_learners: int, stats_ready: Callable[[], Optional[list[int]]]) -> None:
+def join_survivors(context: Any, min_learners: int, stats_ready: Callable[[], Optional[list[int]]],
+                   grace: float) -> None:
     """``torch.multiprocessing``'s ``ProcessContext.join`` until every process has ended, except that a learner
     other than 0 that fails is reported and the others go on. Once learner 0 has ended well, ``stats_ready()``
-    names the learners the server lost; those still running are ended. A failure of learner 0 raises as torch's
-    join does (ending the others)."""
-    ended: Optional[set[int]] = None  # the lost learners ended here, once learner 0 has ended well
+    names the learners the server lost; those still running are ended, and so is any learner still running
+    ``grace`` seconds later (one lost after learner 0 took the statistics). A failure of learner 0 raises as
+    torch's join does (ending the others)."""
+    ended: Optional[set[int]] = None  # the learners ended here, once learner 0 has ended well
+    deadline = float("inf")
     while context.sentinels:
         ready = multiprocessing.connection.wait(list(context.sentinels), timeout=1.0)
         for sentinel in ready:
@@ -108,5 +111,13 @@ def join_survivors(context: Any, min_learners: int, stats_ready: Callable[[], Op
                 warn_lost(index, process.exitcode, min_learners, _trace(context.error_files[index]))
         if ended is None and context.processes[0].exitcode == 0:
             ended = {rank for rank in stats_ready() or [] if context.processes[rank].is_alive()}
-            for rank in ended:
+            deadline = time.monotonic() + grace
+        elif ended is not None and time.monotonic() > deadline:
+            late = {rank for rank in context.sentinels.values() if context.processes[rank].is_alive()}
+            warnings.warn(f"lightning_rudra: learners {sorted(late)} were still running {grace:g} s after learner 0 "
+                          "finished training: ended.", stacklevel=1)
+            ended |= late
+            deadline = float("inf")
+        for rank in ended or ():
+            if context.processes[rank].is_alive():
                 context.processes[rank].kill()

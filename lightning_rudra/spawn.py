@@ -84,10 +84,13 @@ class SpawnLauncher(_MultiProcessingLauncher):
         outputs: list[_WorkerOutput] = []
         min_learners = self._strategy.min_learners
         if min_learners is None:
-            while not context.join():
+            # once one fails: 5 s for the others to end on their own (the server tells them), then SIGTERM, 5 s,
+            # SIGKILL (torch's default waits 30 s, which a stopped process always takes)
+            while not context.join(grace_period=5):
                 pass
         else:
-            join_survivors(context, min_learners, lambda: _lost(outputs, return_queue))
+            join_survivors(context, min_learners, lambda: _lost(outputs, return_queue),
+                           grace=self._strategy.rpc_timeout + 10)
         worker_output = outputs[0] if outputs else return_queue.get()
         if trainer is None:
             return worker_output

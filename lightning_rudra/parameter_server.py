@@ -253,10 +253,12 @@ class ParameterServer:
             _settle(outcomes)
 
     def leave(self, learner: int, error: Optional[str] = None) -> None:
-        """A learner leaves the stage; one that has not finished training (``error``: why it stopped) is lost."""
+        """A learner leaves the stage; one that has not finished training, or stopped with an ``error`` (why), is
+        lost."""
         with self.lock:
             outcomes = []
-            if self.core is not None and learner in self.core.active and self.failure is None:
+            training = self.core is not None and learner in self.core.active
+            if (training or error) and self.failure is None:  # an error in any stage: the others must not wait
                 why = f"stopped with an error ({error})" if error else "left before training ended"
                 outcomes = self._lose(learner, why)
             self.membership.left.add(learner)

@@ -21,7 +21,9 @@ def _transport(rank: int, port: int, gloo_port: int, results) -> None:
 
 
 def test_the_transport_benchmark_runs_every_measure():
-    context = multiprocessing.get_context("forkserver")
+    # not "forkserver": Python's one fork server would start here without the preload that the learners' launcher
+    # asks for (Lightning), and every later test's learners would import Lightning themselves (seconds each)
+    context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port, gloo_port = free_port(), free_port()
     workers = [context.Process(target=_transport, args=(rank, port, gloo_port, results)) for rank in range(2)]

@@ -12,7 +12,6 @@ Every function returns plain JSON: per measurement, a list with one median per r
 """
 
 import gc
-import os
 import statistics
 import time
 import warnings
@@ -52,7 +51,7 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
     from lightning_rudra.client import join, leave
     from lightning_rudra.learner import Learner
     from lightning_rudra.protocol import ProtocolConfig
-    from lightning_rudra.rpc_world import SERVER_NAME
+    from lightning_rudra.rpc_world import SERVER_NAME, environment
 
     from benchmarks._echo import echo
     from benchmarks.proto import LEARNER_PATCHES, prototype_server
@@ -60,17 +59,9 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
     out: dict[str, list[float]] = {m: [] for m in measures if m != "breakdown"}
     if "breakdown" in measures:
         out.update({"pack": [], "pack_reuse": [], "server_update": [], "load": []})
-    saved = {k: os.environ.get(k) for k in server_env or {}}
-    os.environ.update(server_env or {})  # the server process inherits learner 0's environment
-    try:
+    with environment(dict(server_env or {})):  # the server process inherits learner 0's environment
         with prototype_server(server_patches if rank == 0 else ()):
             client, process = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     try:
         model = _Flat(numel)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)  # plain SGD: the cheapest server-side update

@@ -114,13 +114,13 @@ def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeou
                         if variable not in os.environ})
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
-    with _environment(changes), warnings.catch_warnings():
+    with environment(changes), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
         rpc.init_rpc(name, rank=rank, world_size=num_learners + 1, rpc_backend_options=options)
 
 
 @contextmanager
-def _environment(changes: dict[str, Optional[str]]) -> Iterator[None]:
+def environment(changes: dict[str, Optional[str]]) -> Iterator[None]:
     """Environment variables set (None: removed) while the context is open, as they were afterwards."""
     before = {variable: os.environ.get(variable) for variable in changes}
     try:

@@ -24,8 +24,8 @@ _server: Optional[ParameterServer] = None
 # What a learner may call, and where the calling learner is among the arguments (None: no learner argument)
 ENTRY_POINTS: dict[str, Optional[int]] = {
     "register": None, "attach": 0, "attached": 0, "pull": None, "push": 0, "finish": 0, "gather": 1, "draw": 2,
-    "stop_drawing": 0, "heartbeat": 0, "leave": 0, "report": 0, "stats": None, "snapshot": None, "optimizer_state": None,
-    "load_optimizer_state": None,
+    "stop_drawing": 0, "heartbeat": 0, "leave": 0, "report": 0, "stats": None, "snapshot": None,
+    "optimizer_state": None, "load_optimizer_state": None,
 }
 
 

@@ -30,6 +30,7 @@ from lightning_rudra.shm import SharedNames
 _NO_TIME_LIMIT = 0
 # How TensorPipe words a connection the other side closed or never answered
 _CONNECTION_LOST = re.compile(r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe", re.I)
+_TIMED_OUT = re.compile(r"ran for more than set timeout", re.I)
 
 
 # Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server`, not in a copy named
@@ -120,14 +121,19 @@ class LearnerClient:
 
     @contextmanager
     def _naming_a_lost_server(self) -> Iterator[None]:
-        """TensorPipe reports a server whose process died as "EOF: end of file": say what happened."""
+        """TensorPipe reports a server whose process died as "EOF: end of file", and one it cannot reach as a
+        timeout: say what happened, and where."""
         try:
             yield
         except RuntimeError as error:
-            if not _CONNECTION_LOST.search(str(error)):
-                raise
-            raise RuntimeError(f"the parameter server (on {self.server_host}) is gone: its connection closed "
-                               f"({error}). Its process died or was killed; its own output may say why.") from error
+            if _CONNECTION_LOST.search(str(error)):
+                raise RuntimeError(f"the parameter server (on {self.server_host}) is gone: its connection closed "
+                                   f"({error}). Its process died or was killed; its own output may say why.") from error
+            if _TIMED_OUT.search(str(error)):
+                raise RuntimeError(f"the parameter server (on {self.server_host}) did not answer within "
+                                   f"{self.timeout:g} s (rpc_timeout): {error}. Its host may be unreachable, or the "
+                                   "server stopped; its own output may say why.") from error
+            raise
 
     def _wait(self, method: str, *args: Any) -> Any:
         return self.result(rpc.rpc_async(SERVER_NAME, _server._call_async, args=(method, *args),

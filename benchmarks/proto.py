@@ -45,7 +45,8 @@ def reuse_pack_buffers(layout) -> None:
     layout.pack = pack
 
 
-LEARNER_PATCHES = {"pack_reuse": lambda learner: [reuse_pack_buffers(layout) for layout in learner.grad_layouts]}
+LEARNER_PATCHES = {"pack_reuse": lambda learner: [reuse_pack_buffers(layout)
+                                                  for layout in learner.shards[0].grad_layouts.values()]}
 
 _ENTRY = """import sys, types
 package = types.ModuleType("lightning_rudra")

@@ -61,11 +61,11 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
         out.update({"pack": [], "pack_reuse": [], "server_update": [], "load": []})
     with environment(dict(server_env or {})):  # the server process inherits learner 0's environment
         with prototype_server(server_patches if rank == 0 else ()):
-            client, process = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout)
+            clients, processes = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout)
     try:
         model = _Flat(numel)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)  # plain SGD: the cheapest server-side update
-        learner = Learner(model, client)
+        learner = Learner(model, clients)
         learner.wrap([optimizer])
         for name in learner_patches:
             LEARNER_PATCHES[name](learner)
@@ -114,7 +114,7 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        leave(client, process, timeout=30.0)
+        leave(clients, processes, timeout=30.0)
         gc.collect()
     if rank != 0:
         out = {k: v for k, v in out.items() if k in ("both", "gloo")}
@@ -131,7 +131,7 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
     hyperparameters = protocol.hyperparameters
 
     grad = learner.params[0].grad
-    layout = learner.grad_layouts[0]
+    layout = learner.shards[0].grad_layouts[0]
     out["pack"].append(_median_time(lambda: layout.pack([grad], torch.device("cpu")), iters))
     reused = torch.empty_like(grad)  # the same packing into a buffer kept from one push to the next
     out.setdefault("pack_reuse", []).append(_median_time(lambda: torch.cat([grad.reshape(-1)], out=reused), iters))
@@ -215,12 +215,12 @@ def push_loop(rank: int, *, numel: int, port: int, seconds: float, both: bool = 
     from lightning_rudra.learner import Learner
     from lightning_rudra.protocol import ProtocolConfig
 
-    client, process = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout)
+    clients, processes = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout)
     count = 0
     try:
         model = _Flat(numel)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)
-        learner = Learner(model, client)
+        learner = Learner(model, clients)
         learner.wrap([optimizer])
         if rank == 0:
             learner.register(ProtocolConfig(NUM_LEARNERS, "async", lr_modulation="none"), [optimizer], None)
@@ -232,5 +232,5 @@ def push_loop(rank: int, *, numel: int, port: int, seconds: float, both: bool = 
             count += 1
         learner.finish()
     finally:
-        leave(client, process, timeout=30.0)
+        leave(clients, processes, timeout=30.0)
     return count

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -21,8 +21,7 @@ from lightning_rudra.epoch import EpochPlan
 from lightning_rudra.membership import this_process
 from lightning_rudra.optimizers import OptimizerSpec
 from lightning_rudra.protocol import ProtocolConfig, Stats
-from lightning_rudra.rpc_world import (SERVER_NAME, address_towards, check_port_free, init_rpc, rpc_counters,
-                                      shutdown_rpc)
+from lightning_rudra.rpc_world import address_towards, check_port_free, init_rpc, rpc_counters, server_name, shutdown_rpc
 from lightning_rudra.shm import SharedNames
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
@@ -57,15 +56,16 @@ main()"""
 
 
 def start_server(init_method: str, num_learners: int, timeout: float, min_learners: Optional[int] = None,
-                 code: Optional[str] = None) -> subprocess.Popen:
-    """Start the server process (``code``: the Python it runs, if not the server's own entry). It exits when every
-    learner has left, or at once if this process dies."""
+                 code: Optional[str] = None, shard: int = 0, num_servers: int = 1) -> subprocess.Popen:
+    """Start the process of server ``shard`` of ``num_servers`` (``code``: the Python it runs, if not the server's
+    own entry). It exits when every learner has left, or at once if this process dies."""
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
     command = [sys.executable, "-c", code or _SERVER_ENTRY.format(package=os.path.dirname(__file__)),
                "--init-method", init_method, "--rpc-counters", json.dumps(rpc_counters()), "--learners", str(num_learners),
-               "--timeout", str(timeout), "--parent-pid", str(os.getpid())]
+               "--timeout", str(timeout), "--parent-pid", str(os.getpid()), "--shard", str(shard),
+               "--num-servers", str(num_servers)]
     if min_learners is not None:
         command += ["--min-learners", str(min_learners)]
     return subprocess.Popen(command, env=env)
@@ -80,7 +80,8 @@ def stop_server(process: subprocess.Popen, timeout: float) -> None:
 
 
 class LearnerClient:
-    """One learner's calls to the server. Holds the timestamp of the weights the learner last received.
+    """One learner's calls to one server process (``shard``; the first also answers collectives and deals the
+    shared epoch). Holds the timestamp of the weights the learner last received from it.
 
     A thread of its own sends a heartbeat every ``timeout / 4`` seconds (at most 5), with this learner's address
     and process: the server counts a learner silent for longer than ``timeout``, or whose process it sees end, as
@@ -88,10 +89,12 @@ class LearnerClient:
     wait with no time limit ends with an error (or, for a lost learner under ``min_learners``, goes on without it).
     """
 
-    def __init__(self, rank: int, timeout: float, server_host: str) -> None:
+    def __init__(self, rank: int, timeout: float, server_host: str, shard: int = 0) -> None:
         self.rank = rank
         self.timeout = timeout
         self.server_host = server_host
+        self.server = server_name(shard)
+        self.what = "the parameter server" if shard == 0 else f"parameter server {shard}"
         self.address = address_towards(server_host) or "an unknown address"  # named by the server if lost
         self.timestamp = 0
         self._collectives = 0
@@ -105,11 +108,11 @@ class LearnerClient:
         process = this_process()
         while True:
             try:
-                rpc.rpc_sync(SERVER_NAME, _server._call, args=("heartbeat", self.rank, self.address, process),
+                rpc.rpc_sync(self.server, _server._call, args=("heartbeat", self.rank, self.address, process),
                              timeout=self.timeout)
             except Exception as error:
                 if not self._stop_heartbeat.is_set():
-                    self._server_lost = (f"the parameter server (on {self.server_host}) did not answer a heartbeat "
+                    self._server_lost = (f"{self.what} (on {self.server_host}) did not answer a heartbeat "
                                          f"within {self.timeout:g} s (rpc_timeout): {error}")
                 return
             if self._stop_heartbeat.wait(self._interval):
@@ -117,7 +120,7 @@ class LearnerClient:
 
     def _sync(self, method: str, *args: Any) -> Any:
         with self._naming_a_lost_server():
-            return rpc.rpc_sync(SERVER_NAME, _server._call, args=(method, *args), timeout=self.timeout)
+            return rpc.rpc_sync(self.server, _server._call, args=(method, *args), timeout=self.timeout)
 
     @contextmanager
     def _naming_a_lost_server(self) -> Iterator[None]:
@@ -127,16 +130,16 @@ class LearnerClient:
             yield
         except RuntimeError as error:
             if _CONNECTION_LOST.search(str(error)):
-                raise RuntimeError(f"the parameter server (on {self.server_host}) is gone: its connection closed "
+                raise RuntimeError(f"{self.what} (on {self.server_host}) is gone: its connection closed "
                                    f"({error}). Its process died or was killed; its own output may say why.") from error
             if _TIMED_OUT.search(str(error)):
-                raise RuntimeError(f"the parameter server (on {self.server_host}) did not answer within "
+                raise RuntimeError(f"{self.what} (on {self.server_host}) did not answer within "
                                    f"{self.timeout:g} s (rpc_timeout): {error}. Its host may be unreachable, or the "
                                    "server stopped; its own output may say why.") from error
             raise
 
     def _wait(self, method: str, *args: Any) -> Any:
-        return self.result(rpc.rpc_async(SERVER_NAME, _server._call_async, args=(method, *args),
+        return self.result(rpc.rpc_async(self.server, _server._call_async, args=(method, *args),
                                          timeout=_NO_TIME_LIMIT))
 
     def result(self, future: Future) -> Any:
@@ -169,12 +172,13 @@ class LearnerClient:
         return params, buffers
 
     def push(self, optimizer: int, grads: Optional[list[Tensor]], has_grad: Tensor, hparams: list[dict[str, Any]],
-             buffers: list[Tensor], timestamp: int) -> Future:
+             buffers: list[Tensor], timestamp: int, finite: Optional[bool] = None) -> Future:
         """Send a gradient computed from the weights of ``timestamp``; hand the future to :meth:`receive`.
         The tensors must not change until it resolves (RPC reads them when it sends them). ``grads=None``: the
-        gradient is in this learner's shared-memory buffer."""
-        return rpc.rpc_async(SERVER_NAME, _server._call_async, timeout=_NO_TIME_LIMIT, args=(
-            "push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers))
+        gradient is in this learner's shared-memory buffer. ``finite``: whether the whole gradient is (None: the
+        server checks its part)."""
+        return rpc.rpc_async(self.server, _server._call_async, timeout=_NO_TIME_LIMIT, args=(
+            "push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite))
 
     def receive(self, pushed: Future) -> tuple[str, int, float, Optional[list[Tensor]], Optional[list[Tensor]]]:
         """What became of a pushed gradient (status, staleness), the rate its optimizer's newest update applied
@@ -182,9 +186,13 @@ class LearnerClient:
         status, staleness, lr_scale, params, buffers, self.timestamp = self.result(pushed)
         return status, staleness, lr_scale, params, buffers
 
-    def finish(self) -> tuple[Optional[list[Tensor]], Optional[list[Tensor]]]:
-        """Stop pushing; wait for every learner to stop and return the final weights (None: in shared memory)."""
-        params, buffers, self.timestamp = self._wait("finish", self.rank)
+    def finish(self) -> Future:
+        """Stop pushing; hand the future to :meth:`final_weights`."""
+        return rpc.rpc_async(self.server, _server._call_async, args=("finish", self.rank), timeout=_NO_TIME_LIMIT)
+
+    def final_weights(self, finished: Future) -> tuple[Optional[list[Tensor]], Optional[list[Tensor]]]:
+        """Once every learner has stopped: the final weights (None: in shared memory)."""
+        params, buffers, self.timestamp = self.result(finished)
         return params, buffers
 
     def gather(self, obj: Any) -> dict[int, Any]:
@@ -196,7 +204,7 @@ class LearnerClient:
     def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int) -> Future:
         """Ask for up to ``want`` next batches of the shared epoch of train dataloader ``pool``; its
         :meth:`result` is ``EpochPool.draw``'s."""
-        return rpc.rpc_async(SERVER_NAME, _server._call, args=("draw", pool, epoch, self.rank, plan, want),
+        return rpc.rpc_async(self.server, _server._call, args=("draw", pool, epoch, self.rank, plan, want),
                              timeout=self.timeout)
 
     def stop_drawing(self) -> None:
@@ -229,33 +237,38 @@ class LearnerClient:
         self._sync("load_optimizer_state", optimizer, state)
 
 
-def join(rank: int, num_learners: int, host: str, port: int, timeout: float,
-         min_learners: Optional[int] = None) -> tuple[LearnerClient, Optional[subprocess.Popen]]:
-    """Join the RPC world of ``num_learners`` learners and one server; learner 0 checks the port and starts
-    the server process. Returns the client and, on learner 0, the server process."""
+def join(rank: int, num_learners: int, host: str, port: int, timeout: float, min_learners: Optional[int] = None,
+         starters: Sequence[int] = (0,)) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
+    """Join the RPC world of ``num_learners`` learners and one server process per entry of ``starters`` (the
+    learner that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the
+    port). Returns a client per server and the server processes this learner started."""
     init_method = f"tcp://{host}:{port}"
-    process = None
-    if rank == 0:
-        check_port_free(host, port)
-        process = start_server(init_method, num_learners, timeout, min_learners)
+    processes = []
     try:
-        init_rpc(rank, num_learners, init_method, timeout)
+        if rank == 0:
+            check_port_free(host, port)
+        for shard, starter in enumerate(starters):
+            if starter == rank:
+                processes.append(start_server(init_method, num_learners, timeout, min_learners, shard=shard,
+                                              num_servers=len(starters)))
+        init_rpc(rank, num_learners, init_method, timeout, len(starters))
     except BaseException:
-        if process is not None:
+        for process in processes:
             process.kill()
             process.wait()
         raise
-    return LearnerClient(rank, timeout, host), process
+    hosts = [host if starter == 0 else f"the host of learner {starter}" for starter in starters]
+    return [LearnerClient(rank, timeout, where, shard) for shard, where in enumerate(hosts)], processes
 
 
-def leave(client: LearnerClient, process: Optional[subprocess.Popen], timeout: float,
+def leave(clients: Sequence[LearnerClient], processes: Sequence[subprocess.Popen], timeout: float,
           error: Optional[str] = None) -> None:
-    """Leave the RPC world; learner 0 then waits (bounded) for its server process to exit."""
-    try:
-        client.leave(error)
-    except Exception:
-        pass  # the server is gone, or went as this learner left last: nothing is left to say to it
+    """Leave the RPC world; a learner that started server processes then waits (bounded) for them to exit."""
+    for client in clients:
+        try:
+            client.leave(error)
+        except Exception:
+            pass  # the server is gone, or went as this learner left last: nothing is left to say to it
     shutdown_rpc()
-    if process is not None:
+    for process in processes:
         stop_server(process, timeout)
-

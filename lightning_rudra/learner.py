@@ -18,88 +18,38 @@ from torch.optim import Optimizer
 from lightning_rudra.client import LearnerClient
 from lightning_rudra.flat import FlatLayout
 from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
-from lightning_rudra.protocol import ProtocolConfig, Stats
+from lightning_rudra.protocol import ProtocolConfig, Stats, all_finite
+from lightning_rudra.shards import ShardPlan
 from lightning_rudra.shm import MappedWeights
 
 _CPU = torch.device("cpu")
 
 
-class Learner:
-    """Moves a module's gradients to the server and the server's weights into the module."""
+_SEVERITY = ("accepted", "queued", "dropped", "rejected")  # a push's status over shards: the worst of theirs
 
-    def __init__(self, module: torch.nn.Module, client: LearnerClient, overlap: bool = False,
-                 shared_memory: bool = True) -> None:
+
+class _Shard:
+    """What one learner exchanges with one server process: its part of the module's weights and gradients
+    (:class:`~lightning_rudra.shards.ShardPlan`), and how they travel (shared memory on that server's host, RPC
+    elsewhere)."""
+
+    def __init__(self, index: int, client: LearnerClient, params: list[Tensor], buffers: list[Tensor]) -> None:
+        self.index = index
         self.client = client
-        self.overlap = overlap
-        self.shared_memory = shared_memory
+        self.params = params  # the module's parameters, or flat views of the slices this shard owns
+        self.buffers = buffers
+        self.param_layout = FlatLayout(params)
+        self.buffer_layout = FlatLayout(buffers)
+        self.optimizers: dict[int, int] = {}  # the learner's optimizer index -> the shard's
+        self.grad_layouts: dict[int, FlatLayout] = {}  # per learner optimizer the shard holds
+        self.owned: dict[int, list[int]] = {}  # per learner optimizer: positions of its params the shard owns
         self.shm: Optional[MappedWeights] = None
-        self._attached = False
-        self._in_flight: Optional[tuple[Future, int]] = None  # the push (and its optimizer) not yet settled
-        self.params = list(module.parameters())
-        self.buffers = list(module.buffers())
-        self.param_layout = FlatLayout(self.params)
-        self.buffer_layout = FlatLayout(self.buffers)
-        self.optimizer_params: list[list[Tensor]] = []  # per wrapped optimizer, in its groups' order
-        self.grad_layouts: list[FlatLayout] = []
-        # per optimizer: the timestamp of the oldest weights its gradient holds a contribution of (None: none yet)
-        self.grad_timestamps: list[Optional[int]] = []
-        self._hooks: list[Any] = []
-        # (optimizer, status, staleness, lr_scale) of every push: see LearnerClient.receive
-        self.on_push: Optional[Callable[[int, str, int, float], None]] = None
+        self.attached = False
 
-    def wrap(self, optimizers: Sequence[Optimizer]) -> list["LearnerOptimizer"]:
-        """Wrap the learner's optimizers; their steps push from now on."""
-        self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
-        self.grad_layouts = [FlatLayout(params) for params in self.optimizer_params]
-        self.grad_timestamps = [None] * len(optimizers)
-        for index, params in enumerate(self.optimizer_params):
-            for p in params:
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._stamp(index)))
-        return [LearnerOptimizer(opt, i, self) for i, opt in enumerate(optimizers)]
-
-    def _stamp(self, index: int) -> Callable[[Tensor], None]:
-        """A gradient comes from the weights its backward ran on, which may be older than the newest received
-        (one backward, then two optimizers' steps; a pull in the middle of gradient accumulation)."""
-        def hook(param: Tensor) -> None:
-            if self.grad_timestamps[index] is None:
-                self.grad_timestamps[index] = self.client.timestamp
-        return hook
-
-    def unwrap(self) -> None:
-        """Training is over: the module's parameters no longer report their gradients to this learner."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-
-    def register(self, config: ProtocolConfig, optimizers: Sequence[Optimizer], stats: Optional[Stats],
-                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
-        """Learner 0 only: give the server the starting weights and the optimizers to rebuild (on resume, with
-        their saved states and statistics)."""
-        specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
-        copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (self.params, self.buffers)]
-        self.client.register(config, *copies, specs, stats, self.shared_memory, optimizer_states)
-
-    def snapshot(self) -> tuple[list[dict[str, Any]], Stats]:
-        """Load the server's weights, and return its optimizer states and statistics of the same clock."""
-        self.settle()
-        params, buffers, self.client.timestamp, states, stats = self.client.snapshot()
-        self.load(params, buffers)
-        return states, stats
-
-    def pull(self) -> None:
-        self.settle()
-        if not self._attached:
-            self._attach()
-        if self.shm is not None:
-            self._read_shared()
-        else:
-            self.load(*self.client.pull())
-
-    def _attach(self) -> None:
+    def attach(self, shared_memory: bool) -> None:
         """Map the server's shared memory if it has some and runs on this host; tell it either way."""
-        self._attached = True
-        if not self.shared_memory:
+        self.attached = True
+        if not shared_memory:
             self.client.attached(False)
             return
         names, error = self.client.attach()
@@ -112,9 +62,147 @@ class Learner:
                 self.shm = None  # the same host name, but not the same /dev/shm (another container)
         self.client.attached(self.shm is not None)
 
-    def _read_shared(self) -> None:
-        assert self.shm is not None
-        self.client.timestamp = self.shm.read(self.load)
+    def take(self, flat_params: Optional[list[Tensor]], flat_buffers: Optional[list[Tensor]]) -> None:
+        """Load a reply's weights (None: read them from shared memory)."""
+        if flat_params is None:
+            assert self.shm is not None
+            self.client.timestamp = self.shm.read(self.load)
+        else:
+            self.load(flat_params, flat_buffers or [])
+
+    @torch.no_grad()
+    def load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
+        for layout, flats, targets in ((self.param_layout, flat_params, self.params),
+                                       (self.buffer_layout, flat_buffers, self.buffers)):
+            if targets:
+                device = targets[0].device
+                torch._foreach_copy_(targets, layout.unpack([f.to(device, non_blocking=True) for f in flats]))
+
+
+class Learner:
+    """Moves a module's gradients to the server and the server's weights into the module. With several
+    servers (one client each, ``clients[0]`` the one that also answers collectives), each owns a contiguous part
+    of the parameters; a push goes to all at once and its reply is complete when all have answered."""
+
+    def __init__(self, module: torch.nn.Module, clients: Sequence[LearnerClient], overlap: bool = False,
+                 shared_memory: bool = True) -> None:
+        self.clients = list(clients)
+        self.client = self.clients[0]
+        self.overlap = overlap
+        self.shared_memory = shared_memory
+        # (pushes in flight: shard and future, and their optimizer) not yet settled
+        self._in_flight: Optional[tuple[list[tuple[_Shard, Future]], int]] = None
+        self.params = list(module.parameters())
+        self.buffers = list(module.buffers())
+        self.plan = ShardPlan([p.shape for p in self.params], len(self.clients))
+        self.plan.check_writable(self.params)
+        weights = [p.detach() for p in self.params]
+        self.shards = [_Shard(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
+                       for s, client in enumerate(self.clients)]
+        self.optimizer_params: list[list[Tensor]] = []  # per wrapped optimizer, in its groups' order
+        self.orders: list[list[int]] = []  # the same, as indices into the module's parameters
+        # per optimizer: the timestamps (one per server) of the oldest weights its gradient holds a
+        # contribution of (None: none yet)
+        self.grad_timestamps: list[Optional[tuple[int, ...]]] = []
+        self._hooks: list[Any] = []
+        # (optimizer, status, staleness, lr_scale) of every push: see LearnerClient.receive
+        self.on_push: Optional[Callable[[int, str, int, float], None]] = None
+
+    def wrap(self, optimizers: Sequence[Optimizer]) -> list["LearnerOptimizer"]:
+        """Wrap the learner's optimizers; their steps push from now on."""
+        self._lay_out(optimizers)
+        self.grad_timestamps = [None] * len(optimizers)
+        for index, params in enumerate(self.optimizer_params):
+            for p in params:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._stamp(index)))
+        return [LearnerOptimizer(opt, i, self) for i, opt in enumerate(optimizers)]
+
+    def _lay_out(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:
+        """Which shard holds which part of every optimizer's parameters; the optimizers' specs."""
+        specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
+        self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
+        self.orders = [[i for idx, _ in spec.groups for i in idx] for spec in specs]
+        for shard in self.shards:
+            shard.optimizers, shard.grad_layouts, shard.owned = {}, {}, {}
+            for index, order in enumerate(self.orders):
+                owned = self.plan.owned(shard.index, order)
+                if owned:
+                    shard.optimizers[index] = len(shard.optimizers)
+                    shard.owned[index] = [position for position, _ in owned]
+                    shard.grad_layouts[index] = FlatLayout(self.plan.views(
+                        shard.index, [p.detach() for p in self.optimizer_params[index]], order))
+        return specs
+
+    def _stamp(self, index: int) -> Callable[[Tensor], None]:
+        """A gradient comes from the weights its backward ran on, which may be older than the newest received
+        (one backward, then two optimizers' steps; a pull in the middle of gradient accumulation)."""
+        def hook(param: Tensor) -> None:
+            if self.grad_timestamps[index] is None:
+                self.grad_timestamps[index] = self._timestamps()
+        return hook
+
+    def _timestamps(self) -> tuple[int, ...]:
+        return tuple(client.timestamp for client in self.clients)
+
+    def unwrap(self) -> None:
+        """Training is over: the module's parameters no longer report their gradients to this learner."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def register(self, config: ProtocolConfig, optimizers: Sequence[Optimizer], stats: Optional[Stats],
+                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+        """Learner 0 only: give every server its part of the starting weights and of the optimizers to rebuild
+        (on resume, with their saved states and the statistics)."""
+        specs = self._lay_out(optimizers)
+        for spec in specs:
+            self.plan.check_optimizer(spec)
+        for shard in self.shards:
+            held = sorted(shard.optimizers)
+            shard_specs = [self.plan.spec(shard.index, specs[i]) for i in held]
+            states = [self.plan.split_state(shard.index, self.orders[i], optimizer_states[i])
+                      for i in held] if optimizer_states else None
+            copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers)]
+            shard.client.register(config, *copies, shard_specs, stats, self.shared_memory, states)
+
+    def snapshot(self) -> tuple[list[dict[str, Any]], Stats]:
+        """Load the servers' weights, and return the optimizer states (merged over the servers) and the
+        statistics of the first server; each server's part is of one clock, its own."""
+        self.settle()
+        states, stats = {}, []
+        for shard in self.shards:
+            params, buffers, shard.client.timestamp, states[shard.index], shard_stats = shard.client.snapshot()
+            shard.load(params, buffers)
+            stats.append(shard_stats)
+        merged = [self._merge(index, {shard.index: states[shard.index][shard.optimizers[index]]
+                                      for shard in self.shards if index in shard.optimizers})
+                  for index in range(len(self.orders))]
+        return merged, stats[0]
+
+    def _merge(self, index: int, states: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        return self.plan.merge_states(self.orders[index], states)
+
+    def optimizer_state(self, index: int) -> dict[str, Any]:
+        """The servers' state of optimizer ``index``, merged."""
+        return self._merge(index, {shard.index: shard.client.optimizer_state(shard.optimizers[index])
+                                   for shard in self.shards if index in shard.optimizers})
+
+    def load_optimizer_state(self, index: int, state: dict[str, Any]) -> None:
+        for shard in self.shards:
+            if index in shard.optimizers:
+                shard.client.load_optimizer_state(shard.optimizers[index],
+                                                  self.plan.split_state(shard.index, self.orders[index], state))
+
+    def pull(self) -> None:
+        self.settle()
+        for shard in self.shards:
+            if not shard.attached:
+                shard.attach(self.shared_memory)
+            if shard.shm is not None:
+                shard.take(None, None)
+            else:
+                shard.take(*shard.client.pull())
 
     def push(self, index: int, optimizer: Optimizer) -> None:
         """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
@@ -126,51 +214,56 @@ class Learner:
                  for p in params]
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
         # of the weights this gradient came from (no hook saw it: a gradient set by hand, from the current ones)
-        timestamp = self.grad_timestamps[index]
-        timestamp = self.client.timestamp if timestamp is None else timestamp
+        timestamps = self.grad_timestamps[index] or self._timestamps()
         self.grad_timestamps[index] = None
-        if self.shm is not None:
-            self.settle()  # the server may still read this buffer for the push in flight
-            self.grad_layouts[index].pack_into(grads, self.shm.grads[index])
-            packed = None
-        else:
-            packed = self.grad_layouts[index].pack(grads, _CPU)
-        future = self.client.push(index, packed, has_grad, [hyperparameters(g) for g in optimizer.param_groups],
-                                  self.buffer_layout.pack(self.buffers, _CPU), timestamp)
+        hparams = [hyperparameters(g) for g in optimizer.param_groups]
+        # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
+        finite = None if len(self.shards) == 1 else all_finite(grads)
+        holders = [shard for shard in self.shards if index in shard.optimizers]
+        if any(shard.shm is not None for shard in holders):
+            self.settle()  # a server may still read this buffer for the push in flight
+        pushed = []
+        for shard in holders:
+            owned = shard.owned[index]
+            parts = self.plan.views(shard.index, grads, self.orders[index])
+            if shard.shm is not None:
+                shard.grad_layouts[index].pack_into(parts, shard.shm.grads[shard.optimizers[index]])
+                packed = None
+            else:
+                packed = shard.grad_layouts[index].pack(parts, _CPU)
+            buffers = shard.buffer_layout.pack(shard.buffers, _CPU)
+            pushed.append((shard, shard.client.push(shard.optimizers[index], packed, has_grad[owned], hparams,
+                                                    buffers, timestamps[shard.index], finite)))
         self.settle()
-        self._in_flight = (future, index)
+        self._in_flight = (pushed, index)
         if not self.overlap:
             self.settle()
 
     def settle(self) -> None:
-        """Wait for the push in flight, if any, and load the weights it brought."""
-        if self._in_flight is not None:
-            (future, index), self._in_flight = self._in_flight, None
-            status, staleness, lr_scale, flat_params, flat_buffers = self.client.receive(future)
-            if flat_params is None:
-                self._read_shared()
-            else:
-                self.load(flat_params, flat_buffers)
-            if self.on_push is not None:
-                self.on_push(index, status, staleness, lr_scale)
+        """Wait for the pushes in flight, if any, and load the weights they brought."""
+        if self._in_flight is None:
+            return
+        (pushed, index), self._in_flight = self._in_flight, None
+        replies = [(shard, shard.client.receive(future)) for shard, future in pushed]
+        for shard, (_, _, _, flat_params, flat_buffers) in replies:
+            shard.take(flat_params, flat_buffers)
+        if self.on_push is not None and replies:
+            statuses, stalenesses, lr_scales = zip(*[reply[:3] for _, reply in replies])
+            self.on_push(index, max(statuses, key=_SEVERITY.index), max(stalenesses), min(lr_scales))
 
     def finish(self) -> None:
-        """Stop pushing and take the final weights, once every learner has stopped."""
+        """Stop pushing and take the final weights, once every learner has stopped. Every server hears it at
+        once: a learner still training waits in a hardsync round on one server only until this one is done
+        there too."""
         self.settle()
-        flat_params, flat_buffers = self.client.finish()
-        if flat_params is None:
-            self._read_shared()
-        else:
-            self.load(flat_params, flat_buffers)
+        finishing = [(shard, shard.client.finish()) for shard in self.shards]
+        for shard, future in finishing:
+            shard.take(*shard.client.final_weights(future))
 
-    @torch.no_grad()
     def load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
-        """Copy flat weights and buffers (laid out as the server keeps them) into the module."""
-        for layout, flats, targets in ((self.param_layout, flat_params, self.params),
-                                       (self.buffer_layout, flat_buffers, self.buffers)):
-            if targets:
-                device = targets[0].device
-                torch._foreach_copy_(targets, layout.unpack([f.to(device, non_blocking=True) for f in flats]))
+        """Copy flat weights and buffers (laid out as the first server keeps them) into the module: with one
+        server, all of them."""
+        self.shards[0].load(flat_params, flat_buffers)
 
 
 class LearnerOptimizer(Optimizer):
@@ -207,13 +300,13 @@ class LearnerOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The server's state (momentum, moments...) with this learner's parameter groups: their learning rate
         is the one the learner's schedule set, not the server's modulated one."""
-        return with_groups(self.learner.client.optimizer_state(self.index), self.local)
+        return with_groups(self.learner.optimizer_state(self.index), self.local)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore this learner's parameter groups and the server's state (learner 0 sends it)."""
         self.load_groups(state_dict)
         if self.learner.client.rank == 0:
-            self.learner.client.load_optimizer_state(self.index, state_dict)
+            self.learner.load_optimizer_state(self.index, state_dict)
 
     def load_groups(self, state_dict: dict[str, Any]) -> None:
         """Only the hyper-parameters of the parameter groups (where LR schedulers step from)."""

@@ -54,8 +54,10 @@ class ParameterServer:
     their buffer) and get ``None`` for the weights, which they read themselves.
     """
 
-    def __init__(self, num_learners: int, timeout: float = 60.0, min_learners: Optional[int] = None) -> None:
+    def __init__(self, num_learners: int, timeout: float = 60.0, min_learners: Optional[int] = None,
+                 announce: bool = True) -> None:
         self.num_learners = num_learners
+        self.announce = announce  # print each loss (with several servers, the first does)
         self.membership = Membership(num_learners, timeout, min_learners)
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
@@ -124,13 +126,14 @@ class ParameterServer:
         self._check_alive()
         return self.registered.then(lambda registered: registered.wait() or self._locked(self.core.pull))
 
-    def push(self, learner: int, optimizer: int, grads, has_grad, timestamp: int, hparams, buffers) -> Future:
+    def push(self, learner: int, optimizer: int, grads, has_grad, timestamp: int, hparams, buffers,
+             finite: Optional[bool] = None) -> Future:
         with self.lock:
             self._check_alive()
             core = self._core()
             if grads is None:
                 grads = self._shared_gradient(learner, optimizer)
-            result = core.push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
+            result = core.push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite)
             in_round = core.config.protocol == "hardsync" and not result.closed
             if in_round:
                 reply: Future = Future()
@@ -285,8 +288,9 @@ class ParameterServer:
         if failure is not None:
             return self._give_up(failure)
         left = sorted(self.membership.members)
-        print(f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Training goes on with "
-              f"learners {left} (min_learners={self.membership.min_learners}).", file=sys.stderr, flush=True)
+        if self.announce:
+            print(f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Training goes on with "
+                  f"learners {left} (min_learners={self.membership.min_learners}).", file=sys.stderr, flush=True)
         if self.core is None:
             return []
         outcomes, _ = self._release_rounds(self.core.remove(learner))

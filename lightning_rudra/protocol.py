@@ -166,6 +166,12 @@ class _Pending:
     hparams: Optional[list[dict[str, Any]]] = None
 
 
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """No NaN or Inf: a finite sum means every element is finite (NaN and Inf propagate); only check each element
+    if not."""
+    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def _accumulator(t: Tensor, scale: float) -> Tensor:
     """The running sum starts as the first tensor itself; half precision sums in float32."""
     if t.dtype in (torch.float16, torch.bfloat16):
@@ -227,10 +233,12 @@ class Server:
         return [f.clone() for f in self.flat_params], [f.clone() for f in self.flat_buffers], self.clock
 
     def push(self, learner: int, optimizer: int, grads: Sequence[Tensor], has_grad: Tensor, timestamp: int,
-             hparams: Sequence[dict[str, Any]], buffers: Sequence[Tensor]) -> PushResult:
+             hparams: Sequence[dict[str, Any]], buffers: Sequence[Tensor], finite: Optional[bool] = None) -> PushResult:
         """Take one gradient. ``grads`` is packed with the gradient layout of ``optimizer`` (zeros where
         ``has_grad`` is False), computed from weights with ``timestamp``; ``hparams`` are the learner's
         current parameter-group hyper-parameters (its LR schedule stays in charge); ``buffers`` its buffers.
+        ``finite``: whether the gradient has no NaN or Inf, if the learner checked (the whole gradient, when this
+        server holds only part of the model); None: checked here.
 
         Everything is checked before anything changes: a bad push raises and leaves the server as it was.
         """
@@ -240,8 +248,9 @@ class Server:
             raise RuntimeError(f"learner {learner} pushed twice for optimizer {optimizer} in one hardsync round "
                                f"(clock {self.clock}): hardsync takes one gradient from every learner per update.")
         sigma = self.clock - timestamp
-        # a finite sum means every element is finite (NaN and Inf propagate); only check each element if not
-        if not all(bool(torch.isfinite(g.sum())) or bool(torch.isfinite(g).all()) for g in grads):
+        if finite is None:
+            finite = all_finite(grads)
+        if not finite:
             if self.config.nonfinite == "raise":
                 raise FloatingPointError(f"learner {learner} pushed a gradient with NaN or Inf for optimizer "
                                          f"{optimizer}; the weights were left unchanged (nonfinite='raise').")

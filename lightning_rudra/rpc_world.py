@@ -22,6 +22,10 @@ import torch.distributed.rpc as rpc
 SERVER_NAME = "server"
 
 
+def server_name(shard: int) -> str:
+    return SERVER_NAME if shard == 0 else f"{SERVER_NAME}{shard}"
+
+
 def learner_name(rank: int) -> str:
     return f"learner{rank}"
 
@@ -98,11 +102,13 @@ def interface_towards(host: str) -> Optional[str]:
     return None
 
 
-def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeout: float) -> None:
-    """Join as learner number ``learner``, or as the server (None). The server is RPC rank 0, which hosts the
-    rendezvous' TCP store: its port then closes when the server exits after the stage, and a new Trainer in
-    learner 0's process can meet on the same port (torch keeps the store of a shut-down agent listening)."""
-    name, rank = (SERVER_NAME, 0) if learner is None else (learner_name(learner), learner + 1)
+def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeout: float, num_servers: int = 1,
+             shard: int = 0) -> None:
+    """Join as learner number ``learner``, or as server ``shard`` (None). The servers are RPC ranks 0 to
+    ``num_servers - 1``; rank 0 hosts the rendezvous' TCP store: its port then closes when that server exits after
+    the stage, and a new Trainer in learner 0's process can meet on the same port (torch keeps the store of a
+    shut-down agent listening)."""
+    name, rank = (server_name(shard), shard) if learner is None else (learner_name(learner), num_servers + learner)
     # TensorPipe and the gloo group it makes at init advertise the address this machine's hostname resolves to,
     # which in containers and network namespaces is often not one the other hosts can reach: unless told
     # otherwise, use the interface that reaches the rendezvous. Under torchrun, TORCHELASTIC_USE_AGENT_STORE
@@ -116,7 +122,7 @@ def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeou
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
     with environment(changes), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
-        rpc.init_rpc(name, rank=rank, world_size=num_learners + 1, rpc_backend_options=options)
+        rpc.init_rpc(name, rank=rank, world_size=num_learners + num_servers, rpc_backend_options=options)
 
 
 @contextmanager

@@ -73,13 +73,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--min-learners", type=int, default=None,
                         help="train on while this many learners are left (default: a lost learner ends training)")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--shard", type=int, default=0, help="which of the server processes this is")
+    parser.add_argument("--num-servers", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
-    _server = ParameterServer(args.learners, args.timeout, args.min_learners)
+    _server = ParameterServer(args.learners, args.timeout, args.min_learners, announce=args.shard == 0)
     set_rpc_counters(args.rpc_counters)
-    init_rpc(None, args.learners, args.init_method, args.timeout)
+    init_rpc(None, args.learners, args.init_method, args.timeout, args.num_servers, args.shard)
     _server.membership.all_joined()
     threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.

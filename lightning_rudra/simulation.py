@@ -70,7 +70,7 @@ class SimulatedClient:
         return self._weights(self.timestamp)
 
     def push(self, optimizer: int, grads: list[Tensor], has_grad: Tensor, hparams: list[dict[str, Any]],
-             buffers: list[Tensor], timestamp: int) -> Future:
+             buffers: list[Tensor], timestamp: int, finite: Optional[bool] = None) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
         there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
         server = self._server()
@@ -82,7 +82,7 @@ class SimulatedClient:
                 "simulated one trains each batch in one go, so more than one optimizer step per batch (several "
                 "optimizers, manual optimization) cannot be simulated under hardsync. Use softsync or async, or real "
                 "learners (devices=λ).")
-        result = server.push(self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
+        result = server.push(self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite)
         if hardsync and not result.closed:
             self._parked.setdefault(optimizer, []).append(self.learner)
             clock = self._held[self.learner]
@@ -101,15 +101,22 @@ class SimulatedClient:
         self._loaded = self.timestamp  # the Learner loads these into the module now
         return status, staleness, lr_scale, params, buffers
 
-    def finish(self) -> tuple[list[Tensor], list[Tensor]]:
-        """Every learner stops: gradients still waiting for a softsync update are applied. The newest weights."""
+    def finish(self) -> Future:
+        """Every learner stops: gradients still waiting for a softsync update are applied. For
+        :meth:`final_weights`."""
         server = self._server()
         for learner in sorted(server.active):
             server.finish(learner)
         self._parked = {}
         self._held = [server.clock] * self.num_learners
-        self.timestamp = self._loaded = server.clock
-        return self._weights(server.clock)
+        finished: Future = Future()
+        finished.set_result(server.clock)
+        return finished
+
+    def final_weights(self, finished: Future) -> tuple[list[Tensor], list[Tensor]]:
+        """The newest weights."""
+        self.timestamp = self._loaded = finished.wait()
+        return self._weights(self.timestamp)
 
     def stats(self) -> Stats:
         return self._server().stats

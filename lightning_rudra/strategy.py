@@ -36,8 +36,8 @@ from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulatio
                                              start_simulation)
 from lightning_rudra.simulation import SimulatedClient
 from lightning_rudra.spawn import SpawnLauncher
-from lightning_rudra.support import (check_arguments, check_min_learners, check_module, check_optimizers,
-                                    check_trainer, is_placeholder, warn_of_meetings_per_batch)
+from lightning_rudra.support import (check_arguments, check_min_learners, check_module, check_num_servers,
+                                    check_optimizers, check_trainer, is_placeholder, warn_of_meetings_per_batch)
 from lightning_rudra.timing import Homogeneous, TimingModel
 
 
@@ -76,6 +76,11 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         shared_memory: learners on the server's host exchange gradients and weights with it through shared
             memory (``/dev/shm``), RPC carrying only control; learners on other hosts use RPC. ``False`` sends
             everything through RPC. If shared memory cannot be allocated, a warning says so and RPC is used.
+        num_servers: S server processes, each owning one contiguous part of the parameters (a cut may fall inside
+            a parameter: then the optimizer must be elementwise, as SGD and Adam are), pushed to and pulled from at
+            once; every protocol runs on each part. They start on the nodes in turn (server s on node s mod
+            num_nodes, from that node's first learner), so traffic spreads over the nodes. None (the default):
+            one per node. :attr:`stats` are the first server's (each counts its own clock and staleness).
         simulate: λ, the number of learners to simulate in this one process (``Trainer(devices=1)``), each with
             the weights it last received and the shard of the data a real learner of its rank reads, their pushes
             ordered by ``timing``: the paper's λ = 30 on one machine, at one learner's speed. None: real learners.
@@ -103,6 +108,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         overlap: bool = False,
         shared_memory: bool = True,
+        num_servers: Optional[int] = None,
         simulate: Optional[int] = None,
         timing: Optional[TimingModel] = None,
         accelerator: Optional[Accelerator] = None,
@@ -115,7 +121,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         validate_options(protocol, n, lr_modulation, max_staleness, nonfinite)
-        check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners)
+        check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers)
         check_simulation(simulate, timing, sampling, overlap)
         self.protocol = protocol
         self.n = n
@@ -127,14 +133,16 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         self.start_method = start_method
         self.overlap = overlap
         self.shared_memory = shared_memory
+        self.num_servers = num_servers
         self.sampling = sampling or ("static" if protocol == "hardsync" or simulate else "shared")
         self.simulate = simulate
         self.timing = (timing or Homogeneous()) if simulate else timing
         self.stats: Optional[Stats] = None
         self._num_nodes = 1
         # created per stage, in the learner processes (never in __init__: spawn pickles the strategy)
-        self._client: Optional[LearnerClient] = None
-        self._server_process: Optional[Popen] = None
+        self._clients: list[LearnerClient] = []  # one per server process
+        self._client: Optional[LearnerClient] = None  # the first server's: collectives, the shared epoch
+        self._server_processes: list[Popen] = []  # those this learner started
         self._learner: Optional[Learner] = None
         self._resume_stats: Optional[Stats] = None
         self._resume_optimizer_states: Optional[list[dict[str, Any]]] = None
@@ -197,6 +205,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         # Called when the Trainer is built: λ is known, no process has started yet.
         validate_n(self.protocol, self.n, self.num_learners)
         check_min_learners(self.min_learners, self.num_learners, self.simulate)
+        check_num_servers(self.num_servers, self.simulate)
         if self.simulate:
             if self.num_nodes * self.num_processes != 1:
                 raise ValueError(
@@ -228,8 +237,13 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
             self._rendezvous += 1  # the same count on every learner: one per stage
             key = f"lightning_rudra/port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._rendezvous}"
             port = port_from_agent_store(self.global_rank, env.main_address, port, self.rpc_timeout, key)
-        self._client, self._server_process = join(self.global_rank, self.num_learners, env.main_address, port,
-                                                  self.rpc_timeout, self.min_learners)
+        self._clients, self._server_processes = join(self.global_rank, self.num_learners, env.main_address, port,
+                                                     self.rpc_timeout, self.min_learners, self._server_starters())
+        self._client = self._clients[0]
+
+    def _server_starters(self) -> list[int]:
+        """Per server process, the learner that starts it: the first learner of node s mod num_nodes."""
+        return [(shard % self.num_nodes) * self.num_processes for shard in range(self.num_servers or self.num_nodes)]
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
@@ -246,9 +260,8 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
             check_optimizers(self.optimizers, list(self.model.parameters()))
             # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
             stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
-            client = SimulatedClient(self.simulate) if self.simulate else self._client
-            assert client is not None
-            self._learner = Learner(self.model, client, self.overlap, self.shared_memory and not self.simulate)
+            clients = [SimulatedClient(self.simulate)] if self.simulate else self._clients
+            self._learner = Learner(self.model, clients, self.overlap, self.shared_memory and not self.simulate)
             self._learner.on_push = self._record_push
             if self.is_global_zero:
                 self._learner.register(self._protocol_config(), stepping, self._resume_stats,
@@ -343,8 +356,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
 
     def _report_lost(self, learner: int, why: str) -> None:
         """The launcher (in this learner's process) saw ``learner``'s process end."""
-        client = self._client
-        if client is not None:
+        for client in self._clients:
             try:
                 client.report(learner, why)
             except Exception:  # the server is gone or refused: this run's own errors say what happened
@@ -358,7 +370,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
             with quiet_peers_leaving():
                 if self._failed is None:
                     self._agree_on_next_port()
-                leave(self._client, self._server_process, min(self.rpc_timeout, 30.0), self._failed)
+                leave(self._clients, self._server_processes, min(self.rpc_timeout, 30.0), self._failed)
             if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
                 self._launcher.end_lost(sorted(self.stats.lost))
         if self._shared is not None:  # training failed: give the Trainer its own loop back
@@ -368,7 +380,8 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         if self._learner is not None:
             self._learner.unwrap()
         self._remove_end_of_training()
-        self._client = self._server_process = self._learner = self._shared = self._simulated = self._checkpoint = None
+        self._client = self._learner = self._shared = self._simulated = self._checkpoint = None
+        self._clients, self._server_processes = [], []
         self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
         super().teardown()

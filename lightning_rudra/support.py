@@ -25,7 +25,7 @@ START_METHODS = ("popen", "spawn", "forkserver")
 
 
 def check_arguments(protocol: str, sampling: Optional[str], rpc_timeout: float, start_method: str,
-                    overlap: bool, min_learners: Optional[int] = None) -> None:
+                    overlap: bool, min_learners: Optional[int] = None, num_servers: Optional[int] = None) -> None:
     """RudraStrategy's own arguments, as it is built (the protocol's are :func:`protocol.validate_options`)."""
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or "
@@ -46,6 +46,10 @@ def check_arguments(protocol: str, sampling: Optional[str], rpc_timeout: float, 
                                      or min_learners < 1):
         raise ValueError(f"min_learners={min_learners!r} is not valid: expected an integer >= 1 (train on while that "
                          "many learners are left), or None (a lost learner ends training).")
+    if num_servers is not None and (isinstance(num_servers, bool) or not isinstance(num_servers, int)
+                                    or num_servers < 1):
+        raise ValueError(f"num_servers={num_servers!r} is not valid: expected an integer >= 1 (server processes, "
+                         "each owning a part of the parameters), or None (one per node).")
 
 
 def check_min_learners(min_learners: Optional[int], num_learners: int, simulate: Optional[int]) -> None:
@@ -58,6 +62,12 @@ def check_min_learners(min_learners: Optional[int], num_learners: int, simulate:
     if min_learners > num_learners:
         raise ValueError(f"min_learners={min_learners} is more than the {num_learners} learners of this run "
                          "(devices × num_nodes): expected 1 <= min_learners <= λ.")
+
+
+def check_num_servers(num_servers: Optional[int], simulate: Optional[int]) -> None:
+    if simulate and num_servers not in (None, 1):
+        raise ValueError(f"num_servers={num_servers} has no meaning with simulate={simulate}: simulated learners "
+                         "share one in-process server. Leave num_servers unset.")
 
 
 def is_placeholder(optimizer: Optimizer) -> bool:

@@ -27,17 +27,18 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-def run_learners(num_learners: int, target, timeout: float = 20.0, **kwargs):
-    """Run ``target(rank, client_learner, **kwargs)`` in ``num_learners`` processes around one server.
-    Returns each learner's result (or the text of its exception), in rank order."""
+def run_learners(num_learners: int, target, timeout: float = 20.0, num_servers: int = 1, **kwargs):
+    """Run ``target(rank, clients, **kwargs)`` in ``num_learners`` processes around ``num_servers`` server
+    processes (``clients``: one per server). Returns each learner's result (or the text of its exception), in rank
+    order."""
     port = free_port()
     # forked from one fork server that imported torch and the package once for the session (seconds per learner)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
     environ = dict(os.environ)  # a fork server's children have the environment of when it started
-    procs = [ctx.Process(target=_learner_main, args=(rank, num_learners, port, timeout, target, kwargs, queue,
-                                                     environ))
+    procs = [ctx.Process(target=_learner_main, args=(rank, num_learners, port, timeout, num_servers, target, kwargs,
+                                                     queue, environ))
              for rank in range(num_learners)]
     for proc in procs:
         proc.start()
@@ -55,29 +56,29 @@ def run_learners(num_learners: int, target, timeout: float = 20.0, **kwargs):
     return [results.get(r, f"died with exit code {procs[r].exitcode}") for r in range(num_learners)]
 
 
-def _learner_main(rank, num_learners, port, timeout, target, kwargs, queue, environ):
+def _learner_main(rank, num_learners, port, timeout, num_servers, target, kwargs, queue, environ):
     os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(1)
-    client = process = None
+    clients, processes = [], []
     try:
-        client, process = join(rank, num_learners, "127.0.0.1", port, timeout)
-        result = target(rank, client, **kwargs)
+        clients, processes = join(rank, num_learners, "127.0.0.1", port, timeout, starters=[0] * num_servers)
+        result = target(rank, clients, **kwargs)
     except BaseException as error:  # report it to the test instead of dying silently
         result = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
     finally:
-        if client is not None:
-            leave(client, process, timeout=5.0)
+        if clients:
+            leave(clients, processes, timeout=5.0)
     buffer = io.BytesIO()  # bytes, not shared-memory tensors: this process may exit before they are read
     torch.save(result, buffer)
     queue.put((rank, buffer.getvalue()))
 
 
-def start(rank, client, config, lr=0.1, momentum=0.0, overlap=False, shared_memory=True):
+def start(rank, clients, config, lr=0.1, momentum=0.0, overlap=False, shared_memory=True):
     """A learner on the test model: learner 0 registers it, every learner pulls the starting weights."""
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
-    learner = Learner(net, client, overlap, shared_memory)
+    learner = Learner(net, clients, overlap, shared_memory)
     [wrapped] = learner.wrap([opt])
     if rank == 0:
         learner.register(config, [opt], None)
@@ -92,23 +93,24 @@ def step(net, wrapped, rows):
     wrapped.step()
 
 
-def train(rank, client, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, shared_memory=True):
+def train(rank, clients, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, shared_memory=True):
     """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
-    net, learner, wrapped = start(rank, client, config, lr, momentum, overlap, shared_memory)
+    net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory)
     lam = config.num_learners
     pushes = []
     learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
     for i in range(steps):
         step(net, wrapped, torch.arange(i * mu * lam, (i + 1) * mu * lam)[rank::lam])
     learner.finish()
-    stats = client.stats() if rank == 0 else None
+    stats = clients[0].stats() if rank == 0 else None
     return {"params": [p.detach().clone() for p in net.parameters()], "stats": stats, "pushes": pushes,
-            "shared_memory": learner.shm is not None}
+            "shared_memory": all(shard.shm is not None for shard in learner.shards)}
 
 
-def push_garbage(rank, client, config):
+def push_garbage(rank, clients, config):
     """Learner 0 registers a model, pushes a gradient of the wrong size, then reports the server's weights."""
-    start(rank, client, config)
+    start(rank, clients, config)
+    client = clients[0]
     before, _ = client.pull()
     try:
         client.receive(client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], [],
@@ -121,9 +123,9 @@ def push_garbage(rank, client, config):
             "stats": client.stats()}
 
 
-def die_after_one_step(rank, client, config):
+def die_after_one_step(rank, clients, config):
     """Learner 1 exits abruptly after its first push; learner 0 keeps training under hardsync."""
-    net, _, wrapped = start(rank, client, config)
+    net, _, wrapped = start(rank, clients, config)
     for _ in range(3):
         step(net, wrapped, torch.arange(4))
         if rank == 1:
@@ -131,9 +133,9 @@ def die_after_one_step(rank, client, config):
     return "finished"
 
 
-def slow_first_push(rank, client, config, sleep_s):
+def slow_first_push(rank, clients, config, sleep_s):
     """hardsync: learner 1 sleeps ``sleep_s`` (longer than the RPC timeout) before its first push."""
-    net, _, wrapped = start(rank, client, config)
+    net, _, wrapped = start(rank, clients, config)
     for i in range(3):
         if rank == 1 and i == 0:
             time.sleep(sleep_s)
@@ -141,10 +143,10 @@ def slow_first_push(rank, client, config, sleep_s):
     return {"params": [p.detach().clone() for p in net.parameters()]}
 
 
-def draw_shared_epochs(rank, client, config, plan, epochs, sleep_s):
+def draw_shared_epochs(rank, clients, config, plan, epochs, sleep_s):
     """Each learner iterates a DataLoader over the shared epoch; learner 1 sleeps ``sleep_s`` per batch."""
-    start(rank, client, config)
-    sampler = SharedEpochSampler(client, 0, plan)
+    start(rank, clients, config)
+    sampler = SharedEpochSampler(clients[0], 0, plan)
     loader = torch.utils.data.DataLoader(list(range(plan.num_samples)), batch_size=plan.batch_size, sampler=sampler)
     batches = []
     for epoch in range(epochs):

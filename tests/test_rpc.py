@@ -39,11 +39,12 @@ def no_shared_memory_left():
     assert not left, left
 
 
-@pytest.mark.parametrize("shared_memory", [True, False])
-def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, no_shared_memory_left):
+# 3 servers cut the 65 weights of the test model inside its first weight matrix and its second bias
+@pytest.mark.parametrize("shared_memory, num_servers", [(True, 1), (False, 1), (True, 3), (False, 2)])
+def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, num_servers, no_shared_memory_left):
     learners, mu, steps = 3, 4, 6
     results = harness.run_learners(learners, harness.train, config=ProtocolConfig(learners, "hardsync"),
-                                   steps=steps, mu=mu, shared_memory=shared_memory)
+                                   steps=steps, mu=mu, shared_memory=shared_memory, num_servers=num_servers)
     check_ok(results)
     assert [r["shared_memory"] for r in results] == [shared_memory] * learners
     reference = sgd_reference(steps, mu * learners)
@@ -56,10 +57,12 @@ def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, 
     assert all(sigma == 0 for r in results for _, sigma in r["pushes"])
 
 
-def test_async_with_one_learner_is_plain_sgd(no_shared_memory_left):
+@pytest.mark.parametrize("num_servers", [1, 3])
+def test_async_with_one_learner_is_plain_sgd(num_servers, no_shared_memory_left):
     # through shared memory; over RPC in test_shared_memory_that_cannot_be_allocated_falls_back_to_rpc
     steps, mu = 8, 5
-    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu)
+    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu,
+                                    num_servers=num_servers)
     check_ok([result])
     assert result["shared_memory"]
     for mine, expected in zip(result["params"], sgd_reference(steps, mu)):

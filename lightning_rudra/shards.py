@@ -1,0 +1,146 @@
+"""The model cut into shards for several server processes (``num_servers``): each owns one contiguous part of
+the model's parameters, flattened one after the other, and runs the protocol on it alone. Plain torch.
+
+A cut may fall inside a parameter: each side then holds a flat slice of it. That is exact for optimizers that
+update every element on its own (SGD, Adam and the others in :data:`ELEMENTWISE`); one that looks at a whole
+tensor (its norm, its shape) is refused. The optimizer states are split at the same cuts when a checkpoint is
+restored and merged back when one is written, so a checkpoint does not depend on the number of servers.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_rudra.optimizers import OptimizerSpec
+
+# torch.optim classes whose update and state are elementwise: a slice of a parameter steps as the whole would
+ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
+                         "Rprop", "ASGD"})
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``start:stop`` of model parameter ``param``, flattened; ``whole``: all of it, in its own shape."""
+
+    param: int
+    start: int
+    stop: int
+    whole: bool
+
+
+def _view(tensor: Tensor, piece: Piece) -> Tensor:
+    return tensor if piece.whole else tensor.reshape(-1)[piece.start:piece.stop]
+
+
+class ShardPlan:
+    """Cuts the model's parameters (their shapes, in the module's order) into ``num_shards`` contiguous parts of
+    (nearly) equal numbers of elements."""
+
+    def __init__(self, shapes: Sequence[torch.Size], num_shards: int) -> None:
+        numels = [shape.numel() for shape in shapes]
+        total = sum(numels)
+        if num_shards > max(1, total):
+            raise ValueError(f"num_servers={num_shards} is more than the model's {total} parameter elements: "
+                             "every server must own at least one. Use fewer servers.")
+        self.shapes = list(shapes)
+        cuts = [total * s // num_shards for s in range(num_shards + 1)]
+        self.shards: list[list[Piece]] = [[] for _ in range(num_shards)]
+        offset = 0
+        for param, numel in enumerate(numels):
+            if numel == 0:  # nothing to cut: shard 0 keeps it, so that every parameter has a home
+                self.shards[0].append(Piece(param, 0, 0, True))
+            for shard in range(num_shards):
+                start, stop = max(cuts[shard], offset), min(cuts[shard + 1], offset + numel)
+                if start < stop:
+                    self.shards[shard].append(Piece(param, start - offset, stop - offset, stop - start == numel))
+            offset += numel
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @property
+    def splits_a_parameter(self) -> bool:
+        return any(not piece.whole for pieces in self.shards for piece in pieces)
+
+    def views(self, shard: int, tensors: Sequence[Tensor], order: Optional[Sequence[int]] = None) -> list[Tensor]:
+        """The parts of ``tensors`` that ``shard`` owns: the tensor itself where it owns all of it, else a flat
+        view of its slice (a copy if the tensor is not contiguous: fine to read). ``tensors``: one per model
+        parameter, or with ``order`` (model indices) one per parameter of ``order``."""
+        if order is None:
+            return [_view(tensors[piece.param], piece) for piece in self.shards[shard]]
+        return [_view(tensors[position], piece) for position, piece in self.owned(shard, order)]
+
+    def check_writable(self, params: Sequence[Tensor]) -> None:
+        """The learner loads each shard's weights into views of its parameters: a split one must be contiguous."""
+        for pieces in self.shards:
+            for p in pieces:
+                if not p.whole and not params[p.param].is_contiguous():
+                    raise ValueError(f"num_servers={len(self)} cuts parameter {p.param} (shape "
+                                     f"{tuple(params[p.param].shape)}) between two servers, but it is not "
+                                     "contiguous (channels_last?): keep it contiguous, or use num_servers=1.")
+
+    def check_optimizer(self, spec: OptimizerSpec) -> None:
+        if self.splits_a_parameter and spec.cls.__name__ not in ELEMENTWISE:
+            raise ValueError(f"num_servers={len(self)} cuts parameters between servers, which is exact only for an "
+                             f"optimizer that updates every element on its own ({', '.join(sorted(ELEMENTWISE))}); "
+                             f"{spec.cls.__name__} is not one of them. Use num_servers=1.")
+
+    def spec(self, shard: int, spec: OptimizerSpec) -> Optional[OptimizerSpec]:
+        """``spec`` over the pieces ``shard`` owns (every group kept, empty or not: the learner sends the
+        hyper-parameters of all of them); None if it owns no parameter of that optimizer."""
+        local = {p.param: k for k, p in enumerate(self.shards[shard])}
+        groups = [([local[i] for i in idx if i in local], hp) for idx, hp in spec.groups]
+        return OptimizerSpec(spec.cls, groups) if any(idx for idx, _ in groups) else None
+
+    def owned(self, shard: int, order: Sequence[int]) -> list[tuple[int, Piece]]:
+        """(position in ``order``, piece) of the parameters in ``order`` that ``shard`` owns, in that order: the
+        order of the shard optimizer's state."""
+        pieces = {p.param: p for p in self.shards[shard]}
+        return [(position, pieces[i]) for position, i in enumerate(order) if i in pieces]
+
+    def split_state(self, shard: int, order: Sequence[int], state: dict[str, Any]) -> dict[str, Any]:
+        """The part of an optimizer's state dict (of the parameters ``order``, model indices in its groups'
+        order) that ``shard``'s optimizer loads."""
+        owned = self.owned(shard, order)
+        saved = state["state"]
+        shard_state = {}
+        for k, (position, piece) in enumerate(owned):
+            entry = saved.get(position, saved.get(str(position)))
+            if entry is not None:
+                shard_state[k] = entry if piece.whole else {
+                    key: self._slice(value, piece) for key, value in entry.items()}
+        local = {position: k for k, (position, _) in enumerate(owned)}
+        groups = [{**group, "params": [local[p] for p in group["params"] if p in local]}
+                  for group in state["param_groups"]]
+        return {"state": shard_state, "param_groups": groups}
+
+    def merge_states(self, order: Sequence[int], states: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """The whole optimizer's state (positions in ``order``) from its shards' states (shard -> state dict)."""
+        parts: dict[int, list[tuple[Piece, dict[str, Any]]]] = {}
+        for shard, state in sorted(states.items()):
+            for k, (position, piece) in enumerate(self.owned(shard, order)):
+                entry = state["state"].get(k)
+                if entry is not None:
+                    parts.setdefault(position, []).append((piece, entry))
+        merged = {}
+        for position, pieces in sorted(parts.items()):
+            piece, first = pieces[0]
+            if piece.whole:
+                merged[position] = first
+                continue
+            shape = self.shapes[piece.param]
+            merged[position] = {key: torch.cat([entry[key].reshape(-1) for _, entry in pieces]).view(shape)
+                                if self._sliced(value, piece) else value for key, value in first.items()}
+        return {"state": merged, "param_groups": []}
+
+    @staticmethod
+    def _sliced(value: Any, piece: Piece) -> bool:
+        """A state entry of a slice is elementwise (a moment, a momentum) if it has the slice's size."""
+        return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == piece.stop - piece.start
+
+    def _slice(self, value: Any, piece: Piece) -> Any:
+        if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == self.shapes[piece.param].numel():
+            return value.reshape(-1)[piece.start:piece.stop].clone()
+        return value

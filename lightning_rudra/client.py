@@ -108,13 +108,14 @@ class LearnerClient:
         process = this_process()
         while True:
             try:
-                rpc.rpc_sync(self.server, _server._call, args=("heartbeat", self.rank, self.address, process),
-                             timeout=self.timeout)
+                where = rpc.rpc_sync(self.server, _server._call, timeout=self.timeout,
+                                     args=("heartbeat", self.rank, self.address, process))
             except Exception as error:
                 if not self._stop_heartbeat.is_set():
                     self._server_lost = (f"{self.what} (on {self.server_host}) did not answer a heartbeat "
                                          f"within {self.timeout:g} s (rpc_timeout): {error}")
                 return
+            self.server_host = where or self.server_host
             if self._stop_heartbeat.wait(self._interval):
                 return
 

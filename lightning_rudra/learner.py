@@ -40,9 +40,8 @@ class _Shard:
         self.buffers = buffers
         self.param_layout = FlatLayout(params)
         self.buffer_layout = FlatLayout(buffers)
-        self.optimizers: dict[int, int] = {}  # the learner's optimizer index -> the shard's
-        self.grad_layouts: dict[int, FlatLayout] = {}  # per learner optimizer the shard holds
-        self.owned: dict[int, list[int]] = {}  # per learner optimizer: positions of its params the shard owns
+        self.grad_layouts: list[FlatLayout] = []  # per optimizer, of the part of its parameters this shard owns
+        self.owned: list[list[int]] = []  # per optimizer: positions of its parameters this shard owns
         self.shm: Optional[MappedWeights] = None
         self.attached = False
 
@@ -118,20 +117,22 @@ class Learner:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._stamp(index)))
         return [LearnerOptimizer(opt, i, self) for i, opt in enumerate(optimizers)]
 
+    def check(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:
+        """Refuses optimizers the servers cannot rebuild, or not split at the servers' cuts; their specs."""
+        specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
+        for spec in specs:
+            self.plan.check_optimizer(spec)
+        return specs
+
     def _lay_out(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:
         """Which shard holds which part of every optimizer's parameters; the optimizers' specs."""
-        specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
+        specs = self.check(optimizers)
         self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
         self.orders = [[i for idx, _ in spec.groups for i in idx] for spec in specs]
         for shard in self.shards:
-            shard.optimizers, shard.grad_layouts, shard.owned = {}, {}, {}
-            for index, order in enumerate(self.orders):
-                owned = self.plan.owned(shard.index, order)
-                if owned:
-                    shard.optimizers[index] = len(shard.optimizers)
-                    shard.owned[index] = [position for position, _ in owned]
-                    shard.grad_layouts[index] = FlatLayout(self.plan.views(
-                        shard.index, [p.detach() for p in self.optimizer_params[index]], order))
+            shard.owned = [[position for position, _ in self.plan.owned(shard.index, order)] for order in self.orders]
+            shard.grad_layouts = [FlatLayout(self.plan.views(shard.index, [p.detach() for p in params], order))
+                                  for params, order in zip(self.optimizer_params, self.orders)]
         return specs
 
     def _stamp(self, index: int) -> Callable[[Tensor], None]:
@@ -156,13 +157,10 @@ class Learner:
         """Learner 0 only: give every server its part of the starting weights and of the optimizers to rebuild
         (on resume, with their saved states and the statistics)."""
         specs = self._lay_out(optimizers)
-        for spec in specs:
-            self.plan.check_optimizer(spec)
         for shard in self.shards:
-            held = sorted(shard.optimizers)
-            shard_specs = [self.plan.spec(shard.index, specs[i]) for i in held]
-            states = [self.plan.split_state(shard.index, self.orders[i], optimizer_states[i])
-                      for i in held] if optimizer_states else None
+            shard_specs = [self.plan.spec(shard.index, spec) for spec in specs]
+            states = [self.plan.split_state(shard.index, order, state)
+                      for order, state in zip(self.orders, optimizer_states)] if optimizer_states else None
             copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers)]
             shard.client.register(config, *copies, shard_specs, stats, self.shared_memory, states)
 
@@ -175,8 +173,7 @@ class Learner:
             params, buffers, shard.client.timestamp, states[shard.index], shard_stats = shard.client.snapshot()
             shard.load(params, buffers)
             stats.append(shard_stats)
-        merged = [self._merge(index, {shard.index: states[shard.index][shard.optimizers[index]]
-                                      for shard in self.shards if index in shard.optimizers})
+        merged = [self._merge(index, {s: shard_states[index] for s, shard_states in states.items()})
                   for index in range(len(self.orders))]
         return merged, stats[0]
 
@@ -185,14 +182,11 @@ class Learner:
 
     def optimizer_state(self, index: int) -> dict[str, Any]:
         """The servers' state of optimizer ``index``, merged."""
-        return self._merge(index, {shard.index: shard.client.optimizer_state(shard.optimizers[index])
-                                   for shard in self.shards if index in shard.optimizers})
+        return self._merge(index, {shard.index: shard.client.optimizer_state(index) for shard in self.shards})
 
     def load_optimizer_state(self, index: int, state: dict[str, Any]) -> None:
         for shard in self.shards:
-            if index in shard.optimizers:
-                shard.client.load_optimizer_state(shard.optimizers[index],
-                                                  self.plan.split_state(shard.index, self.orders[index], state))
+            shard.client.load_optimizer_state(index, self.plan.split_state(shard.index, self.orders[index], state))
 
     def pull(self) -> None:
         self.settle()
@@ -219,21 +213,20 @@ class Learner:
         hparams = [hyperparameters(g) for g in optimizer.param_groups]
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
         finite = None if len(self.shards) == 1 else all_finite(grads)
-        holders = [shard for shard in self.shards if index in shard.optimizers]
-        if any(shard.shm is not None for shard in holders):
+        if any(shard.shm is not None for shard in self.shards):
             self.settle()  # a server may still read this buffer for the push in flight
         pushed = []
-        for shard in holders:
+        for shard in self.shards:
             owned = shard.owned[index]
             parts = self.plan.views(shard.index, grads, self.orders[index])
             if shard.shm is not None:
-                shard.grad_layouts[index].pack_into(parts, shard.shm.grads[shard.optimizers[index]])
+                shard.grad_layouts[index].pack_into(parts, shard.shm.grads[index])
                 packed = None
             else:
                 packed = shard.grad_layouts[index].pack(parts, _CPU)
             buffers = shard.buffer_layout.pack(shard.buffers, _CPU)
-            pushed.append((shard, shard.client.push(shard.optimizers[index], packed, has_grad[owned], hparams,
-                                                    buffers, timestamps[shard.index], finite)))
+            pushed.append((shard, shard.client.push(index, packed, has_grad[owned], hparams, buffers,
+                                                    timestamps[shard.index], finite)))
         self.settle()
         self._in_flight = (pushed, index)
         if not self.overlap:
@@ -247,7 +240,7 @@ class Learner:
         replies = [(shard, shard.client.receive(future)) for shard, future in pushed]
         for shard, (_, _, _, flat_params, flat_buffers) in replies:
             shard.take(flat_params, flat_buffers)
-        if self.on_push is not None and replies:
+        if self.on_push is not None:
             statuses, stalenesses, lr_scales = zip(*[reply[:3] for _, reply in replies])
             self.on_push(index, max(statuses, key=_SEVERITY.index), max(stalenesses), min(lr_scales))
 

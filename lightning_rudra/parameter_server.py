@@ -58,6 +58,7 @@ class ParameterServer:
                  announce: bool = True) -> None:
         self.num_learners = num_learners
         self.announce = announce  # print each loss (with several servers, the first does)
+        self.address: Optional[str] = None  # where the learners reach this process, for their messages
         self.membership = Membership(num_learners, timeout, min_learners)
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
@@ -242,9 +243,11 @@ class ParameterServer:
         if method == "push" and learner in self.finished:
             raise RuntimeError(f"push from learner {learner} refused: it has finished training")
 
-    def heartbeat(self, learner: int, address: str, process: Any = None) -> None:
-        """``process``: (machine, pid) (:func:`~lightning_rudra.membership.this_process`)."""
+    def heartbeat(self, learner: int, address: str, process: Any = None) -> Optional[str]:
+        """``process``: (machine, pid) (:func:`~lightning_rudra.membership.this_process`). Answers with this
+        server's address."""
         self.membership.heard(learner, address, process)
+        return self.address
 
     def watch(self) -> None:
         """Runs in its own thread: finds the learners lost (a process that ended, a learner silent for longer

@@ -15,7 +15,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from lightning_rudra.parameter_server import ParameterServer
-from lightning_rudra.rpc_world import init_rpc, quiet_peers_leaving, set_rpc_counters, shutdown_rpc
+from lightning_rudra.rpc_world import address_towards, init_rpc, quiet_peers_leaving, set_rpc_counters, shutdown_rpc
 
 # The RPC entry points run in the server process, on its one ParameterServer.
 _server: Optional[ParameterServer] = None
@@ -80,6 +80,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
     _server = ParameterServer(args.learners, args.timeout, args.min_learners, announce=args.shard == 0)
+    _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
     set_rpc_counters(args.rpc_counters)
     init_rpc(None, args.learners, args.init_method, args.timeout, args.num_servers, args.shard)
     _server.membership.all_joined()

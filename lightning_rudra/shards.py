@@ -87,12 +87,11 @@ class ShardPlan:
                              f"optimizer that updates every element on its own ({', '.join(sorted(ELEMENTWISE))}); "
                              f"{spec.cls.__name__} is not one of them. Use num_servers=1.")
 
-    def spec(self, shard: int, spec: OptimizerSpec) -> Optional[OptimizerSpec]:
-        """``spec`` over the pieces ``shard`` owns (every group kept, empty or not: the learner sends the
-        hyper-parameters of all of them); None if it owns no parameter of that optimizer."""
+    def spec(self, shard: int, spec: OptimizerSpec) -> OptimizerSpec:
+        """``spec`` over the pieces ``shard`` owns. Every group is kept, empty or not: every server holds every
+        optimizer and takes every push, so that all count the same updates and gradients."""
         local = {p.param: k for k, p in enumerate(self.shards[shard])}
-        groups = [([local[i] for i in idx if i in local], hp) for idx, hp in spec.groups]
-        return OptimizerSpec(spec.cls, groups) if any(idx for idx, _ in groups) else None
+        return OptimizerSpec(spec.cls, [([local[i] for i in idx if i in local], hp) for idx, hp in spec.groups])
 
     def owned(self, shard: int, order: Sequence[int]) -> list[tuple[int, Piece]]:
         """(position in ``order``, piece) of the parameters in ``order`` that ``shard`` owns, in that order: the

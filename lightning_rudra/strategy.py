@@ -263,6 +263,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
             clients = [SimulatedClient(self.simulate)] if self.simulate else self._clients
             self._learner = Learner(self.model, clients, self.overlap, self.shared_memory and not self.simulate)
             self._learner.on_push = self._record_push
+            self._learner.check(stepping)
             if self.is_global_zero:
                 self._learner.register(self._protocol_config(), stepping, self._resume_stats,
                                        self._resume_optimizer_states)

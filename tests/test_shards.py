@@ -1,0 +1,87 @@
+"""The model cut for several servers (``num_servers``), in-process: the cuts, the optimizer states split and merged
+at them, and what is refused. Over real RPC: test_rpc.py (hardsync and async exact with 2 and 3 servers),
+test_strategy.py (a checkpoint taken with one number of servers resumed with another), test_hosts.py (one server
+per host, the default)."""
+
+import pytest
+import torch
+
+from lightning_rudra import RudraStrategy
+from lightning_rudra.learner import Learner
+from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.shards import ShardPlan
+from tests.lightning_models import quiet_trainer
+
+SHAPES = [torch.Size([4, 5]), torch.Size([5]), torch.Size([0]), torch.Size([3, 2])]  # 20 + 5 + 0 + 6 = 31
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 31])
+def test_the_cuts_cover_every_element_once_in_nearly_equal_parts(num_shards):
+    plan = ShardPlan(SHAPES, num_shards)
+    sizes = [sum(p.stop - p.start for p in pieces) for pieces in plan.shards]
+    assert sum(sizes) == 31 and max(sizes) - min(sizes) <= 1
+    tensors = [torch.arange(s.numel(), dtype=torch.float32).reshape(s) + 100 * i for i, s in enumerate(SHAPES)]
+    parts = [view.reshape(-1) for shard in range(num_shards) for view in plan.views(shard, tensors)]
+    assert torch.equal(torch.cat(parts), torch.cat([t.reshape(-1) for t in tensors]))  # in order, no overlap
+    whole = [view for view in plan.views(0, tensors) if view.shape == SHAPES[0]]
+    assert num_shards > 1 or len(whole) == 1 and whole[0] is tensors[0]  # one server: the tensors themselves
+    assert plan.splits_a_parameter == (num_shards > 1)
+
+
+def test_views_of_a_parameter_write_through_to_it():
+    weight = torch.zeros(4, 5)
+    [first, _] = [ShardPlan([weight.shape], 2).views(shard, [weight])[0] for shard in range(2)]
+    first.copy_(torch.ones(10))
+    assert weight.sum() == 10 and weight[:2].eq(1).all()
+
+
+@pytest.mark.parametrize("cls, options", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                          (torch.optim.Adam, {"lr": 0.01})])
+def test_optimizer_states_split_at_the_cuts_step_as_the_whole_and_merge_back(cls, options):
+    """Each server's optimizer over its slices, stepped on the slices of one gradient, ends with exactly the
+    whole optimizer's weights and state; the state merged from the servers loads into the whole optimizer."""
+    torch.manual_seed(0)
+    params = [torch.randn(s, requires_grad=True) for s in SHAPES]
+    grads = [torch.randn(s) for s in SHAPES]
+    whole = cls([{"params": params[:2]}, {"params": params[2:], "lr": 0.5}], **options)
+    spec = OptimizerSpec.from_optimizer(whole, params)
+    order = [i for idx, _ in spec.groups for i in idx]
+    plan = ShardPlan(SHAPES, 3)
+    slices = [[v.detach().clone().requires_grad_() for v in plan.views(s, params)] for s in range(3)]
+    shards = {s: plan.spec(s, spec).build(slices[s]) for s in range(3)}
+    for step in range(2):
+        for p, g in zip(params, grads):
+            p.grad = g * (step + 1)
+        whole.step()
+        for s, optimizer in shards.items():
+            for p, g in zip(slices[s], plan.views(s, [g * (step + 1) for g in grads])):
+                p.grad = g.clone()
+            optimizer.step()
+    merged = torch.cat([p.detach().reshape(-1) for s in range(3) for p in slices[s]])
+    assert torch.equal(merged, torch.cat([p.detach().reshape(-1) for p in params]))
+    state = plan.merge_states(order, {s: optimizer.state_dict() for s, optimizer in shards.items()})
+    expected = whole.state_dict()["state"]
+    assert state["state"].keys() == expected.keys()
+    for position, entry in expected.items():
+        for key, value in entry.items():
+            assert torch.equal(state["state"][position][key], value), (position, key)
+    for s, optimizer in shards.items():  # and split again: what each server loads on resume
+        optimizer.load_state_dict(plan.split_state(s, order, whole.state_dict()))
+
+
+def test_refusals_name_the_value_and_what_to_do():
+    with pytest.raises(ValueError, match=r"num_servers=40 is more than the model's 31 parameter elements"):
+        ShardPlan(SHAPES, 40)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    lbfgs = OptimizerSpec.from_optimizer(torch.optim.LBFGS(params), params)
+    with pytest.raises(ValueError, match=r"num_servers=2 cuts parameters.*LBFGS is not one of them. Use num_servers=1"):
+        ShardPlan(SHAPES, 2).check_optimizer(lbfgs)
+    ShardPlan(SHAPES, 1).check_optimizer(lbfgs)  # one server cuts nothing: any optimizer
+    channels_last = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"cuts parameter 0 \(shape \(4, 3, 3, 3\)\).*not contiguous"):
+        Learner(channels_last, [object(), object()])
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=rf"num_servers={bad!r} is not valid: expected an integer >= 1"):
+            RudraStrategy(num_servers=bad)
+    with pytest.raises(ValueError, match=r"num_servers=2 has no meaning with simulate=4"):
+        quiet_trainer(RudraStrategy(simulate=4, num_servers=2), 1)

@@ -333,6 +333,18 @@ def render_markdown(result: dict[str, Any]) -> str:
                          f"{_f(ms.get('memcpy'), '{:.1f}')} | {_f(ms.get('clone'), '{:.1f}')} | "
                          f"{_f(e.get('both_vs_gloo'))} | {_f(e.get('both_vs_memcpy'))} | "
                          f"{_f(e.get('solo_vs_gloo'))} | {_f(e.get('solo_vs_memcpy'))} |")
+        for servers, sizes in tr.get("servers", {}).items():
+            lines += ["", f"With `num_servers={servers}` (each server process owns a contiguous part of the "
+                      "parameter), in jobs of their own, after the one above, each with its own gloo and memcpy "
+                      "references:", "",
+                      "| N | push+pull, 2 learners | push+pull, 1 learner | gloo all-reduce | memcpy | "
+                      "2 learners / gloo | 2 learners / memcpy | 1 learner / memcpy |", "|---|---|---|---|---|---|---|---|"]
+            for size, e in sizes.items():
+                ms = e["ms"]
+                lines.append(f"| {_size_label(size)} | {_f(ms.get('both'), '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
+                             f"{_f(ms.get('gloo'), '{:.1f}')} | {_f(ms.get('memcpy'), '{:.1f}')} | "
+                             f"{_f(e.get('both_vs_gloo'))} | {_f(e.get('both_vs_memcpy'))} | "
+                             f"{_f(e.get('solo_vs_memcpy'))} |")
         lines += ["", "Where one push goes, measured in-process on learner 0 (ms): *pack* the gradient into one "
                   "flat buffer; *server update* = `Server.push` (checks, async SGD step) + `Server.pull` (copy of "
                   "the weights for the reply); *load* the reply into the parameters. The rest of a 1-learner "

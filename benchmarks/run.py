@@ -62,6 +62,8 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "async": ("async", 1, [], {}),
     "async+overlap": ("async", 1, [], {"overlap": True}),
     "async+rpc": ("async", 1, [], {"shared_memory": False}),
+    "hardsync+2servers": ("hardsync", 1, [], {"num_servers": 2}),
+    "async+2servers": ("async", 1, [], {"num_servers": 2}),
     "async+quiet_log": ("async", 1, ["quiet_log"], {}),
     "async+overlap+quiet_log": ("async", 1, ["quiet_log"], {"overlap": True}),
     "hardsync+quiet_log": ("hardsync", 1, ["quiet_log"], {}),
@@ -69,13 +71,15 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
 report.STRATEGY_LABELS.update({
     "async+overlap": "Rudra async, overlap=True",
     "async+rpc": "Rudra async, shared_memory=False (all through RPC)",
+    "hardsync+2servers": "Rudra hardsync, num_servers=2",
+    "async+2servers": "Rudra async, num_servers=2",
     "async+quiet_log": "Rudra async, staleness logged every 50 steps (prototype)",
     "async+overlap+quiet_log": "Rudra async, overlap=True, staleness logged every 50 steps (prototype)",
     "hardsync+quiet_log": "Rudra hardsync, staleness logged every 50 steps (prototype)",
 })
 
 DEFAULT = {
-    "sizes": [10_000, 1 * M, 10 * M, 50 * M], "transport_rounds": 3,
+    "sizes": [10_000, 1 * M, 10 * M, 50 * M], "transport_rounds": 3, "transport_servers": [2],
     "variant_sizes": [10_000, 1 * M, 10 * M, 50 * M], "variant_rounds": 2, "variants": [v["label"] for v in VARIANTS],
     "prototype_rounds": 2, "prototypes": [p[0] for p in PROTOTYPES],
     "e2e_reps": 3, "e2e_steps": 600, "target_accuracy": 0.6, "snapshot_every": 5, "ddp_every": 3,
@@ -90,7 +94,7 @@ DEFAULT = {
                {"params": 10 * M, "learners": 4, "samples": 768, "epochs": 3, "reps": 1}],
 }
 QUICK = {
-    "sizes": [10 * M], "transport_rounds": 2,
+    "sizes": [10 * M], "transport_rounds": 2, "transport_servers": [2],
     "variant_sizes": [10_000, 10 * M], "variant_rounds": 1,
     "variants": ["uv (lightning_rudra)", "uv + basic", "shm", "torch default"],
     "prototype_rounds": 1, "prototypes": ["package as is", "pack into reused buffers"],
@@ -107,8 +111,8 @@ TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_sampl
 # models phase: μ per learner, whatever λ; samples/s and step times after 2 warm-up batches (the first
 # allocations, DDP's buckets, the server's first reply), as the runs are short
 MODEL_TRAINING = {"batch_size": 32, "warmup": 2}
-MODEL_STRATEGIES = ["ddp", "hardsync", "async", "async+rpc"]  # without a straggler
-MODEL_STRAGGLER_STRATEGIES = ["ddp", "async"]
+MODEL_STRATEGIES = ["ddp", "hardsync", "async", "async+rpc", "hardsync+2servers", "async+2servers"]  # no straggler
+MODEL_STRAGGLER_STRATEGIES = ["ddp", "async", "async+2servers"]
 MODEL_SLOWDOWN = 3
 EPOCH_BATCH = 64  # μ·λ in the epochs phase, the same for every λ (the paper's rule): μ = 32 at λ = 2, 16 at 4
 TRAINING_PRELOAD = ("pytorch_lightning", "lightning_rudra", "examples.mnist1d", "benchmarks.synthetic",
@@ -191,6 +195,21 @@ class Suite:
         self.raw["transport"] = raw
         self.summary.setdefault("transport", {})["rudra"] = report.summarize_transport(
             {k: {m: v for m, v in r.items() if m != "both_rank1"} for k, r in raw.items()})
+        for servers in self.cfg.get("transport_servers", []):  # each job with its own gloo and memcpy references
+            sharded: dict[str, Any] = {}
+            for size in self.cfg["sizes"]:
+                result = self.job("main", "benchmarks.transport:rudra_transport", 120 + 60 * size / (10 * M),
+                                  numel=size, port=self.ports(), gloo_port=self.ports(), num_servers=servers,
+                                  rounds=_rounds(size, self.cfg["transport_rounds"]), iters=_iters(size),
+                                  measures=("both", "solo", "gloo", "memcpy"))
+                if result is not None:
+                    sharded[str(size)] = {m: v for m, v in result[0].items() if m != "clone"}
+                    e = report.summarize_transport({str(size): sharded[str(size)]})[str(size)]
+                    self.log(f"transport {report._size_label(size)}, {servers} servers: push+pull 2 learners "
+                             f"{e['ms']['both']:.1f} ms ({e['both_vs_gloo']:.2f}x gloo, {e['both_vs_memcpy']:.2f}x "
+                             f"memcpy), 1 learner {e['ms']['solo']:.1f} ms")
+            self.raw[f"transport_{servers}_servers"] = sharded
+            self.summary["transport"].setdefault("servers", {})[str(servers)] = report.summarize_transport(sharded)
 
     def variants(self) -> None:
         variants = [v for v in VARIANTS if v["label"] in self.cfg["variants"]]

@@ -44,10 +44,12 @@ class _Flat(torch.nn.Module):
 def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds: int, iters: int,
                     measures: tuple[str, ...] = ("both", "solo", "echo", "gloo", "memcpy", "breakdown"),
                     server_patches: tuple[str, ...] = (), server_env: Optional[dict[str, str]] = None,
-                    learner_patches: tuple[str, ...] = (), timeout: float = 120.0) -> dict[str, Any]:
+                    learner_patches: tuple[str, ...] = (), timeout: float = 120.0,
+                    num_servers: int = 1) -> dict[str, Any]:
     """``server_patches``: names in :data:`benchmarks.proto.PATCHES` that the server process runs with;
     ``server_env``: variables added to the server process's environment only; ``learner_patches``: names in
-    :data:`benchmarks.proto.LEARNER_PATCHES` applied to both learners."""
+    :data:`benchmarks.proto.LEARNER_PATCHES` applied to both learners; ``num_servers``: server processes, each
+    owning a contiguous part of the parameter (the breakdown measures one server's pieces)."""
     from lightning_rudra.client import join, leave
     from lightning_rudra.learner import Learner
     from lightning_rudra.protocol import ProtocolConfig
@@ -61,7 +63,7 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
         out.update({"pack": [], "pack_reuse": [], "server_update": [], "load": []})
     with environment(dict(server_env or {})):  # the server process inherits learner 0's environment
         with prototype_server(server_patches if rank == 0 else ()):
-            clients, processes = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout)
+            clients, processes = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout, starters=[0] * num_servers)
     try:
         model = _Flat(numel)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)  # plain SGD: the cheapest server-side update

@@ -104,11 +104,15 @@ def interface_towards(host: str) -> Optional[str]:
 
 def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeout: float, num_servers: int = 1,
              shard: int = 0) -> None:
-    """Join as learner number ``learner``, or as server ``shard`` (None). The servers are RPC ranks 0 to
-    ``num_servers - 1``; rank 0 hosts the rendezvous' TCP store: its port then closes when that server exits after
-    the stage, and a new Trainer in learner 0's process can meet on the same port (torch keeps the store of a
-    shut-down agent listening)."""
-    name, rank = (server_name(shard), shard) if learner is None else (learner_name(learner), num_servers + learner)
+    """Join as learner number ``learner``, or as server ``shard`` (None). The first server is RPC rank 0, which
+    hosts the rendezvous' TCP store: its port then closes when that server exits after the stage, and a new Trainer
+    in learner 0's process can meet on the same port (torch keeps the store of a shut-down agent listening). A
+    learner is rank ``learner + 1`` whatever the number of servers (those after the first come after the learners):
+    torch fixes a process's rank for good at its first init."""
+    if learner is not None:
+        name, rank = learner_name(learner), learner + 1
+    else:
+        name, rank = server_name(shard), 0 if shard == 0 else num_learners + shard
     # TensorPipe and the gloo group it makes at init advertise the address this machine's hostname resolves to,
     # which in containers and network namespaces is often not one the other hosts can reach: unless told
     # otherwise, use the interface that reaches the rendezvous. Under torchrun, TORCHELASTIC_USE_AGENT_STORE

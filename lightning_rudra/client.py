@@ -57,16 +57,17 @@ main()"""
 
 
 def start_server(init_method: str, num_learners: int, timeout: float, min_learners: Optional[int] = None,
-                 code: Optional[str] = None, shard: int = 0, num_servers: int = 1) -> subprocess.Popen:
-    """Start the process of server ``shard`` of ``num_servers`` (``code``: the Python it runs, if not the server's
-    own entry). It exits when every learner has left, or at once if this process dies."""
+                 code: Optional[str] = None, shard: int = 0, starters: Sequence[int] = (0,)) -> subprocess.Popen:
+    """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
+    Python it runs, if not the server's own entry). It exits when every learner has left, or at once if this
+    process dies."""
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
     command = [sys.executable, "-c", code or _SERVER_ENTRY.format(package=os.path.dirname(__file__)),
                "--init-method", init_method, "--rpc-counters", json.dumps(rpc_counters()), "--learners", str(num_learners),
                "--timeout", str(timeout), "--parent-pid", str(os.getpid()), "--shard", str(shard),
-               "--num-servers", str(num_servers)]
+               "--server-learners", json.dumps(list(starters))]
     if min_learners is not None:
         command += ["--min-learners", str(min_learners)]
     return subprocess.Popen(command, env=env)
@@ -252,7 +253,7 @@ def join(rank: int, num_learners: int, host: str, port: int, timeout: float, min
         for shard, starter in enumerate(starters):
             if starter == rank:
                 processes.append(start_server(init_method, num_learners, timeout, min_learners, shard=shard,
-                                              num_servers=len(starters)))
+                                              starters=starters))
         init_rpc(rank, num_learners, init_method, timeout, len(starters))
     except BaseException:
         for process in processes:

@@ -19,7 +19,7 @@ from lightning_rudra.client import LearnerClient
 from lightning_rudra.flat import FlatLayout
 from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.protocol import ProtocolConfig, Stats, all_finite
-from lightning_rudra.shards import ShardPlan
+from lightning_rudra.shards import ShardPlan, cuts_parameters
 from lightning_rudra.shm import MappedWeights
 
 _CPU = torch.device("cpu")
@@ -93,11 +93,7 @@ class Learner:
         self._in_flight: Optional[tuple[list[tuple[_Shard, Future]], int]] = None
         self.params = list(module.parameters())
         self.buffers = list(module.buffers())
-        self.plan = ShardPlan([p.shape for p in self.params], len(self.clients))
-        self.plan.check_writable(self.params)
-        weights = [p.detach() for p in self.params]
-        self.shards = [_Shard(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
-                       for s, client in enumerate(self.clients)]
+        self._cut(whole=False)
         self.optimizer_params: list[list[Tensor]] = []  # per wrapped optimizer, in its groups' order
         self.orders: list[list[int]] = []  # the same, as indices into the module's parameters
         # per optimizer: the timestamps (one per server) of the oldest weights its gradient holds a
@@ -117,11 +113,24 @@ class Learner:
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._stamp(index)))
         return [LearnerOptimizer(opt, i, self) for i, opt in enumerate(optimizers)]
 
+    def _cut(self, whole: bool) -> None:
+        """Which part of the parameters each server owns (:class:`ShardPlan`). The learner loads a slice through a
+        flat view of its parameter: one that is not contiguous (channels_last) is not cut."""
+        whole = whole or not all(p.is_contiguous() for p in self.params)
+        self.plan = ShardPlan([p.shape for p in self.params], len(self.clients), whole)
+        weights = [p.detach() for p in self.params]
+        self.shards = [_Shard(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
+                       for s, client in enumerate(self.clients)]
+
     def check(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:
-        """Refuses optimizers the servers cannot rebuild, or not split at the servers' cuts; their specs."""
+        """The optimizers' specs. Before the first pull: if one is not elementwise, the servers' cuts move to the
+        parameter boundaries (every learner decides alike, from the same optimizers)."""
         specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
-        for spec in specs:
-            self.plan.check_optimizer(spec)
+        if self.plan.splits_a_parameter and not cuts_parameters(specs):
+            if any(shard.attached for shard in self.shards):
+                raise RuntimeError("the learner pulled weights before its optimizers were known: the servers' cuts "
+                                   "can no longer move to parameter boundaries for a non-elementwise optimizer")
+            self._cut(whole=True)
         return specs
 
     def _lay_out(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:

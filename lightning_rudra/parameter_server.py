@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from torch.futures import Future
 
@@ -55,11 +55,13 @@ class ParameterServer:
     """
 
     def __init__(self, num_learners: int, timeout: float = 60.0, min_learners: Optional[int] = None,
-                 announce: bool = True) -> None:
+                 announce: bool = True, server_hosts: Sequence[int] = (0,)) -> None:
+        """``server_hosts``: the learners whose processes started a server (they cannot be lost); ``announce``:
+        print each loss (with several servers, the first does)."""
         self.num_learners = num_learners
-        self.announce = announce  # print each loss (with several servers, the first does)
+        self.announce = announce
         self.address: Optional[str] = None  # where the learners reach this process, for their messages
-        self.membership = Membership(num_learners, timeout, min_learners)
+        self.membership = Membership(num_learners, timeout, min_learners, server_hosts)
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()

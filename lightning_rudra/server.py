@@ -74,15 +74,17 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="train on while this many learners are left (default: a lost learner ends training)")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--shard", type=int, default=0, help="which of the server processes this is")
-    parser.add_argument("--num-servers", type=int, default=1)
+    parser.add_argument("--server-learners", type=json.loads, default=[0],
+                        help="per server, the learner whose process started it (those cannot be lost)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
-    _server = ParameterServer(args.learners, args.timeout, args.min_learners, announce=args.shard == 0)
+    _server = ParameterServer(args.learners, args.timeout, args.min_learners, announce=args.shard == 0,
+                              server_hosts=args.server_learners)
     _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
     set_rpc_counters(args.rpc_counters)
-    init_rpc(None, args.learners, args.init_method, args.timeout, args.num_servers, args.shard)
+    init_rpc(None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard)
     _server.membership.all_joined()
     threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.

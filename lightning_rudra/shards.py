@@ -2,9 +2,10 @@
 the model's parameters, flattened one after the other, and runs the protocol on it alone. Plain torch.
 
 A cut may fall inside a parameter: each side then holds a flat slice of it. That is exact for optimizers that
-update every element on its own (SGD, Adam and the others in :data:`ELEMENTWISE`); one that looks at a whole
-tensor (its norm, its shape) is refused. The optimizer states are split at the same cuts when a checkpoint is
-restored and merged back when one is written, so a checkpoint does not depend on the number of servers.
+update every element on its own (SGD, Adam and the others in :data:`ELEMENTWISE`); for any other (one that looks
+at a whole tensor: its norm, its shape) the cuts fall between parameters, each whole on one server. The optimizer
+states are split at the same cuts when a checkpoint is restored and merged back when one is written, so a
+checkpoint does not depend on the number of servers.
 """
 
 from dataclasses import dataclass
@@ -16,8 +17,9 @@ from torch import Tensor
 from lightning_rudra.optimizers import OptimizerSpec
 
 # torch.optim classes whose update and state are elementwise: a slice of a parameter steps as the whole would
-ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
-                         "Rprop", "ASGD"})
+# (exactly these classes: a subclass may step otherwise)
+ELEMENTWISE = frozenset(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD"))
 
 
 @dataclass(frozen=True)
@@ -34,18 +36,28 @@ def _view(tensor: Tensor, piece: Piece) -> Tensor:
     return tensor if piece.whole else tensor.reshape(-1)[piece.start:piece.stop]
 
 
+def cuts_parameters(specs: Sequence[OptimizerSpec]) -> bool:
+    """Whether the cuts may fall inside a parameter: only if every optimizer is elementwise."""
+    return all(spec.cls in ELEMENTWISE for spec in specs)
+
+
 class ShardPlan:
     """Cuts the model's parameters (their shapes, in the module's order) into ``num_shards`` contiguous parts of
-    (nearly) equal numbers of elements."""
+    (nearly) equal numbers of elements, or, with ``whole``, at the parameter boundaries nearest to those cuts (a
+    part may then be empty)."""
 
-    def __init__(self, shapes: Sequence[torch.Size], num_shards: int) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], num_shards: int, whole: bool = False) -> None:
         numels = [shape.numel() for shape in shapes]
         total = sum(numels)
-        if num_shards > max(1, total):
+        if num_shards > max(1, total) and not whole:
             raise ValueError(f"num_servers={num_shards} is more than the model's {total} parameter elements: "
                              "every server must own at least one. Use fewer servers.")
         self.shapes = list(shapes)
+        self.whole = whole
         cuts = [total * s // num_shards for s in range(num_shards + 1)]
+        if whole:
+            bounds = [sum(numels[:i]) for i in range(len(numels) + 1)]
+            cuts = [min(bounds, key=lambda bound: (abs(bound - cut), bound)) for cut in cuts]
         self.shards: list[list[Piece]] = [[] for _ in range(num_shards)]
         offset = 0
         for param, numel in enumerate(numels):
@@ -71,21 +83,6 @@ class ShardPlan:
         if order is None:
             return [_view(tensors[piece.param], piece) for piece in self.shards[shard]]
         return [_view(tensors[position], piece) for position, piece in self.owned(shard, order)]
-
-    def check_writable(self, params: Sequence[Tensor]) -> None:
-        """The learner loads each shard's weights into views of its parameters: a split one must be contiguous."""
-        for pieces in self.shards:
-            for p in pieces:
-                if not p.whole and not params[p.param].is_contiguous():
-                    raise ValueError(f"num_servers={len(self)} cuts parameter {p.param} (shape "
-                                     f"{tuple(params[p.param].shape)}) between two servers, but it is not "
-                                     "contiguous (channels_last?): keep it contiguous, or use num_servers=1.")
-
-    def check_optimizer(self, spec: OptimizerSpec) -> None:
-        if self.splits_a_parameter and spec.cls.__name__ not in ELEMENTWISE:
-            raise ValueError(f"num_servers={len(self)} cuts parameters between servers, which is exact only for an "
-                             f"optimizer that updates every element on its own ({', '.join(sorted(ELEMENTWISE))}); "
-                             f"{spec.cls.__name__} is not one of them. Use num_servers=1.")
 
     def spec(self, shard: int, spec: OptimizerSpec) -> OptimizerSpec:
         """``spec`` over the pieces ``shard`` owns. Every group is kept, empty or not: every server holds every

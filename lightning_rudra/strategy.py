@@ -9,8 +9,6 @@ Collectives (barrier, broadcast, reduce, all_gather) go through the server inste
 process trains λ virtual learners under the same protocol code (:mod:`lightning_rudra.simulated_epoch`).
 """
 
-import os
-from subprocess import Popen
 from typing import Any, Literal, Optional
 
 import pytorch_lightning as pl
@@ -23,25 +21,24 @@ from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 
-from lightning_rudra.client import LearnerClient, join, leave
 from lightning_rudra.checkpoints import ServerCheckpoints
 from lightning_rudra.collectives import ServerCollectives
 from lightning_rudra.launchers import PopenLauncher
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
 from lightning_rudra.push_metrics import PushMetrics
-from lightning_rudra.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
 from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
 from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
                                              start_simulation)
 from lightning_rudra.simulation import SimulatedClient
 from lightning_rudra.spawn import SpawnLauncher
+from lightning_rudra.stage_servers import StageServers
 from lightning_rudra.support import (check_arguments, check_min_learners, check_module, check_num_servers,
                                     check_optimizers, check_trainer, is_placeholder, warn_of_meetings_per_batch)
 from lightning_rudra.timing import Homogeneous, TimingModel
 
 
-class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelStrategy):
+class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetrics, ParallelStrategy):
     """Parameter-server training with the protocols of Rudra (Gupta, Zhang, Wang, ICDM 2016).
 
     Args:
@@ -65,8 +62,9 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         min_learners: None (the default): a lost learner (its process ended or raised, or it was silent for
             ``rpc_timeout``) ends the run, as under DDP. ``k``: training goes on without it while at least k
             learners are left, under every protocol (softsync's c is recomputed from the learners left, hardsync
-            rounds and collectives wait only for them); :attr:`stats` ``.lost`` says who was lost and why. Learner
-            0 runs the server: its loss always ends the run.
+            rounds and collectives wait only for them); :attr:`stats` ``.lost`` says who was lost and why. A learner
+            that runs a server (learner 0; with several servers, each node's first learner) cannot be lost: its
+            loss always ends the run.
         start_method: ``"popen"`` re-runs the script for every learner (like DDP; works with LightningCLI,
             torchrun and SLURM); ``"spawn"`` starts them with multiprocessing (works inside notebooks' scripts
             and tests); ``"forkserver"`` forks them from a process that imported Lightning once, so a learner
@@ -140,9 +138,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         self.stats: Optional[Stats] = None
         self._num_nodes = 1
         # created per stage, in the learner processes (never in __init__: spawn pickles the strategy)
-        self._clients: list[LearnerClient] = []  # one per server process
-        self._client: Optional[LearnerClient] = None  # the first server's: collectives, the shared epoch
-        self._server_processes: list[Popen] = []  # those this learner started
+        self._reset_stage_servers()
         self._learner: Optional[Learner] = None
         self._resume_stats: Optional[Stats] = None
         self._resume_optimizer_states: Optional[list[dict[str, Any]]] = None
@@ -230,20 +226,7 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         self._failed = None
         if self.simulate:
             return
-        assert self.cluster_environment is not None
-        env = self.cluster_environment
-        port = self._next_port or env.main_port
-        if self._next_port is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            self._rendezvous += 1  # the same count on every learner: one per stage
-            key = f"lightning_rudra/port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._rendezvous}"
-            port = port_from_agent_store(self.global_rank, env.main_address, port, self.rpc_timeout, key)
-        self._clients, self._server_processes = join(self.global_rank, self.num_learners, env.main_address, port,
-                                                     self.rpc_timeout, self.min_learners, self._server_starters())
-        self._client = self._clients[0]
-
-    def _server_starters(self) -> list[int]:
-        """Per server process, the learner that starts it: the first learner of node s mod num_nodes."""
-        return [(shard % self.num_nodes) * self.num_processes for shard in range(self.num_servers or self.num_nodes)]
+        self._join_servers()
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
@@ -355,25 +338,12 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
             (trainer, callback), self._end_of_training = self._end_of_training, None
             trainer.callbacks = [cb for cb in trainer.callbacks if cb is not callback]
 
-    def _report_lost(self, learner: int, why: str) -> None:
-        """The launcher (in this learner's process) saw ``learner``'s process end."""
-        for client in self._clients:
-            try:
-                client.report(learner, why)
-            except Exception:  # the server is gone or refused: this run's own errors say what happened
-                pass
-
     def on_exception(self, exception: BaseException) -> None:
         self._failed = f"{type(exception).__name__}: {exception}"[:500]
 
     def teardown(self) -> None:
         if self._client is not None:
-            with quiet_peers_leaving():
-                if self._failed is None:
-                    self._agree_on_next_port()
-                leave(self._clients, self._server_processes, min(self.rpc_timeout, 30.0), self._failed)
-            if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
-                self._launcher.end_lost(sorted(self.stats.lost))
+            self._leave_servers()
         if self._shared is not None:  # training failed: give the Trainer its own loop back
             self._shared.uninstall()
         if self._simulated is not None:
@@ -381,19 +351,10 @@ class RudraStrategy(ServerCollectives, ServerCheckpoints, PushMetrics, ParallelS
         if self._learner is not None:
             self._learner.unwrap()
         self._remove_end_of_training()
-        self._client = self._learner = self._shared = self._simulated = self._checkpoint = None
-        self._clients, self._server_processes = [], []
+        self._learner = self._shared = self._simulated = self._checkpoint = None
         self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
         super().teardown()
-
-    def _agree_on_next_port(self) -> None:
-        """A later stage in the same processes (popen: ``fit`` then ``test``) must not meet on this stage's port:
-        a fast learner could reach the old rendezvous while learner 0 is still closing it."""
-        try:
-            self._next_port = self._gather(free_port() if self.is_global_zero else None)[0]
-        except Exception:  # a peer is gone: this run is over anyway
-            self._next_port = None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -74,10 +74,15 @@ def _learner_main(rank, num_learners, port, timeout, num_servers, target, kwargs
     queue.put((rank, buffer.getvalue()))
 
 
-def start(rank, clients, config, lr=0.1, momentum=0.0, overlap=False, shared_memory=True):
+class SubclassedSGD(torch.optim.SGD):
+    """SGD under another class: not known to be elementwise, so several servers are cut between parameters."""
+
+
+def start(rank, clients, config, lr=0.1, momentum=0.0, overlap=False, shared_memory=True,
+          optimizer=torch.optim.SGD):
     """A learner on the test model: learner 0 registers it, every learner pulls the starting weights."""
     net = model()
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    opt = optimizer(net.parameters(), lr=lr, momentum=momentum)
     learner = Learner(net, clients, overlap, shared_memory)
     [wrapped] = learner.wrap([opt])
     if rank == 0:
@@ -93,9 +98,10 @@ def step(net, wrapped, rows):
     wrapped.step()
 
 
-def train(rank, clients, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, shared_memory=True):
+def train(rank, clients, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, shared_memory=True,
+          optimizer=torch.optim.SGD):
     """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
-    net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory)
+    net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer)
     lam = config.num_learners
     pushes = []
     learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
@@ -104,6 +110,7 @@ def train(rank, clients, config, steps, mu, lr=0.1, momentum=0.9, overlap=False,
     learner.finish()
     stats = clients[0].stats() if rank == 0 else None
     return {"params": [p.detach().clone() for p in net.parameters()], "stats": stats, "pushes": pushes,
+            "owned": [len(shard.params) for shard in learner.shards],
             "shared_memory": all(shard.shm is not None for shard in learner.shards)}
 
 

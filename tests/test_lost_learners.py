@@ -103,7 +103,7 @@ def test_a_lost_learner_that_comes_back_is_refused(monkeypatch):
     (3, 3, 2, r"learner 2 \(on a host it never named\) stopped with an error \(ValueError: broke\): 2 learners left, "
               r"fewer than min_learners=3, so training cannot go on"),
     (2, 1, 0, r"learner 0 \(on 10.0.0.1\) stopped with an error \(ValueError: broke\), and training cannot go on "
-              r"without learner 0: its process runs the parameter server"),
+              r"without learner 0: its process runs a parameter server"),
 ])
 def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(monkeypatch, learners, min_learners, lost,
                                                                         message):
@@ -116,6 +116,14 @@ def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(monkeypa
         waiting.wait()
     with pytest.raises(RuntimeError, match=message):  # and every later call
         server._call_async("gather", 1, 1 if lost == 0 else 0, None)
+
+
+def test_with_several_servers_no_learner_that_started_one_can_be_lost():
+    membership = Membership(4, timeout=60.0, min_learners=1, server_hosts=[0, 2])  # one server per node, 2 nodes
+    assert membership.lose(1, "left before training ended") is None
+    assert membership.lose(2, "left before training ended") == (
+        "learner 2 (on a host it never named) left before training ended, and training cannot go on without learner "
+        "2: its process runs a parameter server")
 
 
 def test_the_watch_finds_a_learner_whose_process_ended_on_this_machine():

@@ -57,6 +57,21 @@ def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, 
     assert all(sigma == 0 for r in results for _, sigma in r["pushes"])
 
 
+def test_hardsync_over_servers_cut_between_parameters_one_of_them_empty(no_shared_memory_left):
+    """An optimizer not known to be elementwise: the 3 servers' cuts move to the parameter boundaries nearest to
+    them (0 and 48 of 65), so the first server owns nothing and still takes every push; still exactly SGD."""
+    learners, mu, steps = 2, 4, 5
+    results = harness.run_learners(learners, harness.train, config=ProtocolConfig(learners, "hardsync"),
+                                   steps=steps, mu=mu, num_servers=3, optimizer=harness.SubclassedSGD)
+    check_ok(results)
+    assert [r["owned"] for r in results] == [[0, 1, 3]] * learners
+    for result in results:
+        for mine, expected in zip(result["params"], sgd_reference(steps, mu * learners)):
+            torch.testing.assert_close(mine, expected, rtol=0, atol=1e-5)
+    stats = results[0]["stats"]  # the empty server's: it counted every update and gradient
+    assert stats.clock == steps and stats.gradients == steps * learners
+
+
 @pytest.mark.parametrize("num_servers", [1, 3])
 def test_async_with_one_learner_is_plain_sgd(num_servers, no_shared_memory_left):
     # through shared memory; over RPC in test_shared_memory_that_cannot_be_allocated_falls_back_to_rpc

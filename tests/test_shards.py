@@ -69,17 +69,27 @@ def test_optimizer_states_split_at_the_cuts_step_as_the_whole_and_merge_back(cls
         optimizer.load_state_dict(plan.split_state(s, order, whole.state_dict()))
 
 
+def test_a_non_elementwise_optimizer_or_a_non_contiguous_parameter_is_not_cut():
+    """The cuts then fall between parameters, at the boundaries nearest to the even ones: a part may be empty."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 6))  # 20, 5, 30, 6 elements
+    learner = Learner(model, [object(), object(), object()])
+    assert learner.plan.splits_a_parameter
+    learner.check([torch.optim.Adam(model.parameters())])
+    assert learner.plan.splits_a_parameter  # elementwise: cut anywhere
+    learner.check([torch.optim.Adafactor(model.parameters())])  # factors each matrix: whole parameters
+    assert [[(p.param, p.whole) for p in pieces] for pieces in learner.plan.shards] == [
+        [(0, True)], [(1, True)], [(2, True), (3, True)]]  # cuts at 20 and 25, the nearest to 20.3 and 40.7
+    assert [len(shard.params) for shard in learner.shards] == [1, 1, 2]
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    plan = Learner(conv, [object(), object()]).plan
+    assert not plan.splits_a_parameter and [len(pieces) for pieces in plan.shards] == [1, 1]
+    # one parameter of 10 elements, 3 servers: the boundaries nearest to the cuts 3 and 6 are 0 and 10
+    assert [len(pieces) for pieces in ShardPlan([torch.Size([10])], 3, whole=True).shards] == [0, 1, 0]
+
+
 def test_refusals_name_the_value_and_what_to_do():
     with pytest.raises(ValueError, match=r"num_servers=40 is more than the model's 31 parameter elements"):
         ShardPlan(SHAPES, 40)
-    params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
-    lbfgs = OptimizerSpec.from_optimizer(torch.optim.LBFGS(params), params)
-    with pytest.raises(ValueError, match=r"num_servers=2 cuts parameters.*LBFGS is not one of them. Use num_servers=1"):
-        ShardPlan(SHAPES, 2).check_optimizer(lbfgs)
-    ShardPlan(SHAPES, 1).check_optimizer(lbfgs)  # one server cuts nothing: any optimizer
-    channels_last = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-    with pytest.raises(ValueError, match=r"cuts parameter 0 \(shape \(4, 3, 3, 3\)\).*not contiguous"):
-        Learner(channels_last, [object(), object()])
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match=rf"num_servers={bad!r} is not valid: expected an integer >= 1"):
             RudraStrategy(num_servers=bad)

@@ -5,6 +5,7 @@
 | kill -9 of the server                  | -            | async    | every learner ends with an error naming it   |
 |   then fit(ckpt_path=last.ckpt)        | -            | async    | resumes from the last periodic checkpoint    |
 | SIGSTOP of the server past rpc_timeout  | -            | async    | every learner ends with an error naming it   |
+| kill -9 of server 1 of num_servers=2   | -            | async    | every learner ends with an error naming it   |
 | kill -9 of learner 1                   | -            | async    | the run ends (the launcher names learner 1)  |
 | kill -9 of learner 0 (runs the server) | 1            | async    | the run ends; the orphaned server exits      |
 | SIGSTOP of learner 1 past rpc_timeout  | -            | async    | the run ends with an error naming learner 1  |
@@ -61,8 +62,9 @@ class Marked(Regression):
         return super().training_step(batch, batch_idx)
 
 
-def server_pids(port: int) -> list[int]:
-    """The server process of the run on ``port``, if it is still there (read from /proc: ps may cut lines)."""
+def server_pids(port: int, shard: Optional[int] = None) -> list[int]:
+    """The server processes of the run on ``port`` (``shard``: that one only) still there (read from /proc: ps may
+    cut lines)."""
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -70,15 +72,16 @@ def server_pids(port: int) -> list[int]:
                 command = file.read().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, ValueError):
             continue
-        if entry.isdigit() and "lightning_rudra.server" in command and f"tcp://127.0.0.1:{port} " in command:
+        if (entry.isdigit() and "lightning_rudra.server" in command and f"tcp://127.0.0.1:{port} " in command
+                and (shard is None or f"--shard {shard} " in command)):
             found.append(int(entry))
     return found
 
 
 def pid_of(tmp_path, who: str, port: int) -> int:
     for _ in range(600):  # bounded: 120 s
-        if who == "server" and server_pids(port):
-            return server_pids(port)[0]
+        if who.startswith("server") and server_pids(port, int(who[6:] or 0)):
+            return server_pids(port, int(who[6:] or 0))[0]
         marker = tmp_path / who
         if who != "server" and marker.exists() and marker.read_text():
             return int(marker.read_text())
@@ -87,9 +90,10 @@ def pid_of(tmp_path, who: str, port: int) -> int:
 
 
 def run_with_fault(tmp_path, monkeypatch, who: str, signum: int, protocol: str = "async",
-                   min_learners: Optional[int] = None, max_epochs: int = 1000,
+                   min_learners: Optional[int] = None, max_epochs: int = 1000, num_servers: Optional[int] = None,
                    **trainer_options: Any) -> tuple[Optional[str], list[int], Marked, Any]:
-    """Fit; once both learners train, send ``signum`` to ``who``. Returns the error's text (None: fit ended well),
+    """Fit; once both learners train, send ``signum`` to ``who`` (``learner<r>``, ``server``, ``server<s>``: server
+    process s of ``num_servers``). Returns the error's text (None: fit ended well),
     the pids that were still alive a while after the fit ended (stopped ones are let go first), the model and the
     server's statistics."""
     port = free_port()
@@ -114,7 +118,8 @@ def run_with_fault(tmp_path, monkeypatch, who: str, signum: int, protocol: str =
 
     injector = threading.Thread(target=inject, daemon=True)
     injector.start()
-    strategy = RudraStrategy(protocol=protocol, start_method=START, rpc_timeout=TIMEOUT, min_learners=min_learners)
+    strategy = RudraStrategy(protocol=protocol, start_method=START, rpc_timeout=TIMEOUT, min_learners=min_learners,
+                             num_servers=num_servers)
     model = Marked(str(tmp_path))
     error = None
     try:
@@ -158,6 +163,12 @@ def _alive(pid: int) -> bool:
 def test_a_killed_server_ends_every_learner_with_an_error_that_names_it(tmp_path, monkeypatch):
     error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server", signal.SIGKILL)
     assert error is not None and "the parameter server (on 127.0.0.1) is gone: its connection closed" in error, error
+    assert alive == []
+
+
+def test_a_killed_second_server_ends_every_learner_with_an_error_that_names_it(tmp_path, monkeypatch):
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server1", signal.SIGKILL, num_servers=2)
+    assert error is not None and "parameter server 1 (on 127.0.0.1) is gone: its connection closed" in error, error
     assert alive == []
 
 

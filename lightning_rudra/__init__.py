@@ -6,7 +6,8 @@ Importing the package registers the strategy names "rudra", "rudra_hardsync", "r
 
 from pytorch_lightning.strategies import StrategyRegistry
 
-from lightning_rudra.protocol import ProtocolConfig, Server, Stats
+from lightning_rudra.protocol import ProtocolConfig, Server
+from lightning_rudra.stats import Stats
 from lightning_rudra.strategy import RudraStrategy
 
 RudraStrategy.register_strategies(StrategyRegistry)

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 from torch.optim import Optimizer
 
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
-from lightning_rudra.protocol import Stats
+from lightning_rudra.stats import Stats
 
 
 class ServerCheckpoints:

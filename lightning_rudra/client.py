@@ -20,10 +20,11 @@ from lightning_rudra import server as _server
 from lightning_rudra.epoch import EpochPlan
 from lightning_rudra.membership import this_process
 from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.protocol import ProtocolConfig, Stats
+from lightning_rudra.protocol import ProtocolConfig
 from lightning_rudra.rpc_world import (address_towards, check_port_free, init_rpc, rpc_counters, server_name,
                                       shutdown_rpc)
 from lightning_rudra.shm import SharedNames
+from lightning_rudra.stats import Stats
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
 # heartbeat watch fails them instead when a learner is lost.

@@ -18,9 +18,10 @@ from torch.optim import Optimizer
 from lightning_rudra.client import LearnerClient
 from lightning_rudra.flat import FlatLayout
 from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
-from lightning_rudra.protocol import ProtocolConfig, Stats, all_finite
+from lightning_rudra.protocol import ProtocolConfig, all_finite
 from lightning_rudra.shards import ShardPlan, cuts_parameters
 from lightning_rudra.shm import MappedWeights
+from lightning_rudra.stats import Stats
 
 _CPU = torch.device("cpu")
 

@@ -72,7 +72,8 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_rudra.lightning.step_times import StepTimes  # noqa: E402
 from lightning_rudra.lightning.strategy import RudraStrategy  # noqa: E402
-from lightning_rudra.protocol import ProtocolConfig, Server, Stats  # noqa: E402
+from lightning_rudra.protocol import ProtocolConfig, Server  # noqa: E402
+from lightning_rudra.stats import Stats  # noqa: E402
 
 RudraStrategy.register_strategies(StrategyRegistry)
 

@@ -21,8 +21,9 @@ from torch.futures import Future
 from lightning_rudra.epoch import EpochPlan, EpochPool
 from lightning_rudra.membership import Membership
 from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.protocol import ProtocolConfig, Server, Stats
+from lightning_rudra.protocol import ProtocolConfig, Server
 from lightning_rudra.shm import SharedNames, SharedWeights
+from lightning_rudra.stats import Stats
 
 
 Outcomes = list[tuple[Future, Any]]  # futures to resolve once the lock is released: a value, or an exception

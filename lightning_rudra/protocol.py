@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_rudra.flat import FlatLayout, WeightsStore
 from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.stats import Stats
 
 PROTOCOLS = ("hardsync", "softsync", "async")
 LR_MODULATIONS = ("none", "mean", "per_gradient")
@@ -70,43 +71,6 @@ class ProtocolConfig:
         if self.protocol == "softsync":
             return self.num_learners // self.n
         return self.num_learners
-
-
-@dataclass
-class Stats:
-    """What a user reads after training: updates applied (the clock), gradients received, dropped (staler than
-    ``max_staleness``), rejected (non-finite), the staleness histogram σ -> count of applied gradients, and
-    under the shared epoch, or with simulated learners, the batches each learner took (learner -> count, first
-    train dataloader), and the learners lost during training with why (only with ``min_learners``: otherwise a
-    loss ends training)."""
-
-    clock: int = 0
-    gradients: int = 0
-    dropped: int = 0
-    rejected: int = 0
-    staleness: dict[int, int] = field(default_factory=dict)
-    batches: dict[int, int] = field(default_factory=dict)
-    lost: dict[int, str] = field(default_factory=dict)  # learner -> why it was lost (``min_learners``)
-
-    @property
-    def mean_staleness(self) -> float:
-        count = sum(self.staleness.values())
-        return sum(s * c for s, c in self.staleness.items()) / count if count else 0.0
-
-    @property
-    def max_staleness(self) -> int:
-        return max(self.staleness, default=0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"clock": self.clock, "gradients": self.gradients, "dropped": self.dropped,
-                "rejected": self.rejected, "staleness": dict(sorted(self.staleness.items())),
-                "batches": dict(sorted(self.batches.items())), "lost": dict(sorted(self.lost.items()))}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Stats":
-        counts = {key: {int(k): int(c) for k, c in data.get(key, {}).items()} for key in ("staleness", "batches")}
-        lost = {int(k): str(why) for k, why in data.get("lost", {}).items()}
-        return cls(**{**data, **counts, "lost": lost})
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from torch.futures import Future
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.protocol import ProtocolConfig, Server, Stats
+from lightning_rudra.protocol import ProtocolConfig, Server
+from lightning_rudra.stats import Stats
 from lightning_rudra.timing import TimingModel, push_order
 
 

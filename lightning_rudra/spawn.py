@@ -16,7 +16,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_rudra.launchers import join_survivors
-from lightning_rudra.protocol import Stats
+from lightning_rudra.stats import Stats
 
 _COMPILED = "_orig_mod."  # what torch.compile's wrapper adds to the names of the module it compiles
 

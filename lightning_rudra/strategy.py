@@ -25,7 +25,7 @@ from lightning_rudra.checkpoints import ServerCheckpoints
 from lightning_rudra.collectives import ServerCollectives
 from lightning_rudra.launchers import PopenLauncher
 from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
-from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, Stats, validate_n, validate_options
+from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, validate_n, validate_options
 from lightning_rudra.push_metrics import PushMetrics
 from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
 from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
@@ -33,6 +33,7 @@ from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulatio
 from lightning_rudra.simulation import SimulatedClient
 from lightning_rudra.spawn import SpawnLauncher
 from lightning_rudra.stage_servers import StageServers
+from lightning_rudra.stats import Stats
 from lightning_rudra.support import (check_arguments, check_min_learners, check_module, check_num_servers,
                                     check_optimizers, check_trainer, is_placeholder, warn_of_meetings_per_batch)
 from lightning_rudra.timing import Homogeneous, TimingModel

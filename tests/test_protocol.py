@@ -5,7 +5,8 @@ import torch
 
 from lightning_rudra.flat import FlatLayout
 from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
-from lightning_rudra.protocol import ProtocolConfig, Server, Stats
+from lightning_rudra.protocol import ProtocolConfig, Server
+from lightning_rudra.stats import Stats
 
 
 def make_server(protocol="softsync", n=1, learners=2, lr_modulation="none", max_staleness=None,

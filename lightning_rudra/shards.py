@@ -53,7 +53,6 @@ class ShardPlan:
             raise ValueError(f"num_servers={num_shards} is more than the model's {total} parameter elements: "
                              "every server must own at least one. Use fewer servers.")
         self.shapes = list(shapes)
-        self.whole = whole
         cuts = [total * s // num_shards for s in range(num_shards + 1)]
         if whole:
             bounds = [sum(numels[:i]) for i in range(len(numels) + 1)]

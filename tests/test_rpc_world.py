@@ -1,7 +1,11 @@
-"""The RPC world's helpers that need no peer: the interface towards the rendezvous, the stderr filter."""
+"""The RPC world's helpers that need no peer: the interface towards the rendezvous, the stderr filter, the
+learner's words for a server that does not answer."""
 
 import os
 
+import pytest
+
+from lightning_rudra.client import LearnerClient
 from lightning_rudra.rpc_world import address_towards, interface_towards, quiet_peers_leaving
 
 PEER_LEFT = (b"[W1201 06:58:43.926196677 tensorpipe_agent.cpp:941] RPC agent for learner1 encountered error when "
@@ -21,3 +25,20 @@ def test_only_tensorpipes_peer_left_lines_are_dropped_while_leaving(capfd):
         os.write(2, b"a warning of the user's own\n")
     os.write(2, PEER_LEFT)  # outside the context: passes
     assert capfd.readouterr().err == "a warning of the user's own\n" + PEER_LEFT.decode()
+
+
+@pytest.mark.parametrize("error, message", [
+    ("RPCErr:1:RPC ran for more than set timeout (8000 ms) and will now be marked with an error",
+     r"parameter server 1 \(on 10.0.0.2\) did not answer within 8 s \(rpc_timeout\): RPCErr"),
+    ("EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)",
+     r"parameter server 1 \(on 10.0.0.2\) is gone: its connection closed \(EOF"),
+])
+def test_a_call_the_server_does_not_answer_names_it_and_its_host(error, message):
+    """Whichever call fails first (a heartbeat, a push, the request for the next batches), the learner's error
+    says which server did not answer, and where it runs. (No RPC world here: the heartbeat thread fails at
+    once and ends.)"""
+    client = LearnerClient(1, timeout=8.0, server_host="10.0.0.2", shard=1)
+    with pytest.raises(RuntimeError, match=message):
+        with client._naming_a_lost_server():
+            raise RuntimeError(error)
+

@@ -92,13 +92,17 @@ class LearnerClient:
     wait with no time limit ends with an error (or, for a lost learner under ``min_learners``, goes on without it).
     """
 
-    def __init__(self, rank: int, timeout: float, server_host: str, shard: int = 0) -> None:
+    def __init__(self, rank: int, timeout: float, server_host: str, shard: int = 0,
+                 rendezvous: Optional[str] = None) -> None:
+        """``server_host``: where the server runs, as far as this learner knows (its heartbeat replies say it
+        exactly); ``rendezvous``: where the learners meet (default: ``server_host``)."""
         self.rank = rank
         self.timeout = timeout
         self.server_host = server_host
         self.server = server_name(shard)
         self.what = "the parameter server" if shard == 0 else f"parameter server {shard}"
-        self.address = address_towards(server_host) or "an unknown address"  # named by the server if lost
+        # named by the server if this learner is lost
+        self.address = address_towards(rendezvous or server_host) or "an unknown address"
         self.timestamp = 0
         self._collectives = 0
         self._interval = min(5.0, timeout / 4)
@@ -262,7 +266,7 @@ def join(rank: int, num_learners: int, host: str, port: int, timeout: float, min
             process.wait()
         raise
     hosts = [host if starter == 0 else f"the host of learner {starter}" for starter in starters]
-    return [LearnerClient(rank, timeout, where, shard) for shard, where in enumerate(hosts)], processes
+    return [LearnerClient(rank, timeout, where, shard, host) for shard, where in enumerate(hosts)], processes
 
 
 def leave(clients: Sequence[LearnerClient], processes: Sequence[subprocess.Popen], timeout: float,

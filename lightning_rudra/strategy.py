@@ -75,9 +75,9 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         shared_memory: learners on the server's host exchange gradients and weights with it through shared
             memory (``/dev/shm``), RPC carrying only control; learners on other hosts use RPC. ``False`` sends
             everything through RPC. If shared memory cannot be allocated, a warning says so and RPC is used.
-        num_servers: S server processes, each owning one contiguous part of the parameters (a cut may fall inside
-            a parameter: then the optimizer must be elementwise, as SGD and Adam are), pushed to and pulled from at
-            once; every protocol runs on each part. They start on the nodes in turn (server s on node s mod
+        num_servers: S server processes, each owning one contiguous part of the parameters (a cut falls inside a
+            parameter only if every optimizer is elementwise, as SGD and Adam are; else between parameters),
+            pushed to and pulled from at once; every protocol runs on each part. They start on the nodes in turn (server s on node s mod
             num_nodes, from that node's first learner), so traffic spreads over the nodes. None (the default):
             one per node. :attr:`stats` are the first server's (each counts its own clock and staleness).
         simulate: λ, the number of learners to simulate in this one process (``Trainer(devices=1)``), each with

@@ -19,7 +19,7 @@ from lightning_rudra.client import LearnerClient
 from lightning_rudra.flat import FlatLayout
 from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.protocol import ProtocolConfig, all_finite
-from lightning_rudra.shards import ShardPlan, cuts_parameters
+from lightning_rudra.shards import Piece, ShardPlan, cuts_parameters, parts
 from lightning_rudra.shm import MappedWeights
 from lightning_rudra.stats import Stats
 
@@ -42,7 +42,8 @@ class _Shard:
         self.param_layout = FlatLayout(params)
         self.buffer_layout = FlatLayout(buffers)
         self.grad_layouts: list[FlatLayout] = []  # per optimizer, of the part of its parameters this shard owns
-        self.owned: list[list[int]] = []  # per optimizer: positions of its parameters this shard owns
+        # per optimizer: (position among its parameters, piece) of those this shard owns (ShardPlan.owned)
+        self.owned: list[list[tuple[int, Piece]]] = []
         self.shm: Optional[MappedWeights] = None
         self.attached = False
 
@@ -140,9 +141,9 @@ class Learner:
         self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
         self.orders = [[i for idx, _ in spec.groups for i in idx] for spec in specs]
         for shard in self.shards:
-            shard.owned = [[position for position, _ in self.plan.owned(shard.index, order)] for order in self.orders]
-            shard.grad_layouts = [FlatLayout(self.plan.views(shard.index, [p.detach() for p in params], order))
-                                  for params, order in zip(self.optimizer_params, self.orders)]
+            shard.owned = [self.plan.owned(shard.index, order) for order in self.orders]
+            shard.grad_layouts = [FlatLayout(parts([p.detach() for p in params], owned))
+                                  for params, owned in zip(self.optimizer_params, shard.owned)]
         return specs
 
     def _stamp(self, index: int) -> Callable[[Tensor], None]:
@@ -228,14 +229,15 @@ class Learner:
         pushed = []
         for shard in self.shards:
             owned = shard.owned[index]
-            parts = self.plan.views(shard.index, grads, self.orders[index])
+            grad_parts = parts(grads, owned)
             if shard.shm is not None:
-                shard.grad_layouts[index].pack_into(parts, shard.shm.grads[index])
+                shard.grad_layouts[index].pack_into(grad_parts, shard.shm.grads[index])
                 packed = None
             else:
-                packed = shard.grad_layouts[index].pack(parts, _CPU)
+                packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
             buffers = shard.buffer_layout.pack(shard.buffers, _CPU)
-            pushed.append((shard, shard.client.push(index, packed, has_grad[owned], hparams, buffers,
+            positions = [position for position, _ in owned]
+            pushed.append((shard, shard.client.push(index, packed, has_grad[positions], hparams, buffers,
                                                     timestamps[shard.index], finite)))
         self.settle()
         self._in_flight = (pushed, index)

@@ -9,7 +9,7 @@ checkpoint does not depend on the number of servers.
 """
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -34,6 +34,12 @@ class Piece:
 
 def _view(tensor: Tensor, piece: Piece) -> Tensor:
     return tensor if piece.whole else tensor.reshape(-1)[piece.start:piece.stop]
+
+
+def parts(tensors: Sequence[Tensor], owned: Sequence[tuple[int, Piece]]) -> list[Tensor]:
+    """The parts of ``tensors`` (one per position of an optimizer's parameters) that ``owned``
+    (:meth:`ShardPlan.owned`) names, as :meth:`ShardPlan.views` cuts them."""
+    return [_view(tensors[position], piece) for position, piece in owned]
 
 
 def cuts_parameters(specs: Sequence[OptimizerSpec]) -> bool:
@@ -75,13 +81,10 @@ class ShardPlan:
     def splits_a_parameter(self) -> bool:
         return any(not piece.whole for pieces in self.shards for piece in pieces)
 
-    def views(self, shard: int, tensors: Sequence[Tensor], order: Optional[Sequence[int]] = None) -> list[Tensor]:
-        """The parts of ``tensors`` that ``shard`` owns: the tensor itself where it owns all of it, else a flat
-        view of its slice (a copy if the tensor is not contiguous: fine to read). ``tensors``: one per model
-        parameter, or with ``order`` (model indices) one per parameter of ``order``."""
-        if order is None:
-            return [_view(tensors[piece.param], piece) for piece in self.shards[shard]]
-        return [_view(tensors[position], piece) for position, piece in self.owned(shard, order)]
+    def views(self, shard: int, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The parts of ``tensors`` (one per model parameter) that ``shard`` owns: the tensor itself where it owns
+        all of it, else a flat view of its slice (a copy if the tensor is not contiguous: fine to read)."""
+        return [_view(tensors[piece.param], piece) for piece in self.shards[shard]]
 
     def spec(self, shard: int, spec: OptimizerSpec) -> OptimizerSpec:
         """``spec`` over the pieces ``shard`` owns. Every group is kept, empty or not: every server holds every

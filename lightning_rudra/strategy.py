@@ -77,9 +77,10 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             everything through RPC. If shared memory cannot be allocated, a warning says so and RPC is used.
         num_servers: S server processes, each owning one contiguous part of the parameters (a cut falls inside a
             parameter only if every optimizer is elementwise, as SGD and Adam are; else between parameters),
-            pushed to and pulled from at once; every protocol runs on each part. They start on the nodes in turn (server s on node s mod
-            num_nodes, from that node's first learner), so traffic spreads over the nodes. None (the default):
-            one per node. :attr:`stats` are the first server's (each counts its own clock and staleness).
+            pushed to and pulled from at once; every protocol runs on each part. They start on the nodes in turn
+            (server s on node s mod num_nodes, from that node's first learner), so traffic spreads over the
+            nodes. None (the default): one per node. :attr:`stats` are the first server's (all count the same
+            updates; each counts σ on its own part).
         simulate: λ, the number of learners to simulate in this one process (``Trainer(devices=1)``), each with
             the weights it last received and the shard of the data a real learner of its rank reads, their pushes
             ordered by ``timing``: the paper's λ = 30 on one machine, at one learner's speed. None: real learners.

@@ -1,6 +1,6 @@
 """Prototypes of lightning_rudra changes, measured without editing the package.
 
-Server side: a prototype server process runs lightning_rudra's own ``server.main`` after loading ``protocol.py``
+Server side: a prototype server process runs lightning_rudra's own ``server.process.main`` after loading ``core/protocol.py``
 from its source with a few exact text replacements (``PATCHES``): the change a maintainer would make, nothing
 else. ``prototype_server(patches)`` makes ``join`` on this learner start that server instead of the stock one.
 Learner side: ``LEARNER_PATCHES`` modify a ``Learner`` object in place.
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from typing import Any, Iterator, Sequence
 
-# name -> (file in lightning_rudra, [(old text, new text)]); each old text must occur exactly once.
+# name -> (file in lightning_rudra, e.g. "core/protocol.py", [(old text, new text)]); each old text must occur exactly once.
 # Measured this way and since applied to the package (commit a75c8be): "finite_sum" (Server.push checked every
 # gradient with torch.isfinite(g).all(), ~10x a memcpy at 10 M; now a sum first) and "skip_div1" (no division
 # of the summed gradients by a count of 1).
@@ -54,7 +54,7 @@ package.__path__ = [{package!r}]
 sys.modules["lightning_rudra"] = package
 from benchmarks.proto import load_patched
 load_patched({package!r}, {patches!r})
-from lightning_rudra.server import main
+from lightning_rudra.server.process import main
 main()"""
 
 
@@ -78,7 +78,7 @@ def load_patched(package_dir: str, patches: Sequence[str]) -> None:
     import types
 
     for filename in sorted({PATCHES[name][0] for name in patches}):
-        name = "lightning_rudra." + filename[:-3]
+        name = "lightning_rudra." + filename[:-3].replace("/", ".")
         module = types.ModuleType(name)
         module.__file__ = os.path.join(package_dir, filename)
         sys.modules[name] = module
@@ -86,39 +86,39 @@ def load_patched(package_dir: str, patches: Sequence[str]) -> None:
 
 
 def patched_protocol(patches: Sequence[str]):
-    """A private copy of ``lightning_rudra.protocol`` with ``patches`` applied (for in-process measurements)."""
+    """A private copy of ``lightning_rudra.core.protocol`` with ``patches`` applied (for in-process measurements)."""
     import types
 
-    from lightning_rudra import protocol
+    from lightning_rudra.core import protocol
 
     if not patches:
         return protocol
-    package = os.path.dirname(protocol.__file__)
+    package = os.path.dirname(os.path.dirname(protocol.__file__))
     module = types.ModuleType("benchmarks_patched_protocol")
     module.__file__ = protocol.__file__
     sys.modules[module.__name__] = module  # dataclasses look their module up while the class is created
-    exec(compile(patched_source(package, "protocol.py", patches), module.__file__, "exec"), module.__dict__)
+    exec(compile(patched_source(package, "core/protocol.py", patches), module.__file__, "exec"), module.__dict__)
     return module
 
 
 @contextlib.contextmanager
 def prototype_server(patches: Sequence[str]) -> Iterator[None]:
-    """While active, ``lightning_rudra.client.join`` (learner 0) starts a server running ``patches``."""
-    from lightning_rudra import client
+    """While active, ``lightning_rudra.learner.client.join`` (learner 0) starts a server running ``patches``."""
+    from lightning_rudra.server import process
 
     if not patches:
         yield
         return
-    package = os.path.dirname(client.__file__)
+    package = os.path.dirname(os.path.dirname(process.__file__))
     for name in patches:  # fail here, in the learner, rather than in the server process
         patched_source(package, PATCHES[name][0], [name])
-    original = client.start_server
+    original = process.start_server
 
     def start_server(*args: Any) -> subprocess.Popen:
         return original(*args, code=_ENTRY.format(package=package, patches=list(patches)))
 
-    client.start_server = start_server
+    process.start_server = start_server
     try:
         yield
     finally:
-        client.start_server = original
+        process.start_server = original

@@ -50,10 +50,10 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
     ``server_env``: variables added to the server process's environment only; ``learner_patches``: names in
     :data:`benchmarks.proto.LEARNER_PATCHES` applied to both learners; ``num_servers``: server processes, each
     owning a contiguous part of the parameter (the breakdown measures one server's pieces)."""
-    from lightning_rudra.client import join, leave
-    from lightning_rudra.learner import Learner
-    from lightning_rudra.protocol import ProtocolConfig
-    from lightning_rudra.rpc_world import SERVER_NAME, environment
+    from lightning_rudra.learner.client import join, leave
+    from lightning_rudra.learner.learner import Learner
+    from lightning_rudra.core.protocol import ProtocolConfig
+    from lightning_rudra.transport.rpc_world import SERVER_NAME, environment
 
     from benchmarks._echo import echo
     from benchmarks.proto import LEARNER_PATCHES, prototype_server
@@ -213,9 +213,9 @@ def tp_variants(rank: int, *, variants: list[dict[str, Any]], sizes: list[int], 
 def push_loop(rank: int, *, numel: int, port: int, seconds: float, both: bool = False,
               timeout: float = 120.0) -> int:
     """For profiling: learner 0 (and learner 1 with ``both``) pushes for ``seconds``; returns the push count."""
-    from lightning_rudra.client import join, leave
-    from lightning_rudra.learner import Learner
-    from lightning_rudra.protocol import ProtocolConfig
+    from lightning_rudra.learner.client import join, leave
+    from lightning_rudra.learner.learner import Learner
+    from lightning_rudra.core.protocol import ProtocolConfig
 
     clients, processes = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout)
     count = 0

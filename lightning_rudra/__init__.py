@@ -4,13 +4,9 @@ Importing the package registers the strategy names "rudra", "rudra_hardsync", "r
 "rudra_async" in Lightning's StrategyRegistry.
 """
 
-from pytorch_lightning.strategies import StrategyRegistry
-
-from lightning_rudra.protocol import ProtocolConfig, Server
-from lightning_rudra.stats import Stats
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.stats import Stats
 from lightning_rudra.strategy import RudraStrategy
-
-RudraStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["RudraStrategy", "Stats", "ProtocolConfig", "Server"]
 __version__ = "0.1.0.dev0"

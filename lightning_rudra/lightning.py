@@ -8,11 +8,12 @@
 Importing this module registers "rudra", "rudra_hardsync", "rudra_softsync" and "rudra_async" in
 ``lightning.pytorch``'s StrategyRegistry, as importing ``lightning_rudra`` does in ``pytorch_lightning``'s.
 
-One implementation, two flavours: the package's modules that use Lightning (the strategy, its launcher, loops and
-callbacks) are loaded a second time, as submodules of this one, from their own source files with
-``pytorch_lightning`` read as ``lightning.pytorch`` and ``lightning_fabric`` as ``lightning.fabric`` in their import
-statements: how Lightning itself makes ``lightning`` from its standalone packages. The modules without Lightning (protocol, server, client,
-shared memory, simulation) are the same objects in both flavours.
+One implementation, two flavours: the package's Lightning layer (``lightning_rudra/strategy/``: the strategy, its
+launchers, loops and callbacks) is loaded a second time, as ``lightning_rudra.lightning.strategy``, from its own
+source files with ``pytorch_lightning`` read as ``lightning.pytorch`` and ``lightning_fabric`` as
+``lightning.fabric`` in their import statements: how Lightning itself makes ``lightning`` from its standalone
+packages. The layers without Lightning (``core``, ``transport``, ``server``, ``learner``) are the same objects in
+both flavours.
 """
 
 import importlib.abc
@@ -25,15 +26,8 @@ import types
 
 _SOURCE = os.path.dirname(os.path.abspath(__file__))
 _FLAVOUR = {"pytorch_lightning": "lightning.pytorch", "lightning_fabric": "lightning.fabric"}
-
-
-def _uses_lightning(name: str) -> bool:
-    with open(os.path.join(_SOURCE, name), encoding="utf-8") as file:
-        return re.search(r"^(from|import) (pytorch_lightning|lightning_fabric)\b", file.read(), re.M) is not None
-
-
-_MODULES = tuple(sorted(name[:-3] for name in os.listdir(_SOURCE)
-                        if name.endswith(".py") and name != "__init__.py" and _uses_lightning(name)))
+# loaded again in this flavour: the Lightning layer, and the public path of its callback
+_MODULES = ("strategy", "step_times")
 
 
 def _rewrite(source: str) -> str:
@@ -47,13 +41,18 @@ def _rewrite(source: str) -> str:
 
 
 class _FlavourLoader(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``lightning_rudra.lightning.<module>`` for each module that uses Lightning, and loads it rewritten."""
+    """Finds ``lightning_rudra.lightning.<name>`` for each module and package under ``_MODULES``, and loads it
+    rewritten from the file of ``lightning_rudra.<name>``."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None):
-        package, _, name = fullname.rpartition(".")
-        if package != __name__ or name not in _MODULES:
+        prefix = __name__ + "."
+        if not fullname.startswith(prefix) or fullname[len(prefix):].partition(".")[0] not in _MODULES:
             return None
-        return importlib.util.spec_from_file_location(fullname, os.path.join(_SOURCE, name + ".py"), loader=self)
+        where = os.path.join(_SOURCE, *fullname[len(prefix):].split("."))
+        if os.path.isdir(where):
+            return importlib.util.spec_from_file_location(fullname, os.path.join(where, "__init__.py"), loader=self,
+                                                          submodule_search_locations=[])
+        return importlib.util.spec_from_file_location(fullname, where + ".py", loader=self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
         return None
@@ -68,13 +67,8 @@ __path__: list = []  # a package, whose submodules only the loader below finds
 if not any(isinstance(finder, _FlavourLoader) for finder in sys.meta_path):
     sys.meta_path.insert(0, _FlavourLoader())
 
-from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
-
-from lightning_rudra.lightning.step_times import StepTimes  # noqa: E402
-from lightning_rudra.lightning.strategy import RudraStrategy  # noqa: E402
-from lightning_rudra.protocol import ProtocolConfig, Server  # noqa: E402
-from lightning_rudra.stats import Stats  # noqa: E402
-
-RudraStrategy.register_strategies(StrategyRegistry)
+from lightning_rudra.core.protocol import ProtocolConfig, Server  # noqa: E402
+from lightning_rudra.core.stats import Stats  # noqa: E402
+from lightning_rudra.lightning.strategy import RudraStrategy, StepTimes  # noqa: E402  (registers the names)
 
 __all__ = ["RudraStrategy", "StepTimes", "Stats", "ProtocolConfig", "Server"]

@@ -9,10 +9,10 @@ from queue import Empty
 import torch
 import torch.multiprocessing as mp
 
-from lightning_rudra.client import join, leave
-from lightning_rudra.learner import Learner
-from lightning_rudra.rpc_world import free_port
-from lightning_rudra.sampler import SharedEpochSampler
+from lightning_rudra.learner.client import join, leave
+from lightning_rudra.learner.learner import Learner
+from lightning_rudra.transport.rpc_world import free_port
+from lightning_rudra.learner.sampler import SharedEpochSampler
 
 DATA_SEED = 1234
 

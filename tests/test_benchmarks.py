@@ -6,7 +6,7 @@ import multiprocessing
 
 import pytest
 
-from lightning_rudra.rpc_world import free_port
+from lightning_rudra.transport.rpc_world import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

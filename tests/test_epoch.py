@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from lightning_rudra.epoch import EpochPlan, EpochPool
+from lightning_rudra.core.epoch import EpochPlan, EpochPool
 
 
 def drain(pool: EpochPool, plan: EpochPlan, epoch: int, learners: list[int]) -> dict[int, list[list[int]]]:

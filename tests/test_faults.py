@@ -36,7 +36,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
-from lightning_rudra.rpc_world import free_port
+from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import (START, FailingLearner, MeteredFailing, Regression, flat, loader, quiet_trainer,
                                     regression_data, sgd_after_a_loss)
 
@@ -71,7 +71,7 @@ def server_pids(port: int, shard: Optional[int] = None) -> list[int]:
                 command = file.read().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, ValueError):
             continue
-        if (entry.isdigit() and "lightning_rudra.server" in command and f"tcp://127.0.0.1:{port} " in command
+        if (entry.isdigit() and "lightning_rudra.server.process" in command and f"tcp://127.0.0.1:{port} " in command
                 and (shard is None or f"--shard {shard} " in command)):
             found.append(int(entry))
     return found

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from lightning_rudra import server
-from lightning_rudra.parameter_server import ParameterServer, _settle
-from lightning_rudra.membership import Membership, this_process
-from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.protocol import ProtocolConfig
+from lightning_rudra.server import process as server
+from lightning_rudra.server.parameter_server import ParameterServer, _settle
+from lightning_rudra.server.membership import Membership, this_process
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig
 
 
 def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n: int = 1) -> ParameterServer:

@@ -12,7 +12,7 @@ from pytorch_lightning.callbacks import LearningRateFinder
 from pytorch_lightning.tuner import Tuner
 
 from lightning_rudra import RudraStrategy
-from lightning_rudra.support import check_module, check_optimizers, check_trainer
+from lightning_rudra.strategy.checks import check_module, check_optimizers, check_trainer
 from tests.lightning_models import (START, SWA, Averaging, Compiled, ProbedRudra, Regression, Unusual, UnevenStreams,
                                     WithoutOptimizer, flat, loader, quiet_trainer, single_process_sgd)
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from lightning_rudra.flat import FlatLayout
-from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
-from lightning_rudra.protocol import ProtocolConfig, Server
-from lightning_rudra.stats import Stats
+from lightning_rudra.core.flat import FlatLayout
+from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.stats import Stats
 
 
 def make_server(protocol="softsync", n=1, learners=2, lr_modulation="none", max_staleness=None,

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from lightning_rudra.epoch import EpochPlan
-from lightning_rudra.protocol import ProtocolConfig
-from lightning_rudra.shm import SHM_DIR
+from lightning_rudra.core.epoch import EpochPlan
+from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.transport.shm import SHM_DIR
 from tests import rpc_harness as harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from lightning_rudra.client import LearnerClient
-from lightning_rudra.rpc_world import address_towards, interface_towards, quiet_peers_leaving
+from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.transport.rpc_world import address_towards, interface_towards, quiet_peers_leaving
 
 PEER_LEFT = (b"[W1201 06:58:43.926196677 tensorpipe_agent.cpp:941] RPC agent for learner1 encountered error when "
              b"reading incoming response from server: EOF: end of file (this error originated at tensorpipe/transport"

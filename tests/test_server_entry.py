@@ -4,10 +4,10 @@ calls run, without RPC)."""
 import pytest
 import torch
 
-from lightning_rudra import server
-from lightning_rudra.parameter_server import ParameterServer
-from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.protocol import ProtocolConfig
+from lightning_rudra.server import process as server
+from lightning_rudra.server.parameter_server import ParameterServer
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lightning_rudra import RudraStrategy
-from lightning_rudra.learner import Learner
-from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.shards import ShardPlan
+from lightning_rudra.learner.learner import Learner
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.shards import ShardPlan
 from tests.lightning_models import quiet_trainer
 
 SHAPES = [torch.Size([4, 5]), torch.Size([5]), torch.Size([0]), torch.Size([3, 2])]  # 20 + 5 + 0 + 6 = 31

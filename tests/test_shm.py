@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from lightning_rudra.flat import FlatLayout
-from lightning_rudra.protocol import OptimizerSpec, ProtocolConfig, Server
-from lightning_rudra.shm import MappedWeights, SharedWeights
+from lightning_rudra.core.flat import FlatLayout
+from lightning_rudra.core.protocol import OptimizerSpec, ProtocolConfig, Server
+from lightning_rudra.transport.shm import MappedWeights, SharedWeights
 
 
 def shared_server(tmp_path, num_learners=1):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_rudra import RudraStrategy
-from lightning_rudra.rpc_world import free_port
+from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import START, Regression, flat, loader, quiet_trainer
 from tests.test_faults import _alive, _signal, pid_of
 

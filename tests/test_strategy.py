@@ -187,7 +187,7 @@ def test_a_failing_learner_ends_the_run_with_an_error_and_leaves_no_process(how)
 
 def _server_processes(port: str) -> list[str]:
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=10).stdout
-    return [line for line in ps.splitlines() if "lightning_rudra.server" in line and f":{port}" in line]
+    return [line for line in ps.splitlines() if "lightning_rudra.server.process" in line and f":{port}" in line]
 
 
 def test_a_port_in_use_is_reported_clearly(monkeypatch):

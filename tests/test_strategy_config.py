@@ -12,7 +12,7 @@ from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _Su
 
 import lightning_rudra
 from lightning_rudra import RudraStrategy
-from lightning_rudra.support import warn_of_meetings_per_batch
+from lightning_rudra.strategy.checks import warn_of_meetings_per_batch
 from tests.lightning_models import Regression
 
 

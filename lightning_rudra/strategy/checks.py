@@ -17,7 +17,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
-from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.core.optimizers import OptimizerSpec
 
 
 SAMPLINGS = ("shared", "static")

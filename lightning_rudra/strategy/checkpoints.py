@@ -11,8 +11,8 @@ from typing import Any, Mapping, Optional
 
 from torch.optim import Optimizer
 
-from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
-from lightning_rudra.stats import Stats
+from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_groups
+from lightning_rudra.core.stats import Stats
 
 
 class ServerCheckpoints:

@@ -4,9 +4,9 @@ Every optimizer step pushes the learner's gradient to the server and continues f
 protocol gives back. There is deliberately no default torch.distributed process group: since Lightning
 2.6 its presence makes every training batch a collective, which would turn async training into lock-step.
 Collectives (barrier, broadcast, reduce, all_gather) go through the server instead
-(:mod:`lightning_rudra.collectives`). Under softsync and async the learners share each epoch's batches
-(:mod:`lightning_rudra.shared_epoch`), so that a fast learner takes more of them. With ``simulate=λ`` one
-process trains λ virtual learners under the same protocol code (:mod:`lightning_rudra.simulated_epoch`).
+(:mod:`lightning_rudra.strategy.collectives`). Under softsync and async the learners share each epoch's batches
+(:mod:`lightning_rudra.strategy.shared_epoch`), so that a fast learner takes more of them. With ``simulate=λ`` one
+process trains λ virtual learners under the same protocol code (:mod:`lightning_rudra.strategy.simulated_epoch`).
 """
 
 from typing import Any, Literal, Optional
@@ -21,22 +21,22 @@ from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 
-from lightning_rudra.checkpoints import ServerCheckpoints
-from lightning_rudra.collectives import ServerCollectives
-from lightning_rudra.launchers import PopenLauncher
-from lightning_rudra.learner import Learner, LearnerOptimizer, with_groups
-from lightning_rudra.protocol import PROTOCOLS, ProtocolConfig, validate_n, validate_options
-from lightning_rudra.push_metrics import PushMetrics
-from lightning_rudra.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
-from lightning_rudra.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
+from lightning_rudra.strategy.checkpoints import ServerCheckpoints
+from lightning_rudra.strategy.collectives import ServerCollectives
+from lightning_rudra.strategy.launchers.popen import PopenLauncher
+from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_groups
+from lightning_rudra.core.protocol import PROTOCOLS, ProtocolConfig, validate_n, validate_options
+from lightning_rudra.strategy.push_metrics import PushMetrics
+from lightning_rudra.strategy.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
+from lightning_rudra.strategy.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
                                              start_simulation)
-from lightning_rudra.simulation import SimulatedClient
-from lightning_rudra.spawn import SpawnLauncher
-from lightning_rudra.stage_servers import StageServers
-from lightning_rudra.stats import Stats
-from lightning_rudra.support import (check_arguments, check_min_learners, check_module, check_num_servers,
+from lightning_rudra.learner.simulation import SimulatedClient
+from lightning_rudra.strategy.launchers.spawn import SpawnLauncher
+from lightning_rudra.strategy.stage_servers import StageServers
+from lightning_rudra.core.stats import Stats
+from lightning_rudra.strategy.checks import (check_arguments, check_min_learners, check_module, check_num_servers,
                                     check_optimizers, check_trainer, is_placeholder, warn_of_meetings_per_batch)
-from lightning_rudra.timing import Homogeneous, TimingModel
+from lightning_rudra.core.timing import Homogeneous, TimingModel
 
 
 class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetrics, ParallelStrategy):
@@ -84,7 +84,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         simulate: λ, the number of learners to simulate in this one process (``Trainer(devices=1)``), each with
             the weights it last received and the shard of the data a real learner of its rank reads, their pushes
             ordered by ``timing``: the paper's λ = 30 on one machine, at one learner's speed. None: real learners.
-        timing: with ``simulate``, how long each learner's steps take (:mod:`lightning_rudra.timing`):
+        timing: with ``simulate``, how long each learner's steps take (:mod:`lightning_rudra.core.timing`):
             ``Homogeneous()`` (the default), ``Jittered(spread, seed, slowdown)``, ``Stragglers({rank: factor})``
             or ``Measured(times)``.
 

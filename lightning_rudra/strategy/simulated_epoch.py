@@ -1,6 +1,6 @@
 """A simulated run (``RudraStrategy(simulate=λ)``) inside Lightning's fit loop.
 
-The one train DataLoader is rebuilt around a :class:`~lightning_rudra.simulation.SimulatedSampler`: an epoch is
+The one train DataLoader is rebuilt around a :class:`~lightning_rudra.learner.simulation.SimulatedSampler`: an epoch is
 every virtual learner's pass over its own shard, the batches of all learners in the order of their pushes.
 Before each batch the module takes the weights of the learner whose batch it is. What Lightning counts in one
 learner's batches is recounted for λ learners:
@@ -17,8 +17,8 @@ from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_rudra.simulation import SimulatedClient, SimulatedSampler
-from lightning_rudra.timing import TimingModel
+from lightning_rudra.learner.simulation import SimulatedClient, SimulatedSampler
+from lightning_rudra.core.timing import TimingModel
 
 
 def check_simulation(simulate: Optional[int], timing: Optional[TimingModel], sampling: Optional[str],
@@ -33,7 +33,7 @@ def check_simulation(simulate: Optional[int], timing: Optional[TimingModel], sam
         raise ValueError(f"simulate={simulate!r} is not valid: expected the number of learners to simulate, an "
                          "integer >= 1, or None for real learner processes.")
     if timing is not None and not isinstance(timing, TimingModel):
-        raise ValueError(f"timing={timing!r} is not a timing model: expected one from lightning_rudra.timing, e.g. "
+        raise ValueError(f"timing={timing!r} is not a timing model: expected one from lightning_rudra.core.timing, e.g. "
                          "Homogeneous(), Jittered(spread=0.3), Stragglers({0: 3.0}) or Measured(times).")
     if sampling == "shared":
         raise ValueError("sampling='shared' cannot be simulated: simulated learners read the fixed shards of "

@@ -2,7 +2,7 @@
 
 Lightning's launchers end every learner as soon as one fails (its popen launcher's observer SIGKILLs them all;
 torch's process join for spawn terminates them), which is DDP's only choice. A parameter server's learners do not
-need each other: the server decides whether training can go on (:mod:`lightning_rudra.membership`). Here a
+need each other: the server decides whether training can go on (:mod:`lightning_rudra.server.membership`). Here a
 learner other than 0 that ends is reported with its exit code or signal, the others train on, and once training
 is over a lost learner still running (a stalled process that woke up too late) is ended. Learner 0's process
 runs the server, so its loss still ends the run.

@@ -9,8 +9,8 @@ from typing import Callable, Iterator, Optional
 
 from torch.utils.data import Sampler
 
-from lightning_rudra.client import LearnerClient
-from lightning_rudra.epoch import EpochPlan
+from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.core.epoch import EpochPlan
 
 # Batches a learner asks for at once while the epoch is far from its end: one RPC costs about as much to send as
 # a small model's push, and the server hands out one batch at a time near the epoch's end anyway.

@@ -1,21 +1,73 @@
-"""The parameter server process: a :class:`~lightning_rudra.parameter_server.ParameterServer` behind
+"""The parameter server process: a :class:`~lightning_rudra.server.parameter_server.ParameterServer` behind
 torch.distributed.rpc. Handlers never block an RPC thread: a call that must wait returns the server's future from an
-``@rpc.functions.async_execution`` function. The strategy starts it with :func:`lightning_rudra.client.start_server`.
+``@rpc.functions.async_execution`` function. A learner starts it with :func:`start_server`.
 """
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from lightning_rudra.parameter_server import ParameterServer
-from lightning_rudra.rpc_world import address_towards, init_rpc, quiet_peers_leaving, set_rpc_counters, shutdown_rpc
+from lightning_rudra.server.parameter_server import ParameterServer
+from lightning_rudra.transport.rpc_world import (address_towards, init_rpc, quiet_peers_leaving, rpc_counters,
+                                                 set_rpc_counters, shutdown_rpc)
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server.process`, not in a copy named
+# __main__. The package is entered without running its __init__, which imports Lightning (seconds), until a
+# module of the user's that the server imports (one that defines an optimizer) asks for the public API.
+_SERVER_ENTRY = """import os, sys, threading, types
+package = types.ModuleType("lightning_rudra")
+package.__path__ = [{package!r}]
+lock = threading.Lock()  # RPC threads may ask at once, and torch's lazy imports are not thread-safe
+def __getattr__(name):
+    if name.startswith("__"):  # the import machinery probing (__file__, __spec__...): not the public API
+        raise AttributeError(name)
+    with lock:
+        if "__all__" not in package.__dict__:
+            init = os.path.join({package!r}, "__init__.py")
+            exec(compile(open(init).read(), init, "exec"), package.__dict__)
+    if name not in package.__dict__:
+        raise AttributeError(name)
+    return package.__dict__[name]
+package.__getattr__ = __getattr__
+sys.modules["lightning_rudra"] = package
+from lightning_rudra.server.process import main
+main()"""
+
+
+def start_server(init_method: str, num_learners: int, timeout: float, min_learners: Optional[int] = None,
+                 code: Optional[str] = None, shard: int = 0, starters: Sequence[int] = (0,)) -> subprocess.Popen:
+    """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
+    Python it runs, if not the server's own entry). It exits when every learner has left, or at once if this
+    process dies."""
+    env = dict(os.environ)
+    # the server must import whatever the learner's optimizers are made of
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
+    command = [sys.executable, "-c", code or _SERVER_ENTRY.format(package=_PACKAGE),
+               "--init-method", init_method, "--rpc-counters", json.dumps(rpc_counters()), "--learners", str(num_learners),
+               "--timeout", str(timeout), "--parent-pid", str(os.getpid()), "--shard", str(shard),
+               "--server-learners", json.dumps(list(starters))]
+    if min_learners is not None:
+        command += ["--min-learners", str(min_learners)]
+    return subprocess.Popen(command, env=env)
+
+
+def stop_server(process: subprocess.Popen, timeout: float) -> None:
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
 
 # The RPC entry points run in the server process, on its one ParameterServer.
 _server: Optional[ParameterServer] = None

@@ -3,11 +3,9 @@ epoch's batches and collectives. A call that waits for other learners waits as l
 server's heartbeat watch ends it when one is lost); every other call has a timeout. Nothing here knows about
 Lightning."""
 
-import json
 import os
 import re
 import subprocess
-import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
@@ -16,15 +14,15 @@ import torch.distributed.rpc as rpc
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_rudra import server as _server
-from lightning_rudra.epoch import EpochPlan
-from lightning_rudra.membership import this_process
-from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.protocol import ProtocolConfig
-from lightning_rudra.rpc_world import (address_towards, check_port_free, init_rpc, rpc_counters, server_name,
+from lightning_rudra.server import process as _server
+from lightning_rudra.core.epoch import EpochPlan
+from lightning_rudra.server.membership import this_process
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.transport.rpc_world import (address_towards, check_port_free, init_rpc, server_name,
                                       shutdown_rpc)
-from lightning_rudra.shm import SharedNames
-from lightning_rudra.stats import Stats
+from lightning_rudra.transport.shm import SharedNames
+from lightning_rudra.core.stats import Stats
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
 # heartbeat watch fails them instead when a learner is lost.
@@ -32,54 +30,6 @@ _NO_TIME_LIMIT = 0
 # How TensorPipe words a connection the other side closed or never answered
 _CONNECTION_LOST = re.compile(r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe", re.I)
 _TIMED_OUT = re.compile(r"ran for more than set timeout", re.I)
-
-
-# Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server`, not in a copy named
-# __main__. The package is entered without running its __init__, which imports Lightning (seconds), until a
-# module of the user's that the server imports (one that defines an optimizer) asks for the public API.
-_SERVER_ENTRY = """import os, sys, threading, types
-package = types.ModuleType("lightning_rudra")
-package.__path__ = [{package!r}]
-lock = threading.Lock()  # RPC threads may ask at once, and torch's lazy imports are not thread-safe
-def __getattr__(name):
-    if name.startswith("__"):  # the import machinery probing (__file__, __spec__...): not the public API
-        raise AttributeError(name)
-    with lock:
-        if "__all__" not in package.__dict__:
-            init = os.path.join({package!r}, "__init__.py")
-            exec(compile(open(init).read(), init, "exec"), package.__dict__)
-    if name not in package.__dict__:
-        raise AttributeError(name)
-    return package.__dict__[name]
-package.__getattr__ = __getattr__
-sys.modules["lightning_rudra"] = package
-from lightning_rudra.server import main
-main()"""
-
-
-def start_server(init_method: str, num_learners: int, timeout: float, min_learners: Optional[int] = None,
-                 code: Optional[str] = None, shard: int = 0, starters: Sequence[int] = (0,)) -> subprocess.Popen:
-    """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
-    Python it runs, if not the server's own entry). It exits when every learner has left, or at once if this
-    process dies."""
-    env = dict(os.environ)
-    # the server must import whatever the learner's optimizers are made of
-    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
-    command = [sys.executable, "-c", code or _SERVER_ENTRY.format(package=os.path.dirname(__file__)),
-               "--init-method", init_method, "--rpc-counters", json.dumps(rpc_counters()), "--learners", str(num_learners),
-               "--timeout", str(timeout), "--parent-pid", str(os.getpid()), "--shard", str(shard),
-               "--server-learners", json.dumps(list(starters))]
-    if min_learners is not None:
-        command += ["--min-learners", str(min_learners)]
-    return subprocess.Popen(command, env=env)
-
-
-def stop_server(process: subprocess.Popen, timeout: float) -> None:
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 class LearnerClient:
@@ -257,7 +207,7 @@ def join(rank: int, num_learners: int, host: str, port: int, timeout: float, min
             check_port_free(host, port)
         for shard, starter in enumerate(starters):
             if starter == rank:
-                processes.append(start_server(init_method, num_learners, timeout, min_learners, shard=shard,
+                processes.append(_server.start_server(init_method, num_learners, timeout, min_learners, shard=shard,
                                               starters=starters))
         init_rpc(rank, num_learners, init_method, timeout, len(starters))
     except BaseException:
@@ -279,4 +229,4 @@ def leave(clients: Sequence[LearnerClient], processes: Sequence[subprocess.Popen
             pass  # the server is gone, or went as this learner left last: nothing is left to say to it
     shutdown_rpc()
     for process in processes:
-        stop_server(process, timeout)
+        _server.stop_server(process, timeout)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from lightning_rudra.optimizers import OptimizerSpec
+from lightning_rudra.core.optimizers import OptimizerSpec
 
 # torch.optim classes whose update and state are elementwise: a slice of a parameter steps as the whole would
 # (exactly these classes: a subclass may step otherwise)

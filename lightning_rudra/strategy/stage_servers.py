@@ -8,10 +8,10 @@ from typing import Any, Callable, Optional
 
 from lightning_fabric.plugins import ClusterEnvironment
 
-from lightning_rudra.client import LearnerClient, join, leave
-from lightning_rudra.launchers import PopenLauncher
-from lightning_rudra.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
-from lightning_rudra.stats import Stats
+from lightning_rudra.learner.client import LearnerClient, join, leave
+from lightning_rudra.strategy.launchers.popen import PopenLauncher
+from lightning_rudra.transport.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
+from lightning_rudra.core.stats import Stats
 
 
 class StageServers:

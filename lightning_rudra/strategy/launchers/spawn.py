@@ -15,8 +15,8 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 from torchmetrics import Metric
 
-from lightning_rudra.launchers import join_survivors
-from lightning_rudra.stats import Stats
+from lightning_rudra.strategy.launchers.popen import join_survivors
+from lightning_rudra.core.stats import Stats
 
 _COMPILED = "_orig_mod."  # what torch.compile's wrapper adds to the names of the module it compiles
 
@@ -57,16 +57,16 @@ class SpawnLauncher(_MultiProcessingLauncher):
     Lightning hands spawned processes the caller's random and deterministic state but not forked ones, and a
     fork server's children have the environment of when it started: both are brought here as spawn has them.
     With ``min_learners``, a learner other than 0 that fails does not end the others
-    (:func:`~lightning_rudra.launchers.join_survivors`).
+    (:func:`~lightning_rudra.strategy.launchers.popen.join_survivors`).
     """
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         """Lightning's launch, but for what the fork server needs and, with ``min_learners``, for how the learners
-        are joined (:func:`~lightning_rudra.launchers.join_survivors`)."""
+        are joined (:func:`~lightning_rudra.strategy.launchers.popen.join_survivors`)."""
         if self._start_method == "forkserver":
             _check_bad_cuda_fork()
             # only read when the fork server starts (the first launch); "__main__" is Python's own default
-            multiprocessing.set_forkserver_preload(["__main__", pl.__name__, __name__.rpartition(".")[0]])
+            multiprocessing.set_forkserver_preload(["__main__", pl.__name__, __name__.rsplit(".", 2)[0]])
         else:
             _check_missing_main_guard()
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:

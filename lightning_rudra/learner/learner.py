@@ -1,6 +1,6 @@
 """A learner: a module whose optimizer steps go through the parameter server (push, then pull).
 
-On the server's host, gradients and weights move through shared memory (:mod:`lightning_rudra.shm`) and RPC
+On the server's host, gradients and weights move through shared memory (:mod:`lightning_rudra.transport.shm`) and RPC
 carries only control; elsewhere, or with ``shared_memory=False``, they travel in the RPC messages.
 Lightning-free: :class:`LearnerOptimizer` wraps any torch optimizer, so a plain training loop can use it
 as well as the strategy.
@@ -15,13 +15,13 @@ from torch import Tensor
 from torch.futures import Future
 from torch.optim import Optimizer
 
-from lightning_rudra.client import LearnerClient
-from lightning_rudra.flat import FlatLayout
-from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
-from lightning_rudra.protocol import ProtocolConfig, all_finite
-from lightning_rudra.shards import Piece, ShardPlan, cuts_parameters, parts
-from lightning_rudra.shm import MappedWeights
-from lightning_rudra.stats import Stats
+from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.core.flat import FlatLayout
+from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.protocol import ProtocolConfig, all_finite
+from lightning_rudra.core.shards import Piece, ShardPlan, cuts_parameters, parts
+from lightning_rudra.transport.shm import MappedWeights
+from lightning_rudra.core.stats import Stats
 
 _CPU = torch.device("cpu")
 
@@ -31,7 +31,7 @@ _SEVERITY = ("accepted", "queued", "dropped", "rejected")  # a push's status ove
 
 class _Shard:
     """What one learner exchanges with one server process: its part of the module's weights and gradients
-    (:class:`~lightning_rudra.shards.ShardPlan`), and how they travel (shared memory on that server's host, RPC
+    (:class:`~lightning_rudra.core.shards.ShardPlan`), and how they travel (shared memory on that server's host, RPC
     elsewhere)."""
 
     def __init__(self, index: int, client: LearnerClient, params: list[Tensor], buffers: list[Tensor]) -> None:

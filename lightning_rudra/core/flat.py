@@ -63,7 +63,7 @@ class FlatLayout:
 
 class WeightsStore:
     """Where the server keeps its flat weights and buffers: plain memory here. Shared memory
-    (:class:`lightning_rudra.shm.SharedWeights`) also tells its readers when the weights change."""
+    (:class:`lightning_rudra.transport.shm.SharedWeights`) also tells its readers when the weights change."""
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype)

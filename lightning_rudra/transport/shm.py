@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_rudra.flat import FlatLayout, WeightsStore
+from lightning_rudra.core.flat import FlatLayout, WeightsStore
 
 SHM_DIR = "/dev/shm"
 

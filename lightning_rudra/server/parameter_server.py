@@ -1,6 +1,6 @@
-"""The parameter server's state over futures: :class:`~lightning_rudra.protocol.Server` shared by concurrent
-learners, plus the shared epoch's pools (:mod:`lightning_rudra.epoch`), the learners' rendezvous for collectives
-and who is in the run (:mod:`lightning_rudra.membership`). No RPC here: :mod:`lightning_rudra.server` serves it.
+"""The parameter server's state over futures: :class:`~lightning_rudra.core.protocol.Server` shared by concurrent
+learners, plus the shared epoch's pools (:mod:`lightning_rudra.core.epoch`), the learners' rendezvous for collectives
+and who is in the run (:mod:`lightning_rudra.server.membership`). No RPC here: :mod:`lightning_rudra.server.process` serves it.
 
 Nothing blocks: whatever must wait (a hardsync round, a collective, the end of training) gets a
 ``torch.futures.Future`` that the call completing the wait resolves. Such waits have no time limit, since waiting
@@ -18,12 +18,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch.futures import Future
 
-from lightning_rudra.epoch import EpochPlan, EpochPool
-from lightning_rudra.membership import Membership
-from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.protocol import ProtocolConfig, Server
-from lightning_rudra.shm import SharedNames, SharedWeights
-from lightning_rudra.stats import Stats
+from lightning_rudra.core.epoch import EpochPlan, EpochPool
+from lightning_rudra.server.membership import Membership
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.transport.shm import SharedNames, SharedWeights
+from lightning_rudra.core.stats import Stats
 
 
 Outcomes = list[tuple[Future, Any]]  # futures to resolve once the lock is released: a value, or an exception
@@ -51,7 +51,7 @@ class ParameterServer:
     A push reply is ``(status, staleness, lr_scale, params, buffers, clock)``: what became of the gradient
     and the rate of its optimizer's newest update (a fraction of the learners' rate), then the
     newest weights (flat) and their timestamp. hardsync replies wait for the end of the round. Learners that
-    mapped the server's shared memory (:mod:`lightning_rudra.shm`) push ``grads=None`` (the gradient is in
+    mapped the server's shared memory (:mod:`lightning_rudra.transport.shm`) push ``grads=None`` (the gradient is in
     their buffer) and get ``None`` for the weights, which they read themselves.
     """
 
@@ -247,7 +247,7 @@ class ParameterServer:
             raise RuntimeError(f"push from learner {learner} refused: it has finished training")
 
     def heartbeat(self, learner: int, address: str, process: Any = None) -> Optional[str]:
-        """``process``: (machine, pid) (:func:`~lightning_rudra.membership.this_process`). Answers with this
+        """``process``: (machine, pid) (:func:`~lightning_rudra.server.membership.this_process`). Answers with this
         server's address."""
         self.membership.heard(learner, address, process)
         return self.address

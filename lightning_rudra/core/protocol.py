@@ -12,9 +12,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_rudra.flat import FlatLayout, WeightsStore
-from lightning_rudra.optimizers import OptimizerSpec, hyperparameters
-from lightning_rudra.stats import Stats
+from lightning_rudra.core.flat import FlatLayout, WeightsStore
+from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.stats import Stats
 
 PROTOCOLS = ("hardsync", "softsync", "async")
 LR_MODULATIONS = ("none", "mean", "per_gradient")

@@ -1,11 +1,11 @@
 """λ virtual learners in one process, under the real protocol: the paper's scale (λ = 30) on one machine.
 
-:class:`SimulatedClient` stands where a learner's RPC client stands (:class:`~lightning_rudra.learner.Learner`
+:class:`SimulatedClient` stands where a learner's RPC client stands (:class:`~lightning_rudra.learner.learner.Learner`
 uses it unchanged) and serves every virtual learner from an in-process
-:class:`~lightning_rudra.protocol.Server`, the same one the parameter server process runs. Each virtual learner
+:class:`~lightning_rudra.core.protocol.Server`, the same one the parameter server process runs. Each virtual learner
 holds the weights it last received and their timestamp, so a gradient is computed from exactly the weights a
 real learner would hold when it pushes. :class:`SimulatedSampler` deals every learner the batches its own
-DistributedSampler shard would give it, in the order the timing model (:mod:`lightning_rudra.timing`) says
+DistributedSampler shard would give it, in the order the timing model (:mod:`lightning_rudra.core.timing`) says
 they reach the server. No Lightning here.
 """
 
@@ -16,10 +16,10 @@ from torch import Tensor
 from torch.futures import Future
 from torch.utils.data import DistributedSampler, Sampler
 
-from lightning_rudra.optimizers import OptimizerSpec
-from lightning_rudra.protocol import ProtocolConfig, Server
-from lightning_rudra.stats import Stats
-from lightning_rudra.timing import TimingModel, push_order
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.timing import TimingModel, push_order
 
 
 class SimulatedClient:

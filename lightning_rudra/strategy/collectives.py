@@ -17,7 +17,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_rudra.client import LearnerClient
+from lightning_rudra.learner.client import LearnerClient
 
 _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "avg": torch.mean, "max": torch.amax, "min": torch.amin,
                "product": torch.prod}

@@ -1,7 +1,7 @@
 """The shared epoch inside Lightning's fit loop.
 
 Each train DataLoader with Lightning's DistributedSampler is rebuilt around a
-:class:`~lightning_rudra.sampler.SharedEpochSampler`, and whatever Lightning counts in a learner's own batches
+:class:`~lightning_rudra.learner.sampler.SharedEpochSampler`, and whatever Lightning counts in a learner's own batches
 is recounted in the epoch's batches, all learners together, because learners now take different numbers:
 
 - the epoch ends when its pool is drained (Lightning never stops a learner at a batch count);
@@ -22,9 +22,9 @@ from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_rudra.client import LearnerClient
-from lightning_rudra.epoch import EpochPlan
-from lightning_rudra.sampler import SharedEpochSampler
+from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.core.epoch import EpochPlan
+from lightning_rudra.learner.sampler import SharedEpochSampler
 
 
 def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int) -> Optional[DataLoader]:

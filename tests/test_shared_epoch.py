@@ -4,14 +4,14 @@ from datetime import timedelta
 
 import pytest
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, IterableDataset
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.step_times import StepTimes
 from lightning_rudra.timing import Measured
-from tests.lightning_models import (START, GathersInStep, Recording, Regression, indexed_loader, loader, quiet_trainer,
-                                    regression_data)
+from tests.lightning_models import (START, GathersInStep, IndexedData, Recording, Regression, indexed_loader, loader,
+                                    quiet_trainer, regression_data)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -73,6 +73,65 @@ def test_max_steps_counts_the_steps_of_all_learners(tmp_path):
     assert [max(e for e, _ in record["batches"]) for record in records] == [2, 2]
 
 
+class MeetsAtBatchStart(Recording):
+    """Logs with sync_dist in on_train_batch_start, and writes down the place in the epoch of every batch it
+    trains on."""
+
+    def __init__(self, out_dir: str, slow: float) -> None:
+        super().__init__(out_dir, slow=slow)
+        self.positions: list[int] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.log("batch_start", 1.0 + self.global_rank, sync_dist=True, on_step=True, on_epoch=True)
+
+    def training_step(self, batch, batch_idx):
+        self.positions.append(self.trainer.strategy._shared.position)
+        return super().training_step(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        torch.save(self.positions, f"{self.out_dir}/positions{self.global_rank}.pt")
+
+
+class MeetsAtBatchStartCallback(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        trainer.strategy.barrier("batch start")
+        assert trainer.strategy.broadcast(trainer.global_rank) == trainer.global_rank  # the learner's own
+
+
+def none_for_sample_0(samples):
+    """A batch that the collate makes None (Lightning skips it, with no on_train_batch_start)."""
+    batch = default_collate(samples)
+    return None if (batch[2] == 0).any() else batch
+
+
+def test_collectives_in_batch_start_hooks_are_the_learners_own_and_a_none_batch_keeps_positions(tmp_path):
+    # Lightning calls the callbacks' and the module's on_train_batch_start before the strategy's: a meeting there
+    # made the learners lock-step, then hung at the epoch's end
+    model = MeetsAtBatchStart(str(tmp_path), slow=0.05)
+    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=30), 2, max_epochs=2,
+                            callbacks=[MeetsAtBatchStartCallback()])
+    data = DataLoader(IndexedData(256), batch_size=8, shuffle=True, collate_fn=none_for_sample_0)
+    trainer.fit(model, data, indexed_loader(64, num_samples=64, shuffle=False))
+    records = [torch.load(tmp_path / f"learner{rank}.pt") for rank in range(2)]
+    positions = [torch.load(tmp_path / f"positions{rank}.pt") for rank in range(2)]
+    for record, places in zip(records, positions):
+        assert len(record["batches"]) == len(places)
+        for (epoch, indices), place in zip(record["batches"], places):  # in step past the None batch
+            order = torch.randperm(256, generator=torch.Generator().manual_seed(epoch)).tolist()
+            assert indices == order[8 * place:8 * place + 8], (epoch, place)
+        assert [epoch for epoch, _ in record["validations"]] == [0, 1]  # together, at each epoch's end
+    for epoch in range(2):
+        mine, theirs = batches_of(records, epoch)
+        assert len(mine) >= 2 * len(theirs), (len(mine), len(theirs))  # not lock-step: learner 1 is slow
+        seen = sorted(i for batch in mine + theirs for i in batch)
+        assert len(mine) + len(theirs) == 31 and 0 not in seen and len(set(seen)) == 31 * 8  # all but the None one
+    # logged on_epoch with sync_dist: the last epoch's mean over both learners' batches (learner k logs 1 + k)
+    mine, theirs = batches_of(records, 1)
+    mean = (len(mine) + 2 * len(theirs)) / (len(mine) + len(theirs))
+    assert trainer.callback_metrics["batch_start_epoch"].item() == pytest.approx(mean)
+
+
 def test_max_time_stops_every_learner_without_a_meeting_per_batch(tmp_path):
     # Lightning's Timer broadcasts its decision after every batch: each learner decides for itself here
     trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_time={"seconds": 4})
@@ -107,12 +166,20 @@ def test_an_iterable_dataset_keeps_one_stream_per_learner():
     assert trainer.strategy.stats.gradients == 2 * 8 and trainer.strategy.stats.batches == {}
 
 
+class SkipsTheRestOfTheEpoch(Regression):
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == 3 else None
+
+
 @pytest.mark.parametrize("module, callbacks, message", [
     (Regression, [ModelCheckpoint(train_time_interval=timedelta(seconds=5))],
      r"ModelCheckpoint\(train_time_interval=0:00:05\) cannot be used with RudraStrategy's shared epoch.*"
      r"every_n_train_steps"),
     (GathersInStep, [], r"all_gather was called during a training batch under RudraStrategy's shared epoch.*Move it "
                         r"to an epoch hook"),
+    # no learner can skip where the others do; left in a batch, it would not have met them at the epoch's end
+    (SkipsTheRestOfTheEpoch, [], r"on_train_batch_start returned -1 \(skip the rest of the epoch\) on learner 0, at "
+                                 r"its batch 3 of epoch 0.*limit_train_batches"),
 ])
 def test_what_needs_learners_in_step_is_refused_with_a_remedy(tmp_path, module, callbacks, message):
     trainer = quiet_trainer(RudraStrategy(start_method=START, rpc_timeout=30), 1, max_epochs=1,

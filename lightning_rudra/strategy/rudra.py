@@ -145,7 +145,6 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self._resume_stats: Optional[Stats] = None
         self._resume_optimizer_states: Optional[list[dict[str, Any]]] = None
         self._checkpoint: Optional[tuple[list[dict[str, Any]], Stats]] = None  # learner 0: the server's snapshot
-        self._next_port: Optional[int] = None  # where the learners meet for the next stage (fit, then test...)
         self._rendezvous = 0  # stages met through torchrun's store
         self._failed: Optional[str] = None  # this stage failed on this learner: why
         self._pools = 0  # train dataloaders drawing from the server in this stage
@@ -293,13 +292,17 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self._end_of_training = (trainer, _EndOfTraining())
         trainer.callbacks.insert(0, self._end_of_training[1])
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._shared is not None:
-            self._shared.on_train_batch_start()
-        if self._simulated is not None and self._learner is not None:
-            weights = self._learner.client.switch(self._simulated.next_learner())
-            if weights is not None:
-                self._learner.load(*weights)
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        # A training batch starts when it is fetched: before the callbacks' and the module's on_train_batch_start,
+        # which Lightning calls before the strategy's, and also for a None batch, which gets no such hook
+        if self.lightning_module.trainer.training:
+            if self._shared is not None:
+                self._shared.on_batch_fetched()
+            if self._simulated is not None and self._learner is not None:
+                weights = self._learner.client.switch(self._simulated.next_learner())
+                if weights is not None:
+                    self._learner.load(*weights)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def _pull_newest(self) -> None:
         if self._learner is not None:
@@ -368,7 +371,12 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
 
 
 class _EndOfTraining(Callback):
-    """The first callback while training: ends training on the server before the others' ``on_train_end``."""
+    """The first callback while training: ends the shared epoch's epochs before the others' ``on_train_epoch_end``,
+    and training on the server before the others' ``on_train_end``."""
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if trainer.strategy._shared is not None:
+            trainer.strategy._shared.on_train_epoch_end()
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         trainer.strategy._end_training()

@@ -111,9 +111,24 @@ class SharedEpochLoop:
         self.trainer.fit_loop.epoch_loop.max_steps = self._max_steps
         self.trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
 
-    def on_train_batch_start(self) -> None:
+    def on_batch_fetched(self) -> None:
+        """A training batch came from the DataLoader: the learner is in a batch of its own from here on, before
+        any ``on_train_batch_start`` hook (whose collectives must stay local), and also for a None batch (which
+        gets no such hook, but took a place in the epoch)."""
         self.position = self.samplers[0].next_position()
         self.in_batch = True
+
+    def on_train_epoch_end(self) -> None:
+        """Before any other ``on_train_epoch_end``. Still in a batch here: the module's ``on_train_batch_start``
+        returned -1, which ends the epoch without asking about validation."""
+        if self.in_batch:
+            trainer = self.trainer
+            raise RuntimeError(
+                f"on_train_batch_start returned -1 (skip the rest of the epoch) on learner {trainer.global_rank}, at "
+                f"its batch {trainer.fit_loop.epoch_loop.batch_idx} of epoch {trainer.current_epoch}: under "
+                "RudraStrategy's shared epoch the learners take different batches, so the others cannot skip at "
+                "the same place, and validation and the epoch's end would not meet. Use limit_train_batches (it "
+                "counts the batches of all learners), or RudraStrategy(sampling='static').")
 
     def _stop(self) -> None:
         self.trainer.should_stop = True

@@ -31,7 +31,12 @@ def test_importing_the_package_registers_the_names(name, protocol):
 
 def test_defaults_are_the_papers_and_arguments_read_back():
     default = RudraStrategy()
-    assert (default.protocol, default.n, default.lr_modulation, default.max_staleness) == ("softsync", 1, "mean", None)
+    assert (default.protocol, default.n, default.lr_modulation, default.compensation, default.max_staleness) == (
+        "softsync", 1, "none", "momentum", None)
+    # the paper's modulation alone, as before compensation existed; or both, where they do not overlap
+    assert RudraStrategy(lr_modulation="mean").compensation == "none"
+    assert (RudraStrategy(lr_modulation="mean", compensation="gap").lr_modulation, RudraStrategy(
+        compensation="dc").lr_modulation) == ("mean", "none")
     strategy = RudraStrategy(protocol="async", n=3, lr_modulation="per_gradient", max_staleness=4, nonfinite="raise",
                              rpc_timeout=30, start_method="forkserver", overlap=True)
     assert (strategy.protocol, strategy.n, strategy.lr_modulation, strategy.max_staleness, strategy.nonfinite,
@@ -48,6 +53,9 @@ def test_defaults_are_the_papers_and_arguments_read_back():
     (dict(protocol="bsp"), "protocol='bsp' is not supported: expected one of 'hardsync', 'softsync', 'async'"),
     (dict(n=0), "n=0 is not valid"),
     (dict(lr_modulation="linear"), "lr_modulation='linear'"),
+    (dict(compensation="momentum+adam"), r"compensation='momentum\+adam' is not supported: expected 'none' or one or more"),
+    (dict(compensation="none+dc"), r"compensation='none\+dc'"),
+    (dict(lr_modulation="mean", compensation="momentum"), "lr_modulation='mean' and compensation='momentum' both"),
     (dict(max_staleness=-2), "max_staleness=-2"),
     (dict(start_method="fork"), "start_method='fork'"),
     (dict(rpc_timeout=0), "rpc_timeout=0"),

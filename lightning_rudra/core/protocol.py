@@ -12,6 +12,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.compensation import (StaleWeights, compensate, momentum_hyperparameters, parse_compensation,
+                                               record_steps)
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.stats import Stats
@@ -26,10 +28,15 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
         raise ValueError(f"{name}={value!r} is not supported: expected one of {', '.join(map(repr, choices))}.")
 
 
-def validate_options(protocol: str, n: int, lr_modulation: str, max_staleness: Optional[int], nonfinite: str) -> None:
+def validate_options(protocol: str, n: int, lr_modulation: str, max_staleness: Optional[int], nonfinite: str,
+                     compensation: str = "none") -> None:
     """Check the options that do not depend on the number of learners."""
     _choice("protocol", protocol, PROTOCOLS)
     _choice("lr_modulation", lr_modulation, LR_MODULATIONS)
+    if "momentum" in parse_compensation(compensation) and lr_modulation != "none":
+        raise ValueError(f"lr_modulation={lr_modulation!r} and compensation={compensation!r} both scale the learning "
+                         "rate for staleness: use one (lr_modulation='none' with the compensation, or "
+                         "compensation='none' for the paper's modulation).")
     _choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} is not valid: the softsync splitting parameter must be an integer >= 1.")
@@ -53,14 +60,16 @@ class ProtocolConfig:
     num_learners: int
     protocol: str = "softsync"
     n: int = 1
-    lr_modulation: str = "mean"
+    lr_modulation: str = "none"
     max_staleness: Optional[int] = None
     nonfinite: str = "skip"
+    compensation: str = "none"  # see :mod:`lightning_rudra.core.compensation`
 
     def __post_init__(self) -> None:
         if isinstance(self.num_learners, bool) or not isinstance(self.num_learners, int) or self.num_learners < 1:
             raise ValueError(f"num_learners={self.num_learners!r} is not valid: expected an integer >= 1.")
-        validate_options(self.protocol, self.n, self.lr_modulation, self.max_staleness, self.nonfinite)
+        validate_options(self.protocol, self.n, self.lr_modulation, self.max_staleness, self.nonfinite,
+                         self.compensation)
         validate_n(self.protocol, self.n, self.num_learners)
 
     @property
@@ -183,6 +192,10 @@ class Server:
         self._pending = [_Pending() for _ in optimizers]
         self._defer = len(optimizers) > 1  # σ may change between a gradient's arrival and its update
         self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
+        # hardsync has no stale gradient: no rule (it stays SGD with batch μλ)
+        self.rules = parse_compensation(config.compensation) if config.protocol != "hardsync" else ()
+        self.history = (StaleWeights(config.num_learners, self.clock, self.flat_params)
+                        if {"dc", "gap"} & set(self.rules) else None)
 
     @property
     def clock(self) -> int:
@@ -227,9 +240,11 @@ class Server:
                 pending.waiting.append(_Gradient(grads, has_grad, buffers, timestamp))
                 status = "queued"
             else:
-                status = self._admit(pending, grads, has_grad, buffers, sigma)
+                status = self._admit(pending, optimizer, grads, has_grad, buffers, sigma)
         self.stats.gradients += 1
         pending.learners.add(learner)
+        if self.history is not None:
+            self.history.last_push[learner] = timestamp
         if not self._ready(pending):
             return PushResult(status, sigma)
         update = self._close(optimizer)
@@ -243,6 +258,8 @@ class Server:
         optimizers whose wait this closed."""
         self._check_learner(learner)
         self.active.discard(learner)
+        if self.history is not None:
+            self.history.last_push.pop(learner, None)  # it pushes from no old weights any more
         closed = [i for i, p in enumerate(self._pending) if p.learners and (self._ready(p) or not self.active)]
         for optimizer in closed:
             self._close(optimizer)
@@ -311,14 +328,24 @@ class Server:
                                  "expected a number >= 0 in every parameter group.")
         self.buffer_layout.check(buffers, f"the buffers pushed by learner {learner}")
 
+    def _states(self, optimizer: int) -> list[dict[str, Any]]:
+        """The optimizer's state of each of its parameters (where the compensation rules keep their means)."""
+        return [self.optimizers[optimizer].state[self.params[i]] for i in self.optimizer_params[optimizer]]
+
     def _too_stale(self, sigma: int) -> bool:
         return self.config.max_staleness is not None and sigma > self.config.max_staleness
 
-    def _admit(self, pending: _Pending, grads, has_grad, buffers, sigma: int) -> str:
-        """Drop a gradient staler than the bound, or add it to the sum; count its σ. Returns its status."""
+    def _admit(self, pending: _Pending, optimizer: int, grads, has_grad, buffers, sigma: int) -> str:
+        """Drop a gradient staler than the bound, or compensate it and add it to the sum; count its σ. Returns
+        its status."""
         if self._too_stale(sigma):
             self.stats.dropped += 1
             return "dropped"
+        if sigma and self.history is not None:
+            indices = self.optimizer_params[optimizer]
+            stale = self.param_layout.unpack(self.history.at(self.clock - sigma))
+            compensate(self.rules, [self.params[i] for i in indices], [stale[i] for i in indices],
+                       self.grad_layouts[optimizer].unpack(grads), self._states(optimizer))
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
         if pending.grads is None:
             pending.grads = [_accumulator(g, scale) for g in grads]
@@ -339,7 +366,8 @@ class Server:
         """Average the pending gradients of ``optimizer`` into one update; None if every one was refused."""
         pending, self._pending[optimizer] = self._pending[optimizer], _Pending()
         for gradient in pending.waiting:  # σ counted now, as the update applies
-            self._admit(pending, gradient.grads, gradient.has_grad, gradient.buffers, self.clock - gradient.timestamp)
+            self._admit(pending, optimizer, gradient.grads, gradient.has_grad, gradient.buffers,
+                        self.clock - gradient.timestamp)
         if pending.grads is None:
             return None
         count = len(pending.staleness)
@@ -350,6 +378,8 @@ class Server:
         for group, hp in zip(opt.param_groups, pending.hparams):
             group.update(hyperparameters(hp))
             group["lr"] = hp["lr"] * lr_factor
+            if "momentum" in self.rules:
+                momentum_hyperparameters(group, count, len(self.members), self.stats.mean_staleness)
         layout = self.grad_layouts[optimizer]
         if count > 1:  # async and 1-gradient updates: no pass over the model for nothing
             for total in pending.grads:
@@ -366,6 +396,11 @@ class Server:
             self.stats.clock += 1
         finally:
             self.store.end(self.clock)
+        if self.history is not None:
+            if "gap" in self.rules:
+                before = self.param_layout.unpack(self.history.at(self.clock - 1))
+                record_steps([self.params[i] for i in indices], [before[i] for i in indices], self._states(optimizer))
+            self.history.record(self.clock, self.flat_params)
         for i in indices:
             self.params[i].grad = None
         update = Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales))

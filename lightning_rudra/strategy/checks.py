@@ -17,6 +17,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
+from lightning_rudra.core.compensation import check_optimizer, parse_compensation
 from lightning_rudra.core.optimizers import OptimizerSpec
 
 
@@ -105,9 +106,9 @@ def check_module(module: torch.nn.Module) -> None:
                          "parameter on one device (no model parallelism inside a learner).")
 
 
-def check_optimizers(optimizers: Sequence[Optimizer], params: Sequence[torch.Tensor]) -> None:
+def check_optimizers(optimizers: Sequence[Optimizer], params: Sequence[torch.Tensor], compensation: str = "none") -> None:
     """The server steps its own copy of each optimizer, rebuilt as ``cls(param_groups)``, with the gradients the
-    learners push and no closure."""
+    learners push and no closure, and with the ``compensation`` rules."""
     for index, optimizer in enumerate(optimizers):
         if is_placeholder(optimizer):
             continue
@@ -122,6 +123,7 @@ def check_optimizers(optimizers: Sequence[Optimizer], params: Sequence[torch.Ten
                 f"{name} needs a closure in every step: it re-evaluates the loss at weights of its own choosing "
                 "(LBFGS does, several times per step), and the parameter server only receives gradients. Use a "
                 "first-order optimizer (SGD, Adam, ...), or train this module with DDP.")
+        check_optimizer(parse_compensation(compensation), type(optimizer), name)
         spec = OptimizerSpec.from_optimizer(optimizer, params)  # refuses tensors that are not module parameters
         try:
             spec.build([torch.empty_like(p, device="meta") for p in params])

@@ -25,6 +25,7 @@ from lightning_rudra.strategy.checkpoints import ServerCheckpoints
 from lightning_rudra.strategy.collectives import ServerCollectives
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_groups
+from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.protocol import PROTOCOLS, ProtocolConfig, validate_n, validate_options
 from lightning_rudra.strategy.push_metrics import PushMetrics
 from lightning_rudra.strategy.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
@@ -49,7 +50,12 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         n: the softsync splitting parameter, 1 <= n <= λ. Mean staleness is about n.
         lr_modulation: ``"mean"`` divides each update's learning rate by the mean staleness of its
             gradients (the ICDM rule), ``"per_gradient"`` scales each gradient by 1/σ before averaging (the
-            IJCAI rule), ``"none"`` keeps the learners' rate.
+            IJCAI rule), ``"none"`` keeps the learners' rate. None (the default): ``"none"``.
+        compensation: what the server does about stale gradients (:mod:`lightning_rudra.core.compensation`):
+            ``"momentum"`` (scale the rate by c/λ; under staleness switch the optimizer's momentum off and keep the
+            step per sample), ``"dc"`` (delay compensation, DC-ASGD), ``"gap"`` (gap-aware damping), several
+            joined by ``+``, or ``"none"``. None (the default): ``"momentum"``, unless ``lr_modulation`` is set
+            (then ``"none"``: the paper's rule alone). Hardsync is never changed.
         max_staleness: gradients more than this many updates stale are dropped and counted; None keeps all.
         nonfinite: a gradient with NaN or Inf is refused and counted (``"skip"``) or stops training
             (``"raise"``); either way the server's weights stay as they were.
@@ -99,7 +105,8 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self,
         protocol: Literal["hardsync", "softsync", "async"] = "softsync",
         n: int = 1,
-        lr_modulation: Literal["none", "mean", "per_gradient"] = "mean",
+        lr_modulation: Optional[Literal["none", "mean", "per_gradient"]] = None,
+        compensation: Optional[str] = None,
         max_staleness: Optional[int] = None,
         nonfinite: Literal["skip", "raise"] = "skip",
         sampling: Optional[Literal["shared", "static"]] = None,
@@ -120,12 +127,14 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        validate_options(protocol, n, lr_modulation, max_staleness, nonfinite)
+        lr_modulation, compensation = staleness_options(lr_modulation, compensation)
+        validate_options(protocol, n, lr_modulation, max_staleness, nonfinite, compensation)
         check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers)
         check_simulation(simulate, timing, sampling, overlap)
         self.protocol = protocol
         self.n = n
         self.lr_modulation = lr_modulation
+        self.compensation = compensation
         self.max_staleness = max_staleness
         self.nonfinite = nonfinite
         self.rpc_timeout = float(rpc_timeout)
@@ -158,7 +167,8 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         ours, other = (("pytorch_lightning", "lightning_rudra"), ("lightning.pytorch", "lightning_rudra.lightning"))
         if pl.__name__ != ours[0]:
             ours, other = other, ours
-        return (f"RudraStrategy(protocol={self.protocol!r}, n={self.n}, lr_modulation={self.lr_modulation!r}) "
+        return (f"RudraStrategy(protocol={self.protocol!r}, n={self.n}, lr_modulation={self.lr_modulation!r}, "
+                f"compensation={self.compensation!r}) "
                 f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]")
 
     # ---- ranks, devices and launch -------------------------------------------------------------------
@@ -241,7 +251,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             check_trainer(trainer)
             check_module(self.model)
             self.setup_optimizers(trainer)
-            check_optimizers(self.optimizers, list(self.model.parameters()))
+            check_optimizers(self.optimizers, list(self.model.parameters()), self.compensation)
             # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
             stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
             clients = [SimulatedClient(self.simulate)] if self.simulate else self._clients
@@ -263,7 +273,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
 
     def _protocol_config(self) -> ProtocolConfig:
         return ProtocolConfig(self.num_learners, self.protocol, self.n, self.lr_modulation, self.max_staleness,
-                              self.nonfinite)
+                              self.nonfinite, self.compensation)
 
     # ---- training --------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:

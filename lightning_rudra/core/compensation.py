@@ -1,0 +1,143 @@
+"""Staleness compensation: how the server treats stale gradients so that softsync and async keep the accuracy of
+the synchronous run, with the optimizer and learning rate tuned for it. Plain torch.
+
+A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"``). With σ = 0 (hardsync, one
+learner) every rule is the identity, so hardsync stays SGD with batch μλ and async with one learner plain SGD.
+
+``momentum`` (the step per sample, kept stable under delay). A synchronous update averages λ gradients, a stale
+one c = ⌊λ/n⌋ (async: 1), so the learning rate is scaled by c/λ: the paper's α0/⟨σ⟩ in expectation (⟨σ⟩ ≈ n),
+but exact whatever the timing. The optimizer's momentum is then switched off once the mean staleness ⟨σ⟩ of the
+run reaches 1, and the rate raised by 1/(1 − β) so that the step per sample, lr/(1 − β), stays the user's. Why:
+asynchrony is itself a momentum (Mitliagkas et al., "Asynchrony begets momentum", 2016), and for a gradient τ
+updates late the largest stable step of heavy-ball SGD, in units of lr/(1 − β), is highest with no momentum at
+all once τ ≥ 2 (≈ π/(2τ + 1); momentum 0.9 only lowers it): a rate tuned near the synchronous edge of stability
+goes over it with both. Last, the step is halved (``MOMENTUM_SAFETY``): measured on the study's model, the
+delayed run without it oscillates (see docs/compensation.md). Adam's first moment (β1) is switched off the same
+way; its step does not grow with 1/(1 − β1), so its rate is only scaled by c/λ and halved.
+
+``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
+applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with
+g ⊙ g standing for the Hessian's diagonal; MS is the running mean of g ⊙ g (0.95), λ0 = ``DC_LAMBDA``.
+
+``gap`` (gap-aware damping: Barkai, Hakimi, Schuster, ICLR 2020): the gradient is divided, element by element,
+by max(1, |w_now − w_stale| / C), the gap between the weights it was computed on and the current ones in units
+of C, the running mean of one update's |Δw| (0.9).
+
+``dc`` and ``gap`` need w_stale: the server keeps the weights of every clock a learner may still push from (the
+oldest is the oldest timestamp among the learners' last pushes), at most ``HISTORY_PER_LEARNER`` · λ copies of
+the parameters; a gradient older than the oldest kept is compared with the oldest kept. Their running means live
+in the optimizer's per-parameter state (saved with it in checkpoints); the copies are not saved: after a resume
+every learner starts from the restored weights.
+"""
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+COMPENSATIONS = ("none", "momentum", "dc", "gap")
+MOMENTUM_SAFETY = 0.5
+DC_LAMBDA = 0.2
+DC_DECAY = 0.95
+GAP_DECAY = 0.9
+HISTORY_PER_LEARNER = 2
+# optimizers whose step does not follow the gradient's size: a rate scaled by c/λ means nothing to them
+_SIGN_BASED = ("Rprop",)
+
+
+DEFAULT_COMPENSATION = "momentum"
+
+
+def staleness_options(lr_modulation: Optional[str], compensation: Optional[str]) -> tuple[str, str]:
+    """(lr_modulation, compensation) from what the user set (None: not set). Neither: the default compensation.
+    Only the paper's modulation: that, without compensation (as before compensation existed)."""
+    if compensation is None:
+        compensation = DEFAULT_COMPENSATION if lr_modulation in (None, "none") else "none"
+    return lr_modulation or "none", compensation
+
+
+def parse_compensation(compensation: str) -> tuple[str, ...]:
+    """The rules of ``compensation`` (``"none"``: no rule), or a ValueError naming what is wrong."""
+    rules = tuple(compensation.split("+")) if isinstance(compensation, str) else ()
+    if not rules or any(rule not in COMPENSATIONS for rule in rules) or len(set(rules)) != len(rules) or (
+            "none" in rules and len(rules) > 1):
+        raise ValueError(f"compensation={compensation!r} is not supported: expected 'none' or one or more of "
+                         f"{', '.join(repr(r) for r in COMPENSATIONS[1:])} joined by '+' (e.g. 'momentum+dc').")
+    return () if rules == ("none",) else rules
+
+
+def check_optimizer(rules: Sequence[str], optimizer: type, name: str) -> None:
+    """Refuse a rule the optimizer cannot take, at setup (``name``: how to call the optimizer in the message)."""
+    if "momentum" in rules and optimizer.__name__ in _SIGN_BASED:
+        raise ValueError(f"compensation 'momentum' scales the learning rate, which {name} does not "
+                         "apply to the gradient's size (its steps follow the gradient's sign): use "
+                         "compensation='none' or 'dc'/'gap' with it, or another optimizer.")
+
+
+def momentum_hyperparameters(group: dict[str, Any], gradients_per_update: int, num_learners: int,
+                             mean_staleness: float) -> None:
+    """The ``momentum`` rule on one parameter group (its lr and momentum as the learner sent them), in place."""
+    scale = gradients_per_update / num_learners
+    if mean_staleness < 1:  # hardsync (c = λ: unchanged) or not stale yet
+        group["lr"] *= scale
+        return
+    scale *= MOMENTUM_SAFETY
+    if "betas" in group:
+        group["betas"] = (0.0, *tuple(group["betas"])[1:])
+    elif group.get("momentum", 0):
+        scale *= (1 - group.get("dampening", 0)) / (1 - group["momentum"])
+        group["momentum"] = 0.0
+        group["nesterov"] = False
+    group["lr"] *= scale
+
+
+class StaleWeights:
+    """The weights of the clocks a learner may still push from (for ``dc`` and ``gap``), as flat copies."""
+
+    def __init__(self, num_learners: int, clock: int, flat_params: Sequence[Tensor]) -> None:
+        self.capacity = HISTORY_PER_LEARNER * num_learners + 1
+        self.copies: dict[int, list[Tensor]] = {}
+        # learner -> the timestamp of its last gradient (its next one is no older); learners that left: none
+        self.last_push = dict.fromkeys(range(num_learners), clock)
+        self.record(clock, flat_params)
+
+    def record(self, clock: int, flat_params: Sequence[Tensor]) -> None:
+        """The weights of ``clock``, just made (after an update, or at the start)."""
+        oldest = min(self.last_push.values(), default=clock)
+        for old in [c for c in self.copies if c < oldest]:
+            del self.copies[old]
+        while len(self.copies) >= self.capacity:
+            del self.copies[min(self.copies)]
+        self.copies[clock] = [f.clone() for f in flat_params]
+
+    def at(self, timestamp: int) -> list[Tensor]:
+        return self.copies[timestamp] if timestamp in self.copies else self.copies[min(self.copies)]
+
+
+def compensate(rules: Sequence[str], params: Sequence[Tensor], stale: Sequence[Tensor], grads: Sequence[Tensor],
+               state: Sequence[dict[str, Any]]) -> None:
+    """The ``dc`` and ``gap`` rules on one stale gradient, in place: per parameter, its current weights, the
+    weights the gradient came from, the gradient, and the optimizer's state of that parameter."""
+    for w, w_stale, g, st in zip(params, stale, grads, state):
+        gap = w - w_stale
+        if "dc" in rules:
+            square = g * g
+            mean_square = st.get("rudra_dc_mean_square")
+            if mean_square is None:
+                mean_square = st["rudra_dc_mean_square"] = square.clone()
+            else:
+                mean_square.mul_(DC_DECAY).add_(square, alpha=1 - DC_DECAY)
+            g.add_(square.mul_(gap).div_(mean_square.sqrt().add_(1e-7)), alpha=DC_LAMBDA)
+        if "gap" in rules and "rudra_gap_step" in st:
+            g.div_(gap.abs_().div_(st["rudra_gap_step"].add(1e-12)).clamp_(min=1.0))
+
+
+def record_steps(params: Sequence[Tensor], before: Sequence[Tensor], state: Sequence[dict[str, Any]]) -> None:
+    """``gap``: the running mean of one update's |Δw|, per parameter, after an update from ``before``."""
+    for w, w_before, st in zip(params, before, state):
+        step = (w - w_before).abs_()
+        mean = st.get("rudra_gap_step")
+        if mean is None:
+            st["rudra_gap_step"] = step
+        else:
+            mean.mul_(GAP_DECAY).add_(step, alpha=1 - GAP_DECAY)

@@ -1,0 +1,111 @@
+"""Staleness compensation on scripted pushes: each rule's update by hand, the identity where nothing is stale,
+the rules' state in the optimizer's checkpoint, and the refusals."""
+
+import pytest
+import torch
+
+from lightning_rudra.core.compensation import check_optimizer, parse_compensation, staleness_options
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+
+
+def scalar_server(compensation, protocol="async", learners=2, momentum=0.0, optimizer=torch.optim.SGD, **options):
+    w = torch.ones(1)
+    opt = optimizer([w], lr=0.1, **({"momentum": momentum} if optimizer is torch.optim.SGD else {}), **options)
+    config = ProtocolConfig(learners, protocol, compensation=compensation)
+    return Server(config, [w], [], [OptimizerSpec.from_optimizer(opt, [w])]), opt
+
+
+def push(server, opt, learner, grad, timestamp):
+    return server.push(learner, 0, [torch.tensor([grad])], torch.tensor([True]), timestamp,
+                       [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups], [])
+
+
+def weight(server):
+    return server.params[0].item()
+
+
+def test_momentum_scales_the_rate_by_c_over_lambda_then_trades_momentum_for_rate_once_stale():
+    server, opt = scalar_server("momentum", momentum=0.9)
+    push(server, opt, 0, 1.0, 0)  # σ = 0, ⟨σ⟩ = 0: lr 0.1 · c/λ = 0.05, momentum 0.9 (buffer = 1)
+    assert weight(server) == pytest.approx(0.95)
+    push(server, opt, 1, 2.0, 0)  # σ = 1, ⟨σ⟩ = 0.5: still; buffer = 0.9 + 2
+    assert weight(server) == pytest.approx(0.95 - 0.05 * 2.9)
+    push(server, opt, 0, 1.0, 0)  # σ = 2, ⟨σ⟩ = 1: momentum 0, lr 0.1 · 1/2 · 0.5 / (1 - 0.9) = 0.25
+    assert weight(server) == pytest.approx(0.805 - 0.25)
+    assert server.optimizers[0].param_groups[0]["momentum"] == 0.0 and opt.param_groups[0]["momentum"] == 0.9
+
+
+def test_momentum_on_adam_switches_beta1_off_and_scales_the_rate():
+    server, opt = scalar_server("momentum", optimizer=torch.optim.Adam, betas=(0.9, 0.99))
+    for timestamp in (0, 0, 0):
+        push(server, opt, 0, 1.0, timestamp)
+    group = server.optimizers[0].param_groups[0]
+    assert group["betas"] == (0.0, 0.99) and group["lr"] == pytest.approx(0.1 * 0.5 * 0.5)
+
+
+def test_dc_adds_the_taylor_term_to_a_stale_gradient():
+    server, opt = scalar_server("dc")
+    push(server, opt, 0, 1.0, 0)  # fresh: w = 1 - 0.1
+    assert weight(server) == pytest.approx(0.9)
+    push(server, opt, 1, 2.0, 0)  # from w = 1, now 0.9: g + 0.2 · g² / sqrt(g²) · (0.9 - 1) = 2 - 0.04
+    assert weight(server) == pytest.approx(0.9 - 0.1 * 1.96)
+    assert server.optimizer_state(0)["state"][0]["rudra_dc_mean_square"].item() == pytest.approx(4.0)
+
+
+def test_gap_divides_by_the_gap_in_units_of_the_mean_step():
+    server, opt = scalar_server("gap")
+    push(server, opt, 0, 1.0, 0)  # w = 0.9, mean step 0.1
+    push(server, opt, 1, 1.0, 0)  # gap |0.9 - 1| / 0.1 = 1: unchanged, w = 0.8; mean step stays 0.1
+    assert weight(server) == pytest.approx(0.8)
+    push(server, opt, 0, 2.0, 0)  # gap |0.8 - 1| / 0.1 = 2: the gradient halved
+    assert weight(server) == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("compensation", ["momentum", "dc", "gap", "momentum+dc+gap"])
+def test_one_async_learner_is_plain_sgd_under_every_rule(compensation):
+    server, opt = scalar_server(compensation, learners=1, momentum=0.9, nesterov=True)
+    w = torch.ones(1, requires_grad=True)
+    plain = torch.optim.SGD([w], lr=0.1, momentum=0.9, nesterov=True)
+    for step, grad in enumerate([1.0, -2.0, 0.5, 3.0]):
+        push(server, opt, 0, grad, step)
+        w.grad = torch.tensor([grad])
+        plain.step()
+        assert weight(server) == w.item()
+
+
+def test_hardsync_is_never_changed():
+    updated = []
+    for compensation in ("none", "momentum+dc+gap"):
+        server, opt = scalar_server(compensation, protocol="hardsync", momentum=0.9)
+        for k in range(3):
+            push(server, opt, 0, 1.0 + k, k)
+            push(server, opt, 1, -0.5 * k, k)
+        updated.append(weight(server))
+    assert updated[0] == updated[1]
+
+
+def test_the_rules_state_travels_with_the_optimizer_state():
+    server, opt = scalar_server("dc+gap")
+    for learner, timestamp in ((0, 0), (1, 0), (0, 1)):
+        push(server, opt, learner, 1.0, timestamp)
+    saved = server.optimizer_state(0)
+    restored, _ = scalar_server("dc+gap")
+    restored.load_optimizer_state(0, saved)
+    state = restored.optimizers[0].state[restored.params[0]]
+    assert {"rudra_dc_mean_square", "rudra_gap_step"} <= set(state)
+    assert state["rudra_gap_step"].item() == pytest.approx(saved["state"][0]["rudra_gap_step"].item())
+
+
+def test_defaults_and_refusals():
+    assert staleness_options(None, None) == ("none", "momentum")
+    assert staleness_options("mean", None) == ("mean", "none")
+    assert parse_compensation("none") == () and parse_compensation("gap+momentum") == ("gap", "momentum")
+    with pytest.raises(ValueError, match=r"compensation='dc\+dc' is not supported"):
+        parse_compensation("dc+dc")
+    with pytest.raises(ValueError, match=r"compensation 'momentum' scales the learning rate, which optimizer 0 "
+                                         r"\(Rprop\) does not"):
+        check_optimizer(("momentum",), torch.optim.Rprop, "optimizer 0 (Rprop)")
+    check_optimizer(("dc",), torch.optim.Rprop, "optimizer 0 (Rprop)")
+    with pytest.raises(ValueError, match="lr_modulation='per_gradient' and compensation='momentum' both scale"):
+        ProtocolConfig(2, "async", lr_modulation="per_gradient", compensation="momentum")

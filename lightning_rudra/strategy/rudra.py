@@ -26,7 +26,7 @@ from lightning_rudra.strategy.collectives import ServerCollectives
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.core.compensation import staleness_options
-from lightning_rudra.core.protocol import PROTOCOLS, ProtocolConfig, validate_n, validate_options
+from lightning_rudra.core.config import PROTOCOLS, ProtocolConfig, validate_n, validate_options
 from lightning_rudra.strategy.push_metrics import PushMetrics
 from lightning_rudra.strategy.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
 from lightning_rudra.strategy.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
@@ -281,7 +281,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         if self.simulate and self._learner is not None and trainer.state.stage == RunningStage.TRAINING:
             return simulated_dataloader(dataloader, self.simulate, self.protocol, self.timing, self._learner.client)
         if self.sampling == "shared" and self._client is not None and trainer.state.stage == RunningStage.TRAINING:
-            shared = shared_dataloader(dataloader, self._client, self._pools)
+            shared = shared_dataloader(dataloader, self._client, self._pools, self.num_learners)
             if shared is not None:
                 self._pools += 1
                 return shared

@@ -2,7 +2,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="lightning_rudra",
-    version="0.1.0.dev0",
+    version="0.2.0.dev0",
     description="Parameter-server training for PyTorch Lightning: hardsync, n-softsync and async protocols "
                 "with staleness-aware learning rates (Rudra, ICDM 2016).",
     long_description=open("README.md", encoding="utf-8").read(),

@@ -9,4 +9,4 @@ from lightning_rudra.core.stats import Stats
 from lightning_rudra.strategy import RudraStrategy
 
 __all__ = ["RudraStrategy", "Stats", "ProtocolConfig", "Server"]
-__version__ = "0.1.0.dev0"
+__version__ = "0.2.0.dev0"

@@ -132,6 +132,51 @@ def test_collectives_in_batch_start_hooks_are_the_learners_own_and_a_none_batch_
     assert trainer.callback_metrics["batch_start_epoch"].item() == pytest.approx(mean)
 
 
+class OneCycle(Recording):
+    """A OneCycleLR over trainer.estimated_stepping_batches, stepped per step; writes down the rate of every batch
+    it trains on, with the batch's place in the epoch."""
+
+    def __init__(self, out_dir: str, slow: float) -> None:
+        super().__init__(out_dir, slow=slow)
+        self.rates: list[tuple[int, int, float]] = []
+
+    def configure_optimizers(self):
+        self.estimated = self.trainer.estimated_stepping_batches
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=self.estimated)
+        return [opt], [{"scheduler": scheduler, "interval": "step"}]
+
+    def training_step(self, batch, batch_idx):
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.rates.append((self.current_epoch, self.trainer.strategy._shared.position, lr))
+        return super().training_step(batch, batch_idx)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        torch.save({"estimated": self.estimated, "rates": self.rates, "steps": self.lr_schedulers().last_epoch},
+                   f"{self.out_dir}/rates{self.global_rank}.pt")
+
+
+def test_estimated_stepping_batches_and_step_schedulers_are_one_learners_as_under_ddp(tmp_path):
+    # 256 samples in batches of 8, 2 learners, windows of 2: DDP's learners take 16 batches, 8 steps an epoch
+    trainer, records = fit(tmp_path, OneCycle(str(tmp_path), slow=0.03), max_epochs=2, accumulate_grad_batches=2)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    reference = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=16)
+    schedule = [opt.param_groups[0]["lr"]]
+    for _ in range(16):
+        opt.step()
+        reference.step()
+        schedule.append(opt.param_groups[0]["lr"])
+    seen = [torch.load(tmp_path / f"rates{rank}.pt") for rank in range(2)]
+    for learner in seen:
+        assert learner["estimated"] == 16
+        assert learner["steps"] == 16  # the schedule's end, on the fast learner too, and never past it
+        # each batch at the rate DDP trains the same samples at: place p of the epoch is DDP's batch p // 2
+        for epoch, place, lr in learner["rates"]:
+            assert lr == pytest.approx(schedule[8 * epoch + place // 2 // 2]), (epoch, place)
+    assert len(seen[0]["rates"]) > len(seen[1]["rates"])  # learner 1 is the slow one
+
+
 def test_max_time_stops_every_learner_without_a_meeting_per_batch(tmp_path):
     # Lightning's Timer broadcasts its decision after every batch: each learner decides for itself here
     trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_time={"seconds": 4})

@@ -26,28 +26,34 @@ class SharedEpochSampler(Sampler[int]):
     prefetch). ``on_spent`` is called once the run's ``budget`` of batches is spent. Once ``sized`` is False
     the sampler has no length: a learner cannot know how many batches it will get, and whoever iterates must
     find the end by prefetching (Lightning's data fetcher does, and so knows which batch is the last).
+    ``num_learners`` (λ) gives the length its meaning until then: one learner's share of the epoch.
     """
 
-    def __init__(self, client: LearnerClient, pool: int, plan: EpochPlan) -> None:
+    def __init__(self, client: LearnerClient, pool: int, plan: EpochPlan, num_learners: int = 1) -> None:
         self.client = client
         self.pool = pool
         self.plan = plan
+        self.num_learners = num_learners
         self.epoch: Optional[int] = None
         self.positions: deque[int] = deque()
         self.on_spent: Optional[Callable[[], None]] = None
         self.sized = True
         self.want = BATCHES_PER_DRAW  # batches to ask for at once
+        self.ended: Optional[str] = None  # why the last iteration ended: "epoch" (drained) or "budget"
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch = epoch
+            self.ended = None
             self.positions.clear()
 
     def __len__(self) -> int:
-        """Samples in the whole epoch, all learners together: an upper bound for this learner."""
+        """Samples in one learner's share of the epoch (1/λ of its batches, as DDP's shard): what Lightning counts
+        per learner before training starts (``limit_train_batches``, ``estimated_stepping_batches``)."""
         if not self.sized:
             raise TypeError("a learner's share of the shared epoch is not known in advance")
-        return min(self.plan.num_samples, self.plan.num_batches * self.plan.batch_size)
+        share = -(-self.plan.num_batches // self.num_learners)
+        return min(self.plan.num_samples, share * self.plan.batch_size)
 
     def __iter__(self) -> Iterator[int]:
         if self.epoch is None:
@@ -57,6 +63,7 @@ class SharedEpochSampler(Sampler[int]):
         while True:
             indices, position, what = self.client.result(asked)
             if indices is None:
+                self.ended = what
                 if what == "budget" and self.on_spent is not None:
                     self.on_spent()
                 return

@@ -8,12 +8,17 @@ is recounted in the epoch's batches, all learners together, because learners now
 - ``limit_train_batches=k`` means k·λ batches per epoch (what λ learners take under DDP), a fraction the same
   fraction of the pool;
 - ``max_steps`` means the run ends once the learners together have drawn max_steps·λ windows of batches;
+- ``estimated_stepping_batches`` (read in ``configure_optimizers``) is one learner's steps, as under DDP, and
+  step-interval LR schedulers follow the epoch's progress, not the learner's own steps: the batch at place p of
+  the epoch is trained at the rate DDP's learners train their batch p // λ at (a fast learner takes more
+  batches, and would otherwise run its schedule ahead of the others, past its end);
 - validation (``val_check_interval``) runs at the same places in the epoch for every learner, so that its
   collectives meet: every ``val_check_interval`` fraction of the pool (or every k·λ batches for an int k),
   and every learner meets the others at a barrier first.
 """
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import pytorch_lightning as pl
@@ -27,14 +32,15 @@ from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.learner.sampler import SharedEpochSampler
 
 
-def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int) -> Optional[DataLoader]:
+def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int, num_learners: int) -> Optional[DataLoader]:
     """``dataloader`` drawing from the server's pool number ``pool``; None if it cannot be pooled: an
     IterableDataset, a sampler or batch sampler of the user's own (Lightning wraps those per learner)."""
     sampler = getattr(dataloader, "sampler", None)
     if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler or not dataloader.batch_size:
         return None
     plan = EpochPlan(len(sampler.dataset), dataloader.batch_size, sampler.shuffle, sampler.seed, dataloader.drop_last)
-    return _update_dataloader(dataloader, SharedEpochSampler(client, pool, plan), mode=RunningStage.TRAINING)
+    sampler = SharedEpochSampler(client, pool, plan, num_learners)
+    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
 
 def start_shared_epoch(trainer: "pl.Trainer", loaders: list[Any], num_learners: int) -> Optional["SharedEpochLoop"]:
@@ -73,6 +79,9 @@ class SharedEpochLoop:
         self._points_epoch = -1
         self._max_steps = trainer.fit_loop.max_steps
         self._stopping = False  # this learner told the server that it stops
+        self._learner_batches = 0  # one DDP learner's batches per epoch
+        self._scheduled: list[Any] = []  # the step-interval LR schedulers' configs (automatic optimization)
+        self._scheduler_steps: list[int] = []  # per config: times this learner stepped it (counted from the epoch's)
 
     def install(self) -> None:
         trainer, fit_loop = self.trainer, self.trainer.fit_loop
@@ -80,8 +89,8 @@ class SharedEpochLoop:
         combined = fit_loop._combined_loader
         assert combined is not None
         limits = []
-        for dl, sampler in zip(combined.flattened, self.samplers):
-            pool = len(dl)
+        for sampler in self.samplers:
+            pool = sampler.plan.num_batches  # the whole epoch (len() is one learner's share)
             limit = trainer.limit_train_batches
             # Lightning applied the limit to one learner's count; the pool holds λ learners' worth
             cap = min(pool, limit * self.num_learners) if isinstance(limit, int) else int(pool * limit)
@@ -97,6 +106,12 @@ class SharedEpochLoop:
             limits.append(cap)
         combined.limits = None  # the server's pools hold the limits
         fit_loop.max_batches = max(limits)
+        self._learner_batches = -(-limits[0] // self.num_learners)
+        if trainer.lightning_module.automatic_optimization:
+            self._scheduled = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and
+                               not c.reduce_on_plateau]
+        self._scheduler_steps = [self._ddp_steps(c, trainer.current_epoch, 0) for c in self._scheduled]
+        fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers
         # Lightning made the first epoch's iterator while the samplers had a length, so it would not look ahead
         # for the last batch: make it again, for the epoch about to start
         for sampler in self.samplers:
@@ -110,6 +125,7 @@ class SharedEpochLoop:
             sampler.sized = True
         self.trainer.fit_loop.epoch_loop.max_steps = self._max_steps
         self.trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
+        self.trainer.fit_loop.epoch_loop.__dict__.pop("update_lr_schedulers", None)
 
     def on_batch_fetched(self) -> None:
         """A training batch came from the DataLoader: the learner is in a batch of its own from here on, before
@@ -117,6 +133,7 @@ class SharedEpochLoop:
         gets no such hook, but took a place in the epoch)."""
         self.position = self.samplers[0].next_position()
         self.in_batch = True
+        self._catch_up_schedulers(self.position // self.num_learners)
 
     def on_train_epoch_end(self) -> None:
         """Before any other ``on_train_epoch_end``. Still in a batch here: the module's ``on_train_batch_start``
@@ -129,6 +146,8 @@ class SharedEpochLoop:
                 "RudraStrategy's shared epoch the learners take different batches, so the others cannot skip at "
                 "the same place, and validation and the epoch's end would not meet. Use limit_train_batches (it "
                 "counts the batches of all learners), or RudraStrategy(sampling='static').")
+        if self.samplers[0].ended == "epoch":  # the epoch was drained, not the run stopped within it
+            self._catch_up_schedulers(self._learner_batches)
 
     def _stop(self) -> None:
         self.trainer.should_stop = True
@@ -150,6 +169,34 @@ class SharedEpochLoop:
                     f"ModelCheckpoint(train_time_interval={callback._train_time_interval}) cannot be used with "
                     "RudraStrategy's shared epoch yet. Use every_n_train_steps (learner 0's steps), every_n_epochs, "
                     "or RudraStrategy(sampling='static').")
+
+    # ---- step-interval LR schedulers at the epoch's progress ----------------------------------------------
+    def _ddp_steps(self, config: Any, epoch: int, batches: int) -> int:
+        """Times DDP's learners have stepped ``config``'s scheduler once each has trained ``batches`` of its batches
+        in ``epoch``: Lightning steps it at the end of an accumulation window (or of the epoch) whose batch count
+        is a multiple of its frequency."""
+        per_epoch, window, frequency = self._learner_batches, self.trainer.accumulate_grad_batches, config.frequency
+
+        def within(n: int) -> int:
+            last_window = n == per_epoch and n % window != 0 and n % frequency == 0
+            return n // math.lcm(window, frequency) + int(last_window)
+
+        return epoch * within(per_epoch) + within(batches)
+
+    def _catch_up_schedulers(self, batches: int) -> None:
+        """Steps the step-interval schedulers as DDP's learners would have once each has trained ``batches`` of
+        its batches in this epoch (none, or several, between two of this learner's batches)."""
+        module, epoch = self.trainer.lightning_module, self.trainer.current_epoch
+        for i, config in enumerate(self._scheduled):
+            for _ in range(self._ddp_steps(config, epoch, batches) - self._scheduler_steps[i]):
+                module.lr_scheduler_step(config.scheduler, None)
+                self._scheduler_steps[i] += 1
+
+    def _update_lr_schedulers(self, interval: str, update_plateau_schedulers: bool) -> None:
+        """Lightning's, except for the step-interval schedulers that :meth:`_catch_up_schedulers` steps."""
+        epoch_loop = self.trainer.fit_loop.epoch_loop
+        if interval != "step" or update_plateau_schedulers or not self._scheduled:
+            type(epoch_loop).update_lr_schedulers(epoch_loop, interval, update_plateau_schedulers)
 
     # ---- validation at the same places in the epoch for every learner ----------------------------------
     def _interval(self, epoch_batches: int) -> int:

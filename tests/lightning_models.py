@@ -37,9 +37,12 @@ def flat(params) -> torch.Tensor:
 def single_process_sgd(epochs: int, batch_size: int, model: Optional[pl.LightningModule] = None,
                        **kwargs) -> torch.Tensor:
     """Plain SGD over the batches of μλ samples that the λ learners' shards make up together: Lightning's
-    DistributedSampler shuffles training data with the permutation seeded by the epoch."""
+    DistributedSampler shuffles training data with the permutation seeded by the epoch. A module may return
+    ``[opt], [{"scheduler": ..., "interval": "step"}]``: its schedulers step after every step."""
     model = model if model is not None else Regression(**kwargs)
     opt = model.configure_optimizers()
+    opt, schedulers = (opt, []) if isinstance(opt, torch.optim.Optimizer) else (opt[0][0], [c["scheduler"] for c in
+                                                                                          opt[1]])
     x, y = loader(batch_size).dataset.tensors
     for epoch in range(epochs):
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
@@ -47,6 +50,8 @@ def single_process_sgd(epochs: int, batch_size: int, model: Optional[pl.Lightnin
             opt.zero_grad()
             model.loss((x[rows], y[rows])).backward()
             opt.step()
+            for scheduler in schedulers:
+                scheduler.step()
     return flat(model.parameters())
 
 

@@ -104,6 +104,58 @@ def test_hardsync_with_simulated_learners_equals_sgd_with_batch_mu_lambda(learne
     assert stats.batches == {r: 2 * 256 // (8 * learners) for r in range(learners)}
 
 
+class OneCycle(Regression):
+    """A OneCycleLR stepped per step over ``total_steps``, or else trainer.estimated_stepping_batches."""
+
+    def __init__(self, total_steps=None) -> None:
+        super().__init__()
+        self.total_steps = total_steps
+
+    def configure_optimizers(self):
+        self.total_steps = self.total_steps or self.trainer.estimated_stepping_batches
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=self.total_steps)
+        return [opt], [{"scheduler": scheduler, "interval": "step"}]
+
+
+class TwoSchedules(Regression):
+    """A rate × 0.9 after every step and × 0.5 after every epoch; writes down (learner, rate) of every batch."""
+
+    def __init__(self) -> None:
+        super().__init__(momentum=0.0)
+        self.rates: list[tuple[int, float]] = []
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        steps = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return [opt], [{"scheduler": steps, "interval": "step"}, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)]
+
+    def training_step(self, batch, batch_idx):
+        learner, lr = self.trainer.strategy._learner.client.learner, self.trainer.optimizers[0].param_groups[0]["lr"]
+        self.rates.append((learner, lr))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_every_simulated_learner_steps_its_own_schedule_over_one_learners_estimated_steps():
+    # hardsync = SGD with batch μλ, also with a per-step schedule over estimated_stepping_batches (one learner's
+    # 2 epochs × 256 / (4 · 8) steps, as real learners would read it)
+    model, trainer = fit(RudraStrategy(protocol="hardsync", simulate=4), model=OneCycle(), max_epochs=2)
+    assert model.total_steps == 16 and trainer.lr_scheduler_configs[0].scheduler.last_epoch == 16
+    assert torch.allclose(flat(model.parameters()), single_process_sgd(2, 32, model=OneCycle(total_steps=16)),
+                          atol=1e-6)
+    # learners at their own pace: each rate is the learner's own, after its own steps and the epochs' ends
+    model, _ = fit(RudraStrategy(protocol="async", simulate=3, timing=Stragglers({0: 3.0})), model=TwoSchedules(),
+                   data=loader(8, num_samples=96), max_epochs=2)
+    steps = Counter()
+    for i, (learner, lr) in enumerate(model.rates):
+        epoch = i // 12  # 96 samples: 4 batches per learner and epoch
+        assert lr == pytest.approx(0.05 * 0.9 ** steps[learner] * 0.5 ** epoch), (i, learner)
+        steps[learner] += 1
+    assert steps == {r: 8 for r in range(3)}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_async_with_one_simulated_learner_equals_plain_sgd():

@@ -6,14 +6,16 @@ uses it unchanged) and serves every virtual learner from an in-process
 holds the weights it last received and their timestamp, so a gradient is computed from exactly the weights a
 real learner would hold when it pushes. :class:`SimulatedSampler` deals every learner the batches its own
 DistributedSampler shard would give it, in the order the timing model (:mod:`lightning_rudra.core.timing`) says
-they reach the server. No Lightning here.
+they reach the server, and :class:`LearnerSchedules` keeps every learner's own LR schedule. No Lightning here.
 """
 
+import copy
 from collections import deque
 from typing import Any, Iterator, Optional, Sequence
 
 from torch import Tensor
 from torch.futures import Future
+from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_rudra.core.optimizers import OptimizerSpec
@@ -160,18 +162,20 @@ class SimulatedSampler(Sampler[list[int]]):
     ``learners`` holds the learner of every batch yielded and not yet trained on (Lightning and the DataLoader
     fetch ahead); :meth:`next_learner` takes the oldest. ``max_batches`` caps every learner's batches per epoch
     (``limit_train_batches``), ``budget`` its steps over the run (``max_steps``); ``taken`` counts the batches
-    each learner took before this epoch (the server's statistics, restored with a checkpoint).
+    each learner took before this epoch (the server's statistics, restored with a checkpoint). Its length is
+    one learner's batches per epoch, or, once ``whole``, every learner's.
     """
 
     def __init__(self, shards: Sequence[DistributedSampler], batch_size: int, drop_last: bool, protocol: str,
-                 timing: TimingModel, taken: dict[int, int]) -> None:
+                 timing: TimingModel, taken: Optional[dict[int, int]] = None) -> None:
         self.shards = list(shards)
         self.sampler = self  # where Lightning sets the epoch of a batch sampler (``batch_sampler.sampler``)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.protocol = protocol
         self.timing = timing
-        self.taken = taken
+        self.taken = taken or {}
+        self.whole = False
         self.max_batches: Optional[int] = None
         self.budget: Optional[int] = None
         self.learners: deque[int] = deque()
@@ -186,7 +190,7 @@ class SimulatedSampler(Sampler[list[int]]):
         return batches if self.max_batches is None else min(batches, self.max_batches)
 
     def __len__(self) -> int:
-        return self.batches_per_learner() * len(self.shards)
+        return self.batches_per_learner() * (len(self.shards) if self.whole else 1)
 
     def __iter__(self) -> Iterator[list[int]]:
         per_learner = self.batches_per_learner()
@@ -208,3 +212,45 @@ class SimulatedSampler(Sampler[list[int]]):
         size = self.batch_size
         cut = [indices[i:i + size] for i in range(0, len(indices), size)]
         return cut[:-1] if cut and self.drop_last and len(cut[-1]) < size else cut
+
+
+class LearnerSchedules:
+    """Every simulated learner's own LR schedule, as each real learner steps its own schedulers: the state of
+    ``schedulers`` and the hyper-parameters (what schedulers set) of every group of ``optimizers``. One learner's
+    is in place at a time (:meth:`switch`); all start from the schedule as it is now."""
+
+    def __init__(self, num_learners: int, schedulers: Sequence[Any], optimizers: Sequence[Optimizer]) -> None:
+        self.schedulers = list(schedulers)
+        self.optimizers = list(optimizers)
+        self.learner = 0  # whose schedule is in place
+        now = self._take()
+        self.states = [copy.deepcopy(now) for _ in range(num_learners)]
+
+    def switch(self, learner: int) -> None:
+        """Puts ``learner``'s schedule in place, keeping the one in place until now."""
+        if learner != self.learner:
+            self.states[self.learner] = self._take()
+            self._put(self.states[learner])
+            self.learner = learner
+
+    def each(self) -> Iterator[int]:
+        """Every learner in turn, its schedule in place (to step all of them, at the end of an epoch); then the one
+        in place before."""
+        before = self.learner
+        for learner in range(len(self.states)):
+            self.switch(learner)
+            yield learner
+        self.switch(before)
+
+    def _take(self) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
+        return ([copy.deepcopy(scheduler.state_dict()) for scheduler in self.schedulers],
+                [[{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+                 for optimizer in self.optimizers])
+
+    def _put(self, state: tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]) -> None:
+        schedulers, optimizers = copy.deepcopy(state)
+        for scheduler, saved in zip(self.schedulers, schedulers):
+            scheduler.load_state_dict(saved)
+        for optimizer, groups in zip(self.optimizers, optimizers):
+            for group, saved in zip(optimizer.param_groups, groups):
+                group.update(saved)

@@ -278,8 +278,10 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
     # ---- training --------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
-        if self.simulate and self._learner is not None and trainer.state.stage == RunningStage.TRAINING:
-            return simulated_dataloader(dataloader, self.simulate, self.protocol, self.timing, self._learner.client)
+        if self.simulate and trainer.state.stage == RunningStage.TRAINING:
+            # made before the learner exists: inside configure_optimizers, which reads one learner's counts
+            return simulated_dataloader(dataloader, self.simulate, self.protocol, self.timing,
+                                        whole=self._learner is not None)
         if self.sampling == "shared" and self._client is not None and trainer.state.stage == RunningStage.TRAINING:
             shared = shared_dataloader(dataloader, self._client, self._pools, self.num_learners)
             if shared is not None:
@@ -293,7 +295,8 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
         if self.simulate:
-            self._simulated = start_simulation(trainer, loaders, self.num_learners)
+            assert self._learner is not None
+            self._simulated = start_simulation(trainer, loaders, self.num_learners, self._learner.client)
         else:
             self._shared = start_shared_epoch(trainer, loaders, self.num_learners)
             if self._shared is None and self.protocol != "hardsync":

@@ -40,11 +40,11 @@ WITHIN = 0.02  # of hardsync's final error
 
 
 def grid(rates: dict[str, float]) -> list[dict[str, Any]]:
-    """Every run, once the rates are chosen: hardsync per optimizer and seed; async at every λ and softsync with
-    n = 4 at λ = 16, under every rule."""
+    """Every run, once the rates are chosen: hardsync per optimizer and seed; async at every λ, 4-softsync at λ = 16 and
+    1-softsync (the strategy's default protocol) at λ = 4, under every rule."""
     runs = [dict(optimizer=o, protocol="hardsync", learners=16, n=1, rule="none", seed=s, epochs=EPOCHS)
             for o in rates for s in SEEDS]
-    stale = [("async", lam, 1) for lam in LEARNERS] + [("softsync", 16, 4)]
+    stale = [("async", lam, 1) for lam in LEARNERS] + [("softsync", 16, 4), ("softsync", 4, 1)]
     runs += [dict(optimizer=o, protocol=p, learners=lam, n=n, rule=r, seed=s, epochs=2 * EPOCHS)
              for s in SEEDS for o in rates for p, lam, n in stale for r in RULES]
     return [{**run, "lr": rates[run["optimizer"]]} for run in runs]

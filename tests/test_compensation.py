@@ -25,14 +25,14 @@ def weight(server):
     return server.params[0].item()
 
 
-def test_momentum_scales_the_rate_by_c_over_lambda_then_trades_momentum_for_rate_once_stale():
+def test_momentum_scales_the_rate_by_c_over_lambda_then_trades_momentum_for_a_stable_step_once_stale():
     server, opt = scalar_server("momentum", momentum=0.9)
-    push(server, opt, 0, 1.0, 0)  # σ = 0, ⟨σ⟩ = 0: lr 0.1 · c/λ = 0.05, momentum 0.9 (buffer = 1)
+    push(server, opt, 0, 1.0, 0)  # σ = 0, ⟨σ⟩ = 0: lr 0.1 · c/λ = 0.05, momentum 0.9
     assert weight(server) == pytest.approx(0.95)
-    push(server, opt, 1, 2.0, 0)  # σ = 1, ⟨σ⟩ = 0.5: still; buffer = 0.9 + 2
-    assert weight(server) == pytest.approx(0.95 - 0.05 * 2.9)
-    push(server, opt, 0, 1.0, 0)  # σ = 2, ⟨σ⟩ = 1: momentum 0, lr 0.1 · 1/2 · 0.5 / (1 - 0.9) = 0.25
-    assert weight(server) == pytest.approx(0.805 - 0.25)
+    push(server, opt, 1, 2.0, 0)  # σ = 1, ⟨σ⟩ = 0.5: momentum 0, step 0.1 / (1 - 0.9) · min(1/2, 1/(2 · 0.5 + 1))
+    assert weight(server) == pytest.approx(0.95 - 0.5 * 2.0)
+    push(server, opt, 0, 1.0, 0)  # σ = 2, ⟨σ⟩ = 1: step 1 · min(1/2, 1/3)
+    assert weight(server) == pytest.approx(-0.05 - 1 / 3)
     assert server.optimizers[0].param_groups[0]["momentum"] == 0.0 and opt.param_groups[0]["momentum"] == 0.9
 
 
@@ -41,7 +41,7 @@ def test_momentum_on_adam_switches_beta1_off_and_scales_the_rate():
     for timestamp in (0, 0, 0):
         push(server, opt, 0, 1.0, timestamp)
     group = server.optimizers[0].param_groups[0]
-    assert group["betas"] == (0.0, 0.99) and group["lr"] == pytest.approx(0.1 * 0.5 * 0.5)
+    assert group["betas"] == (0.0, 0.99) and group["lr"] == pytest.approx(0.1 / 3)  # ⟨σ⟩ = 1: min(1/2, 1/3)
 
 
 def test_dc_adds_the_taylor_term_to_a_stale_gradient():

@@ -9,7 +9,7 @@ def test_a_tiny_grid_trains_and_reports(tmp_path, monkeypatch):
     study.main(["--out", str(tmp_path)])
     rows = study.read_rows(tmp_path / "runs.jsonl")
     # the sweep (2 rates), hardsync at the chosen rate (the sweep's run, not again), async and 4-softsync × 4 rules
-    assert len(rows) == 2 + 2 * len(study.RULES)
+    assert len(rows) == 2 + 3 * len(study.RULES)
     assert all(len(r["errors"]) == (1 if r["protocol"] == "hardsync" else 2) for r in rows)
     assert {r["mean_staleness"] for r in rows if r["protocol"] == "hardsync"} == {0.0}
     findings = (tmp_path / "findings.md").read_text()

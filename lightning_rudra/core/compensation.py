@@ -4,16 +4,17 @@ the synchronous run, with the optimizer and learning rate tuned for it. Plain to
 A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"``). With σ = 0 (hardsync, one
 learner) every rule is the identity, so hardsync stays SGD with batch μλ and async with one learner plain SGD.
 
-``momentum`` (the step per sample, kept stable under delay). A synchronous update averages λ gradients, a stale
-one c = ⌊λ/n⌋ (async: 1), so the learning rate is scaled by c/λ: the paper's α0/⟨σ⟩ in expectation (⟨σ⟩ ≈ n),
-but exact whatever the timing. The optimizer's momentum is then switched off once the mean staleness ⟨σ⟩ of the
-run reaches 1, and the rate raised by 1/(1 − β) so that the step per sample, lr/(1 − β), stays the user's. Why:
-asynchrony is itself a momentum (Mitliagkas et al., "Asynchrony begets momentum", 2016), and for a gradient τ
-updates late the largest stable step of heavy-ball SGD, in units of lr/(1 − β), is highest with no momentum at
-all once τ ≥ 2 (≈ π/(2τ + 1); momentum 0.9 only lowers it): a rate tuned near the synchronous edge of stability
-goes over it with both. Last, the step is halved (``MOMENTUM_SAFETY``): measured on the study's model, the
-delayed run without it oscillates (see docs/compensation.md). Adam's first moment (β1) is switched off the same
-way; its step does not grow with 1/(1 − β1), so its rate is only scaled by c/λ and halved.
+``momentum`` (a step that stays stable under delay). Let s = lr/(1 − β) be the step an update takes in the
+long run (the user's rate lr, momentum β; Adam: lr). A synchronous update averages λ gradients and takes s; a
+stale one averages c = ⌊λ/n⌋ (async: 1). Once the run's mean staleness ⟨σ⟩ is above 0 the rule switches the
+optimizer's momentum off (SGD's ``momentum``, Adam's β1) and sets the step of an update to
+s · min(c/λ, 1/(2⟨σ⟩ + 1)). Why: a gradient τ updates late makes heavy-ball SGD unstable once the step times the
+curvature exceeds about π/(2τ + 1), whatever the momentum, and the largest stable step is reached with no
+momentum at all; a synchronous run tolerates 2(1 + β)/(1 − β) = 38 with momentum 0.9, so a rate tuned for it
+goes over the stale edge (asynchrony is itself a momentum: Mitliagkas et al., "Asynchrony begets momentum",
+2016). With the step scaled by 1/(2⟨σ⟩ + 1), every protocol stays stable wherever the synchronous run's stiffest
+direction has step × curvature below π, and c/λ caps it at the synchronous step per sample (the paper's
+α0/⟨σ⟩ is c/λ in expectation). Before any stale gradient (the first update) only c/λ applies.
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with
@@ -24,7 +25,7 @@ by max(1, |w_now − w_stale| / C), the gap between the weights it was computed 
 of C, the running mean of one update's |Δw| (0.9).
 
 ``dc`` and ``gap`` need w_stale: the server keeps the weights of every clock a learner may still push from (the
-oldest is the oldest timestamp among the learners' last pushes), at most ``HISTORY_PER_LEARNER`` · λ copies of
+oldest is the oldest timestamp among the learners' last pushes), at most ``HISTORY_PER_LEARNER`` · λ + 1 copies of
 the parameters; a gradient older than the oldest kept is compared with the oldest kept. Their running means live
 in the optimizer's per-parameter state (saved with it in checkpoints); the copies are not saved: after a resume
 every learner starts from the restored weights.
@@ -36,7 +37,6 @@ import torch
 from torch import Tensor
 
 COMPENSATIONS = ("none", "momentum", "dc", "gap")
-MOMENTUM_SAFETY = 0.5
 DC_LAMBDA = 0.2
 DC_DECAY = 0.95
 GAP_DECAY = 0.9
@@ -78,16 +78,14 @@ def momentum_hyperparameters(group: dict[str, Any], gradients_per_update: int, n
                              mean_staleness: float) -> None:
     """The ``momentum`` rule on one parameter group (its lr and momentum as the learner sent them), in place."""
     scale = gradients_per_update / num_learners
-    if mean_staleness < 1:  # hardsync (c = λ: unchanged) or not stale yet
-        group["lr"] *= scale
-        return
-    scale *= MOMENTUM_SAFETY
-    if "betas" in group:
-        group["betas"] = (0.0, *tuple(group["betas"])[1:])
-    elif group.get("momentum", 0):
-        scale *= (1 - group.get("dampening", 0)) / (1 - group["momentum"])
-        group["momentum"] = 0.0
-        group["nesterov"] = False
+    if mean_staleness > 0:
+        scale = min(scale, 1 / (2 * mean_staleness + 1))
+        if "betas" in group:
+            group["betas"] = (0.0, *tuple(group["betas"])[1:])
+        elif group.get("momentum", 0):
+            scale *= (1 - group.get("dampening", 0)) / (1 - group["momentum"])
+            group["momentum"] = 0.0
+            group["nesterov"] = False
     group["lr"] *= scale
 
 

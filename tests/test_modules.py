@@ -1,4 +1,4 @@
-"""The long tail of LightningModules (README: "What works, what is refused"): each case trains, exactly where
+"""The long tail of LightningModules (docs/support.md): each case trains, exactly where
 exactness exists, or is refused at setup with a message that names the part at fault and a remedy."""
 
 import os

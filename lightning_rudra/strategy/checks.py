@@ -2,8 +2,8 @@
 
 Every learner runs the same checks on the same module, optimizers and callbacks at setup, before any learner
 waits on another, so a combination that cannot work under a parameter server ends every learner at once, with
-an error that names the part at fault and what to do instead. The README's table "What works, what is
-refused" lists each case and its test.
+an error that names the part at fault and what to do instead. docs/support.md lists each
+case and its test.
 """
 
 import inspect

@@ -109,3 +109,11 @@ def test_defaults_and_refusals():
     check_optimizer(("dc",), torch.optim.Rprop, "optimizer 0 (Rprop)")
     with pytest.raises(ValueError, match="lr_modulation='per_gradient' and compensation='momentum' both scale"):
         ProtocolConfig(2, "async", lr_modulation="per_gradient", compensation="momentum")
+
+
+def test_the_cost_benchmark_times_every_rule():
+    from benchmarks.compensation import RULES, markdown, measure
+
+    result = measure(size=1000, pushes=2, rounds=1)
+    assert set(result["median_push_ms"]) == set(RULES) and all(ms > 0 for ms in result["median_push_ms"].values())
+    assert "| momentum+dc |" in markdown(result)

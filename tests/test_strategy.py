@@ -68,6 +68,33 @@ def test_protocols_train_and_return_the_server_weights(tmp_path, protocol, n, le
     assert 0 < trainer.callback_metrics["lr_applied"] <= 0.02  # the server's rate: modulated by 1/⟨σ⟩
 
 
+class Normalized(Regression):
+    """Regression behind a BatchNorm layer: its running statistics are buffers, carried by every push; as the
+    first layer, they depend on the data only, not on the weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.insert(0, torch.nn.BatchNorm1d(6))
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_overlap_keeps_every_batchnorm_update(shared_memory):
+    """With overlap, the reply to push k arrives after forward k + 1 has updated the statistics: they must stay."""
+    model = Normalized()
+    strategy = RudraStrategy(protocol="async", overlap=True, shared_memory=shared_memory, start_method=START,
+                             rpc_timeout=60)
+    trainer = quiet_trainer(strategy, 1, max_epochs=1)
+    trainer.fit(model, loader(8))
+    reference = torch.nn.BatchNorm1d(6)
+    x, _ = loader(8).dataset.tensors
+    for rows in torch.randperm(len(x), generator=torch.Generator().manual_seed(0)).split(8):  # as the epoch deals
+        reference(x[rows])
+    bn = model.net[0]  # the server's final buffers
+    assert bn.num_batches_tracked.item() == 32 == trainer.strategy.stats.gradients
+    torch.testing.assert_close(bn.running_mean, reference.running_mean, rtol=0, atol=1e-5)
+    torch.testing.assert_close(bn.running_var, reference.running_var, rtol=0, atol=1e-5)
+
+
 # a checkpoint does not depend on the number of servers: one written with 2 resumes with 3, cut elsewhere
 @pytest.mark.parametrize("saved_servers, resumed_servers", [(1, 1), (2, 3)])
 def test_resume_from_checkpoint_continues_exactly_with_a_scheduler(tmp_path, saved_servers, resumed_servers):

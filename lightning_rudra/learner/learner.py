@@ -63,13 +63,20 @@ class _Shard:
                 self.shm = None  # the same host name, but not the same /dev/shm (another container)
         self.client.attached(self.shm is not None)
 
-    def take(self, flat_params: Optional[list[Tensor]], flat_buffers: Optional[list[Tensor]]) -> None:
-        """Load a reply's weights (None: read them from shared memory)."""
+    def take(self, flat_params: Optional[list[Tensor]], flat_buffers: Optional[list[Tensor]],
+             sent: Optional[list[Tensor]] = None) -> None:
+        """Load a reply's weights (None: read them from shared memory). ``sent``: the buffers pushed for this
+        reply, under overlap: the reply's buffers predate the forward passes run since, whose changes (BatchNorm
+        statistics) stay on top of them."""
+        load = self.load
+        if sent is not None and self.buffers:
+            now = self.buffer_layout.pack(self.buffers, _CPU)
+            load = lambda params, buffers: self.load(params, [_rebased(*b) for b in zip(buffers, now, sent)])
         if flat_params is None:
             assert self.shm is not None
-            self.client.timestamp = self.shm.read(self.load)
+            self.client.timestamp = self.shm.read(load)
         else:
-            self.load(flat_params, flat_buffers or [])
+            load(flat_params, flat_buffers or [])
 
     @torch.no_grad()
     def load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
@@ -78,6 +85,12 @@ class _Shard:
             if targets:
                 device = targets[0].device
                 torch._foreach_copy_(targets, layout.unpack([f.to(device, non_blocking=True) for f in flats]))
+
+
+def _rebased(replied: Tensor, now: Tensor, sent: Tensor) -> Tensor:
+    """A reply's buffer plus what the module changed in it since it sent ``sent``; a flag (bool) has no
+    difference to carry: the module's own, newer, value."""
+    return now if now.dtype == torch.bool else replied + (now - sent)
 
 
 class Learner:
@@ -91,8 +104,8 @@ class Learner:
         self.client = self.clients[0]
         self.overlap = overlap
         self.shared_memory = shared_memory
-        # (pushes in flight: shard and future, and their optimizer) not yet settled
-        self._in_flight: Optional[tuple[list[tuple[_Shard, Future]], int]] = None
+        # (pushes in flight: shard, future and the buffers sent; their optimizer) not yet settled
+        self._in_flight: Optional[tuple[list[tuple[_Shard, Future, list[Tensor]]], int]] = None
         self.params = list(module.parameters())
         self.buffers = list(module.buffers())
         self._cut(whole=False)
@@ -224,10 +237,12 @@ class Learner:
         hparams = [hyperparameters(g) for g in optimizer.param_groups]
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
         finite = None if len(self.shards) == 1 else all_finite(grads)
+        # packed before the reply in flight is loaded: its buffers predate this step's forward
+        all_buffers = [shard.buffer_layout.pack(shard.buffers, _CPU) for shard in self.shards]
         if any(shard.shm is not None for shard in self.shards):
             self.settle()  # a server may still read this buffer for the push in flight
         pushed = []
-        for shard in self.shards:
+        for shard, buffers in zip(self.shards, all_buffers):
             owned = shard.owned[index]
             grad_parts = parts(grads, owned)
             if shard.shm is not None:
@@ -235,10 +250,9 @@ class Learner:
                 packed = None
             else:
                 packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
-            buffers = shard.buffer_layout.pack(shard.buffers, _CPU)
             positions = [position for position, _ in owned]
             pushed.append((shard, shard.client.push(index, packed, has_grad[positions], hparams, buffers,
-                                                    timestamps[shard.index], finite)))
+                                                    timestamps[shard.index], finite), buffers))
         self.settle()
         self._in_flight = (pushed, index)
         if not self.overlap:
@@ -249,11 +263,11 @@ class Learner:
         if self._in_flight is None:
             return
         (pushed, index), self._in_flight = self._in_flight, None
-        replies = [(shard, shard.client.receive(future)) for shard, future in pushed]
-        for shard, (_, _, _, flat_params, flat_buffers) in replies:
-            shard.take(flat_params, flat_buffers)
+        replies = [(shard, shard.client.receive(future), sent) for shard, future, sent in pushed]
+        for shard, (_, _, _, flat_params, flat_buffers), sent in replies:
+            shard.take(flat_params, flat_buffers, sent if self.overlap else None)
         if self.on_push is not None:
-            statuses, stalenesses, lr_scales = zip(*[reply[:3] for _, reply in replies])
+            statuses, stalenesses, lr_scales = zip(*[reply[:3] for _, reply, _ in replies])
             self.on_push(index, max(statuses, key=_SEVERITY.index), max(stalenesses), min(lr_scales))
 
     def finish(self) -> None:

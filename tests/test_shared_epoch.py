@@ -16,10 +16,15 @@ from tests.lightning_models import (START, GathersInStep, IndexedData, Recording
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-def fit(tmp_path, model, learners=2, strategy_kwargs=None, batch_size=8, **trainer_kwargs):
+def fit(tmp_path, model, learners=2, strategy_kwargs=None, batch_size=8, num_workers=0, **trainer_kwargs):
     strategy = RudraStrategy(start_method=START, rpc_timeout=30, **{"protocol": "async", **(strategy_kwargs or {})})
     trainer = quiet_trainer(strategy, learners, **trainer_kwargs)
-    trainer.fit(model, indexed_loader(batch_size), indexed_loader(64, num_samples=64, shuffle=False))
+    train = indexed_loader(batch_size)
+    if num_workers:
+        # forked: a spawned worker would import torch again, for seconds, at every epoch
+        train = DataLoader(train.dataset, batch_size=batch_size, shuffle=True, num_workers=num_workers,
+                           multiprocessing_context="fork")
+    trainer.fit(model, train, indexed_loader(64, num_samples=64, shuffle=False))
     records = [torch.load(tmp_path / f"learner{rank}.pt") for rank in range(learners)]
     return trainer, records
 
@@ -65,8 +70,11 @@ def test_limits_and_validation_points_count_the_batches_of_all_learners(tmp_path
     assert trainer.strategy.stats.gradients == 40
 
 
-def test_max_steps_counts_the_steps_of_all_learners(tmp_path):
-    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_steps=45, accumulate_grad_batches=1)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_max_steps_counts_the_steps_of_all_learners(tmp_path, num_workers):
+    # with workers, batches drawn (and counted in the budget) wait in their queue when the budget is spent
+    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_steps=45, accumulate_grad_batches=1,
+                           num_workers=num_workers)
     assert trainer.strategy.stats.gradients == 2 * 45  # what two learners take in 45 DDP steps
     assert sum(len(record["batches"]) for record in records) == 90
     # 32 batches per epoch: the run stopped in the third epoch, on both learners

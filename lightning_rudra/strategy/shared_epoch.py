@@ -79,6 +79,7 @@ class SharedEpochLoop:
         self._points_epoch = -1
         self._max_steps = trainer.fit_loop.max_steps
         self._stopping = False  # this learner told the server that it stops
+        self._spent = False  # the run's budget is spent: stop after the last batch this learner drew
         self._learner_batches = 0  # one DDP learner's batches per epoch
         self._scheduled: list[Any] = []  # the step-interval LR schedulers' configs (automatic optimization)
         self._scheduler_steps: list[int] = []  # per config: times this learner stepped it (counted from the epoch's)
@@ -133,6 +134,8 @@ class SharedEpochLoop:
         gets no such hook, but took a place in the epoch)."""
         self.position = self.samplers[0].next_position()
         self.in_batch = True
+        if self._spent and not self.samplers[0].positions:
+            self.trainer.should_stop = True
         self._catch_up_schedulers(self.position // self.num_learners)
 
     def on_train_epoch_end(self) -> None:
@@ -150,7 +153,11 @@ class SharedEpochLoop:
             self._catch_up_schedulers(self._learner_batches)
 
     def _stop(self) -> None:
-        self.trainer.should_stop = True
+        """The run's budget is spent. The batches this learner drew count in it, and may still wait in the
+        DataLoader's workers: stop once the last of them is fetched."""
+        self._spent = True
+        if not self.samplers[0].positions:
+            self.trainer.should_stop = True
 
     def _refuse_per_learner_counts(self) -> None:
         trainer = self.trainer

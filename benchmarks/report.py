@@ -24,6 +24,8 @@ TARGETS = [
     ("models_10M_2_hardsync", "10 M MLP, 2 learners, no straggler: hardsync samples/s / DDP", 0.9, ">="),
     ("models_10M_2_async", "10 M MLP, 2 learners, no straggler: async samples/s / DDP", 1.0, ">="),
     ("models_10M_2_straggler_async", "10 M MLP, 2 learners, one 3x straggler: async samples/s / DDP", 2.0, ">="),
+    ("accuracy_4x3", "4 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
+    ("accuracy_2x3", "2 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
 ]
 
 STRATEGY_LABELS = {
@@ -228,12 +230,19 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             values[f"{name}_{key}"] = entry.get("vs_ddp")
         for key, entry in config.get("straggler", {}).items():
             values[f"{name}_straggler_{key}"] = entry.get("vs_ddp")
+    never = set()  # measured, but the target accuracy never reached
+    for config in summary.get("accuracy", []):
+        name = f"accuracy_{config['learners']}x{config['slowdown']:g}"
+        values[name] = config["runs"].get("async", {}).get("tta_vs_ddp")
+        if values[name] is None and config["runs"].get("async", {}).get("tta_s_reps"):
+            never.add(name)
     out = []
     for key, text, threshold, op in TARGETS:
         value = values.get(key)
         if value is None:
-            out.append({"key": key, "target": text, "threshold": threshold, "op": op, "value": None, "met": None,
-                        "by": "not measured"})
+            out.append({"key": key, "target": text, "threshold": threshold, "op": op, "value": None,
+                        "met": False if key in never else None,
+                        "by": "missed: async never reached it" if key in never else "not measured"})
             continue
         met = value <= threshold if op == "<=" else value >= threshold
         factor = value / threshold if op == "<=" else threshold / value  # > 1: how far off a missed target is
@@ -300,6 +309,31 @@ def _models_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
                          f"{STRATEGY_LABELS.get(key, key)} | {_f(e['samples_per_s'], '{:.0f}')} | "
                          f"{_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | {target} | "
                          f"{_f(e['step_ms'], '{:.1f}')} | {_f(e.get('epoch_s'))} |")
+    return lines
+
+
+def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
+    lines = ["", "## 7. Time to DDP's accuracy, momentum SGD", "", info.get("text", ""), "",
+             "| learners (μ) | straggler (sleep ms) | DDP final acc. (runs) | target | DDP s to target (epochs) | "
+             "async s to target (epochs) | async / DDP (runs) | needed | async best acc. | async final acc. (runs) | "
+             "reached (DDP, async) | epochs run (DDP, async) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in configs:
+        ddp, rudra = c["runs"].get("ddp", {}), c["runs"].get("async", {})
+        acc = lambda e, k: _f(e.get(k), "{:.3f}")  # noqa: E731
+        never = rudra.get("tta_vs_ddp") is None and bool(rudra.get("tta_s_reps"))
+        cells = [f"{c['learners']} ({c['batch_size']})",
+                 f"{c['slowdown']:g}x ({c['sleep_ms']:.1f})" if c["slowdown"] > 1 else "none",
+                 acc(c, "ddp_final_accuracy") + _spread(ddp.get("final_accuracy_runs")), acc(c, "target"),
+                 f"{_f(ddp.get('tta_s'))} ({_f(ddp.get('tta_epochs'), '{:.1f}')})",
+                 f"{_f(rudra.get('tta_s')) if rudra.get('tta_s') is not None else 'never'} "
+                 f"({_f(rudra.get('tta_epochs'), '{:.1f}')})",
+                 ("never" if never else _f(rudra.get("tta_vs_ddp"))) + _spread(rudra.get("tta_vs_ddp_reps")),
+                 _threshold(f"accuracy_{c['learners']}x{c['slowdown']:g}"), acc(rudra, "best_accuracy"),
+                 acc(rudra, "final_accuracy") + _spread(rudra.get("final_accuracy_runs")),
+                 f"{ddp.get('tta_reached', 0)}/{ddp.get('runs', 0)}, "
+                 f"{rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)}",
+                 f"{_f(ddp.get('epochs_trained'), '{:g}')}, {_f(rudra.get('epochs_trained'), '{:g}')}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -414,6 +448,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines += _epochs_table(s["epochs"], s.get("epochs_info", {}))
     if s.get("models"):
         lines += _models_table(s["models"], s.get("models_info", {}))
+    if s.get("accuracy"):
+        lines += _accuracy_table(s["accuracy"], s.get("accuracy_info", {}))
     if result.get("failures"):
         lines += ["", "## Failures", ""] + [f"- {f}" for f in result["failures"]]
     return "\n".join(lines) + "\n"

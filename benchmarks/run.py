@@ -12,6 +12,8 @@
    (the shared epoch) against DDP.
 6. Real model sizes: MLPs of 10 M and 50 M parameters on synthetic data, 2 and 4 learners: samples/s over whole
    epochs of hardsync, async and async without shared memory against DDP, and of async with one 3x straggler.
+7. Time to DDP's accuracy (``benchmarks.accuracy``): momentum SGD at DDP's rate, 2 and 4 learners, one 3x
+   straggler and none: the time async with its default options takes to reach DDP's final test accuracy.
 
 Everything runs in long-lived worker processes (``benchmarks.pool``) so that process start-up is paid once;
 each comparison is measured in the same run, repeated, and reported as the median of per-round ratios.
@@ -31,7 +33,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from benchmarks import report
+from benchmarks import accuracy, report
 from benchmarks.pool import JobFailed, Pool
 
 M = 1_000_000
@@ -92,6 +94,8 @@ DEFAULT = {
     "models": [{"params": 10 * M, "learners": 2, "samples": 384, "epochs": 4, "reps": 3},
                {"params": 50 * M, "learners": 2, "samples": 192, "epochs": 3, "reps": 1},
                {"params": 10 * M, "learners": 4, "samples": 768, "epochs": 3, "reps": 1}],
+    "accuracy_learners": [2, 4], "accuracy_slowdowns": [3, 1], "accuracy_epochs": 10, "accuracy_reps": 2,
+    "accuracy_samples": 6000,
 }
 QUICK = {
     "sizes": [10 * M], "transport_rounds": 2, "transport_servers": [2],
@@ -105,8 +109,10 @@ QUICK = {
     "epoch_learners": [2, 4], "epoch_slowdowns": [3], "epochs_per_run": 3, "epoch_reps": 1,
     "epoch_samples": 3000, "epoch_calibration_steps": 50, "epoch_target_accuracy": 0.3,
     "models": [{"params": 10 * M, "learners": 2, "samples": 384, "epochs": 3, "reps": 1}],
+    "accuracy_learners": [2, 4], "accuracy_slowdowns": [3, 1], "accuracy_epochs": 2, "accuracy_reps": 1,
+    "accuracy_samples": 3000,
 }
-PHASES = ("transport", "variants", "prototypes", "e2e", "straggler", "epochs", "models")
+PHASES = ("transport", "variants", "prototypes", "e2e", "straggler", "epochs", "models", "accuracy")
 TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_samples": 4000, "warmup": 10}
 # models phase: μ per learner, whatever λ; samples/s and step times after 2 warm-up batches (the first
 # allocations, DDP's buckets, the server's first reply), as the runs are short
@@ -255,9 +261,11 @@ class Suite:
             self.pools.pop(name).close()
 
     def _train(self, key: str, rep: int, seq: int, pool: str = "main", timeout: float = 240,
-               target: Optional[float] = None, **kwargs: Any) -> Optional[dict[str, Any]]:
+               target: Optional[float] = None, snapshots: bool = False, **kwargs: Any) -> Optional[dict[str, Any]]:
         """One training job; ``kwargs`` go to ``training.train`` over ``TRAINING``; ``target``: the test accuracy
-        for the time to accuracy (needs ``snapshot_every``)."""
+        for the time to accuracy (needs ``snapshot_every``); ``snapshots``: keep rank 0's (time, test accuracy)
+        snapshots and final accuracy in the run, and where its training started (s after the first rank's), for a
+        target known only later."""
         strategy, n, protos, options = STRATEGIES[key]
         t = {**TRAINING, **kwargs}
         start = time.monotonic()
@@ -272,6 +280,9 @@ class Suite:
         if target is not None:
             run["tta_target"] = target
             run["tta_s"], run["best_accuracy"] = report.time_to_accuracy(result[0], target)
+        if snapshots:
+            run.update(accuracy=result[0].get("accuracy", []), final_accuracy=result[0].get("final_accuracy"),
+                       rank0_start_s=result[0]["start"] - min(r["start"] for r in result))
         stats = result[0].get("stats")
         if stats:
             run["mean_staleness"] = stats["mean_staleness"]
@@ -397,15 +408,16 @@ class Suite:
             self.log(f"workers ready: {name}")
         return name
 
-    def _calibrate(self, pool: str, setup: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """A short DDP run without a straggler: its median step time is the t that a straggler's sleep is scaled by."""
+    def _calibrate(self, pool: str, setup: dict[str, Any], phase: str = "epochs") -> Optional[dict[str, Any]]:
+        """A short DDP run without a straggler: its median step time is the t that a straggler's sleep is scaled by
+        (``setup``: more arguments of ``training.train``)."""
         steps = [self.cfg["epoch_calibration_steps"]] * setup["num_learners"]
         run = self._train("ddp", 0, 0, pool=pool, max_steps=steps, sleep_s=[0.0] * len(steps), **setup)
         if run is None or run.get("step_ms") is None:
-            self.failures.append(f"epochs: no DDP step time for {setup['num_learners']} learners to calibrate the "
+            self.failures.append(f"{phase}: no DDP step time for {setup['num_learners']} learners to calibrate the "
                                  f"straggler's sleep")
             return None
-        self.log(f"epochs {setup['num_learners']} learners: DDP step {run['step_ms']:.1f} ms without a straggler")
+        self.log(f"{phase} {setup['num_learners']} learners: DDP step {run['step_ms']:.1f} ms without a straggler")
         return run
 
     def _epoch_runs(self, pool: str, setup: dict[str, Any], step_s: float, slowdown: float) -> list[dict[str, Any]]:
@@ -492,6 +504,9 @@ class Suite:
                          f"{', '.join(f'{x:.2f}' for x in run['epoch_times_s'])} s (job {run['job_wall_s']:.1f} s)")
         return runs
 
+    def accuracy(self) -> None:
+        accuracy.phase(self)
+
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
@@ -535,8 +550,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"),
                         help="folder for latest.json and latest.md (default: benchmarks/results)")
     parser.add_argument("--only", default=",".join(PHASES),
-                        help="comma-separated phases to run (straggler needs e2e for its calibration; epochs and "
-                             "models calibrate themselves)")
+                        help="comma-separated phases to run (straggler needs e2e for its calibration; epochs, "
+                             "models and accuracy calibrate themselves)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else DEFAULT
     phases = [p for p in args.only.split(",") if p]

@@ -6,8 +6,9 @@ processes of its own), which lets one rank be a straggler. A callback records th
 all processes of the host) at the end of every batch: the benchmark computes throughput over the window in
 which every learner is past its warm-up and none has stopped, so process start, rendezvous, the server's start
 and teardown are all excluded. It also records the end of every epoch, for runs of whole epochs. Rank 0 also
-keeps a copy of its weights every few batches (the weights it continues from: after a push, the server's); they
-are evaluated on the test split after training, so measuring accuracy costs the run nothing.
+keeps a copy of its weights every few batches (the weights it continues from: after a push, the server's) and of
+its final ones (Rudra: the server's, pulled after every learner finished); they are evaluated on the test split
+after training, so measuring accuracy costs the run nothing.
 """
 
 import gc
@@ -60,6 +61,7 @@ def _callback(rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_
             self.times: list[float] = []
             self.epoch_ends: list[float] = []
             self.snapshots: list[tuple[float, list[torch.Tensor]]] = []
+            self.final: Optional[tuple[float, list[torch.Tensor]]] = None
 
         def on_train_start(self, trainer, pl_module) -> None:
             self.start = time.monotonic()
@@ -82,6 +84,8 @@ def _callback(rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_
         def on_train_end(self, trainer, pl_module) -> None:
             # the strategy's on_train_end ran first (Rudra: every learner finished, final weights pulled)
             self.end = time.monotonic()
+            if snapshot_every and rank == 0:  # the final weights, apart from the snapshots
+                self.final = (self.end - self.start, [p.detach().clone() for p in pl_module.parameters()])
 
     return Recorder()
 
@@ -160,6 +164,10 @@ def train(rank: int, *, strategy: str, port: int, sleep_s: list[float], max_step
             probe = _model(mlp_params)
             result["accuracy"] = [(t, _accuracy(probe, w, data["x_test"], data["y_test"]))
                                   for t, w in recorder.snapshots]
+        if recorder.final is not None:
+            probe = _model(mlp_params)
+            result["final_accuracy"] = (recorder.final[0], _accuracy(probe, recorder.final[1], data["x_test"],
+                                                                     data["y_test"]))
         stats = getattr(trainer.strategy, "stats", None)
         if stats is not None:
             result["stats"] = {"clock": stats.clock, "gradients": stats.gradients,

@@ -1,14 +1,14 @@
 """The benchmarks are code too: the transport job (a push+pull through the real server, with every measure and
 the breakdown of one push into its pieces, then through two servers) runs end to end at a small size, so that a
-renamed internal breaks a test, not the next benchmark run."""
+renamed internal breaks a test, not the next benchmark run; the accuracy phase's target, times and ratios are
+computed on recorded snapshots (its runs take minutes)."""
 
 import multiprocessing
 
 import pytest
 
+from benchmarks import accuracy, report
 from lightning_rudra.transport.rpc_world import free_port
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def _transport(rank: int, ports: list[tuple[int, int]], results) -> None:
@@ -25,6 +25,8 @@ def _transport(rank: int, ports: list[tuple[int, int]], results) -> None:
                                                         iters=2, measures=measures, num_servers=num_servers)))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_the_transport_benchmark_runs_every_measure():
     # not "forkserver": Python's one fork server would start here without the preload that the learners' launcher
     # asks for (Lightning), and every later test's learners would import Lightning themselves (seconds each)
@@ -44,3 +46,44 @@ def test_the_transport_benchmark_runs_every_measure():
     expected = {"both", "solo", "echo", "gloo", "memcpy", "clone", "pack", "pack_reuse", "server_update", "load"}
     assert set(measured[1, 0]) == expected and set(measured[2, 0]) == {"both", "solo"}
     assert all(len(times) == 1 and times[0] > 0 for servers in (1, 2) for times in measured[servers, 0].values())
+
+
+def _run(strategy: str, seq: int, snapshots: list[tuple[float, float]], final: tuple[float, float],
+         epoch_ends_s: list[list[float]]) -> dict:
+    """A run as ``Suite._train(..., snapshots=True)`` records it (the fields the phase reads)."""
+    return {"strategy": strategy, "rep": 0, "seq": seq, "job_wall_s": 9.0, "samples_per_s": 100.0,
+            "accuracy": snapshots, "final_accuracy": final, "rank0_start_s": 0.1, "epoch_ends_s": epoch_ends_s,
+            "epoch_times_s": [b - a for a, b in zip(epoch_ends_s[0], epoch_ends_s[0][1:])]}
+
+
+def _config(async_snapshots: list[tuple[float, float]]) -> dict:
+    runs = [_run("ddp", 0, [(1.0, 0.5), (2.0, 0.89), (3.0, 0.9)], (3.2, 0.90), [[1.6, 3.1], [1.6, 3.1]]),
+            _run("async", 1, async_snapshots, (2.0, 0.88), [[0.8, 1.6], [0.9, 1.7]]),
+            _run("ddp", 2, [(1.0, 0.6), (2.0, 0.91), (3.0, 0.905)], (3.1, 0.92), [[1.6, 3.0], [1.6, 3.0]])]
+    return {"learners": 2, "batch_size": 64, "slowdown": 3, "sleep_ms": 20.0, **accuracy.summarize(runs)}
+
+
+def test_the_accuracy_phase_sets_the_target_after_the_runs_and_reads_each_runs_time_to_it():
+    config = _config([(0.5, 0.6), (1.0, 0.905), (1.5, 0.93)])
+    # the target: the median of DDP's final accuracies (0.90, 0.92) minus one point
+    assert config["ddp_final_accuracy"] == pytest.approx(0.91) and config["target"] == pytest.approx(0.90)
+    ddp, rudra = config["runs"]["ddp"], config["runs"]["async"]
+    assert ddp["tta_s_reps"] == [3.0, 2.0] and ddp["final_accuracy_runs"] == [0.90, 0.92]
+    assert rudra["tta_s"] == 1.0 and rudra["tta_vs_ddp"] == pytest.approx(1.0 / 2.5)  # the DDP runs around it
+    assert rudra["best_accuracy"] == 0.93 and rudra["final_accuracy"] == 0.88 and rudra["epochs_trained"] == 2
+    # 1.0 s after rank 0's start is 1.1 s on the epochs' clock: 1 epoch (ended at 0.9 s) and 0.2 / 0.8 of the next
+    assert rudra["tta_epochs"] == pytest.approx(1.25)
+    targets = {t["key"]: t for t in report.check_targets({"accuracy": [config]})}
+    assert targets["accuracy_2x3"]["met"] and targets["accuracy_4x3"]["by"] == "not measured"
+    assert "| 2 (64) | 3x (20.0) | 0.910 (0.90–0.92) | 0.900 | 2.50 (1.7) | 1.00 (1.2) | 0.40 |" in "\n".join(
+        report._accuracy_table([config], {}))
+
+
+def test_an_async_run_that_never_reaches_the_target_is_reported_as_never():
+    config = _config([(0.5, 0.6), (1.0, 0.85)])  # final 0.88 < 0.90 too
+    rudra = config["runs"]["async"]
+    assert rudra["tta_s"] is None and rudra["tta_vs_ddp"] is None and rudra["tta_reached"] == 0
+    assert rudra["best_accuracy"] == 0.88
+    target = {t["key"]: t for t in report.check_targets({"accuracy": [config]})}["accuracy_2x3"]
+    assert target["met"] is False and target["by"] == "missed: async never reached it"
+    assert "| never (–) | never |" in "\n".join(report._accuracy_table([config], {}))

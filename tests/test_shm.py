@@ -23,9 +23,13 @@ def shared_server(tmp_path, num_learners=1):
     return server, store, grads, store.names(server.flat_params, server.flat_buffers, grads)
 
 
+def mapping(names, learner=0):
+    return MappedWeights(names, learner)
+
+
 def test_a_learner_sees_the_servers_updates_and_writes_the_gradient_the_server_reads(tmp_path):
     server, store, grads, names = shared_server(tmp_path)
-    mapped = MappedWeights(names, 0)
+    mapped = mapping(names)
     FlatLayout([torch.zeros(3), torch.zeros(2, dtype=torch.float64)]).pack_into(
         [torch.ones(3), torch.full((2,), 2.0, dtype=torch.float64)], mapped.grads[0])
     assert [g.tolist() for g in grads[(0, 0)]] == [[1.0] * 3, [2.0] * 2]  # the same memory
@@ -39,7 +43,7 @@ def test_a_learner_sees_the_servers_updates_and_writes_the_gradient_the_server_r
 
 def test_a_read_waits_while_the_server_writes_and_never_sees_half_an_update(tmp_path):
     server, store, _, names = shared_server(tmp_path)
-    mapped = MappedWeights(names, 0)
+    mapped = mapping(names)
     store.begin()  # the server is in the middle of an update
     store_params = server.flat_params[0]
     store_params.fill_(7.0)
@@ -57,7 +61,7 @@ def test_a_read_waits_while_the_server_writes_and_never_sees_half_an_update(tmp_
 
 def test_unlink_removes_every_file_and_mappings_stay_valid(tmp_path):
     server, store, _, names = shared_server(tmp_path, num_learners=2)
-    mapped = MappedWeights(names, 1)
+    mapped = mapping(names, 1)
     assert len(os.listdir(tmp_path)) == 1 + 2 + 1 + 2 * 2  # header, params, buffers, 2 learners' gradients
     store.unlink()
     assert os.listdir(tmp_path) == []
@@ -66,6 +70,26 @@ def test_unlink_removes_every_file_and_mappings_stay_valid(tmp_path):
 
 
 def test_shared_memory_that_cannot_be_allocated_is_reported_with_a_remedy(tmp_path):
-    with pytest.raises(OSError, match=r"cannot allocate 2 x torch.int64 of shared memory at .*/missing/lightning_rudra"
+    with pytest.raises(OSError, match=r"cannot allocate 3 x torch.int64 of shared memory at .*/missing/lightning_rudra"
                                       r".*shared_memory=False"):
         SharedWeights("host", str(tmp_path / "missing"))
+
+
+def test_a_learner_maps_only_the_servers_own_files(tmp_path):
+    """Another /dev/shm: the files are missing (and none is created), or others stand at their paths."""
+    _, store, _, names = shared_server(tmp_path)
+    store.unlink()
+    with pytest.raises(FileNotFoundError, match=names.header):
+        mapping(names)
+    assert os.listdir(tmp_path) == []
+    _, other, _, _ = shared_server(tmp_path)  # another server's files at the paths of the first
+    for old, new in zip(sorted(os.listdir(tmp_path)), sorted(names_of(names))):
+        os.rename(tmp_path / old, new)
+    with pytest.raises(OSError, match=f"{names.header} is not the file the server made"):
+        mapping(names)
+
+
+def names_of(names):
+    return [names.header] + [path for files in (names.params, names.buffers, *names.grads.values())
+                             for path, _, _ in files]
+

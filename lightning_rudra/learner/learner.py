@@ -57,10 +57,14 @@ class _Shard:
         if error is not None and self.client.rank == 0:
             warnings.warn(f"lightning_rudra: {error} Weights and gradients go through RPC instead (slower).")
         if names is not None and names.host == socket.gethostname():
+            client = self.client
             try:
-                self.shm = MappedWeights(names, self.client.rank)
-            except RuntimeError:
-                self.shm = None  # the same host name, but not the same /dev/shm (another container)
+                self.shm = MappedWeights(names, client.rank)
+            except OSError as why:  # the same host name, but not the same /dev/shm
+                warnings.warn(f"lightning_rudra: learner {client.rank} could not map the shared memory of "
+                              f"{client.what}, though both run on a host named {names.host}: {why}. Another "
+                              "container or machine of that name? Weights and gradients go through RPC instead "
+                              "(slower).")
         self.client.attached(self.shm is not None)
 
     def take(self, flat_params: Optional[list[Tensor]], flat_buffers: Optional[list[Tensor]],

@@ -9,9 +9,15 @@ nothing for a reply.
 A pull must see one update's weights, not parts of two, without taking the server's lock for the copy: a
 sequence lock. The server makes the version odd while it changes the weights and even again after, with the
 new clock; a reader copies, then checks that the version was even and did not move, and copies again if it did.
+
+A learner uses the files only once it has proved that it maps the server's own: the header holds a random token
+that the server also sends over RPC. A learner with the server's host name but another /dev/shm (a container on
+the host's network, two machines of one name) finds no files, or other ones, and uses RPC.
 """
 
+import mmap
 import os
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,17 +32,45 @@ SHM_DIR = "/dev/shm"
 
 Files = list[tuple[str, int, torch.dtype]]  # one (path, numel, dtype) per flat buffer
 
+def _create(path: str, numel: int, dtype: torch.dtype) -> Tensor:
+    """A new file of ``numel`` x ``dtype`` at ``path``, its space reserved, mapped. Files in tmpfs are sparse: a
+    page is only claimed when first written, and one that cannot be is a SIGBUS, so claim them all now."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, numel * dtype.itemsize)
+        return _map(fd, numel, dtype)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
 
-def _map(path: str, numel: int, dtype: torch.dtype) -> Tensor:
-    """A 1-D tensor backed by ``path``: every process that maps the file sees the same memory."""
-    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+def _open(path: str, numel: int, dtype: torch.dtype) -> Tensor:
+    """The existing file at ``path``, mapped; never created (``torch.from_file`` would: a learner in another
+    /dev/shm would then train on zeros)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size < numel * dtype.itemsize:
+            raise OSError(f"{path} holds {size} bytes, not the {numel} x {dtype} the server made")
+        return _map(fd, numel, dtype)
+    finally:
+        os.close(fd)
+
+
+def _map(fd: int, numel: int, dtype: torch.dtype) -> Tensor:
+    """A 1-D tensor backed by the file ``fd``: every process that maps the file sees the same memory."""
+    return torch.frombuffer(mmap.mmap(fd, numel * dtype.itemsize), dtype=dtype, count=numel)
 
 
 @dataclass(frozen=True)
 class SharedNames:
-    """What a learner needs to map the server's shared memory: the host, and the files with their layouts."""
+    """What a learner needs to map the server's shared memory: the host, the files with their layouts, and the
+    token in the header that proves a mapping is of the server's files."""
 
     host: str
+    token: int
     header: str
     params: Files
     buffers: Files
@@ -45,26 +79,29 @@ class SharedNames:
 
 class SharedWeights(WeightsStore):
     """The server's side. It allocates every file (one owner for all of them), writes the weights under the
-    sequence lock, and :meth:`unlink` removes the files (mappings already made stay valid)."""
+    sequence lock, and :meth:`unlink` removes the files (mappings already made stay valid). Raises OSError, with
+    nothing left behind, where shared memory cannot be had."""
 
     def __init__(self, host: str, directory: Optional[str] = None) -> None:
         directory = directory or os.environ.get("LIGHTNING_RUDRA_SHM_DIR", SHM_DIR)
         self.host = host
+        self.token = secrets.randbits(63)
         self.prefix = os.path.join(directory, f"lightning_rudra-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.files: dict[int, tuple[str, int, torch.dtype]] = {}  # data_ptr -> file
         self.paths: list[str] = []
-        self.header = self.allocate("header", 2, torch.int64)  # [version, clock]
+        self.header = self.allocate("header", 3, torch.int64)  # [version, clock, token]
+        self.header[2] = self.token
 
     def allocate(self, name: str, numel: int, dtype: torch.dtype) -> Tensor:
         path = f"{self.prefix}-{name}"
         try:
-            self.paths.append(path)
-            tensor = _map(path, max(1, numel), dtype)[:numel]
-        except RuntimeError as error:
+            tensor = _create(path, max(1, numel), dtype)[:numel]
+        except OSError as error:
             self.unlink()
             raise OSError(f"cannot allocate {numel} x {dtype} of shared memory at {path}: {error}. Free space in "
                           f"{os.path.dirname(path)} (df -h {os.path.dirname(path)}), or pass "
                           "RudraStrategy(shared_memory=False) to send weights and gradients through RPC.") from error
+        self.paths.append(path)
         self.files[tensor.data_ptr()] = (path, numel, dtype)
         return tensor
 
@@ -78,7 +115,7 @@ class SharedWeights(WeightsStore):
         def files(tensors: Sequence[Tensor]) -> Files:
             return [self.files[t.data_ptr()] for t in tensors]
 
-        return SharedNames(self.host, self.paths[0], files(params), files(buffers),
+        return SharedNames(self.host, self.token, self.paths[0], files(params), files(buffers),
                            {key: files(ts) for key, ts in grads.items()})
 
     def begin(self) -> None:
@@ -98,13 +135,17 @@ class SharedWeights(WeightsStore):
 
 
 class MappedWeights:
-    """A learner's mapping of the server's shared memory: its own gradient buffers, and the weights to read."""
+    """A learner's mapping of the server's shared memory: its own gradient buffers, and the weights to read.
+
+    Raises OSError if the files are missing or are not the server's (their token differs)."""
 
     def __init__(self, names: SharedNames, learner: int) -> None:
         def mapped(files: Files) -> list[Tensor]:
-            return [_map(path, max(1, numel), dtype)[:numel] for path, numel, dtype in files]
+            return [_open(path, max(1, numel), dtype)[:numel] for path, numel, dtype in files]
 
-        self.header = _map(names.header, 2, torch.int64)
+        self.header = _open(names.header, 3, torch.int64)
+        if int(self.header[2]) != names.token:
+            raise OSError(f"{names.header} is not the file the server made (its token differs)")
         self.params = mapped(names.params)
         self.buffers = mapped(names.buffers)
         self.grads = {opt: mapped(files) for (owner, opt), files in sorted(names.grads.items()) if owner == learner}
@@ -120,3 +161,4 @@ class MappedWeights:
             clock = int(self.header[1])
             if int(self.header[0]) == version:
                 return clock
+

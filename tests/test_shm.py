@@ -23,8 +23,8 @@ def shared_server(tmp_path, num_learners=1):
     return server, store, grads, store.names(server.flat_params, server.flat_buffers, grads)
 
 
-def mapping(names, learner=0):
-    return MappedWeights(names, learner)
+def mapping(names, learner=0, timeout=60.0, lost=lambda: None):
+    return MappedWeights(names, learner, "the parameter server (on host)", timeout, lost)
 
 
 def test_a_learner_sees_the_servers_updates_and_writes_the_gradient_the_server_reads(tmp_path):
@@ -73,6 +73,20 @@ def test_shared_memory_that_cannot_be_allocated_is_reported_with_a_remedy(tmp_pa
     with pytest.raises(OSError, match=r"cannot allocate 3 x torch.int64 of shared memory at .*/missing/lightning_rudra"
                                       r".*shared_memory=False"):
         SharedWeights("host", str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("lost, timeout, message", [
+    (lambda: "the parameter server (on host) is gone: its connection closed", 60.0,
+     r"^the parameter server \(on host\) is gone: its connection closed. It went in the middle of an update"),
+    (lambda: None, 0.05, r"^the parameter server \(on host\) has been in the middle of an update of the weights in "
+                         r"shared memory for more than 0.05 s \(rpc_timeout\)"),
+])
+def test_a_read_during_an_update_that_never_ends_fails_naming_the_server(tmp_path, lost, timeout, message):
+    _, store, _, names = shared_server(tmp_path)
+    reader = mapping(names, timeout=timeout, lost=lost)
+    store.begin()  # and the server dies
+    with pytest.raises(RuntimeError, match=message):
+        reader.read(lambda params, buffers: None)
 
 
 def test_a_learner_maps_only_the_servers_own_files(tmp_path):

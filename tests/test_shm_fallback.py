@@ -1,13 +1,15 @@
-"""Shared memory that fails in real runs: a learner with the server's
+"""Shared memory that fails in real runs: a server killed in the middle of an update, a learner with the server's
 host name but another /dev/shm, a /dev/shm too small for the model. Real learner and server processes."""
 
 import ctypes
 import os
+import signal
 import subprocess
 import warnings
 
 import pytest
 import torch
+import torch.distributed.rpc as rpc
 
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.learner.learner import Learner
@@ -17,6 +19,26 @@ from tests.test_rpc import check_ok, no_shared_memory_left, sgd_reference  # noq
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 _CLONE_NEWNS = 0x00020000
+
+
+def server_killed_mid_update(rank, clients, config):
+    """The learner maps the server's weights; the server dies with the version odd, as in the middle of an
+    update; the learner pulls."""
+    _, learner, _ = harness.start(rank, clients, config)
+    [shard] = learner.shards
+    assert shard.shm is not None
+    os.kill(rpc.rpc_sync(clients[0].server, os.getpid, timeout=10), signal.SIGKILL)
+    shard.shm.header[0] += 1
+    try:
+        learner.pull()
+    except RuntimeError as error:
+        return str(error)
+    return "pulled"
+
+
+def test_a_pull_from_a_server_killed_mid_update_fails_naming_it():
+    [result] = harness.run_learners(1, server_killed_mid_update, config=ProtocolConfig(1, "async"))
+    assert result.startswith("the parameter server (on 127.0.0.1) ") and "middle of an update" in result, result
 
 
 def train_in_another_dev_shm(rank, clients, config, steps, mu):

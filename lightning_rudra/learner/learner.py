@@ -59,7 +59,8 @@ class _Shard:
         if names is not None and names.host == socket.gethostname():
             client = self.client
             try:
-                self.shm = MappedWeights(names, client.rank)
+                self.shm = MappedWeights(names, client.rank, f"{client.what} (on {client.server_host})",
+                                         client.timeout, lambda: client._server_lost)
             except OSError as why:  # the same host name, but not the same /dev/shm
                 warnings.warn(f"lightning_rudra: learner {client.rank} could not map the shared memory of "
                               f"{client.what}, though both run on a host named {names.host}: {why}. Another "

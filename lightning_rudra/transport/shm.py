@@ -137,9 +137,13 @@ class SharedWeights(WeightsStore):
 class MappedWeights:
     """A learner's mapping of the server's shared memory: its own gradient buffers, and the weights to read.
 
-    Raises OSError if the files are missing or are not the server's (their token differs)."""
+    Raises OSError if the files are missing or are not the server's (their token differs). ``server`` names the
+    server in errors; a read waits at most ``timeout`` seconds for an update to end, and fails as soon as
+    ``lost()`` says why the server is gone (the client's heartbeat), since a server killed in the middle of an
+    update leaves the version odd for good."""
 
-    def __init__(self, names: SharedNames, learner: int) -> None:
+    def __init__(self, names: SharedNames, learner: int, server: str, timeout: float,
+                 lost: Callable[[], Optional[str]]) -> None:
         def mapped(files: Files) -> list[Tensor]:
             return [_open(path, max(1, numel), dtype)[:numel] for path, numel, dtype in files]
 
@@ -149,12 +153,18 @@ class MappedWeights:
         self.params = mapped(names.params)
         self.buffers = mapped(names.buffers)
         self.grads = {opt: mapped(files) for (owner, opt), files in sorted(names.grads.items()) if owner == learner}
+        self.server = server
+        self.timeout = timeout
+        self.lost = lost
 
     def read(self, copy: Callable[[list[Tensor], list[Tensor]], None]) -> int:
         """Run ``copy(params, buffers)`` on a consistent snapshot of the server's weights; returns its clock."""
+        writing_since: Optional[float] = None
         while True:
             version = int(self.header[0])
             if version % 2:  # the server is writing an update: it takes milliseconds
+                writing_since = writing_since or time.monotonic()
+                self._check_writer(writing_since)
                 time.sleep(0.0002)
                 continue
             copy(self.params, self.buffers)
@@ -162,3 +172,11 @@ class MappedWeights:
             if int(self.header[0]) == version:
                 return clock
 
+    def _check_writer(self, since: float) -> None:
+        lost = self.lost()
+        if lost is not None:
+            raise RuntimeError(f"{lost}. It went in the middle of an update of the weights in shared memory.")
+        if time.monotonic() - since > self.timeout:
+            raise RuntimeError(f"{self.server} has been in the middle of an update of the weights in shared memory "
+                               f"for more than {self.timeout:g} s (rpc_timeout): its process probably died while "
+                               "writing them. Its own output may say why.")

@@ -9,7 +9,7 @@ import torch
 
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.protocol import OptimizerSpec, ProtocolConfig, Server
-from lightning_rudra.transport.shm import MappedWeights, SharedWeights
+from lightning_rudra.transport.shm import MappedWeights, SharedWeights, shared_memory_refused
 
 
 def shared_server(tmp_path, num_learners=1):
@@ -107,3 +107,12 @@ def names_of(names):
     return [names.header] + [path for files in (names.params, names.buffers, *names.grads.values())
                              for path, _, _ in files]
 
+
+def test_shared_memory_is_refused_on_weakly_ordered_cpus(monkeypatch, tmp_path):
+    assert [shared_memory_refused(m) for m in ("x86_64", "AMD64", "i686")] == [None] * 3
+    assert shared_memory_refused("aarch64") == ("shared memory is not used on this aarch64 CPU: its sequence lock is "
+                                                "only correct on x86 (no memory fences).")
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    with pytest.raises(OSError, match="not used on this aarch64 CPU"):
+        SharedWeights("host", str(tmp_path))
+    assert os.listdir(tmp_path) == []

@@ -9,6 +9,8 @@ nothing for a reply.
 A pull must see one update's weights, not parts of two, without taking the server's lock for the copy: a
 sequence lock. The server makes the version odd while it changes the weights and even again after, with the
 new clock; a reader copies, then checks that the version was even and did not move, and copies again if it did.
+The lock has no memory fences: it relies on x86's store and load order, so other CPUs use RPC
+(:func:`shared_memory_refused`).
 
 A learner uses the files only once it has proved that it maps the server's own: the header holds a random token
 that the server also sends over RPC. A learner with the server's host name but another /dev/shm (a container on
@@ -17,6 +19,7 @@ the host's network, two machines of one name) finds no files, or other ones, and
 
 import mmap
 import os
+import platform
 import secrets
 import time
 import uuid
@@ -31,6 +34,19 @@ from lightning_rudra.core.flat import FlatLayout, WeightsStore
 SHM_DIR = "/dev/shm"
 
 Files = list[tuple[str, int, torch.dtype]]  # one (path, numel, dtype) per flat buffer
+
+_X86 = ("x86_64", "AMD64", "i386", "i686")
+
+
+def shared_memory_refused(machine: str) -> Optional[str]:
+    """Why shared memory is not used on a CPU of this ``platform.machine()``, or None. The sequence lock's plain
+    stores and loads are seen in program order only under x86's total store order; a weakly ordered CPU
+    (aarch64, POWER) may show a reader new weights with an old version."""
+    if machine in _X86:
+        return None
+    return (f"shared memory is not used on this {machine or 'unknown'} CPU: its sequence lock is only correct on "
+            "x86 (no memory fences).")
+
 
 def _create(path: str, numel: int, dtype: torch.dtype) -> Tensor:
     """A new file of ``numel`` x ``dtype`` at ``path``, its space reserved, mapped. Files in tmpfs are sparse: a
@@ -83,6 +99,9 @@ class SharedWeights(WeightsStore):
     nothing left behind, where shared memory cannot be had."""
 
     def __init__(self, host: str, directory: Optional[str] = None) -> None:
+        refused = shared_memory_refused(platform.machine())
+        if refused is not None:
+            raise OSError(refused)
         directory = directory or os.environ.get("LIGHTNING_RUDRA_SHM_DIR", SHM_DIR)
         self.host = host
         self.token = secrets.randbits(63)

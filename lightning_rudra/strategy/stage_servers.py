@@ -13,6 +13,11 @@ from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.transport.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
 from lightning_rudra.core.stats import Stats
 
+# Where the learners meet for the next stage in these processes, agreed at the end of the last one. Of the process,
+# not of a strategy: a second Trainer in a popen script is a later stage in the same processes, and on the first
+# stage's port a fast learner would join that stage's rendezvous while its server process is still closing it.
+_next_port: Optional[int] = None
+
 
 class StageServers:
     """Mixed into :class:`~lightning_rudra.RudraStrategy`: its RPC world for a stage."""
@@ -29,7 +34,6 @@ class StageServers:
     stats: Optional[Stats]
     _launcher: Any
     _failed: Optional[str]  # this stage failed on this learner: why
-    _next_port: Optional[int]  # where the learners meet for the next stage
     _rendezvous: int  # stages met through torchrun's store
     _gather: Callable[[Any], dict[int, Any]]  # ServerCollectives'
 
@@ -42,8 +46,10 @@ class StageServers:
         """Meet the other learners and the servers; the learners that start a server start it first."""
         assert self.cluster_environment is not None
         env = self.cluster_environment
-        port = self._next_port or env.main_port
-        if self._next_port is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        global _next_port
+        agreed, _next_port = _next_port, None  # a stage that fails agrees on none: the next meets on main_port
+        port = agreed or env.main_port
+        if agreed is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             self._rendezvous += 1  # the same count on every learner: one per stage
             key = f"lightning_rudra/port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self._rendezvous}"
             port = port_from_agent_store(self.global_rank, env.main_address, port, self.rpc_timeout, key)
@@ -75,9 +81,10 @@ class StageServers:
         self._reset_stage_servers()
 
     def _agree_on_next_port(self) -> None:
-        """A later stage in the same processes (popen: ``fit`` then ``test``) must not meet on this stage's port:
-        a fast learner could reach the old rendezvous while learner 0 is still closing it."""
+        """A later stage in the same processes (popen: ``fit`` then ``test``, or a second Trainer) must not meet
+        on this stage's port: a fast learner could reach the old rendezvous while learner 0 is still closing it."""
+        global _next_port
         try:
-            self._next_port = self._gather(free_port() if self.is_global_zero else None)[0]
+            _next_port = self._gather(free_port() if self.is_global_zero else None)[0]
         except Exception:  # a peer is gone: this run is over anyway
-            self._next_port = None
+            _next_port = None

@@ -1,5 +1,5 @@
 """Train with the popen launcher (Lightning re-runs this script for every learner), save a checkpoint after fit,
-test, then resume from that checkpoint with a second Trainer in the same processes.
+resume from that checkpoint at once with a second Trainer in the same processes, then test with the first.
 
 Learner 0 prints one JSON line: the strategy's stats, the test loss and a checksum of the final weights.
 """
@@ -16,13 +16,14 @@ if __name__ == "__main__":
     protocol, learners = sys.argv[1], int(sys.argv[2])
     model = Scheduled(lr=0.02, momentum=0.5)
     trainer = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60), learners, max_epochs=2)
-    trainer.fit(model, loader(8))
+    trainer.fit(model, loader(8), loader(64, seed=1))
     stats = trainer.strategy.stats
     trainer.save_checkpoint("after_fit.ckpt")  # after fit: the server is gone, its state must not be
-    [result] = trainer.test(model, loader(64, seed=1), verbose=False)
-    # A second Trainer in the same processes meets on the same MASTER_PORT, and resumes from that checkpoint.
+    # A second Trainer in the same processes, at once (the first stage's rendezvous may still be closing), resumes
+    # from that checkpoint; then the first Trainer's next stage.
     again = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60), learners, max_epochs=3)
     again.fit(Scheduled(lr=0.02, momentum=0.5), loader(8), ckpt_path="after_fit.ckpt")
+    [result] = trainer.test(model, loader(64, seed=1), verbose=False)
     if trainer.is_global_zero:
         saved = torch.load("after_fit.ckpt", weights_only=False)
         print("RESULT " + json.dumps({"stats": stats.to_dict(), "test_loss": result["test_loss"],

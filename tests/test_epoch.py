@@ -61,6 +61,15 @@ def test_limits_per_epoch_and_a_budget_over_the_run():
     assert pool.taken == {0: 5, 1: 1}
 
 
+def test_a_resumed_run_goes_on_in_its_epoch_after_the_batches_trained_before():
+    plan = EpochPlan(100, 10, shuffle=False, max_batches=4, resumed=6)  # 4 per epoch: 2 of epoch 1 were trained
+    pool = EpochPool(plan)
+    assert [plan.resumed_at(epoch) for epoch in range(3)] == [4, 2, 0]
+    assert pool.draw(1, 0, plan)[1:] == (2, "batch") and pool.draw(1, 1, plan)[1:] == (3, "batch")
+    assert pool.draw(1, 0, plan)[::2] == (None, "epoch")
+    assert pool.draw(2, 1, plan)[1:] == (0, "batch")
+
+
 def test_a_stopped_pool_gives_no_batch_to_anyone():
     plan = EpochPlan(100, 10)
     pool = EpochPool(plan, num_learners=2)
@@ -96,6 +105,7 @@ def test_a_learner_with_another_plan_is_refused_and_changes_nothing():
     (dict(num_samples=10, batch_size=0), "batch_size=0 is not valid: expected an integer >= 1"),
     (dict(num_samples=10, batch_size=2, max_batches=-2), "max_batches=-2 is not valid"),
     (dict(num_samples=10, batch_size=2, budget=1.5), "budget=1.5 is not valid"),
+    (dict(num_samples=10, batch_size=2, resumed=-3), "resumed=-3 is not valid: expected an integer >= 0"),
 ])
 def test_bad_plans_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):

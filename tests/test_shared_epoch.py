@@ -241,19 +241,19 @@ def test_what_needs_learners_in_step_is_refused_with_a_remedy(tmp_path, module, 
         trainer.fit(module(), loader(8))
 
 
-def test_step_checkpoints_hold_the_servers_state_mid_epoch_and_resume(tmp_path):
+def test_step_checkpoints_hold_the_servers_state_mid_epoch_and_a_resumed_run_trains_what_remains(tmp_path):
     """ModelCheckpoint(every_n_train_steps) counts learner 0's steps; learner 0 writes the server's snapshot."""
-    def run(max_epochs, ckpt_path=None):
+    def run(ckpt_path=None, **limits):
         checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
         trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=30), 2,
-                                max_epochs=max_epochs, enable_checkpointing=True, default_root_dir=tmp_path,
-                                callbacks=[checkpoint])
-        trainer.fit(Regression(), loader(8), ckpt_path=ckpt_path)
+                                enable_checkpointing=True, default_root_dir=tmp_path, callbacks=[checkpoint],
+                                **limits)
+        trainer.fit(Recording(str(tmp_path), slow=0.02), indexed_loader(8), ckpt_path=ckpt_path)
         return trainer.strategy.stats
 
-    first = run(1)
-    saved = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("step=*.ckpt"),
-                                                                      key=lambda p: int(p.stem[5:]))]
+    first = run(max_epochs=1)
+    paths = sorted(tmp_path.glob("step=*.ckpt"), key=lambda p: int(p.stem[5:]))
+    saved = [torch.load(path, weights_only=False) for path in paths]
     assert len(saved) >= 2 and not list(tmp_path.glob("*.partial"))
     clocks = [checkpoint["rudra"]["stats"]["clock"] for checkpoint in saved]
     assert clocks == sorted(clocks) and 0 < clocks[0] < clocks[-1] < first.clock == 32
@@ -261,8 +261,16 @@ def test_step_checkpoints_hold_the_servers_state_mid_epoch_and_resume(tmp_path):
         stats = checkpoint["rudra"]["stats"]
         assert stats["clock"] == stats["gradients"] == sum(stats["staleness"].values())
         assert checkpoint["optimizer_states"][0]["state"], "the server's momentum buffers"
-    resumed = run(2, ckpt_path=str(sorted(tmp_path.glob("step=*.ckpt"), key=lambda p: int(p.stem[5:]))[-1]))
-    assert resumed.gradients >= clocks[-1] + 32  # from the snapshot's statistics, then at least one whole epoch
+    # from the last (mid-epoch) snapshot, 40 steps in all: what the uninterrupted run trains, 80 batches
+    resumed = run(ckpt_path=str(paths[-1]), max_steps=40)
+    trained = clocks[-1]  # batches trained before the snapshot, all learners (learner 0 took more than half)
+    assert resumed.gradients == 80
+    records = [torch.load(tmp_path / f"learner{rank}.pt") for rank in range(2)]
+    assert sum(len(record["batches"]) for record in records) == 80 - trained
+    # epoch 0 goes on after its first `trained` batches: each of the others once (none lost to learner 0's count)
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(0)).tolist()
+    mine, theirs = batches_of(records, 0)
+    assert sorted(mine + theirs) == sorted(tuple(order[8 * p:8 * p + 8]) for p in range(trained, 32))
 
 
 def test_several_train_dataloaders_are_refused_with_a_remedy():

@@ -19,7 +19,9 @@ class EpochPlan:
     """How one train dataloader's epoch is ordered and cut into batches. Every learner sends the same plan.
 
     ``max_batches`` caps the batches of an epoch (all learners together; ``limit_train_batches``);
-    ``budget`` caps the batches drawn over the whole run (``max_steps``).
+    ``budget`` caps the batches drawn over the whole run (``max_steps``); ``resumed``: batches trained before
+    the checkpoint this run resumes from, whose epoch goes on after them (epoch e opens at its batch
+    ``resumed`` − e·P, P its batches, where that lies within it).
     """
 
     num_samples: int
@@ -29,9 +31,10 @@ class EpochPlan:
     drop_last: bool = False
     max_batches: Optional[int] = None
     budget: Optional[int] = None
+    resumed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_samples", "batch_size"):
+        for name in ("num_samples", "batch_size", "resumed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "batch_size" else 0):
                 raise ValueError(f"EpochPlan {name}={value!r} is not valid: expected an integer >= "
@@ -47,6 +50,11 @@ class EpochPlan:
         full, rest = divmod(self.num_samples, self.batch_size)
         batches = full + (1 if rest and not self.drop_last else 0)
         return batches if self.max_batches is None else min(batches, self.max_batches)
+
+    def resumed_at(self, epoch: int) -> int:
+        """The batch ``epoch`` opens at: 0, or in the epoch a resumed run's checkpoint fell in, the first one after
+        those trained before it."""
+        return min(self.num_batches, max(0, self.resumed - epoch * self.num_batches))
 
     def order(self, epoch: int) -> Tensor:
         """The epoch's sample order: DistributedSampler's, before it splits it between learners."""
@@ -94,7 +102,7 @@ class EpochPool:
             raise ValueError(f"epoch {epoch!r} from learner {learner} is not valid: expected an integer >= 0.")
         if epoch > self.newest:
             self.epochs = {e: state for e, state in self.epochs.items() if e >= epoch - 1}
-            self.epochs[epoch] = _Epoch(self.plan.order(epoch))
+            self.epochs[epoch] = _Epoch(self.plan.order(epoch), self.plan.resumed_at(epoch))
             self.newest = epoch
         state = self.epochs.get(epoch)
         total = self.plan.num_batches

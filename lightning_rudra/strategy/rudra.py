@@ -153,6 +153,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self._learner: Optional[Learner] = None
         self._resume_stats: Optional[Stats] = None
         self._resume_optimizer_states: Optional[list[dict[str, Any]]] = None
+        self._resumed: Optional[Stats] = None  # the checkpoint's statistics, while fitting from one
         self._checkpoint: Optional[tuple[list[dict[str, Any]], Stats]] = None  # learner 0: the server's snapshot
         self._rendezvous = 0  # stages met through torchrun's store
         self._failed: Optional[str] = None  # this stage failed on this learner: why
@@ -264,7 +265,9 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
             if stepping:
                 self.optimizers = self._learner.wrap(stepping)
-        self._resume_stats = self._resume_optimizer_states = None  # a checkpoint given to this stage only
+        # a checkpoint given to this stage only; the shared epoch goes on from its statistics
+        self._resumed = self._resume_stats if fitting else None
+        self._resume_stats = self._resume_optimizer_states = None
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
 
     def model_to_device(self) -> None:
@@ -298,7 +301,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             assert self._learner is not None
             self._simulated = start_simulation(trainer, loaders, self.num_learners, self._learner.client)
         else:
-            self._shared = start_shared_epoch(trainer, loaders, self.num_learners)
+            self._shared = start_shared_epoch(trainer, loaders, self.num_learners, self._resumed)
             if self._shared is None and self.protocol != "hardsync":
                 warn_of_meetings_per_batch(trainer)
         # before every other callback's on_train_end, which may still change the weights (weight averaging)

@@ -25,10 +25,12 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.data import _update_dataloader
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.core.epoch import EpochPlan
+from lightning_rudra.core.stats import Stats
 from lightning_rudra.learner.sampler import SharedEpochSampler
 
 
@@ -43,8 +45,10 @@ def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int, num_lea
     return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
 
-def start_shared_epoch(trainer: "pl.Trainer", loaders: list[Any], num_learners: int) -> Optional["SharedEpochLoop"]:
-    """The shared epoch for this ``fit``, installed; None if no train dataloader draws from the server."""
+def start_shared_epoch(trainer: "pl.Trainer", loaders: list[Any], num_learners: int,
+                       resumed: Optional[Stats] = None) -> Optional["SharedEpochLoop"]:
+    """The shared epoch for this ``fit``, installed; None if no train dataloader draws from the server.
+    ``resumed``: the statistics of the checkpoint this ``fit`` resumes from."""
     samplers = [dl.sampler for dl in loaders if isinstance(getattr(dl, "sampler", None), SharedEpochSampler)]
     if samplers and len(samplers) < len(loaders):
         raise ValueError(
@@ -61,8 +65,17 @@ def start_shared_epoch(trainer: "pl.Trainer", loaders: list[Any], num_learners: 
     if not samplers:
         return None
     loop = SharedEpochLoop(trainer, samplers, num_learners)
-    loop.install()
+    loop.install(_trained(trainer, resumed) if resumed is not None else 0)
     return loop
+
+
+def _trained(trainer: "pl.Trainer", resumed: Stats) -> int:
+    """Batches the learners trained on before the checkpoint (all of them: learner 0's own counters restored in
+    every learner say only what it took). Its gradients say it exactly for one push per batch; otherwise the
+    batches dealt, which hold, mid-epoch, those then still waiting to be trained (a few per learner)."""
+    if trainer.lightning_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
+        return resumed.gradients
+    return sum(resumed.batches.values())
 
 
 class SharedEpochLoop:
@@ -84,7 +97,8 @@ class SharedEpochLoop:
         self._scheduled: list[Any] = []  # the step-interval LR schedulers' configs (automatic optimization)
         self._scheduler_steps: list[int] = []  # per config: times this learner stepped it (counted from the epoch's)
 
-    def install(self) -> None:
+    def install(self, trained: int) -> None:
+        """``trained``: batches trained on before the checkpoint this run resumes from (0: none)."""
         trainer, fit_loop = self.trainer, self.trainer.fit_loop
         self._refuse_per_learner_counts()
         combined = fit_loop._combined_loader
@@ -97,9 +111,8 @@ class SharedEpochLoop:
             cap = min(pool, limit * self.num_learners) if isinstance(limit, int) else int(pool * limit)
             budget = None
             if self._max_steps not in (-1, None):
-                steps_left = max(0, self._max_steps - trainer.global_step)
-                budget = steps_left * trainer.accumulate_grad_batches * self.num_learners
-            sampler.plan = dataclasses.replace(sampler.plan, max_batches=cap, budget=budget)
+                budget = max(0, self._max_steps * trainer.accumulate_grad_batches * self.num_learners - trained)
+            sampler.plan = dataclasses.replace(sampler.plan, max_batches=cap, budget=budget, resumed=trained)
             sampler.on_spent = self._stop
             sampler.sized = False  # Lightning's fetcher must look one batch ahead to know the epoch's last
             if self._interval(cap) < cap or trainer.check_val_every_n_epoch is None:
@@ -111,7 +124,14 @@ class SharedEpochLoop:
         if trainer.lightning_module.automatic_optimization:
             self._scheduled = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and
                                not c.reduce_on_plateau]
-        self._scheduler_steps = [self._ddp_steps(c, trainer.current_epoch, 0) for c in self._scheduled]
+        # a resumed run's schedulers were stepped before the checkpoint: an LRScheduler counts its steps
+        self._scheduler_steps = [c.scheduler.last_epoch if isinstance(c.scheduler, LRScheduler) else
+                                 self._ddp_steps(c, trainer.current_epoch, 0) for c in self._scheduled]
+        if trained:  # the validation points before the place the epoch goes on from were passed before
+            plan, epoch = self.samplers[0].plan, trainer.current_epoch
+            offset = epoch * plan.num_batches if trainer.check_val_every_n_epoch is None else 0
+            self._points_epoch = epoch
+            self._points_done = (offset + plan.resumed_at(epoch)) // self._interval(plan.num_batches)
         fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers
         # Lightning made the first epoch's iterator while the samplers had a length, so it would not look ahead
         # for the last batch: make it again, for the epoch about to start

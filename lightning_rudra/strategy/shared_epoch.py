@@ -95,7 +95,7 @@ class SharedEpochLoop:
         self._spent = False  # the run's budget is spent: stop after the last batch this learner drew
         self._learner_batches = 0  # one DDP learner's batches per epoch
         self._scheduled: list[Any] = []  # the step-interval LR schedulers' configs (automatic optimization)
-        self._scheduler_steps: list[int] = []  # per config: times this learner stepped it (counted from the epoch's)
+        self._scheduler_steps: list[int] = []  # per config: times its scheduler has stepped in this run
 
     def install(self, trained: int) -> None:
         """``trained``: batches trained on before the checkpoint this run resumes from (0: none)."""
@@ -159,8 +159,9 @@ class SharedEpochLoop:
         self._catch_up_schedulers(self.position // self.num_learners)
 
     def on_train_epoch_end(self) -> None:
-        """Before any other ``on_train_epoch_end``. Still in a batch here: the module's ``on_train_batch_start``
-        returned -1, which ends the epoch without asking about validation."""
+        """Before any other ``on_train_epoch_end``: the step schedulers reach the epoch's end. Still in a batch
+        here: the module's ``on_train_batch_start`` returned -1, which ends the epoch without asking about
+        validation."""
         if self.in_batch:
             trainer = self.trainer
             raise RuntimeError(

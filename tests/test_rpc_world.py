@@ -1,12 +1,16 @@
 """The RPC world's helpers that need no peer: the interface towards the rendezvous, the stderr filter, the
-learner's words for a server that does not answer."""
+learner's words for a server that does not answer; and, with real processes, where a single-host run listens."""
 
 import os
+import socket
 
 import pytest
+import torch.distributed.rpc as rpc
 
+from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.transport.rpc_world import address_towards, interface_towards, quiet_peers_leaving
+from tests import rpc_harness as harness
 
 PEER_LEFT = (b"[W1201 06:58:43.926196677 tensorpipe_agent.cpp:941] RPC agent for learner1 encountered error when "
              b"reading incoming response from server: EOF: end of file (this error originated at tensorpipe/transport"
@@ -42,3 +46,40 @@ def test_a_call_the_server_does_not_answer_names_it_and_its_host(error, message)
         with client._naming_a_lost_server():
             raise RuntimeError(error)
 
+
+
+def listening(pid):
+    """The (address, port) of every TCP socket process ``pid`` listens on, from /proc (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as lines:
+            for fields in (line.split() for line in list(lines)[1:]):
+                if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
+                    address, port = fields[1].split(":")
+                    raw = bytes.fromhex(address)  # each 32-bit word in the kernel's (little-endian) order
+                    found.append((socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))),
+                                  int(port, 16)))
+    return found
+
+
+def listeners(rank, clients, config):
+    """Once the RPC world is up: what this learner and the server it started listen on."""
+    return {"learner": listening(os.getpid()),
+            "server": listening(rpc.rpc_sync(clients[0].server, os.getpid, timeout=10))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_single_host_run_listens_on_loopback_only():
+    """torch's TCPStore and RPC have no authentication and unpickle what they get: on one host, nothing of a run
+    may be reachable from another machine."""
+    [result] = harness.run_learners(1, listeners, config=ProtocolConfig(1, "async"))
+    assert isinstance(result, dict), result
+    assert len(result["server"]) >= 2, result  # at least the rendezvous' store and TensorPipe
+    assert {address for side in result.values() for address, _ in side} == {"127.0.0.1"}, result

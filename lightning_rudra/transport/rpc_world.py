@@ -50,17 +50,37 @@ def port_from_agent_store(rank: int, host: str, port: int, timeout: float, key: 
 
 def check_port_free(host: str, port: int) -> None:
     """The RPC rendezvous listens on host:port; say so plainly if something else already does."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host if host not in ("localhost", "") else "127.0.0.1", port))
-        except OSError as error:
-            if error.errno != errno.EADDRINUSE:
-                raise
-            raise RuntimeError(
-                f"port {port} on {host} is already in use, so the learners cannot meet there. Set MASTER_PORT to "
-                "a free port (or unset it to let Lightning pick one), or stop the process that holds it."
-            ) from error
+    _bound(host, port).close()
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``port`` on the address of this machine that traffic to ``host`` leaves from:
+    loopback when the learners meet at a loopback address (one host), else the interface towards them, which
+    TensorPipe uses too. Never every interface: torch's stores and RPC have no authentication and unpickle what
+    they get. An address that cannot be told (an IPv6 host) leaves the choice to the system, as torch does."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address_towards(host) or "", port))
+    except OSError as error:
+        sock.close()
+        if error.errno != errno.EADDRINUSE:
+            raise
+        raise RuntimeError(
+            f"port {port} on {host} is already in use, so the learners cannot meet there. Set MASTER_PORT to "
+            "a free port (or unset it to let Lightning pick one), or stop the process that holds it."
+        ) from error
+    return sock
+
+
+def _rendezvous_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+    """The store of the rendezvous at host:port, listening on :func:`_bound`'s address only. torch's own would
+    listen on every interface; made first, it is the one that ``rpc.init_rpc``'s multi-tenant store on the same
+    port joins. The store owns the socket from here on."""
+    sock = _bound(host, port)
+    sock.listen(socket.SOMAXCONN)
+    return dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout), multi_tenant=True,
+                         master_listen_fd=sock.detach())
 
 
 def rpc_counters() -> dict[str, Any]:
@@ -117,16 +137,19 @@ def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeou
     # which in containers and network namespaces is often not one the other hosts can reach: unless told
     # otherwise, use the interface that reaches the rendezvous. Under torchrun, TORCHELASTIC_USE_AGENT_STORE
     # makes every tcp:// rendezvous a client of torchrun's own store; ours is the server's (port_from_agent_store).
-    interface = interface_towards(init_method.removeprefix("tcp://").rpartition(":")[0])
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    interface = interface_towards(host)
     changes: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": None}
     if interface is not None:
         changes.update({variable: interface for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
                         if variable not in os.environ})
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
+    store = _rendezvous_store(host, int(port), timeout) if rank == 0 else None
     with environment(changes), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
         rpc.init_rpc(name, rank=rank, world_size=num_learners + num_servers, rpc_backend_options=options)
+    del store  # needed only until the RPC agent's own store joined its listener, which that store now keeps
 
 
 @contextmanager

@@ -10,20 +10,22 @@ import time
 import pytest
 import torch
 
-from tests.hosts import host_env, two_hosts, why_no_hosts
+from tests.hosts import LEFT, host_env, two_hosts, why_no_hosts
 from tests.lightning_models import single_process_sgd
+from tests.scripts.hosts_fit import Wide
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.skipif(why_no_hosts() is not None, reason=str(why_no_hosts()))]
 
 SCRIPT = "tests/scripts/hosts_fit.py"
 EPOCHS = 2
+WIDTH = 4096  # 32 769 weights (128 KiB): the weights, not control messages, make up the traffic on the link
 
 
 def run_on_hosts(hosts, commands, envs, tmp_path, timeout=150.0, during=None):
     """Start each host's command, run ``during(logs)`` if given, wait for all (bounded: a process still running
-    then is killed and its code is None). Returns each host's exit code and output, and the processes left in
-    each host's namespace once they ended."""
+    then is killed and its code is None). Returns each host's exit code and output, and the processes left
+    running on each host once its command ended."""
     logs = [tmp_path / f"host{i}.log" for i in range(len(hosts))]
     procs = [host.start(command, env, log) for host, command, env, log in zip(hosts, commands, envs, logs)]
     if during is not None:
@@ -37,10 +39,11 @@ def run_on_hosts(hosts, commands, envs, tmp_path, timeout=150.0, during=None):
             proc.kill()
             proc.wait()
             codes.append(None)
-    return codes, [log.read_text() for log in logs], [host.pids() for host in hosts]
+    texts = [log.read_text() for log in logs]
+    return codes, texts, [[line for line in text.splitlines() if line.startswith(LEFT)] for text in texts]
 
 
-def assert_hardsync_over(learners, codes, logs, left):
+def assert_hardsync_over(learners, codes, logs, left, width=16):
     assert codes == [0] * len(codes), "\n".join(log[-3000:] for log in logs)
     assert left == [[], []], "processes left on the hosts"
     [line] = [line for line in logs[0].splitlines() if line.startswith("RESULT ")]
@@ -48,16 +51,24 @@ def assert_hardsync_over(learners, codes, logs, left):
     assert result["learners"] == learners
     steps = EPOCHS * 256 // (8 * learners)
     assert result["stats"]["clock"] == steps and result["stats"]["gradients"] == steps * learners
-    expected = single_process_sgd(EPOCHS, 8 * learners)
+    expected = single_process_sgd(EPOCHS, 8 * learners, Wide(width))
     torch.testing.assert_close(torch.tensor(result["params"]), expected, rtol=0, atol=1e-5)
 
 
 def test_lightnings_launcher_two_hosts_two_learners_each(tmp_path):
+    """The weights cross the link, as between machines (no shared memory, no cross-memory attach): every step,
+    each learner pushes its gradient's part of the other host's server (one per node) and pulls that part's
+    weights, so that the 4 learners together move 4 models' worth over the link per step."""
     with two_hosts() as hosts:
         envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
-        command = [sys.executable, SCRIPT, "2", "2", str(EPOCHS)]
+        command = [sys.executable, SCRIPT, "2", "2", str(EPOCHS), "hardsync", "0", "20", str(WIDTH)]
+        before = hosts[1].link_bytes()
         codes, logs, left = run_on_hosts(hosts, [command, command], envs, tmp_path)
-    assert_hardsync_over(4, codes, logs, left)
+        crossed = hosts[1].link_bytes() - before
+    assert_hardsync_over(4, codes, logs, left, WIDTH)
+    model_bytes = 4 * sum(p.numel() for p in Wide(WIDTH).parameters())
+    steps = EPOCHS * 256 // (8 * 4)
+    assert crossed >= 4 * steps * model_bytes, f"{crossed} bytes on the link, {model_bytes} per model"
 
 
 def test_torchrun_on_two_hosts(tmp_path):

@@ -3,20 +3,32 @@
 the end, one JSON line with the weights it returns and the server's statistics.
 
 Arguments: num_nodes, devices (learners per host), max_epochs, then optionally the protocol (hardsync), seconds
-each training step sleeps (0) and rpc_timeout (20).
+each training step sleeps (0), rpc_timeout (20) and the hidden layer's width (16, the regression module's).
 """
 
 import json
 import sys
 import time
 
+import torch
+
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import Regression, flat, loader, quiet_trainer
 
 
-class Sleepy(Regression):
-    def __init__(self, sleep: float) -> None:
-        super().__init__()
+class Wide(Regression):
+    """The regression module with ``width`` hidden units: enough weights that they, not control messages, make up
+    the traffic between hosts. The rate shrinks with the width (at 0.05, 4096 units diverge)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__(lr=0.05 * min(1.0, 16 / width))
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+
+class Sleepy(Wide):
+    def __init__(self, sleep: float, width: int) -> None:
+        super().__init__(width)
         self.sleep = sleep
 
     def on_train_start(self) -> None:
@@ -30,10 +42,10 @@ class Sleepy(Regression):
 
 if __name__ == "__main__":
     num_nodes, devices, epochs = (int(arg) for arg in sys.argv[1:4])
-    protocol, sleep, timeout = (sys.argv[4:] + ["hardsync", "0", "20"][len(sys.argv[4:]):])[:3]
+    protocol, sleep, timeout, width = (sys.argv[4:] + ["hardsync", "0", "20", "16"][len(sys.argv[4:]):])[:4]
     trainer = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=float(timeout)), devices,
                             num_nodes=num_nodes, max_epochs=epochs)
-    model = Sleepy(float(sleep))
+    model = Sleepy(float(sleep), int(width))
     trainer.fit(model, loader(8))
     if trainer.is_global_zero:
         print("RESULT " + json.dumps({"params": flat(model.parameters()).tolist(), "learners": trainer.world_size,

@@ -95,11 +95,11 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
                                       "staleness": {0: 1, 1: 1}, "batches": {}, "lost": {}}
 
 
-def two_optimizer_server(learners=2, n=1, lr_modulation="none", max_staleness=None):
+def two_optimizer_server(learners=2, n=1, lr_modulation="none", max_staleness=None, protocol="softsync"):
     """Weights a (optimizer 0) and b (optimizer 1), one element each, plain SGD with lr 1."""
     a, b = torch.zeros(1), torch.zeros(1)
     specs = [OptimizerSpec.from_optimizer(torch.optim.SGD([p], lr=1.0), [a, b]) for p in (a, b)]
-    config = ProtocolConfig(learners, "softsync", n, lr_modulation, max_staleness)
+    config = ProtocolConfig(learners, protocol, n, lr_modulation, max_staleness)
     return Server(config, [a, b], [], specs)
 
 
@@ -130,6 +130,19 @@ def test_several_optimizers_drop_by_the_staleness_at_application():
     result = push_to(server, 0, 1, 3.0, 2)
     assert result.update.staleness == (0,) and server.stats.dropped == 1  # σ = 2 at application > 1
     assert server.params[0].item() == pytest.approx(-3.0)
+
+
+def test_hardsync_with_two_optimizer_steps_per_batch_is_never_stale():
+    # one backward, then both optimizers step, as in one process: optimizer 1's gradients come from the weights
+    # before optimizer 0's round, and nothing about that is stale under hardsync (max_staleness=0 dropped them)
+    server = two_optimizer_server(max_staleness=0, protocol="hardsync")
+    for step in range(2):
+        timestamp = server.clock
+        for optimizer in (0, 1):
+            for learner in (0, 1):
+                push_to(server, optimizer, learner, 1.0, timestamp)
+    assert server.stats.staleness == {0: 8} and server.stats.dropped == 0
+    assert [p.item() for p in server.params] == [-2.0, -2.0]
 
 
 def test_a_learning_rate_tensor_travels_as_a_number():

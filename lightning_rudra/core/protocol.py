@@ -162,7 +162,7 @@ class Server:
         if self.config.protocol == "hardsync" and learner in pending.learners:
             raise RuntimeError(f"learner {learner} pushed twice for optimizer {optimizer} in one hardsync round "
                                f"(clock {self.clock}): hardsync takes one gradient from every learner per update.")
-        sigma = self.clock - timestamp
+        sigma = self._staleness(timestamp)
         if finite is None:
             finite = all_finite(grads)
         if not finite:
@@ -270,6 +270,11 @@ class Server:
         """The optimizer's state of each of its parameters (where the compensation rules keep their means)."""
         return [self.optimizers[optimizer].state[self.params[i]] for i in self.optimizer_params[optimizer]]
 
+    def _staleness(self, timestamp: int) -> int:
+        """σ of a gradient from the weights of ``timestamp``, applied now. Under hardsync 0: every learner waits for
+        each round, so only another optimizer's round of the same batch can lie in between, as in one process."""
+        return 0 if self.config.protocol == "hardsync" else self.clock - timestamp
+
     def _too_stale(self, sigma: int) -> bool:
         return self.config.max_staleness is not None and sigma > self.config.max_staleness
 
@@ -305,7 +310,7 @@ class Server:
         pending, self._pending[optimizer] = self._pending[optimizer], _Pending()
         for gradient in pending.waiting:  # σ counted now, as the update applies
             self._admit(pending, optimizer, gradient.grads, gradient.has_grad, gradient.buffers,
-                        self.clock - gradient.timestamp)
+                        self._staleness(gradient.timestamp))
         if pending.grads is None:
             return None
         count = len(pending.staleness)

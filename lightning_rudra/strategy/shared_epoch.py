@@ -132,6 +132,10 @@ class SharedEpochLoop:
             offset = epoch * plan.num_batches if trainer.check_val_every_n_epoch is None else 0
             self._points_epoch = epoch
             self._points_done = (offset + plan.resumed_at(epoch)) // self._interval(plan.num_batches)
+            # learner 0's batch counter, restored in every learner, would end each one's epoch early (after as many
+            # batches as learner 0 had left, or at once if it was its last): the pool ends the epoch
+            fit_loop.epoch_loop.batch_progress.current.reset()
+            fit_loop.epoch_loop.batch_progress.is_last_batch = False
         fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers
         # Lightning made the first epoch's iterator while the samplers had a length, so it would not look ahead
         # for the last batch: make it again, for the epoch about to start

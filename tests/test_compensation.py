@@ -36,12 +36,12 @@ def test_momentum_scales_the_rate_by_c_over_lambda_then_trades_momentum_for_a_st
     assert server.optimizers[0].param_groups[0]["momentum"] == 0.0 and opt.param_groups[0]["momentum"] == 0.9
 
 
-def test_momentum_on_adam_switches_beta1_off_and_scales_the_rate():
+def test_momentum_on_adam_keeps_its_moments_and_scales_the_rate_by_c_over_lambda():
     server, opt = scalar_server("momentum", optimizer=torch.optim.Adam, betas=(0.9, 0.99))
     for timestamp in (0, 0, 0):
         push(server, opt, 0, 1.0, timestamp)
     group = server.optimizers[0].param_groups[0]
-    assert group["betas"] == (0.0, 0.99) and group["lr"] == pytest.approx(0.1 / 3)  # ⟨σ⟩ = 1: min(1/2, 1/3)
+    assert group["betas"] == (0.9, 0.99) and group["lr"] == pytest.approx(0.1 / 2)
 
 
 def test_dc_adds_the_taylor_term_to_a_stale_gradient():

@@ -4,17 +4,17 @@ the synchronous run, with the optimizer and learning rate tuned for it. Plain to
 A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"``). With σ = 0 (hardsync, one
 learner) every rule is the identity, so hardsync stays SGD with batch μλ and async with one learner plain SGD.
 
-``momentum`` (a step that stays stable under delay). Let s = lr/(1 − β) be the step an update takes in the
-long run (the user's rate lr, momentum β; Adam: lr). A synchronous update averages λ gradients and takes s; a
-stale one averages c = ⌊λ/n⌋ (async: 1). Once the run's mean staleness ⟨σ⟩ is above 0 the rule switches the
-optimizer's momentum off (SGD's ``momentum``, Adam's β1) and sets the step of an update to
-s · min(c/λ, 1/(2⟨σ⟩ + 1)). Why: a gradient τ updates late makes heavy-ball SGD unstable once the step times the
-curvature exceeds about π/(2τ + 1), whatever the momentum, and the largest stable step is reached with no
-momentum at all; a synchronous run tolerates 2(1 + β)/(1 − β) = 38 with momentum 0.9, so a rate tuned for it
-goes over the stale edge (asynchrony is itself a momentum: Mitliagkas et al., "Asynchrony begets momentum",
-2016). With the step scaled by 1/(2⟨σ⟩ + 1), every protocol stays stable wherever the synchronous run's stiffest
-direction has step × curvature below π, and c/λ caps it at the synchronous step per sample (the paper's
-α0/⟨σ⟩ is c/λ in expectation). Before any stale gradient (the first update) only c/λ applies.
+``momentum`` (a step that stays stable under delay). A synchronous update averages λ gradients, a stale one
+c = ⌊λ/n⌋ (async: 1), so every optimizer's rate is scaled by c/λ (the paper's α0/⟨σ⟩ is c/λ in expectation, since
+⟨σ⟩ ≈ n, but c/λ does not depend on the timing). For SGD, once the run's mean staleness ⟨σ⟩ is above 0, its
+momentum β is switched off too and an update's step, lr/(1 − β), is scaled by min(c/λ, 1/(2⟨σ⟩ + 1)) instead. Why:
+a gradient τ updates late makes heavy-ball SGD unstable once step × curvature exceeds about π/(2τ + 1), whatever
+the momentum, and the largest stable step is reached with no momentum; a synchronous run with momentum 0.9
+tolerates 38, so a rate tuned for it goes over the stale edge (asynchrony is itself a momentum: Mitliagkas et al.,
+"Asynchrony begets momentum", 2016). With the step scaled by 1/(2⟨σ⟩ + 1), every protocol stays stable wherever
+the synchronous run's stiffest direction has step × curvature below π. Adam and the other adaptive optimizers
+keep their moments: their step is bounded by about lr whatever the curvature, and switching β1 off measured worse
+(docs/study/compensation/findings.md).
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with
@@ -74,15 +74,14 @@ def check_optimizer(rules: Sequence[str], optimizer: type, name: str) -> None:
                          "compensation='none' or 'dc'/'gap' with it, or another optimizer.")
 
 
-def momentum_hyperparameters(group: dict[str, Any], gradients_per_update: int, num_learners: int,
-                             mean_staleness: float) -> None:
-    """The ``momentum`` rule on one parameter group (its lr and momentum as the learner sent them), in place."""
+def momentum_hyperparameters(group: dict[str, Any], optimizer: type, gradients_per_update: int,
+                             num_learners: int, mean_staleness: float) -> None:
+    """The ``momentum`` rule on one parameter group of an ``optimizer`` (its lr and momentum as the learner sent
+    them), in place."""
     scale = gradients_per_update / num_learners
-    if mean_staleness > 0:
+    if mean_staleness > 0 and issubclass(optimizer, torch.optim.SGD):
         scale = min(scale, 1 / (2 * mean_staleness + 1))
-        if "betas" in group:
-            group["betas"] = (0.0, *tuple(group["betas"])[1:])
-        elif group.get("momentum", 0):
+        if group.get("momentum", 0):
             scale *= (1 - group.get("dampening", 0)) / (1 - group["momentum"])
             group["momentum"] = 0.0
             group["nesterov"] = False

@@ -322,7 +322,7 @@ class Server:
             group.update(hyperparameters(hp))
             group["lr"] = hp["lr"] * lr_factor
             if "momentum" in self.rules:
-                momentum_hyperparameters(group, count, len(self.members), self.stats.mean_staleness)
+                momentum_hyperparameters(group, type(opt), count, len(self.members), self.stats.mean_staleness)
         layout = self.grad_layouts[optimizer]
         if count > 1:  # async and 1-gradient updates: no pass over the model for nothing
             for total in pending.grads:

@@ -13,8 +13,9 @@ import torch.distributed.rpc as rpc
 
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.learner.learner import Learner
+from lightning_rudra.transport.shm import SHM_DIR
 from tests import rpc_harness as harness
-from tests.test_rpc import check_ok, no_shared_memory_left, sgd_reference  # noqa: F401 (a fixture)
+from tests.test_rpc import check_ok, sgd_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -55,10 +56,12 @@ def train_in_another_dev_shm(rank, clients, config, steps, mu):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = harness.train(rank, clients, config, steps, mu)
-    return {**result, "warnings": [str(w.message) for w in caught], "left": os.listdir("/dev/shm")}
+    names, _ = clients[0].attach()  # the server's files, in the machine's /dev/shm
+    return {**result, "warnings": [str(w.message) for w in caught], "left": os.listdir("/dev/shm"),
+            "prefix": os.path.basename(names.header).removesuffix("header")}
 
 
-def test_a_learner_with_the_servers_host_name_but_another_dev_shm_uses_rpc(no_shared_memory_left):  # noqa: F811
+def test_a_learner_with_the_servers_host_name_but_another_dev_shm_uses_rpc():
     steps, mu = 4, 5
     [result] = harness.run_learners(1, train_in_another_dev_shm, config=ProtocolConfig(1, "async"), steps=steps,
                                     mu=mu)
@@ -69,6 +72,7 @@ def test_a_learner_with_the_servers_host_name_but_another_dev_shm_uses_rpc(no_sh
     assert any("could not map" in w and "through RPC instead" in w for w in result["warnings"]), result["warnings"]
     for mine, expected in zip(result["params"], sgd_reference(steps, mu)):
         torch.testing.assert_close(mine, expected, rtol=0, atol=0)
+    assert not [name for name in os.listdir(SHM_DIR) if name.startswith(result["prefix"])]  # the server's are gone
 
 
 @pytest.fixture

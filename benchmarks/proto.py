@@ -46,7 +46,7 @@ def reuse_pack_buffers(layout) -> None:
 
 
 LEARNER_PATCHES = {"pack_reuse": lambda learner: [reuse_pack_buffers(layout)
-                                                  for layout in learner.shards[0].grad_layouts.values()]}
+                                                  for layout in learner.shards[0].grad_layouts]}
 
 _ENTRY = """import sys, types
 package = types.ModuleType("lightning_rudra")

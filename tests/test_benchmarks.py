@@ -1,5 +1,5 @@
 """The benchmarks are code too: the transport job (a push+pull through the real server, with every measure and
-the breakdown of one push into its pieces, then through two servers) runs end to end at a small size, so that a
+the breakdown of one push into its pieces, then through two servers with the learner-side prototype) runs end to end at a small size, so that a
 renamed internal breaks a test, not the next benchmark run; the accuracy phase's target, times and ratios are
 computed on recorded snapshots (its runs take minutes)."""
 
@@ -21,8 +21,11 @@ def _transport(rank: int, ports: list[tuple[int, int]], results) -> None:
     torch.set_num_threads(1)
     for num_servers, (port, gloo_port) in zip((1, 2), ports):
         measures = ("both", "solo", "echo", "gloo", "memcpy", "breakdown") if num_servers == 1 else ("both", "solo")
+        # the second pass also runs the learner-side prototype the benchmark lists ("pack into reused buffers")
+        patches = ("pack_reuse",) if num_servers == 2 else ()
         results.put((num_servers, rank, rudra_transport(rank, numel=1000, port=port, gloo_port=gloo_port, rounds=1,
-                                                        iters=2, measures=measures, num_servers=num_servers)))
+                                                        iters=2, measures=measures, num_servers=num_servers,
+                                                        learner_patches=patches)))
 
 
 @pytest.mark.slow

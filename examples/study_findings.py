@@ -197,17 +197,17 @@ def _plots(at: list[dict[str, str]], plain: list[dict[str, str]], out: Path, bas
     for (protocol, n, lr_mod, color), (rows, style) in itertools.product(
             (("hardsync", 0, "none", "tab:blue"), ("softsync", 1, "mean", "tab:green")),
             ((at, "-"), (plain, ":"))):
-        samples = [_errors(rows, protocol="single", batch_size=PAPER_MU_LAMBDA) if l == 1 else
-                   _errors(rows, protocol=protocol, n=n, learners=l, batch_size=PAPER_MU_LAMBDA // l,
-                           lr_modulation=lr_mod, simulated=1) for l in learners]
+        samples = [_errors(rows, protocol="single", batch_size=PAPER_MU_LAMBDA) if lam == 1 else
+                   _errors(rows, protocol=protocol, n=n, learners=lam, batch_size=PAPER_MU_LAMBDA // lam,
+                           lr_modulation=lr_mod, simulated=1) for lam in learners]
         errorbars(ax, learners, samples, color=color, linestyle=style,
                   label=f"{'hardsync' if n == 0 else '1-softsync, α0/⟨σ⟩'}, μλ = {PAPER_MU_LAMBDA}"
                         + (", no momentum" if rows is plain else ""))
-    samples = [_errors(at, protocol="single", batch_size=PAPER_GROWING_MU) if l == 1 else
-               _errors(at, protocol="hardsync", learners=l, batch_size=PAPER_GROWING_MU, simulated=1) for l in learners]
+    samples = [_errors(at, protocol="single", batch_size=PAPER_GROWING_MU) if lam == 1 else
+               _errors(at, protocol="hardsync", learners=lam, batch_size=PAPER_GROWING_MU, simulated=1) for lam in learners]
     errorbars(ax, learners, samples, color="tab:red", linestyle="--", label=f"hardsync, μ = {PAPER_GROWING_MU}: μλ grows")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(list(learners), [str(l) for l in learners])
+    ax.set_xticks(list(learners), [str(lam) for lam in learners])
     ax.set_xlabel("λ (learners)")
     finish(fig, ax, "findings_mu_lambda.png", "Finding 1: test error vs λ, same epochs and α0")
 

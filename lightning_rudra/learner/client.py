@@ -3,7 +3,6 @@ epoch's batches and collectives. A call that waits for other learners waits as l
 server's heartbeat watch ends it when one is lost); every other call has a timeout. Nothing here knows about
 Lightning."""
 
-import os
 import re
 import subprocess
 import threading

@@ -76,7 +76,9 @@ class _Shard:
         load = self.load
         if sent is not None and self.buffers:
             now = self.buffer_layout.pack(self.buffers, _CPU)
-            load = lambda params, buffers: self.load(params, [_rebased(*b) for b in zip(buffers, now, sent)])
+
+            def load(params: list[Tensor], buffers: list[Tensor]) -> None:
+                self.load(params, [_rebased(*b) for b in zip(buffers, now, sent)])
         if flat_params is None:
             assert self.shm is not None
             self.client.timestamp = self.shm.read(load)

@@ -130,6 +130,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="per server, the learner whose process started it (those cannot be lost)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
+    # torch imports its compiler stack (some 800 modules: seconds, over 10 s on a busy machine) when it builds its
+    # first optimizer: here, before the learners can call, not in learner 0's register call, which has rpc_timeout
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
     _server = ParameterServer(args.learners, args.timeout, args.min_learners, announce=args.shard == 0,

@@ -151,9 +151,9 @@ def epochs_to(errors: list[float], target: float) -> Optional[int]:
 def write_report(rows: list[dict[str, Any]], rates: dict[str, float], out: Path) -> None:
     lines = ["# Staleness compensation: which rule (simulated learners, MNIST-1D)", "",
              "Made by `python -m examples.study_compensation --out docs/study/compensation` "
-             "(see the module's docstring for the method). Cells: mean test error ± standard deviation over seeds "
-             f"{list(SEEDS)} after the run's last epoch; in brackets, the epochs each seed needed to come within "
-             f"{WITHIN:.2f} of hardsync's final error (– : never). Hardsync trains {EPOCHS} epochs, the stale runs "
+             "(see the module's docstring for the method). Cells: mean test error ± standard deviation over the seeds "
+             f"run (of {list(SEEDS)}) after the run's last epoch; in brackets, for each seed run, the epochs it needed to "
+             f"come within {WITHIN:.2f} of hardsync's final error (– : never). Hardsync trains {EPOCHS} epochs, the stale runs "
              f"{2 * EPOCHS}.", ""]
     lines += ["## Rates chosen on the synchronous run", "", "| optimizer | rate | hardsync final error |", "|---|---|---|"]
     for row in sorted((r for r in rows if r["protocol"] == "hardsync" and r["seed"] == SEEDS[0]),

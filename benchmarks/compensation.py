@@ -10,6 +10,7 @@ rounds, so drift on a shared machine hits them alike.
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ def measure(size: int, pushes: int, rounds: int) -> dict[str, Any]:
         for rule in RULES:
             samples[rule] += push_times(rule, size, pushes)
     medians = {rule: 1e3 * statistics.median(times) for rule, times in samples.items()}
-    return {"parameters": size, "learners": LEARNERS, "pushes_per_rule": pushes * rounds,
+    return {"parameters": size, "load_average": os.getloadavg()[0], "learners": LEARNERS, "pushes_per_rule": pushes * rounds,
             "median_push_ms": medians, "extra_ms": {rule: medians[rule] - medians["none"] for rule in RULES}}
 
 
@@ -57,7 +58,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# Staleness compensation: the server's time per push", "",
              f"`python -m benchmarks.compensation`: async, λ = {result['learners']}, {result['parameters']:,} "
              f"float32 parameters, SGD with momentum 0.9, one thread; median over {result['pushes_per_rule']} pushes "
-             "per rule (σ = 3 each), rules interleaved in rounds.", "",
+             f"per rule (σ = 3 each), rules interleaved in rounds; load average {result['load_average']:.1f} on this "
+             "machine at the end (other jobs share its cores: the times are inflated alike).", "",
              "| compensation | ms per push | more than none |", "|---|---|---|"]
     for rule, ms in result["median_push_ms"].items():
         lines.append(f"| {rule} | {ms:.1f} | {result['extra_ms'][rule]:+.1f} |")

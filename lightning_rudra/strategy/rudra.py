@@ -20,6 +20,7 @@ from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from typing_extensions import override
 
 from lightning_rudra.strategy.checkpoints import ServerCheckpoints
 from lightning_rudra.strategy.collectives import ServerCollectives
@@ -173,6 +174,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
                 f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]")
 
     # ---- ranks, devices and launch -------------------------------------------------------------------
+    @override
     @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
@@ -200,6 +202,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         """Makes Lightning shard the data with a DistributedSampler and sync ``self.log(..., sync_dist=True)``."""
         return True
 
+    @override
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
@@ -209,6 +212,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
 
+    @override
     def _configure_launcher(self) -> None:
         # Called when the Trainer is built: λ is known, no process has started yet.
         validate_n(self.protocol, self.n, self.num_learners)
@@ -232,6 +236,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         else:
             self._launcher = SpawnLauncher(self, self.start_method)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
@@ -240,6 +245,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             return
         self._join_servers()
 
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -270,6 +276,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self._resume_stats = self._resume_optimizer_states = None
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -279,6 +286,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
                               self.nonfinite, self.compensation)
 
     # ---- training --------------------------------------------------------------------------------------
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         if self.simulate and trainer.state.stage == RunningStage.TRAINING:
@@ -292,6 +300,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
                 return shared
         return dataloader
 
+    @override
     def on_train_start(self) -> None:
         self._reset_push_metrics()
         trainer = self.lightning_module.trainer
@@ -308,6 +317,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self._end_of_training = (trainer, _EndOfTraining())
         trainer.callbacks.insert(0, self._end_of_training[1])
 
+    @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # A training batch starts when it is fetched: before the callbacks' and the module's on_train_batch_start,
         # which Lightning calls before the strategy's, and also for a None batch, which gets no such hook
@@ -324,11 +334,13 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         if self._learner is not None:
             self._learner.pull()
 
+    @override
     def on_validation_start(self) -> None:
         if self._shared is not None:
             self.barrier("shared epoch: validate together")
         self._pull_newest()
 
+    @override
     def on_train_end(self) -> None:
         self._end_training()  # done already, unless training ended before on_train_start
 
@@ -359,9 +371,11 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             (trainer, callback), self._end_of_training = self._end_of_training, None
             trainer.callbacks = [cb for cb in trainer.callbacks if cb is not callback]
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = f"{type(exception).__name__}: {exception}"[:500]
 
+    @override
     def teardown(self) -> None:
         if self._client is not None:
             self._leave_servers()
@@ -377,6 +391,7 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
         super().teardown()
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("rudra", cls, description="Rudra parameter server (default: 1-softsync)",
@@ -390,9 +405,11 @@ class _EndOfTraining(Callback):
     """The first callback while training: ends the shared epoch's epochs before the others' ``on_train_epoch_end``,
     and training on the server before the others' ``on_train_end``."""
 
+    @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if trainer.strategy._shared is not None:
             trainer.strategy._shared.on_train_epoch_end()
 
+    @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         trainer.strategy._end_training()

@@ -1,8 +1,12 @@
 """The compensation study's grid, report and plot, on a grid small enough to train in seconds."""
 
+import pytest
+
 import examples.study_compensation as study
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_tiny_grid_trains_and_reports(tmp_path, monkeypatch):
     for name, value in dict(NUM_SAMPLES=200, EPOCHS=1, LEARNERS=(2,), SEEDS=(0,), RATES={"sgd": (0.05, 0.1)}).items():
         monkeypatch.setattr(study, name, value)

@@ -100,6 +100,7 @@ def test_the_rules_state_travels_with_the_optimizer_state():
 def test_defaults_and_refusals():
     assert staleness_options(None, None) == ("none", "momentum")
     assert staleness_options("mean", None) == ("mean", "none")
+    assert staleness_options("none", None) == ("none", "none")  # a config that names its rule keeps it
     assert parse_compensation("none") == () and parse_compensation("gap+momentum") == ("gap", "momentum")
     with pytest.raises(ValueError, match=r"compensation='dc\+dc' is not supported"):
         parse_compensation("dc+dc")

@@ -50,9 +50,10 @@ DEFAULT_COMPENSATION = "momentum"
 
 def staleness_options(lr_modulation: Optional[str], compensation: Optional[str]) -> tuple[str, str]:
     """(lr_modulation, compensation) from what the user set (None: not set). Neither: the default compensation.
-    Only the paper's modulation: that, without compensation (as before compensation existed)."""
+    Only ``lr_modulation`` (any value, "none" included): that alone, as before compensation existed, so a config
+    that names its rule keeps its meaning."""
     if compensation is None:
-        compensation = DEFAULT_COMPENSATION if lr_modulation in (None, "none") else "none"
+        compensation = DEFAULT_COMPENSATION if lr_modulation is None else "none"
     return lr_modulation or "none", compensation
 
 

@@ -135,3 +135,44 @@ def test_several_batches_at_once_while_the_epoch_is_far_from_its_end():
     pool = EpochPool(budget, num_learners=1)
     assert len(pool.draw(0, 0, budget, want=4)[0]) == 16 and len(pool.draw(0, 0, budget, want=4)[0]) == 8
     assert pool.draw(0, 0, budget, want=4)[2] == "budget"
+
+
+def test_a_lost_learners_untrained_batches_are_dealt_again_first_at_their_place():
+    plan = EpochPlan(80, 8, shuffle=False)  # 10 batches: positions are indices // 8
+    pool = EpochPool(plan, num_learners=2)
+    assert pool.draw(0, 1, plan, want=1)[1] == 0 and pool.draw(0, 1, plan, want=1)[1] == 1
+    assert pool.draw(0, 1, plan, want=1)[1] == 2
+    assert pool.draw(0, 0, plan, want=1)[1] == 3
+    assert pool.draw(0, 1, plan, want=1, trained=1)[1] == 4  # learner 1 trained batch 0: 1, 2 and 4 it holds
+    assert pool.lose(1) == 3
+    again = [pool.draw(0, 0, plan, want=1, trained=1) for _ in range(3)]
+    assert [(position, what) for _, position, what in again] == [(1, "again"), (2, "again"), (4, "again")]
+    assert [indices.tolist() for indices, _, _ in again] == [list(range(8 * p, 8 * p + 8)) for p in (1, 2, 4)]
+    assert pool.draw(0, 0, plan, want=1)[1] == 5 and pool.redealt == 3
+    rest = [pool.draw(0, 0, plan, want=1) for _ in range(5)]
+    assert [position for _, position, _ in rest] == [6, 7, 8, 9, 10] and rest[-1][::2] == (None, "epoch")
+    assert pool.taken == {0: 9, 1: 4}  # 10 batches and the 3 dealt again, none a third time
+
+
+def test_batches_of_a_drained_epoch_are_dealt_again_in_the_next_and_count_once_in_the_budget():
+    plan = EpochPlan(32, 8, shuffle=False, budget=8)  # 4 batches an epoch, 2 epochs
+    pool = EpochPool(plan, num_learners=2)
+    assert pool.draw(0, 1, plan, want=1)[1] == 0
+    assert [pool.draw(0, 0, plan, want=1)[1] for _ in range(4)] == [1, 2, 3, 4]  # drained: 4 says "epoch"
+    assert pool.draw(1, 0, plan, want=1, trained=3)[1:] == (0, "batch")
+    pool.lose(1)
+    indices, position, what = pool.draw(1, 0, plan, want=1, trained=4)
+    assert (indices.tolist(), position, what) == (list(range(8)), 1, "again")  # at the place epoch 1 reached
+    positions = [pool.draw(1, 0, plan, want=1)[1] for _ in range(3)]
+    assert positions == [1, 2, 3] and pool.draw(1, 0, plan)[::2] == (None, "budget")
+    assert pool.taken == {0: 8, 1: 1} and pool.drawn == 8
+
+
+def test_without_a_loss_nothing_is_dealt_twice_and_acknowledged_batches_are_not_kept():
+    plan = EpochPlan(64, 8, shuffle=False)
+    pool = EpochPool(plan, num_learners=2)
+    for turn in range(8):
+        pool.draw(0, turn % 2, plan, want=1, trained=turn // 2)
+    assert pool.draw(0, 0, plan, trained=4)[::2] == (None, "epoch")
+    assert [len(pool.learners[learner].dealt) for learner in (0, 1)] == [0, 1]
+    assert pool.lose(0) == 0 and pool.redealt == 0 and pool.draw(1, 1, plan)[1:] == (0, "batch")

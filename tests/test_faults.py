@@ -9,6 +9,7 @@
 | kill -9 of learner 0 (runs the server) | 1            | async    | the run ends; the orphaned server exits      |
 | SIGSTOP of learner 1 past rpc_timeout  | -            | async    | the run ends with an error naming learner 1  |
 | kill -9 of learner 1                   | 1            | async    | learner 0 trains on; stats.lost names 1      |
+|   learner 1 kills itself mid-epoch     | 1            | async    | its batches dealt again: every sample trained |
 | kill -9 of learner 1                   | 2            | async    | the run ends: fewer than min_learners left   |
 | SIGSTOP of learner 1 past rpc_timeout  | 1            | softsync | learner 0 trains on (c = 1); 1 is ended      |
 | an exception in learner 1's step       | 1            | hardsync | exactly SGD on the batches left              |
@@ -214,9 +215,51 @@ def test_with_min_learners_a_killed_learner_is_lost_and_the_others_train_on(tmp_
                                                     min_learners=1, max_epochs=epochs)
     assert error is None and alive == []
     assert list(stats.lost) == [1] and stats.lost[1].startswith("ended before training did: its process (pid ")
-    assert sum(stats.batches.values()) == epochs * 32  # every batch of every epoch was handed out
+    assert sum(stats.batches.values()) == epochs * 32 + stats.redealt  # every batch of every epoch, and those again
     assert stats.batches[0] > stats.batches[1] and stats.clock == stats.gradients  # async: one update per gradient
     assert trained(model)
+
+
+class Counted(Regression):
+    """Each learner appends ``<epoch> <sample ids>`` of every batch it trains on to ``<dir>/ids<rank>``; learner 1
+    kills itself (SIGKILL) at its fifth batch of epoch 1, before training on it: the batches it recorded are those
+    it pushed (under async a push waits for its reply), and it holds a few more, drawn ahead."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(lr=0.01)
+        self.directory = directory
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        if self.global_rank == 1 and self.trainer.current_epoch == 1 and batch_idx == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.05 if self.global_rank == 0 else 0.02)  # learner 0 still has most of epoch 1 to go
+        with open(os.path.join(self.directory, f"ids{self.global_rank}"), "a") as file:
+            file.write(f"{self.trainer.current_epoch} {' '.join(map(str, ids.tolist()))}\n")
+        return super().training_step((x, y), batch_idx)
+
+
+def test_with_min_learners_a_killed_learners_batches_are_dealt_again_and_every_sample_is_trained(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    epochs, x, y = 3, *regression_data().tensors
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, torch.arange(len(x))), batch_size=8)
+    strategy = RudraStrategy(protocol="async", start_method=START, rpc_timeout=TIMEOUT, min_learners=1)
+    with pytest.warns(UserWarning, match=r"learner 1's process ended with signal SIGKILL"):
+        quiet_trainer(strategy, 2, max_epochs=epochs).fit(Counted(str(tmp_path)), data)
+    trained = {epoch: [] for epoch in range(epochs)}
+    for rank in (0, 1):
+        for line in (tmp_path / f"ids{rank}").read_text().splitlines():
+            epoch, *ids = map(int, line.split())
+            trained[epoch] += ids
+    stats = strategy.stats
+    assert list(stats.lost) == [1] and stats.redealt >= 1
+    assert sorted(trained[0]) == list(range(len(x)))  # no loss: each sample once
+    # epoch 1's batches that learner 1 held are trained in epoch 1 (or, dealt again after learner 0 drained it,
+    # in epoch 2): every sample at least once in each epoch, and no more than once besides those dealt again
+    counts = torch.bincount(torch.tensor(trained[1] + trained[2]), minlength=len(x))
+    assert counts.min().item() >= 2 and counts.sum().item() <= 2 * len(x) + 8 * stats.redealt
+    assert sum(stats.batches.values()) == epochs * 32 + stats.redealt
 
 
 def test_with_too_few_learners_left_the_run_ends_saying_so(tmp_path, monkeypatch):

@@ -92,7 +92,7 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
     assert result.closed and result.update is None  # it was this update's one gradient: nothing to apply
     assert weights(server) == before and server.clock == 2
     assert server.stats.to_dict() == {"clock": 2, "gradients": 3, "dropped": 1, "rejected": 0,
-                                      "staleness": {0: 1, 1: 1}, "batches": {}, "lost": {}}
+                                      "staleness": {0: 1, 1: 1}, "batches": {}, "redealt": 0, "lost": {}}
 
 
 def two_optimizer_server(learners=2, n=1, lr_modulation="none", max_staleness=None, protocol="softsync"):

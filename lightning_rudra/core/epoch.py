@@ -5,9 +5,14 @@ learner needs for its shard, whatever the protocol. Here the server owns each ep
 learner that is done with a batch takes the next one: a fast learner takes more batches, and all learners
 run out within about one batch of each other. The order is the one DistributedSampler would shuffle over all
 learners together (a permutation seeded by ``seed + epoch``), so it is reproducible from the seed.
+
+Nothing is lost with a learner: the pool keeps, per learner, the batches dealt to it that it has not said it
+trained on (a learner counts its trained batches in every draw: it trains them in the order dealt), and deals
+those of a lost learner again, to whoever asks next, before any new one.
 """
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -69,6 +74,21 @@ class _Epoch:
     cursor: int = 0  # batches handed out so far
 
 
+@dataclass
+class _Dealt:
+    """One batch dealt: the epoch and place it was dealt at, and its sample indices."""
+
+    epoch: int
+    position: int
+    indices: Tensor
+
+
+@dataclass
+class _Learner:
+    dealt: deque[_Dealt] = field(default_factory=deque)  # dealt and not yet said trained on, in the order dealt
+    acknowledged: int = 0  # batches it said it trained on over the run
+
+
 class EpochPool:
     """The server's side of one train dataloader: per epoch, the next batch for whoever asks.
 
@@ -84,8 +104,12 @@ class EpochPool:
         self.drawn = 0  # batches handed out over the run, for ``budget``
         self.stopped = False  # a learner stopped training (:meth:`stop`): the budget counts as spent
         self.taken: dict[int, int] = {}  # learner -> batches taken over the run
+        self.learners: dict[int, _Learner] = {}
+        self.redeal: deque[_Dealt] = deque()  # a lost learner's batches, to be dealt again first
+        self.redealt = 0  # batches dealt again over the run
 
-    def draw(self, epoch: int, learner: int, plan: EpochPlan, want: int = 1) -> tuple[Optional[Tensor], int, str]:
+    def draw(self, epoch: int, learner: int, plan: EpochPlan, want: int = 1,
+             trained: Optional[int] = None) -> tuple[Optional[Tensor], int, str]:
         """The next batches of ``epoch`` for ``learner``: ``(indices, position, "batch")``, the indices of
         consecutive batches from ``position`` (the epoch's batches count from 0); or ``(None, batches in the
         epoch, why)`` when there is none left, ``why`` being ``"epoch"`` (the epoch is drained) or ``"budget"``
@@ -93,7 +117,13 @@ class EpochPool:
 
         Up to ``want`` batches, which saves requests, but only while the epoch holds many more than the learners
         can take at once: towards its end every learner gets one batch at a time, so all of them run out within
-        about one batch of each other."""
+        about one batch of each other.
+
+        ``trained``: the batches ``learner`` has trained on over the run (pushed their gradients), which it need not
+        be given again if it is lost. A lost learner's other batches come first, one at a time, at their own place
+        if they belong to ``epoch``; one from an earlier epoch (the others had drained it when the loss was seen)
+        is trained in this one, at the place this epoch has reached. Such a batch comes as ``(indices, position,
+        "again")``: the learner may get more batches in this epoch than the epoch has."""
         if plan != self.plan:
             raise ValueError(f"learner {learner} describes this dataloader's epoch as {plan}, but the server holds "
                              f"{self.plan}: every learner must build the same train dataloader (same dataset "
@@ -106,7 +136,19 @@ class EpochPool:
             self.newest = epoch
         state = self.epochs.get(epoch)
         total = self.plan.num_batches
-        if self.stopped or (self.plan.budget is not None and self.drawn >= self.plan.budget):
+        own = self.learners.setdefault(learner, _Learner())
+        if trained is not None:
+            while own.acknowledged < trained and own.dealt:
+                own.dealt.popleft()
+                own.acknowledged += 1
+        if self.stopped:
+            return None, total, "budget"
+        if self.redeal and self.redeal[0].epoch <= epoch:  # dealt again: they count once in the budget
+            batch = self.redeal.popleft()
+            self.redealt += 1
+            position = batch.position if batch.epoch == epoch else min(state.cursor, total - 1) if state else 0
+            return self._deal(own, learner, [_Dealt(epoch, position, batch.indices)], "again")
+        if self.plan.budget is not None and self.drawn >= self.plan.budget:
             return None, total, "budget"
         if state is None or state.cursor >= total:
             return None, total, "epoch"
@@ -115,11 +157,24 @@ class EpochPool:
         if self.plan.budget is not None:
             count = min(count, self.plan.budget - self.drawn)
         size = self.plan.batch_size
-        indices = state.order[position * size:(position + count) * size].clone()
+        batches = [_Dealt(epoch, p, state.order[p * size:(p + 1) * size].clone())
+                   for p in range(position, position + count)]
         state.cursor += count
         self.drawn += count
-        self.taken[learner] = self.taken.get(learner, 0) + count
-        return indices, position, "batch"
+        return self._deal(own, learner, batches, "batch")
+
+    def _deal(self, own: _Learner, learner: int, batches: list[_Dealt], what: str) -> tuple[Tensor, int, str]:
+        own.dealt.extend(batches)
+        self.taken[learner] = self.taken.get(learner, 0) + len(batches)
+        return torch.cat([batch.indices for batch in batches]), batches[0].position, what
+
+    def lose(self, learner: int) -> int:
+        """``learner`` is lost: the batches dealt to it and not trained on are dealt again. Returns how many."""
+        own = self.learners.pop(learner, None)
+        if own is None:
+            return 0
+        self.redeal.extend(own.dealt)
+        return len(own.dealt)
 
     def stop(self) -> None:
         """No more batches for anyone: a learner decided on its own to stop training (``max_time``'s Timer, a

@@ -10,8 +10,9 @@ class Stats:
     """What a user reads after training: updates applied (the clock), gradients received, dropped (staler than
     ``max_staleness``), rejected (non-finite), the staleness histogram σ -> count of applied gradients, and
     under the shared epoch, or with simulated learners, the batches each learner took (learner -> count, first
-    train dataloader), and the learners lost during training with why (only with ``min_learners``: otherwise a
-    loss ends training)."""
+    train dataloader), the batches dealt again because the learner they were dealt to was lost before it trained
+    on them, and the learners lost during training with why (only with ``min_learners``: otherwise a loss ends
+    training)."""
 
     clock: int = 0
     gradients: int = 0
@@ -19,6 +20,7 @@ class Stats:
     rejected: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
     batches: dict[int, int] = field(default_factory=dict)
+    redealt: int = 0
     lost: dict[int, str] = field(default_factory=dict)  # learner -> why it was lost (``min_learners``)
 
     @property
@@ -33,7 +35,7 @@ class Stats:
     def to_dict(self) -> dict[str, Any]:
         return {"clock": self.clock, "gradients": self.gradients, "dropped": self.dropped,
                 "rejected": self.rejected, "staleness": dict(sorted(self.staleness.items())),
-                "batches": dict(sorted(self.batches.items())), "lost": dict(sorted(self.lost.items()))}
+                "batches": dict(sorted(self.batches.items())), "redealt": self.redealt, "lost": dict(sorted(self.lost.items()))}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stats":

@@ -158,10 +158,10 @@ class LearnerClient:
         self._collectives += 1
         return self._wait("gather", self._collectives, self.rank, obj)
 
-    def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int) -> Future:
-        """Ask for up to ``want`` next batches of the shared epoch of train dataloader ``pool``; its
-        :meth:`result` is ``EpochPool.draw``'s."""
-        return rpc.rpc_async(self.server, _server._call, args=("draw", pool, epoch, self.rank, plan, want),
+    def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int, trained: Optional[int] = None) -> Future:
+        """Ask for up to ``want`` next batches of the shared epoch of train dataloader ``pool``, saying that this
+        learner has trained on ``trained`` of the batches dealt to it; its :meth:`result` is ``EpochPool.draw``'s."""
+        return rpc.rpc_async(self.server, _server._call, args=("draw", pool, epoch, self.rank, plan, want, trained),
                              timeout=self.timeout)
 
     def stop_drawing(self) -> None:

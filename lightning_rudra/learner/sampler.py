@@ -23,10 +23,13 @@ class SharedEpochSampler(Sampler[int]):
 
     ``positions`` holds, in order, the place in the epoch of every batch drawn and not yet taken by
     :meth:`next_position` (batches are drawn a little ahead of being trained on: DataLoader and Lightning
-    prefetch). ``on_spent`` is called once the run's ``budget`` of batches is spent. Once ``sized`` is False
+    prefetch). ``on_spent`` is called once the run's ``budget`` of batches is spent, ``on_again`` for each batch
+    dealt again (a lost learner's), which makes the epoch one batch longer. Once ``sized`` is False
     the sampler has no length: a learner cannot know how many batches it will get, and whoever iterates must
     find the end by prefetching (Lightning's data fetcher does, and so knows which batch is the last).
     ``num_learners`` (λ) gives the length its meaning until then: one learner's share of the epoch.
+    ``trained``, set by whoever trains, counts the batches this learner has trained on over the run (their
+    gradients pushed), told to the server with every draw, which deals the others again if the learner is lost.
     """
 
     def __init__(self, client: LearnerClient, pool: int, plan: EpochPlan, num_learners: int = 1) -> None:
@@ -37,9 +40,11 @@ class SharedEpochSampler(Sampler[int]):
         self.epoch: Optional[int] = None
         self.positions: deque[int] = deque()
         self.on_spent: Optional[Callable[[], None]] = None
+        self.on_again: Optional[Callable[[], None]] = None
         self.sized = True
         self.want = BATCHES_PER_DRAW  # batches to ask for at once
         self.ended: Optional[str] = None  # why the last iteration ended: "epoch" (drained) or "budget"
+        self.trained: Optional[int] = None
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -59,7 +64,7 @@ class SharedEpochSampler(Sampler[int]):
         if self.epoch is None:
             return  # Lightning makes and drops one iterator before the first epoch: it must take nothing
         epoch, plan, size = self.epoch, self.plan, self.plan.batch_size
-        asked = self.client.draw(self.pool, epoch, plan, self.want)
+        asked = self.client.draw(self.pool, epoch, plan, self.want, self.trained)
         while True:
             indices, position, what = self.client.result(asked)
             if indices is None:
@@ -67,10 +72,12 @@ class SharedEpochSampler(Sampler[int]):
                 if what == "budget" and self.on_spent is not None:
                     self.on_spent()
                 return
+            if what == "again" and self.on_again is not None:
+                self.on_again()
             batches = indices.split(size)
             for i, batch in enumerate(batches):
                 if i == len(batches) - 1:  # ask for more now, so that the answer comes while this one trains
-                    asked = self.client.draw(self.pool, epoch, plan, self.want)
+                    asked = self.client.draw(self.pool, epoch, plan, self.want, self.trained)
                 self.positions.append(position + i)
                 yield from batch.tolist()
 

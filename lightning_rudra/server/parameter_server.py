@@ -222,16 +222,18 @@ class ParameterServer:
             outcomes.append((future, {learner: objs[learner] for learner in sorted(objs) if learner in members}))
         return outcomes
 
-    def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int) -> tuple[Optional[Any], int, str]:
+    def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int,
+             trained: Optional[int] = None) -> tuple[Optional[Any], int, str]:
         """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
         with self.lock:
             core = self._core()
             if pool not in self.pools:
                 self.pools[pool] = EpochPool(plan, self.num_learners)
-            indices, position, what = self.pools[pool].draw(epoch, learner, plan, want)
+            indices, position, what = self.pools[pool].draw(epoch, learner, plan, want, trained)
             if indices is not None and pool == 0:
                 count = -(-len(indices) // plan.batch_size)
                 core.stats.batches[learner] = core.stats.batches.get(learner, 0) + count
+                core.stats.redealt = self.pools[pool].redealt
             return indices, position, what
 
     def stop_drawing(self, learner: int) -> None:
@@ -293,6 +295,8 @@ class ParameterServer:
             self.core.stats.lost[learner] = why
         if failure is not None:
             return self._give_up(failure)
+        for pool in self.pools.values():
+            pool.lose(learner)
         left = sorted(self.membership.members)
         if self.announce:
             print(f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Training goes on with "

@@ -96,6 +96,8 @@ class SharedEpochLoop:
         self._learner_batches = 0  # one DDP learner's batches per epoch
         self._scheduled: list[Any] = []  # the step-interval LR schedulers' configs (automatic optimization)
         self._scheduler_steps: list[int] = []  # per config: times its scheduler has stepped in this run
+        self._fetched = 0  # batches fetched in this fit (first dataloader)
+        self._fetched_in_epoch = (-1, 0)  # (epoch, batches fetched in it)
 
     def install(self, trained: int) -> None:
         """``trained``: batches trained on before the checkpoint this run resumes from (0: none)."""
@@ -114,6 +116,7 @@ class SharedEpochLoop:
                 budget = max(0, self._max_steps * trainer.accumulate_grad_batches * self.num_learners - trained)
             sampler.plan = dataclasses.replace(sampler.plan, max_batches=cap, budget=budget, resumed=trained)
             sampler.on_spent = self._stop
+            sampler.on_again = self._one_more_batch
             sampler.sized = False  # Lightning's fetcher must look one batch ahead to know the epoch's last
             if self._interval(cap) < cap or trainer.check_val_every_n_epoch is None:
                 sampler.want = 1  # validation inside the epoch: hold few batches, so all learners reach each point
@@ -156,11 +159,26 @@ class SharedEpochLoop:
         """A training batch came from the DataLoader: the learner is in a batch of its own from here on, before
         any ``on_train_batch_start`` hook (whose collectives must stay local), and also for a None batch (which
         gets no such hook, but took a place in the epoch)."""
+        self._count_trained()
         self.position = self.samplers[0].next_position()
         self.in_batch = True
         if self._spent and not self.samplers[0].positions:
             self.trainer.should_stop = True
         self._catch_up_schedulers(self.position // self.num_learners)
+
+    def _count_trained(self) -> None:
+        """Before a batch starts: every batch fetched before an accumulation window's first one has been trained on
+        (Lightning pushes at a window's end, and an epoch's last batch ends one), which the next draw tells the
+        server, so that the batches a learner holds are dealt again if it is lost."""
+        trainer = self.trainer
+        epoch, in_epoch = self._fetched_in_epoch
+        if epoch != trainer.current_epoch:
+            epoch, in_epoch = trainer.current_epoch, 0
+        window = trainer.accumulate_grad_batches if trainer.lightning_module.automatic_optimization else 1
+        if in_epoch % window == 0:
+            self.samplers[0].trained = self._fetched
+        self._fetched += 1
+        self._fetched_in_epoch = (epoch, in_epoch + 1)
 
     def on_train_epoch_end(self) -> None:
         """Before any other ``on_train_epoch_end``: the step schedulers reach the epoch's end. Still in a batch
@@ -183,6 +201,11 @@ class SharedEpochLoop:
         self._spent = True
         if not self.samplers[0].positions:
             self.trainer.should_stop = True
+
+    def _one_more_batch(self) -> None:
+        """A lost learner's batch, dealt again: Lightning ends an epoch at its batch count, which is the pool's, and
+        this learner may now take more."""
+        self.trainer.fit_loop.max_batches += 1
 
     def _refuse_per_learner_counts(self) -> None:
         trainer = self.trainer

@@ -32,21 +32,23 @@ from lightning_rudra.timing import Jittered, push_order
 EPOCHS = 30
 NUM_SAMPLES = 4000
 MU_LAMBDA = 128
-SEEDS = (0, 1)
-LEARNERS = (4, 16, 30)
+SEEDS = (0, 1, 2)
+LEARNERS = (4, 8, 16, 30)
 RULES = ("paper", "momentum", "momentum+gap", "momentum+dc")  # paper: lr_modulation="mean", no compensation
+DEFAULT = "momentum"  # RudraStrategy's default compensation: its runs come first, so an interrupted grid has it
 RATES = {"sgd": (0.05, 0.1, 0.2), "adam": (0.001, 0.003, 0.01)}
 WITHIN = 0.02  # of hardsync's final error
 
 
 def grid(rates: dict[str, float]) -> list[dict[str, Any]]:
     """Every run, once the rates are chosen: hardsync per optimizer and seed; async at every λ, 4-softsync at λ = 16 and
-    1-softsync (the strategy's default protocol) at λ = 4, under every rule."""
+    1-softsync (the strategy's default protocol) at λ = 4, under every rule, the default rule's runs first."""
     runs = [dict(optimizer=o, protocol="hardsync", learners=16, n=1, rule="none", seed=s, epochs=EPOCHS)
             for o in rates for s in SEEDS]
     stale = [("async", lam, 1) for lam in LEARNERS] + [("softsync", 16, 4), ("softsync", 4, 1)]
+    rules = [DEFAULT] + [r for r in RULES if r != DEFAULT]
     runs += [dict(optimizer=o, protocol=p, learners=lam, n=n, rule=r, seed=s, epochs=2 * EPOCHS)
-             for s in SEEDS for o in rates for p, lam, n in stale for r in RULES]
+             for r in rules for s in SEEDS for o in rates for p, lam, n in stale]
     return [{**run, "lr": rates[run["optimizer"]]} for run in runs]
 
 

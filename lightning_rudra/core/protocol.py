@@ -7,7 +7,7 @@ has staleness σ = i - j.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -49,6 +49,20 @@ class PushResult:
     staleness: int
     closed: bool = False
     update: Optional[Update] = None
+
+
+class PushReply(NamedTuple):
+    """What a learner gets back for a push, over RPC: what became of its gradient (``status``, ``staleness``, as
+    in :class:`PushResult`), the rate its optimizer's newest update applied as a fraction of the learner's
+    (``lr_scale``), and the weights to go on from, flat (``params``, ``buffers``; None: read them from shared
+    memory), with their timestamp (``clock``). A hardsync reply comes at the end of the round."""
+
+    status: str
+    staleness: int
+    lr_scale: float
+    params: Optional[list[Tensor]]
+    buffers: Optional[list[Tensor]]
+    clock: int
 
 
 @dataclass

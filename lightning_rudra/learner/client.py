@@ -17,7 +17,7 @@ from lightning_rudra.server import process as _server
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.protocol import ProtocolConfig, PushReply
 from lightning_rudra.transport.rpc_world import (address_towards, check_port_free, init_rpc, server_name,
                                       shutdown_rpc)
 from lightning_rudra.transport.shm import SharedNames
@@ -137,11 +137,11 @@ class LearnerClient:
         return rpc.rpc_async(self.server, _server._call_async, timeout=_NO_TIME_LIMIT, args=(
             "push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite))
 
-    def receive(self, pushed: Future) -> tuple[str, int, float, Optional[list[Tensor]], Optional[list[Tensor]]]:
-        """What became of a pushed gradient (status, staleness), the rate its optimizer's newest update applied
-        (a fraction of the learner's) and the weights to continue from (None: read them from shared memory)."""
-        status, staleness, lr_scale, params, buffers, self.timestamp = self.result(pushed)
-        return status, staleness, lr_scale, params, buffers
+    def receive(self, pushed: Future) -> PushReply:
+        """The server's reply to a push; its clock is the timestamp of this learner's next push."""
+        reply: PushReply = self.result(pushed)
+        self.timestamp = reply.clock
+        return reply
 
     def finish(self) -> Future:
         """Stop pushing; hand the future to :meth:`final_weights`."""

@@ -271,11 +271,11 @@ class Learner:
             return
         (pushed, index), self._in_flight = self._in_flight, None
         replies = [(shard, shard.client.receive(future), sent) for shard, future, sent in pushed]
-        for shard, (_, _, _, flat_params, flat_buffers), sent in replies:
-            shard.take(flat_params, flat_buffers, sent if self.overlap else None)
+        for shard, reply, sent in replies:
+            shard.take(reply.params, reply.buffers, sent if self.overlap else None)
         if self.on_push is not None:
-            statuses, stalenesses, lr_scales = zip(*[reply[:3] for _, reply, _ in replies])
-            self.on_push(index, max(statuses, key=_SEVERITY.index), max(stalenesses), min(lr_scales))
+            self.on_push(index, max((reply.status for _, reply, _ in replies), key=_SEVERITY.index),
+                         max(reply.staleness for _, reply, _ in replies), min(reply.lr_scale for _, reply, _ in replies))
 
     def finish(self) -> None:
         """Stop pushing and take the final weights, once every learner has stopped. Every server hears it at

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.protocol import ProtocolConfig, PushReply, Server
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import TimingModel, push_order
 
@@ -95,14 +95,14 @@ class SimulatedClient:
                 self._held[learner] = clock
         update = server.last_updates[optimizer]
         reply: Future = Future()
-        reply.set_result((result.status, result.staleness, update.lr_scale if update is not None else 1.0,
-                          *self._weights(clock), clock))
+        reply.set_result(PushReply(result.status, result.staleness, update.lr_scale if update is not None else 1.0,
+                                   *self._weights(clock), clock))
         return reply
 
-    def receive(self, pushed: Future) -> tuple[str, int, float, list[Tensor], list[Tensor]]:
-        status, staleness, lr_scale, params, buffers, self.timestamp = pushed.wait()
-        self._loaded = self.timestamp  # the Learner loads these into the module now
-        return status, staleness, lr_scale, params, buffers
+    def receive(self, pushed: Future) -> PushReply:
+        reply: PushReply = pushed.wait()
+        self.timestamp = self._loaded = reply.clock  # the Learner loads these weights into the module now
+        return reply
 
     def finish(self) -> Future:
         """Every learner stops: gradients still waiting for a softsync update are applied. For

@@ -21,7 +21,7 @@ from torch.futures import Future
 from lightning_rudra.core.epoch import EpochPlan, EpochPool
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.protocol import ProtocolConfig, PushReply, Server
 from lightning_rudra.transport.shm import SharedNames, SharedWeights
 from lightning_rudra.core.stats import Stats
 
@@ -48,9 +48,8 @@ def _done(value: Any) -> Future:
 class ParameterServer:
     """A :class:`Server` shared by concurrent learners, plus a rendezvous for the strategy's collectives.
 
-    A push reply is ``(status, staleness, lr_scale, params, buffers, clock)``: what became of the gradient
-    and the rate of its optimizer's newest update (a fraction of the learners' rate), then the
-    newest weights (flat) and their timestamp. hardsync replies wait for the end of the round. Learners that
+    A push's reply is a :class:`~lightning_rudra.core.protocol.PushReply`; hardsync replies wait for the end of
+    the round. Learners that
     mapped the server's shared memory (:mod:`lightning_rudra.transport.shm`) push ``grads=None`` (the gradient is in
     their buffer) and get ``None`` for the weights, which they read themselves.
     """
@@ -150,14 +149,14 @@ class ParameterServer:
         _settle(outcomes)
         if in_round:
             return reply
-        return _done((result.status, result.staleness, lr_scale, *weights))
+        return _done(PushReply(result.status, result.staleness, lr_scale, *weights))
 
     def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> tuple[Outcomes, tuple]:
         """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
         weights they carry (also for ``pusher``, which did not wait). Called under the lock."""
         released = [(waiter, optimizer) for optimizer in closed for waiter in self.round_waiters.pop(optimizer, [])]
         weights = self._weights(([] if pusher is None else [pusher]) + [waiter[1] for waiter, _ in released])
-        return [(future, (status, staleness, self._lr_scale(optimizer), *weights))
+        return [(future, PushReply(status, staleness, self._lr_scale(optimizer), *weights))
                 for (future, _, status, staleness), optimizer in released], weights
 
     def _lr_scale(self, optimizer: int) -> float:

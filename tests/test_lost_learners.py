@@ -22,12 +22,12 @@ def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n:
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-    server._call("register", ProtocolConfig(learners, protocol, n=n), params, [], [spec], None, False)
+    server.call("register", ProtocolConfig(learners, protocol, n=n), params, [], [spec], None, False)
     return ps
 
 
 def push(learner: int, value: float, timestamp: int = 0):
-    return server._call_async("push", learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool),
+    return server.call_async("push", learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool),
                               timestamp, [{"lr": 1.0}], [])
 
 
@@ -65,26 +65,26 @@ def test_softsync_recomputes_c_from_the_learners_left(monkeypatch):
 
 def test_collectives_and_the_end_of_training_complete_with_the_learners_left(monkeypatch):
     ps = parameter_server(monkeypatch, "async", 3, min_learners=2)
-    gathered = [server._call_async("gather", 1, learner, f"from {learner}") for learner in (0, 2)]
-    finished = [server._call_async("finish", learner) for learner in (0, 2)]
+    gathered = [server.call_async("gather", 1, learner, f"from {learner}") for learner in (0, 2)]
+    finished = [server.call_async("finish", learner) for learner in (0, 2)]
     assert not any(f.done() for f in gathered + finished)
     lose(ps, 1)
     assert all(f.wait() == {0: "from 0", 2: "from 2"} for f in gathered)
     assert all(f.done() for f in finished)
-    later = [server._call_async("gather", 2, learner, learner) for learner in (0, 2)]
+    later = [server.call_async("gather", 2, learner, learner) for learner in (0, 2)]
     assert later[1].wait() == {0: 0, 2: 2}
 
 
 def test_a_launcher_reports_a_learner_whose_process_ended(monkeypatch):
     ps = parameter_server(monkeypatch, "async", 3, min_learners=1)
-    server._call_async("finish", 2)
-    server._call("leave", 2)
-    server._call("report", 0, 2, "exit code 0")  # it had left: nothing to do
-    server._call("report", 0, 1, "signal SIGKILL")
+    server.call_async("finish", 2)
+    server.call("leave", 2)
+    server.call("report", 0, 2, "exit code 0")  # it had left: nothing to do
+    server.call("report", 0, 1, "signal SIGKILL")
     assert ps.core.stats.lost == {1: "ended before training did (signal SIGKILL, as its launcher saw)"}
-    server._call("report", 0, 1, "signal SIGKILL")  # reported twice (two launchers, or the watch first): once
+    server.call("report", 0, 1, "signal SIGKILL")  # reported twice (two launchers, or the watch first): once
     with pytest.raises(ValueError, match="report from learner 7 refused"):
-        server._call("report", 7, 0, "signal SIGKILL")
+        server.call("report", 7, 0, "signal SIGKILL")
     assert ps.core.stats.lost.keys() == {1}
 
 
@@ -109,13 +109,13 @@ def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(monkeypa
                                                                         message):
     parameter_server(monkeypatch, "hardsync", learners, min_learners)
     for learner, address in ((0, "10.0.0.1"), (1, "10.0.0.2")):
-        server._call("heartbeat", learner, address, None)
+        server.call("heartbeat", learner, address, None)
     waiting = push(1 if lost != 1 else 0, 1.0)
-    server._call("leave", lost, "ValueError: broke")
+    server.call("leave", lost, "ValueError: broke")
     with pytest.raises(RuntimeError, match=message):
         waiting.wait()
     with pytest.raises(RuntimeError, match=message):  # and every later call
-        server._call_async("gather", 1, 1 if lost == 0 else 0, None)
+        server.call_async("gather", 1, 1 if lost == 0 else 0, None)
 
 
 def test_with_several_servers_no_learner_that_started_one_can_be_lost():
@@ -146,4 +146,4 @@ def test_after_training_failed_a_second_loss_does_not_change_the_reason(monkeypa
     lose(ps, 1, "stopped with an error (ValueError: first)")
     lose(ps, 2, "stopped with an error (ValueError: second)")
     with pytest.raises(RuntimeError, match=r"learner 1 .* \(ValueError: first\), and training cannot go on"):
-        server._call_async("gather", 1, 0, None)
+        server.call_async("gather", 1, 0, None)

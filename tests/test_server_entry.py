@@ -16,12 +16,12 @@ def parameter_server(monkeypatch):
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(3)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1), params)
-    server._call("register", ProtocolConfig(2, "async"), params, [], [spec], None, False)
+    server.call("register", ProtocolConfig(2, "async"), params, [], [spec], None, False)
     return ps
 
 
 def push(learner):
-    return server._call_async("push", learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0,
+    return server.call_async("push", learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0,
                               [{"lr": 0.1}], [])
 
 
@@ -35,26 +35,26 @@ def push(learner):
 def test_unknown_calls_and_learners_are_refused(parameter_server, method, args, error, message):
     heard = dict(parameter_server.membership.last_heard)
     with pytest.raises(error, match=message):
-        server._call(method, *args)
+        server.call(method, *args)
     membership = parameter_server.membership
     assert membership.last_heard == heard and parameter_server.failure is None and not membership.left
 
 
 def test_a_learner_that_left_or_was_lost_cannot_come_back(parameter_server):
-    server._call_async("finish", 1)
-    server._call("leave", 1)
+    server.call_async("finish", 1)
+    server.call("leave", 1)
     with pytest.raises(RuntimeError, match="push from learner 1 refused: it has left this run"):
         push(1)
     parameter_server.membership.lost[0] = "has not been heard from for more than 5 s"  # as watch() finds
     with pytest.raises(RuntimeError, match="heartbeat from learner 0 refused: it was counted as lost .it has not been "
                                            "heard from for more than 5 s., and it cannot rejoin"):
-        server._call("heartbeat", 0, "10.0.0.2")
+        server.call("heartbeat", 0, "10.0.0.2")
     assert parameter_server.core.clock == 0 and parameter_server.core.stats.gradients == 0
 
 
 def test_a_push_after_finish_is_refused(parameter_server):
     push(0).wait()
-    server._call_async("finish", 0)
+    server.call_async("finish", 0)
     with pytest.raises(RuntimeError, match="push from learner 0 refused: it has finished training"):
         push(0)
     assert parameter_server.core.stats.gradients == 1

@@ -64,7 +64,7 @@ class LearnerClient:
         process = this_process()
         while True:
             try:
-                where = rpc.rpc_sync(self.server, _server._call, timeout=self.timeout,
+                where = rpc.rpc_sync(self.server, _server.call, timeout=self.timeout,
                                      args=("heartbeat", self.rank, self.address, process))
             except Exception as error:
                 if not self._stop_heartbeat.is_set():
@@ -77,7 +77,7 @@ class LearnerClient:
 
     def _sync(self, method: str, *args: Any) -> Any:
         with self._naming_a_lost_server():
-            return rpc.rpc_sync(self.server, _server._call, args=(method, *args), timeout=self.timeout)
+            return rpc.rpc_sync(self.server, _server.call, args=(method, *args), timeout=self.timeout)
 
     @contextmanager
     def _naming_a_lost_server(self) -> Iterator[None]:
@@ -96,7 +96,7 @@ class LearnerClient:
             raise
 
     def _wait(self, method: str, *args: Any) -> Any:
-        return self.result(rpc.rpc_async(self.server, _server._call_async, args=(method, *args),
+        return self.result(rpc.rpc_async(self.server, _server.call_async, args=(method, *args),
                                          timeout=_NO_TIME_LIMIT))
 
     def result(self, future: Future) -> Any:
@@ -134,7 +134,7 @@ class LearnerClient:
         The tensors must not change until it resolves (RPC reads them when it sends them). ``grads=None``: the
         gradient is in this learner's shared-memory buffer. ``finite``: whether the whole gradient is (None: the
         server checks its part)."""
-        return rpc.rpc_async(self.server, _server._call_async, timeout=_NO_TIME_LIMIT, args=(
+        return rpc.rpc_async(self.server, _server.call_async, timeout=_NO_TIME_LIMIT, args=(
             "push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite))
 
     def receive(self, pushed: Future) -> PushReply:
@@ -145,7 +145,7 @@ class LearnerClient:
 
     def finish(self) -> Future:
         """Stop pushing; hand the future to :meth:`final_weights`."""
-        return rpc.rpc_async(self.server, _server._call_async, args=("finish", self.rank), timeout=_NO_TIME_LIMIT)
+        return rpc.rpc_async(self.server, _server.call_async, args=("finish", self.rank), timeout=_NO_TIME_LIMIT)
 
     def final_weights(self, finished: Future) -> tuple[Optional[list[Tensor]], Optional[list[Tensor]]]:
         """Once every learner has stopped: the final weights (None: in shared memory)."""
@@ -161,7 +161,7 @@ class LearnerClient:
     def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int, trained: Optional[int] = None) -> Future:
         """Ask for up to ``want`` next batches of the shared epoch of train dataloader ``pool``, saying that this
         learner has trained on ``trained`` of the batches dealt to it; its :meth:`result` is ``EpochPool.draw``'s."""
-        return rpc.rpc_async(self.server, _server._call, args=("draw", pool, epoch, self.rank, plan, want, trained),
+        return rpc.rpc_async(self.server, _server.call, args=("draw", pool, epoch, self.rank, plan, want, trained),
                              timeout=self.timeout)
 
     def stop_drawing(self) -> None:

@@ -92,12 +92,16 @@ def _entry(method: str, args: tuple) -> Callable:
     return getattr(_server, method)
 
 
-def _call(method: str, *args: Any) -> Any:
+def call(method: str, *args: Any) -> Any:
+    """The server's wire API: a learner calls ``rpc_sync``/``rpc_async(server, call, args=(method, *args))`` for
+    one of ``ENTRY_POINTS``, answered when the method returns."""
     return _entry(method, args)(*args)
 
 
 @rpc.functions.async_execution
-def _call_async(method: str, *args: Any) -> Future:
+def call_async(method: str, *args: Any) -> Future:
+    """As :func:`call`, for the methods that answer with a future (a push, a collective, the end of training):
+    the server's thread is free while they wait."""
     return _entry(method, args)(*args)  # raising here, before any future, reaches the caller
 
 

@@ -1,4 +1,4 @@
-"""One host's part of a run over several hosts (tests/test_hosts.py), however its processes were launched
+"""One host's part of a run over several hosts (tests/strategy/test_hosts.py), however its processes were launched
 (Lightning's launcher, torchrun or SLURM's variables). Learner 0 prints "TRAINING" when training starts and, at
 the end, one JSON line with the weights it returns and the server's statistics.
 

@@ -18,7 +18,7 @@ import torch
 from lightning_rudra import RudraStrategy
 from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import START, Regression, flat, loader, quiet_trainer
-from tests.test_faults import _alive, _signal, pid_of
+from tests.strategy.test_faults import _alive, _signal, pid_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(900)]
 

@@ -83,7 +83,7 @@ def test_sparse_gradients_float64_and_parametrized_weights_train_exactly(tmp_pat
     """Hardsync equals SGD with batch μλ for a module with an embedding with sparse gradients (pushed dense), a
     float64 parameter and weight normalization, with the popen launcher (the default): a parametrized module
     cannot be pickled for spawn."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     env = {**os.environ, "PYTHONPATH": root}
     env.pop("MASTER_PORT", None)
     out = tmp_path / "weights.pt"

@@ -229,7 +229,7 @@ def test_a_port_in_use_is_reported_clearly(monkeypatch):
 
 def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path):
     """The default start method re-runs the script per learner, as DDP does; pytest cannot be that script."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     env = {**os.environ, "PYTHONPATH": root}
     env.pop("MASTER_PORT", None)
     done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "popen_fit.py"), "hardsync", "2"],

@@ -15,7 +15,7 @@ from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.transport.shm import SHM_DIR
 from tests import rpc_harness as harness
-from tests.test_rpc import check_ok, sgd_reference
+from tests.learner.test_rpc import check_ok, sgd_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

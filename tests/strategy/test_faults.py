@@ -301,7 +301,7 @@ def test_with_min_learners_hardsync_goes_on_exactly_with_the_learners_left(proto
 def test_popen_survives_a_lost_learner(tmp_path, how, why):
     """Lightning's popen launcher would end every learner; with min_learners the strategy's own lets learner 0 train
     on (hardsync: exactly SGD on the batches left) and ends a stalled learner once training is over."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     env = {**os.environ, "PYTHONPATH": root}
     env.pop("MASTER_PORT", None)
     done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "survive_fit.py"), how, "2"],
@@ -339,7 +339,7 @@ def test_a_torchmetrics_metric_syncs_over_the_learners_left():
 def test_under_slurm_the_learners_left_train_on(tmp_path):
     """Processes that srun started (its variables, one host): nobody ends learner 0 when learner 1 exits, and the
     server, seeing learner 1's process end, goes on without it."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     base = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")
             and key not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base.update(PYTHONPATH=root, MASTER_PORT=str(free_port()), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",

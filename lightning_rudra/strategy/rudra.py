@@ -7,6 +7,7 @@ Collectives (barrier, broadcast, reduce, all_gather) go through the server inste
 (:mod:`lightning_rudra.strategy.collectives`). Under softsync and async the learners share each epoch's batches
 (:mod:`lightning_rudra.strategy.shared_epoch`), so that a fast learner takes more of them. With ``simulate=λ`` one
 process trains λ virtual learners under the same protocol code (:mod:`lightning_rudra.strategy.simulated_epoch`).
+Both refit Lightning's fit loop (:mod:`lightning_rudra.strategy.fit_loop`).
 """
 
 from typing import Any, Literal, Optional
@@ -29,9 +30,9 @@ from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_grou
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.config import PROTOCOLS, ProtocolConfig, validate_n, validate_options
 from lightning_rudra.strategy.push_metrics import PushMetrics
-from lightning_rudra.strategy.shared_epoch import SharedEpochLoop, shared_dataloader, start_shared_epoch
-from lightning_rudra.strategy.simulated_epoch import (SimulatedEpochLoop, check_simulation, simulated_dataloader,
-                                             start_simulation)
+from lightning_rudra.strategy.fit_loop import SharedEpochLoop, SimulatedEpochLoop
+from lightning_rudra.strategy.shared_epoch import shared_dataloader, start_shared_epoch
+from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader, start_simulation
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.launchers.spawn import SpawnLauncher
 from lightning_rudra.strategy.stage_servers import StageServers

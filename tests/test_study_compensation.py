@@ -2,7 +2,7 @@
 
 import pytest
 
-import examples.study_compensation as study
+import examples.study.compensation as study
 
 
 @pytest.mark.slow

@@ -6,8 +6,8 @@ from dataclasses import asdict
 
 import pytest
 
-from examples.study_findings import write_findings
-from examples.study_grid import (PAPER_ALPHA0, PAPER_LEARNERS, PAPER_NS, PAPER_SEEDS, RunConfig, choose_alpha0,
+from examples.study.findings import write_findings
+from examples.study.grid import (PAPER_ALPHA0, PAPER_LEARNERS, PAPER_NS, PAPER_SEEDS, RunConfig, choose_alpha0,
                                  paper_grid, paper_grid_without_momentum, paper_sweep)
 
 

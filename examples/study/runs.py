@@ -12,9 +12,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from examples.study_grid import CSV_FIELDS, RESULT_FIELDS, RunConfig
+from examples.study.grid import CSV_FIELDS, RESULT_FIELDS, RunConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # examples/study/runs.py: the repository
 
 
 class RunFailed(RuntimeError):
@@ -30,7 +30,7 @@ def run_one(config: RunConfig, timeout: float, log_dir: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rudra_study_") as tmp:
         result_path = Path(tmp) / "result.json"
         log_path = Path(tmp) / "output.log"
-        command = [sys.executable, "-m", "examples.study_runner", *config.runner_args(), "--result", str(result_path)]
+        command = [sys.executable, "-m", "examples.study.runner", *config.runner_args(), "--result", str(result_path)]
         start = time.perf_counter()
         with open(log_path, "w") as log:
             process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -15,7 +15,7 @@ import math
 import statistics
 from pathlib import Path
 
-from examples.study_grid import (PAPER_ALPHA0, PAPER_EPOCHS, PAPER_GROWING_MU, PAPER_LEARNERS, PAPER_MU_LAMBDA,
+from examples.study.grid import (PAPER_ALPHA0, PAPER_EPOCHS, PAPER_GROWING_MU, PAPER_LEARNERS, PAPER_MU_LAMBDA,
                                  PAPER_NS, PAPER_SAMPLES, PAPER_SPREAD, RunConfig, choose_alpha0)
 
 _LR_MODS = ("none", "mean", "per_gradient")

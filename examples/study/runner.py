@@ -1,6 +1,6 @@
-"""One run of the tradeoff study (``examples/study.py``): train MNIST-1D once and write a JSON result.
+"""One run of the tradeoff study (``python -m examples.study``): train MNIST-1D once and write a JSON result.
 
-    python -m examples.study_runner --protocol softsync --n 2 --learners 4 --batch-size 16 \\
+    python -m examples.study.runner --protocol softsync --n 2 --learners 4 --batch-size 16 \\
         --lr-modulation mean --epochs 5 --result /tmp/run.json
 
 ``--protocol single`` trains one plain Lightning process (no parameter server): the λ = 1 baseline.

@@ -5,7 +5,7 @@
     python -m examples.study --grid paper --jobs 2 --out docs/study/paper --resume   # λ up to 30, ~45 min
 
 Every configuration (protocol × n × μ × λ × learning-rate modulation, plus single-learner baselines) trains
-in its own subprocess (``python -m examples.study_runner ...``: λ learner processes and one server process
+in its own subprocess (``python -m examples.study.runner ...``: λ learner processes and one server process
 under ``RudraStrategy``, or one process of simulated learners), so one failure or hang cannot take the sweep
 down. For every finished run one row
 is appended to ``<out>/runs.csv``; ``--resume`` skips the configurations already there. At the end (and
@@ -18,8 +18,8 @@ with ``--report-only``, without training) it writes ``<out>/results.md`` and the
 The small grid is built to speak to the paper's three findings (see ``GRIDS``): keeping μ·λ constant keeps
 the baseline's accuracy while a large μ·λ hurts; n-softsync has mean staleness about n; without learning-rate
 modulation large-n softsync and async degrade, with it they recover. The ``paper`` grid asks the same at the
-paper's scale (``examples/study_grid.py``): an α0 sweep on the single learner first, then every run at the α0
-it chose, and ``findings.md`` answers the three findings with numbers (``examples/study_findings.py``).
+paper's scale (``examples/study/grid.py``): an α0 sweep on the single learner first, then every run at the α0
+it chose, and ``findings.md`` answers the three findings with numbers (``examples/study/findings.py``).
 """
 
 import argparse
@@ -31,11 +31,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from examples.study_findings import write_findings
-from examples.study_grid import (GRIDS, PAPER_SEEDS, RunConfig, choose_alpha0, paper_grid, paper_grid_without_momentum,
+from examples.study.findings import write_findings
+from examples.study.grid import (GRIDS, PAPER_SEEDS, RunConfig, choose_alpha0, paper_grid, paper_grid_without_momentum,
                                  paper_sweep)
-from examples.study_report import plot, write_markdown
-from examples.study_runs import RunFailed, append_row, read_rows, row_key, run_one
+from examples.study.report import plot, write_markdown
+from examples.study.runs import RunFailed, append_row, read_rows, row_key, run_one
 
 
 def _seed_list(text: str) -> list[int]:
@@ -131,7 +131,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.grid == "paper":
             seeds = args.seeds or PAPER_SEEDS
             print(f"then, at the α0 the sweep chooses: {len(paper_grid(0.1, seeds))} runs (paper_grid in "
-                  f"examples/study_grid.py); then without momentum: a sweep of {len(paper_sweep(seeds, momentum=0.0))} runs and "
+                  f"examples/study/grid.py); then without momentum: a sweep of {len(paper_sweep(seeds, momentum=0.0))} runs and "
                   f"{len(paper_grid_without_momentum(1.0, seeds))} runs at the α0 it chooses")
         return 0
     out.mkdir(parents=True, exist_ok=True)

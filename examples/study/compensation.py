@@ -1,7 +1,7 @@
 """Which staleness compensation to use: simulated learners at λ = 4 to 30, μλ constant, every rule, seeds.
 
-    python -m examples.study_compensation --out docs/study/compensation --resume       # the grid, then the report
-    python -m examples.study_compensation --out docs/study/compensation --report-only
+    python -m examples.study.compensation --out docs/study/compensation --resume       # the grid, then the report
+    python -m examples.study.compensation --out docs/study/compensation --report-only
 
 λ virtual learners in one process, driven against the package's own :class:`lightning_rudra.Server` (the rules
 the parameter server runs) with no Lightning around it: each learner computes its gradient on the weights it
@@ -152,7 +152,7 @@ def epochs_to(errors: list[float], target: float) -> Optional[int]:
 
 def write_report(rows: list[dict[str, Any]], rates: dict[str, float], out: Path) -> None:
     lines = ["# Staleness compensation: which rule (simulated learners, MNIST-1D)", "",
-             "Made by `python -m examples.study_compensation --out docs/study/compensation` "
+             "Made by `python -m examples.study.compensation --out docs/study/compensation` "
              "(see the module's docstring for the method). Cells: mean test error ± standard deviation over the seeds "
              f"run (of {list(SEEDS)}) after the run's last epoch; in brackets, for each seed run, the epochs it needed to "
              f"come within {WITHIN:.2f} of hardsync's final error (– : never). Hardsync trains {EPOCHS} epochs, the stale runs "
@@ -210,7 +210,7 @@ def plot(rows: list[dict[str, Any]], rates: dict[str, float], out: Path) -> None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m examples.study_compensation", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m examples.study.compensation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="study_compensation", help="output folder (default: study_compensation)")
     p.add_argument("--resume", action="store_true", help="skip the runs already in <out>/runs.jsonl")
@@ -220,6 +220,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     rows = read_rows(out / "runs.jsonl") if args.report_only else run_all(sweep(), out, args.resume)
+    if not rows:
+        print(f"no runs in {out / 'runs.jsonl'}: nothing to report")
+        return
     rates = chosen_rates(rows)
     if not args.report_only:
         rows = run_all(grid(rates), out, resume=True)

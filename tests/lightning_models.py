@@ -125,12 +125,12 @@ class ProbedRudra(RudraStrategy):
     def on_train_end(self) -> None:
         super().on_train_end()
         if self.is_global_zero and self.probe_path:
-            parts = [client.pull() for client in self._clients]
+            parts = [client.pull() for client in self._servers.clients]
             # each server's contiguous part of the parameters, in the module's order (one dtype here)
             params, buffers = [torch.cat([flats[0] for flats, _ in parts])], parts[0][1]
             # the rate of each optimizer's last update on the (first) server; a checkpoint holds the learners' rate
-            lrs = [[g["lr"] for g in self._client.optimizer_state(i)["param_groups"]]
-                   for i in range(len(self.optimizers))] if len(self._clients) == 1 else None
+            lrs = [[g["lr"] for g in self._servers.client.optimizer_state(i)["param_groups"]]
+                   for i in range(len(self.optimizers))] if len(self._servers.clients) == 1 else None
             torch.save({"params": params, "buffers": buffers, "lrs": lrs, "pid": os.getpid()}, self.probe_path)
 
 

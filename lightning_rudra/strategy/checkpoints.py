@@ -7,7 +7,7 @@ learner pulls or pushes, and every learner takes back its parameter groups (the 
 """
 
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from torch.optim import Optimizer
 
@@ -15,63 +15,71 @@ from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_grou
 from lightning_rudra.core.stats import Stats
 
 
-class ServerCheckpoints:
-    """Mixed into :class:`~lightning_rudra.RudraStrategy`: its checkpoint hooks."""
+class Checkpoints:
+    """What :class:`~lightning_rudra.RudraStrategy`'s checkpoint hooks hold between Lightning's calls: learner 0's
+    snapshot of the server while a checkpoint is written, and the states of the checkpoint a stage resumes from
+    until the server has them."""
 
-    _learner: Optional[Learner]
-    _checkpoint: Optional[tuple[list[dict[str, Any]], Stats]]  # learner 0: the server's snapshot
-    _resume_stats: Optional[Stats]
-    _resume_optimizer_states: Optional[list[dict[str, Any]]]
-    stats: Optional[Stats]
-    is_global_zero: bool
-    optimizers: list[Optimizer]
+    def __init__(self) -> None:
+        self.snapshot: Optional[tuple[list[dict[str, Any]], Stats]] = None  # optimizer states, stats: one clock
+        self.resume_stats: Optional[Stats] = None
+        self.resume_optimizer_states: Optional[list[dict[str, Any]]] = None
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Learner 0 (which writes checkpoints) takes the server's weights, optimizer states and statistics in
-        one snapshot, all of one clock; the other learners' copies are not written and stay as they are."""
-        self._checkpoint = None
-        if self.is_global_zero and self._learner is not None:
-            self._checkpoint = self._learner.snapshot()
-        return super().lightning_module_state_dict()
+    def take_snapshot(self, learner: Optional[Learner]) -> None:
+        """Learner 0 (which writes checkpoints, ``learner`` elsewhere None) takes the server's weights, optimizer
+        states and statistics in one snapshot, all of one clock; the other learners' copies are not written."""
+        self.snapshot = learner.snapshot() if learner is not None else None
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not self.is_global_zero:
-            return {}  # only learner 0's checkpoint is written: nothing to fetch from the server
-        if isinstance(optimizer, LearnerOptimizer):
-            if self._checkpoint is not None:
-                return with_groups(self._checkpoint[0][optimizer.index], optimizer.local)
-            return optimizer.state_dict()
-        return super().optimizer_state(optimizer)
+    def optimizer_state(self, optimizer: LearnerOptimizer) -> dict[str, Any]:
+        if self.snapshot is not None:
+            return with_groups(self.snapshot[0][optimizer.index], optimizer.local)
+        return optimizer.state_dict()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        stats = self._checkpoint[1] if self._checkpoint is not None else self.stats
-        if self.is_global_zero and stats is not None:
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any], is_global_zero: bool,
+             stats: Optional[Stats], write: Callable[[dict[str, Any], Any, Optional[Any]], None]) -> None:
+        """Adds the statistics to learner 0's checkpoint and writes it with ``write`` (the checkpoint IO's)."""
+        stats = self.snapshot[1] if self.snapshot is not None else stats
+        if is_global_zero and stats is not None:
             checkpoint["rudra"] = {"stats": stats.to_dict()}
-        self._checkpoint = None
-        if not self.is_global_zero or "://" in str(filepath):
-            super().save_checkpoint(checkpoint, filepath, storage_options)  # writes nothing / a remote store's way
+        self.snapshot = None
+        if not is_global_zero or "://" in str(filepath):
+            write(checkpoint, filepath, storage_options)  # writes nothing / a remote store's way
             return
         # A crash while writing must leave the previous checkpoint whole: write beside it, then rename over it.
         partial = f"{filepath}.partial"
         try:
-            super().save_checkpoint(checkpoint, partial, storage_options)
+            write(checkpoint, partial, storage_options)
             os.replace(partial, filepath)
         finally:
             if os.path.exists(partial):
                 os.remove(partial)
 
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """On resume, learner 0 hands the server the optimizer states and statistics with the weights, before
-        any learner pulls or pushes (:meth:`setup`)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def loaded(self, checkpoint: Mapping[str, Any]) -> None:
+        """On resume, learner 0 hands the server these optimizer states and statistics with the weights, before
+        any learner pulls or pushes."""
         if "rudra" in checkpoint:
-            self._resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
-        self._resume_optimizer_states = checkpoint.get("optimizer_states")
-        return checkpoint
+            self.resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
+        self.resume_optimizer_states = checkpoint.get("optimizer_states")
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """The server has the states since setup; the learners take back their parameter groups' values (the
-        learning rate their schedulers step from)."""
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if isinstance(optimizer, LearnerOptimizer):  # not Lightning's placeholder for no optimizer
-                optimizer.load_groups(state)
+    def keep_final_states(self, learner: Learner, optimizers: list[Any]) -> Stats:
+        """Learner 0, once training has ended: the server's final optimizer states go into the learners' local
+        optimizers, for ``trainer.save_checkpoint`` after ``fit`` (the server is gone by then). Returns the
+        server's statistics."""
+        states, stats = learner.snapshot()
+        for optimizer, state in zip(optimizers, states):
+            optimizer.local.load_state_dict(with_groups(state, optimizer.local))
+        return stats
+
+    def take_resumed(self) -> tuple[Optional[Stats], Optional[list[dict[str, Any]]]]:
+        """The resumed checkpoint's statistics and optimizer states, for this stage only."""
+        resumed = self.resume_stats, self.resume_optimizer_states
+        self.resume_stats = self.resume_optimizer_states = None
+        return resumed
+
+
+def load_groups(optimizers: list[Optimizer], checkpoint: Mapping[str, Any]) -> None:
+    """The server has the states since setup; the learners take back their parameter groups' values (the learning
+    rate their schedulers step from)."""
+    for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+        if isinstance(optimizer, LearnerOptimizer):  # not Lightning's placeholder for no optimizer
+            optimizer.load_groups(state)

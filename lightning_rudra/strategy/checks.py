@@ -147,3 +147,10 @@ def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:
                        "decision after every training batch, so every batch becomes a meeting of all learners and "
                        "softsync/async run in lock-step. Use sampling='shared' (the default under softsync and "
                        "async: each learner decides on its own clock), or max_epochs/max_steps.")
+
+
+def check_simulated_devices(simulate: Optional[int], num_nodes: int, num_processes: int) -> None:
+    if simulate and num_nodes * num_processes != 1:
+        raise ValueError(
+            f"simulate={simulate} trains every learner in this one process: use Trainer(devices=1, num_nodes=1), "
+            f"not devices={num_processes}, num_nodes={num_nodes}. For real learner processes, leave simulate unset.")

@@ -9,7 +9,7 @@ decides for itself, e.g. the Timer of ``max_time``), and ``all_gather`` is refus
 With ``min_learners``, a lost learner's part is left out: a reduction covers the learners left.
 """
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning_fabric.utilities.types import ReduceOp
@@ -23,68 +23,77 @@ _REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "avg": torch.mean, "max": t
                "product": torch.prod}
 
 
-class ServerCollectives:
-    """Mixed into :class:`~lightning_rudra.RudraStrategy`: its collectives, through ``self._client``."""
+class Collectives:
+    """The collectives of :class:`~lightning_rudra.RudraStrategy`: through the first server's client while a stage
+    has one (:meth:`connect`), else each learner's own value (one process, or a simulated run). ``in_batch`` says
+    whether this learner is inside a training batch of the shared epoch, where the learners are not in step (see
+    the module doc)."""
 
-    _client: Optional[LearnerClient]
+    def __init__(self, in_batch: Callable[[], bool]) -> None:
+        self.in_batch = in_batch
+        self.client: Optional[LearnerClient] = None
+        self.device = torch.device("cpu")  # where received tensors go
+
+    def connect(self, client: LearnerClient, device: torch.device) -> None:
+        self.client, self.device = client, device
+
+    def close(self) -> None:
+        """The stage is over: metrics pointed at the server sync locally again."""
+        self.client = None
 
     def _local_only(self) -> bool:
-        """Inside a training batch of the shared epoch, where learners are not in step (see the module doc)."""
-        shared = getattr(self, "_shared", None)
-        return shared is not None and shared.in_batch
+        return self.client is None or self.in_batch()
 
     def _gather(self, obj: Any) -> dict[int, Any]:
         """learner -> its ``obj``, for every learner left."""
-        assert self._client is not None
+        assert self.client is not None
         sent = apply_to_collection(obj, Tensor, lambda t: t.detach().cpu())  # the server holds CPU tensors
-        return self._client.gather(sent)
+        return self.client.gather(sent)
 
-    def _sync_metrics_through_server(self) -> None:
+    def sync_metrics(self, module: torch.nn.Module) -> None:
         """torchmetrics syncs over torch.distributed, which this strategy leaves uninitialized on purpose:
         point the module's metrics at the server instead, so that e.g. a logged accuracy covers all learners."""
-        for metric in self.lightning_module.modules():
+        for metric in module.modules():
             if isinstance(metric, Metric):
                 metric.dist_sync_fn = self._gather_metric_state
-                metric.distributed_available_fn = self._rpc_is_up
+                metric.distributed_available_fn = self._connected
 
-    def _rpc_is_up(self) -> bool:
-        return self._client is not None
+    def _connected(self) -> bool:
+        return self.client is not None
 
     def _gather_metric_state(self, tensor: Tensor, group: Optional[Any] = None) -> list[Tensor]:
         if self._local_only():
             return [tensor]
         return [t.to(tensor.device) for t in self._gather(tensor).values()]
 
-    def barrier(self, name: Optional[str] = None) -> None:
-        if self._client is not None and not self._local_only():
+    def barrier(self) -> None:
+        if not self._local_only():
             self._gather(None)
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self._client is None or self._local_only():
+    def broadcast(self, obj: Any, src: int, rank: int) -> Any:
+        if self._local_only():
             return obj
-        gathered = self._gather(obj if self.global_rank == src else None)
+        gathered = self._gather(obj if rank == src else None)
         if src not in gathered:
             raise RuntimeError(f"broadcast from learner {src}, which was lost: there is nothing to receive.")
-        received = gathered[src]
-        return apply_to_collection(received, Tensor, lambda t: t.to(self.root_device))
+        return apply_to_collection(gathered[src], Tensor, lambda t: t.to(self.device))
 
-    def reduce(self, tensor: Any, group: Optional[Any] = None,
-               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+    def reduce(self, tensor: Any, reduce_op: Optional[Union[ReduceOp, str]]) -> Any:
         reduce = _REDUCTIONS[_reduce_op_name(reduce_op)]
-        if not isinstance(tensor, Tensor) or self._client is None or self._local_only():
+        if not isinstance(tensor, Tensor) or self._local_only():
             return tensor
         stacked = torch.stack(list(self._gather(tensor).values()))
         if stacked.dtype in (torch.bool, torch.int32, torch.int64) and reduce is torch.mean:
             stacked = stacked.float()
         return reduce(stacked, dim=0).to(device=tensor.device)
 
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, sync_grads: bool = False) -> Tensor:
         if sync_grads:
             raise NotImplementedError("RudraStrategy.all_gather(sync_grads=True) is not supported: gathered "
                                       "tensors travel through the server, without autograd.")
-        if self._client is None:
+        if self.client is None:
             return tensor
-        if self._local_only():
+        if self.in_batch():
             raise RuntimeError(
                 "all_gather was called during a training batch under RudraStrategy's shared epoch: learners take "
                 "different numbers of batches, so no batch is shared by all of them. Move it to an epoch hook "

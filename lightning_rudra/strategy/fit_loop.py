@@ -32,12 +32,14 @@ own shard, and what Lightning counts in one learner's batches is recounted for Î
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from typing_extensions import override
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_rudra.learner.learner import Learner
 from lightning_rudra.learner.sampler import SharedEpochSampler
 from lightning_rudra.learner.simulation import LearnerSchedules, SimulatedSampler
 
@@ -119,7 +121,7 @@ class SharedEpochLoop:
         self.trainer.fit_loop.epoch_loop.__dict__.pop("_should_check_val_fx", None)
         self.trainer.fit_loop.epoch_loop.__dict__.pop("update_lr_schedulers", None)
 
-    def on_batch_fetched(self) -> None:
+    def on_batch_fetched(self, learner: Learner) -> None:
         """A training batch came from the DataLoader: the learner is in a batch of its own from here on, before
         any ``on_train_batch_start`` hook (whose collectives must stay local), and also for a None batch (which
         gets no such hook, but took a place in the epoch)."""
@@ -305,11 +307,19 @@ class SimulatedEpochLoop:
             self._max_steps = None
         self.trainer.fit_loop.epoch_loop.__dict__.pop("update_lr_schedulers", None)
 
-    def next_learner(self) -> int:
-        learner = self.sampler.next_learner()
+    in_batch = False  # one process: collectives never wait for other learners
+
+    def on_train_epoch_end(self) -> None:
+        pass  # its schedules are Lightning's own, per learner
+
+    def on_batch_fetched(self, learner: Learner) -> None:
+        """The batch of the next simulated learner: the module takes that learner's weights and LR schedule."""
+        index = self.sampler.next_learner()
         if self.schedules is not None:
-            self.schedules.switch(learner)
-        return learner
+            self.schedules.switch(index)
+        weights = learner.client.switch(index)
+        if weights is not None:
+            learner.load(*weights)
 
     def _schedule_per_learner(self) -> None:
         trainer = self.trainer
@@ -334,3 +344,24 @@ class SimulatedEpochLoop:
         update = type(epoch_loop).update_lr_schedulers
         for _ in (self.schedules.each() if interval == "epoch" else [None]):
             update(epoch_loop, interval, update_plateau_schedulers)
+
+
+class EndOfTraining(Callback):
+    """The first callback while training (:meth:`remove` at its end): ``end_epoch`` before the others'
+    ``on_train_epoch_end`` (the shared epoch's step schedulers reach the epoch's end), ``end_training`` before their
+    ``on_train_end`` (what they then do to the weights, SWA or EMA, is what ``fit`` returns)."""
+
+    def __init__(self, trainer: "pl.Trainer", end_epoch: Callable[[], None], end_training: Callable[[], None]) -> None:
+        self.trainer, self.end_epoch, self.end_training = trainer, end_epoch, end_training
+        trainer.callbacks.insert(0, self)
+
+    def remove(self) -> None:
+        self.trainer.callbacks = [cb for cb in self.trainer.callbacks if cb is not self]
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.end_epoch()
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.end_training()

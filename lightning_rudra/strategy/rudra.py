@@ -1,104 +1,69 @@
-"""RudraStrategy: any LightningModule trains through a parameter server instead of DDP.
+"""RudraStrategy: any LightningModule trains through a parameter server instead of DDP. Every optimizer step pushes
+the learner's gradient to the server and goes on from the weights the protocol gives back. There is on purpose no
+torch.distributed process group (with one, Lightning 2.6 makes every training batch a collective: lock-step);
+collectives go through the server (``collectives.py``). Under softsync and async the learners share each epoch's
+batches (``shared_epoch.py``); ``simulate=λ`` trains λ virtual learners in one process (``simulated_epoch.py``);
+both refit Lightning's fit loop (``fit_loop.py``). The strategy owns one object per concern: its stage's servers,
+collectives, checkpoints and push metrics."""
 
-Every optimizer step pushes the learner's gradient to the server and continues from the weights the
-protocol gives back. There is deliberately no default torch.distributed process group: since Lightning
-2.6 its presence makes every training batch a collective, which would turn async training into lock-step.
-Collectives (barrier, broadcast, reduce, all_gather) go through the server instead
-(:mod:`lightning_rudra.strategy.collectives`). Under softsync and async the learners share each epoch's batches
-(:mod:`lightning_rudra.strategy.shared_epoch`), so that a fast learner takes more of them. With ``simulate=λ`` one
-process trains λ virtual learners under the same protocol code (:mod:`lightning_rudra.strategy.simulated_epoch`).
-Both refit Lightning's fit loop (:mod:`lightning_rudra.strategy.fit_loop`).
-"""
-
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional, Union
 
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.utilities.types import ReduceOp
 from pytorch_lightning.accelerators import Accelerator
-from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
-from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_rudra.strategy.checkpoints import ServerCheckpoints
-from lightning_rudra.strategy.collectives import ServerCollectives
-from lightning_rudra.strategy.launchers.popen import PopenLauncher
-from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.config import PROTOCOLS, ProtocolConfig, validate_n, validate_options
+from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.timing import Homogeneous, TimingModel
+from lightning_rudra.learner.learner import Learner, LearnerOptimizer
+from lightning_rudra.learner.simulation import SimulatedClient
+from lightning_rudra.strategy.checkpoints import Checkpoints, load_groups
+from lightning_rudra.strategy.checks import (check_arguments, check_min_learners, check_module, check_num_servers,
+                                             check_optimizers, check_simulated_devices, check_trainer, is_placeholder,
+                                             warn_of_meetings_per_batch)
+from lightning_rudra.strategy.collectives import Collectives
+from lightning_rudra.strategy.fit_loop import EndOfTraining, SharedEpochLoop, SimulatedEpochLoop
+from lightning_rudra.strategy.launchers import launcher_for
+from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.strategy.push_metrics import PushMetrics
-from lightning_rudra.strategy.fit_loop import SharedEpochLoop, SimulatedEpochLoop
 from lightning_rudra.strategy.shared_epoch import shared_dataloader, start_shared_epoch
 from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader, start_simulation
-from lightning_rudra.learner.simulation import SimulatedClient
-from lightning_rudra.strategy.launchers.spawn import SpawnLauncher
-from lightning_rudra.strategy.stage_servers import StageServers
-from lightning_rudra.core.stats import Stats
-from lightning_rudra.strategy.checks import (check_arguments, check_min_learners, check_module, check_num_servers,
-                                    check_optimizers, check_trainer, is_placeholder, warn_of_meetings_per_batch)
-from lightning_rudra.core.timing import Homogeneous, TimingModel
+from lightning_rudra.strategy.stage_servers import StageServers, server_starters
 
 
-class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetrics, ParallelStrategy):
-    """Parameter-server training with the protocols of Rudra (Gupta, Zhang, Wang, ICDM 2016).
+class RudraStrategy(ParallelStrategy):
+    """Parameter-server training with the protocols of Rudra (Gupta, Zhang, Wang, ICDM 2016). Every argument in
+    full, with what it costs and what it refuses: ``docs/options.md``.
 
     Args:
-        protocol: ``"hardsync"`` (wait for every learner, average, one update: the same as SGD with batch
-            μλ), ``"softsync"`` (update after any ⌊λ/n⌋ gradients, no barrier) or ``"async"`` (every
-            gradient applied on arrival).
-        n: the softsync splitting parameter, 1 <= n <= λ. Mean staleness is about n.
-        lr_modulation: ``"mean"`` divides each update's learning rate by the mean staleness of its
-            gradients (the ICDM rule), ``"per_gradient"`` scales each gradient by 1/σ before averaging (the
-            IJCAI rule), ``"none"`` keeps the learners' rate. None (the default): ``"none"``.
-        compensation: what the server does about stale gradients (:mod:`lightning_rudra.core.compensation`):
-            ``"momentum"`` (scale the rate by c/λ; under staleness switch the optimizer's momentum off and keep the
-            step per sample), ``"dc"`` (delay compensation, DC-ASGD), ``"gap"`` (gap-aware damping), several
-            joined by ``+``, or ``"none"``. None (the default): ``"momentum"``, unless ``lr_modulation`` is set
-            (then ``"none"``: the paper's rule alone). Hardsync is never changed.
+        protocol: ``"hardsync"`` (wait for every learner, average, one update: SGD with batch μλ), ``"softsync"``
+            (an update after any ⌊λ/n⌋ gradients) or ``"async"`` (every gradient applied on arrival).
+        n: softsync's splitting parameter, 1 <= n <= λ; the mean staleness is about n.
+        lr_modulation: the paper's rules, ``"mean"``, ``"per_gradient"`` or ``"none"``; set alone, no compensation.
+        compensation: the server's rule for stale gradients (:mod:`lightning_rudra.core.compensation`):
+            ``"momentum"`` (the default), ``"dc"``, ``"gap"``, several joined by ``+``, or ``"none"``.
         max_staleness: gradients more than this many updates stale are dropped and counted; None keeps all.
-        nonfinite: a gradient with NaN or Inf is refused and counted (``"skip"``) or stops training
-            (``"raise"``); either way the server's weights stay as they were.
-        sampling: ``"shared"`` (the default under softsync and async): each epoch's samples form one pool,
-            handed out batch by batch to whichever learner asks next, so a fast learner takes more batches and
-            all learners end the epoch within about one batch of each other. ``"static"`` (hardsync's only
-            choice): Lightning's DistributedSampler, an equal fixed shard per learner, DDP's exact data order.
-        rpc_timeout: seconds a call to the server may take, and how long a learner (or the server) may stay
-            silent before it counts as lost. Waiting for a slow but live learner (hardsync rounds, collectives,
-            the end of training) has no time limit.
-        min_learners: None (the default): a lost learner (its process ended or raised, or it was silent for
-            ``rpc_timeout``) ends the run, as under DDP. ``k``: training goes on without it while at least k
-            learners are left, under every protocol (softsync's c is recomputed from the learners left, hardsync
-            rounds and collectives wait only for them); :attr:`stats` ``.lost`` says who was lost and why. A learner
-            that runs a server (learner 0; with several servers, each node's first learner) cannot be lost: its
-            loss always ends the run.
-        start_method: ``"popen"`` re-runs the script for every learner (like DDP; works with LightningCLI,
-            torchrun and SLURM); ``"spawn"`` starts them with multiprocessing (works inside notebooks' scripts
-            and tests); ``"forkserver"`` forks them from a process that imported Lightning once, so a learner
-            starts in a fraction of a second instead of the seconds an import takes (after the first ``fit``).
-        overlap: push and pull in the background while the next step computes, on the newest weights
-            received (Rudra-adv*): higher throughput, about λ more updates of staleness. Not with hardsync.
-        shared_memory: learners on the server's host exchange gradients and weights with it through shared
-            memory (``/dev/shm``), RPC carrying only control; learners on other hosts use RPC. ``False`` sends
-            everything through RPC. If shared memory cannot be allocated, a warning says so and RPC is used.
-        num_servers: S server processes, each owning one contiguous part of the parameters (a cut falls inside a
-            parameter only if every optimizer is elementwise, as SGD and Adam are; else between parameters),
-            pushed to and pulled from at once; every protocol runs on each part. They start on the nodes in turn
-            (server s on node s mod num_nodes, from that node's first learner), so traffic spreads over the
-            nodes. None (the default): one per node. :attr:`stats` are the first server's (all count the same
-            updates; each counts σ on its own part).
-        simulate: λ, the number of learners to simulate in this one process (``Trainer(devices=1)``), each with
-            the weights it last received and the shard of the data a real learner of its rank reads, their pushes
-            ordered by ``timing``: the paper's λ = 30 on one machine, at one learner's speed. None: real learners.
-        timing: with ``simulate``, how long each learner's steps take (:mod:`lightning_rudra.core.timing`):
-            ``Homogeneous()`` (the default), ``Jittered(spread, seed, slowdown)``, ``Stragglers({rank: factor})``
-            or ``Measured(times)``.
+        nonfinite: a gradient with NaN or Inf is refused and counted (``"skip"``) or stops training (``"raise"``).
+        sampling: ``"shared"`` (softsync's and async's default: one pool of batches per epoch) or ``"static"``.
+        rpc_timeout: seconds a call to the server may take, and a process's silence before it counts as lost.
+        min_learners: None: a lost learner ends the run, as under DDP; ``k``: training goes on while k are left.
+        start_method: ``"popen"`` (re-runs the script, like DDP), ``"spawn"`` or ``"forkserver"``.
+        overlap: push and pull while the next step computes (Rudra-adv*). Not with hardsync.
+        shared_memory: learners on the server's host exchange gradients and weights through ``/dev/shm``.
+        num_servers: server processes, each owning a contiguous part of the parameters; None: one per node.
+        simulate: λ learners simulated in this one process (``Trainer(devices=1)``); None: real learners.
+        timing: with ``simulate``, the learners' step times (:mod:`lightning_rudra.core.timing`).
 
-    After ``trainer.fit``, :attr:`stats` holds the server's statistics: ``clock`` (updates applied),
-    ``gradients``, ``dropped``, ``rejected``, ``staleness`` (σ -> count) and, under the shared epoch or simulated,
-    ``batches`` (learner -> batches it took).
+    After ``trainer.fit``, :attr:`stats` holds the server's statistics (:class:`~lightning_rudra.core.stats.Stats`).
     """
 
     strategy_name = "rudra"
@@ -150,20 +115,16 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self.timing = (timing or Homogeneous()) if simulate else timing
         self.stats: Optional[Stats] = None
         self._num_nodes = 1
-        # created per stage, in the learner processes (never in __init__: spawn pickles the strategy)
-        self._reset_stage_servers()
+        self._servers = StageServers()  # the RPC world of a stage (empty outside one: spawn pickles the strategy)
+        self._checkpoints = Checkpoints()
+        self._push_metrics = PushMetrics()
+        self._collectives = Collectives(self._in_batch)  # through the server, once a stage has one
         self._learner: Optional[Learner] = None
-        self._resume_stats: Optional[Stats] = None
-        self._resume_optimizer_states: Optional[list[dict[str, Any]]] = None
         self._resumed: Optional[Stats] = None  # the checkpoint's statistics, while fitting from one
-        self._checkpoint: Optional[tuple[list[dict[str, Any]], Stats]] = None  # learner 0: the server's snapshot
-        self._rendezvous = 0  # stages met through torchrun's store
         self._failed: Optional[str] = None  # this stage failed on this learner: why
         self._pools = 0  # train dataloaders drawing from the server in this stage
-        self._shared: Optional[SharedEpochLoop] = None  # while training on the shared epoch
-        self._simulated: Optional[SimulatedEpochLoop] = None  # while training simulated learners
-        self._end_of_training: Optional[tuple[pl.Trainer, _EndOfTraining]] = None  # the callback, while training
-        self._reset_push_metrics()
+        self._loop: Optional[Union[SharedEpochLoop, SimulatedEpochLoop]] = None  # Lightning's fit loop, refitted
+        self._end_of_training: Optional[EndOfTraining] = None  # the callback, while training
 
     def __repr__(self) -> str:
         # Lightning quotes this repr when the other flavour's Trainer refuses the strategy.
@@ -219,23 +180,10 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         validate_n(self.protocol, self.n, self.num_learners)
         check_min_learners(self.min_learners, self.num_learners, self.simulate)
         check_num_servers(self.num_servers, self.simulate)
-        if self.simulate:
-            if self.num_nodes * self.num_processes != 1:
-                raise ValueError(
-                    f"simulate={self.simulate} trains every learner in this one process: use Trainer(devices=1, "
-                    f"num_nodes=1), not devices={self.num_processes}, num_nodes={self.num_nodes}. For real learner "
-                    "processes, leave simulate unset.")
-            return  # no launcher: the Trainer runs in this process
+        check_simulated_devices(self.simulate, self.num_nodes, self.num_processes)
         assert self.cluster_environment is not None
-        if self.cluster_environment.creates_processes_externally:
-            return
-        if self.start_method == "popen" and self.min_learners is None:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        elif self.start_method == "popen":
-            self._launcher = PopenLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                           min_learners=self.min_learners, report=self._report_lost)
-        else:
-            self._launcher = SpawnLauncher(self, self.start_method)
+        if not self.simulate and not self.cluster_environment.creates_processes_externally:
+            self._launcher = launcher_for(self, self.cluster_environment, self._servers.report_lost)
 
     @override
     def setup_environment(self) -> None:
@@ -244,7 +192,15 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self._failed = None
         if self.simulate:
             return
-        self._join_servers()
+        assert self.cluster_environment is not None
+        self._servers.join(self.cluster_environment, self.global_rank, self.num_learners,
+                           server_starters(self.num_servers, self.num_nodes, self.num_processes), self.rpc_timeout,
+                           self.min_learners)
+        assert self._servers.client is not None
+        self._collectives.connect(self._servers.client, self.root_device)
+
+    def _in_batch(self) -> bool:
+        return self._loop is not None and self._loop.in_batch
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -252,8 +208,9 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._sync_metrics_through_server()
+        self._collectives.sync_metrics(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        resumed = self._checkpoints.take_resumed()  # a checkpoint given to this stage only
         if fitting:
             # every learner checks the same things, so a refusal ends them all before any waits for another
             check_trainer(trainer)
@@ -262,29 +219,24 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             check_optimizers(self.optimizers, list(self.model.parameters()), self.compensation)
             # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
             stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
-            clients = [SimulatedClient(self.simulate)] if self.simulate else self._clients
+            clients = [SimulatedClient(self.simulate)] if self.simulate else self._servers.clients
             self._learner = Learner(self.model, clients, self.overlap, self.shared_memory and not self.simulate)
-            self._learner.on_push = self._record_push
+            self._learner.on_push = self._push_metrics.record
             self._learner.check(stepping)
             if self.is_global_zero:
-                self._learner.register(self._protocol_config(), stepping, self._resume_stats,
-                                       self._resume_optimizer_states)
+                config = ProtocolConfig(self.num_learners, self.protocol, self.n, self.lr_modulation,
+                                        self.max_staleness, self.nonfinite, self.compensation)
+                self._learner.register(config, stepping, *resumed)
             self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
             if stepping:
                 self.optimizers = self._learner.wrap(stepping)
-        # a checkpoint given to this stage only; the shared epoch goes on from its statistics
-        self._resumed = self._resume_stats if fitting else None
-        self._resume_stats = self._resume_optimizer_states = None
+        self._resumed = resumed[0] if fitting else None  # the shared epoch goes on from its statistics
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    def _protocol_config(self) -> ProtocolConfig:
-        return ProtocolConfig(self.num_learners, self.protocol, self.n, self.lr_modulation, self.max_staleness,
-                              self.nonfinite, self.compensation)
 
     # ---- training --------------------------------------------------------------------------------------
     @override
@@ -294,8 +246,9 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
             # made before the learner exists: inside configure_optimizers, which reads one learner's counts
             return simulated_dataloader(dataloader, self.simulate, self.protocol, self.timing,
                                         whole=self._learner is not None)
-        if self.sampling == "shared" and self._client is not None and trainer.state.stage == RunningStage.TRAINING:
-            shared = shared_dataloader(dataloader, self._client, self._pools, self.num_learners)
+        client = self._servers.client
+        if self.sampling == "shared" and client is not None and trainer.state.stage == RunningStage.TRAINING:
+            shared = shared_dataloader(dataloader, client, self._pools, self.num_learners)
             if shared is not None:
                 self._pools += 1
                 return shared
@@ -303,43 +256,35 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
 
     @override
     def on_train_start(self) -> None:
-        self._reset_push_metrics()
+        self._push_metrics.reset()
         trainer = self.lightning_module.trainer
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
         if self.simulate:
             assert self._learner is not None
-            self._simulated = start_simulation(trainer, loaders, self.num_learners, self._learner.client)
+            self._loop = start_simulation(trainer, loaders, self.num_learners, self._learner.client)
         else:
-            self._shared = start_shared_epoch(trainer, loaders, self.num_learners, self._resumed)
-            if self._shared is None and self.protocol != "hardsync":
+            self._loop = start_shared_epoch(trainer, loaders, self.num_learners, self._resumed)
+            if self._loop is None and self.protocol != "hardsync":
                 warn_of_meetings_per_batch(trainer)
         # before every other callback's on_train_end, which may still change the weights (weight averaging)
-        self._end_of_training = (trainer, _EndOfTraining())
-        trainer.callbacks.insert(0, self._end_of_training[1])
+        self._end_of_training = EndOfTraining(trainer, self._end_epoch, self._end_training)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # A training batch starts when it is fetched: before the callbacks' and the module's on_train_batch_start,
         # which Lightning calls before the strategy's, and also for a None batch, which gets no such hook
         if self.lightning_module.trainer.training:
-            if self._shared is not None:
-                self._shared.on_batch_fetched()
-            if self._simulated is not None and self._learner is not None:
-                weights = self._learner.client.switch(self._simulated.next_learner())
-                if weights is not None:
-                    self._learner.load(*weights)
+            if self._loop is not None and self._learner is not None:
+                self._loop.on_batch_fetched(self._learner)
         return super().batch_to_device(batch, device, dataloader_idx)
-
-    def _pull_newest(self) -> None:
-        if self._learner is not None:
-            self._learner.pull()
 
     @override
     def on_validation_start(self) -> None:
-        if self._shared is not None:
+        if isinstance(self._loop, SharedEpochLoop):
             self.barrier("shared epoch: validate together")
-        self._pull_newest()
+        if self._learner is not None:
+            self._learner.pull()
 
     @override
     def on_train_end(self) -> None:
@@ -349,28 +294,24 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         """Every learner stops pushing; pending softsync gradients are applied; all take the final weights.
         Learner 0 also keeps the final optimizer states, for ``trainer.save_checkpoint`` after ``fit``. Runs
         before the callbacks' ``on_train_end``: what they do to the weights (SWA, EMA) is what fit returns."""
-        self._remove_end_of_training()
-        if self._shared is not None:
-            self._shared.uninstall()
-            self._shared = None
-        if self._simulated is not None:
-            self._simulated.uninstall()
-            self._simulated = None
+        if self._end_of_training is not None:
+            self._end_of_training.remove()
+        if self._loop is not None:
+            self._loop.uninstall()
+            self._loop = None
         if self._learner is not None:
             self._learner.finish()
             if self.is_global_zero:
-                states, self.stats = self._learner.snapshot()
-                for optimizer, state in zip(self.optimizers, states):
-                    optimizer.local.load_state_dict(with_groups(state, optimizer.local))
+                self.stats = self._checkpoints.keep_final_states(self._learner, self.optimizers)
             else:
-                self.stats = self._client.stats()
+                assert self._servers.client is not None
+                self.stats = self._servers.client.stats()
             self._learner.unwrap()
             self._learner = None
 
-    def _remove_end_of_training(self) -> None:
-        if self._end_of_training is not None:
-            (trainer, callback), self._end_of_training = self._end_of_training, None
-            trainer.callbacks = [cb for cb in trainer.callbacks if cb is not callback]
+    def _end_epoch(self) -> None:
+        if self._loop is not None:
+            self._loop.on_train_epoch_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -378,19 +319,76 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
 
     @override
     def teardown(self) -> None:
-        if self._client is not None:
-            self._leave_servers()
-        if self._shared is not None:  # training failed: give the Trainer its own loop back
-            self._shared.uninstall()
-        if self._simulated is not None:
-            self._simulated.uninstall()
+        if self._servers.client is not None:
+            self._servers.leave(self._failed, self.is_global_zero, self.rpc_timeout)
+            if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
+                self._launcher.end_lost(sorted(self.stats.lost))  # those lost and still running
+        self._collectives.close()
+        if self._loop is not None:  # training failed: give the Trainer its own loop back
+            self._loop.uninstall()
         if self._learner is not None:
             self._learner.unwrap()
-        self._remove_end_of_training()
-        self._learner = self._shared = self._simulated = self._checkpoint = None
+        if self._end_of_training is not None:
+            self._end_of_training.remove()
+        self._learner = self._loop = self._end_of_training = None
+        self._checkpoints.snapshot = None
         self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
         super().teardown()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self._learner is not None:
+            self._push_metrics.log(self.lightning_module, self._learner.client.timestamp, self.optimizers)
+        return output
+
+    # ---- collectives, through the server (lightning_rudra.strategy.collectives) -----------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        self._collectives.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self._collectives.broadcast(obj, src, self.global_rank)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        return self._collectives.reduce(tensor, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return self._collectives.all_gather(tensor, sync_grads)
+
+    # ---- checkpoints: the optimizer states live on the server (lightning_rudra.strategy.checkpoints) ----
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._checkpoints.take_snapshot(self._learner if self.is_global_zero else None)
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self.is_global_zero:
+            return {}  # only learner 0's checkpoint is written: nothing to fetch from the server
+        if isinstance(optimizer, LearnerOptimizer):
+            return self._checkpoints.optimizer_state(optimizer)
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._checkpoints.save(checkpoint, filepath, storage_options, self.is_global_zero, self.stats,
+                               super().save_checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._checkpoints.loaded(checkpoint)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        load_groups(self.optimizers, checkpoint)
 
     @override
     @classmethod
@@ -400,17 +398,3 @@ class RudraStrategy(StageServers, ServerCollectives, ServerCheckpoints, PushMetr
         for protocol in PROTOCOLS:
             strategy_registry.register(f"rudra_{protocol}", cls, description=f"Rudra parameter server, {protocol}",
                                        override=True, protocol=protocol)
-
-
-class _EndOfTraining(Callback):
-    """The first callback while training: ends the shared epoch's epochs before the others' ``on_train_epoch_end``,
-    and training on the server before the others' ``on_train_end``."""
-
-    @override
-    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if trainer.strategy._shared is not None:
-            trainer.strategy._shared.on_train_epoch_end()
-
-    @override
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        trainer.strategy._end_training()

@@ -1,1 +1,20 @@
 """How the strategy starts its learners: ``popen`` (the script run again per learner) and ``spawn``/``forkserver``."""
+
+from typing import Any, Callable
+
+from lightning_fabric.plugins import ClusterEnvironment
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+
+from lightning_rudra.strategy.launchers.popen import PopenLauncher
+from lightning_rudra.strategy.launchers.spawn import SpawnLauncher
+
+
+def launcher_for(strategy: Any, environment: ClusterEnvironment, report: Callable[[int, str], None]) -> Any:
+    """The launcher of ``strategy.start_method``: with ``min_learners``, the strategy's own, which let the other
+    learners train on when one is lost (``report`` hears of it); without, Lightning's for ``popen``."""
+    if strategy.start_method == "popen" and strategy.min_learners is None:
+        return _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
+    if strategy.start_method == "popen":
+        return PopenLauncher(environment, strategy.num_processes, strategy.num_nodes,
+                             min_learners=strategy.min_learners, report=report)
+    return SpawnLauncher(strategy, strategy.start_method)

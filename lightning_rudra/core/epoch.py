@@ -147,7 +147,8 @@ class EpochPool:
             batch = self.redeal.popleft()
             self.redealt += 1
             position = batch.position if batch.epoch == epoch else min(state.cursor, total - 1) if state else 0
-            return self._deal(own, learner, [_Dealt(epoch, position, batch.indices)], "again")
+            indices = batch.indices.clone()  # a view of the draw it came in: RPC would send that draw's storage
+            return self._deal(own, learner, [_Dealt(epoch, position, indices)], indices, "again")
         if self.plan.budget is not None and self.drawn >= self.plan.budget:
             return None, total, "budget"
         if state is None or state.cursor >= total:
@@ -157,16 +158,17 @@ class EpochPool:
         if self.plan.budget is not None:
             count = min(count, self.plan.budget - self.drawn)
         size = self.plan.batch_size
-        batches = [_Dealt(epoch, p, state.order[p * size:(p + 1) * size].clone())
-                   for p in range(position, position + count)]
+        indices = state.order[position * size:(position + count) * size].clone()
+        batches = [_Dealt(epoch, position + i, part) for i, part in enumerate(indices.split(size))]
         state.cursor += count
         self.drawn += count
-        return self._deal(own, learner, batches, "batch")
+        return self._deal(own, learner, batches, indices, "batch")
 
-    def _deal(self, own: _Learner, learner: int, batches: list[_Dealt], what: str) -> tuple[Tensor, int, str]:
+    def _deal(self, own: _Learner, learner: int, batches: list[_Dealt], indices: Tensor,
+              what: str) -> tuple[Tensor, int, str]:
         own.dealt.extend(batches)
         self.taken[learner] = self.taken.get(learner, 0) + len(batches)
-        return torch.cat([batch.indices for batch in batches]), batches[0].position, what
+        return indices, batches[0].position, what
 
     def lose(self, learner: int) -> int:
         """``learner`` is lost: the batches dealt to it and not trained on are dealt again. Returns how many."""

@@ -61,15 +61,6 @@ class Checkpoints:
             self.resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
         self.resume_optimizer_states = checkpoint.get("optimizer_states")
 
-    def keep_final_states(self, learner: Learner, optimizers: list[Any]) -> Stats:
-        """Learner 0, once training has ended: the server's final optimizer states go into the learners' local
-        optimizers, for ``trainer.save_checkpoint`` after ``fit`` (the server is gone by then). Returns the
-        server's statistics."""
-        states, stats = learner.snapshot()
-        for optimizer, state in zip(optimizers, states):
-            optimizer.local.load_state_dict(with_groups(state, optimizer.local))
-        return stats
-
     def take_resumed(self) -> tuple[Optional[Stats], Optional[list[dict[str, Any]]]]:
         """The resumed checkpoint's statistics and optimizer states, for this stage only."""
         resumed = self.resume_stats, self.resume_optimizer_states
@@ -83,3 +74,13 @@ def load_groups(optimizers: list[Optimizer], checkpoint: Mapping[str, Any]) -> N
     for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
         if isinstance(optimizer, LearnerOptimizer):  # not Lightning's placeholder for no optimizer
             optimizer.load_groups(state)
+
+
+def keep_final_states(learner: Learner, optimizers: list[Any]) -> Stats:
+    """Learner 0, once training has ended: the server's final optimizer states go into the learners' local
+    optimizers, for ``trainer.save_checkpoint`` after ``fit`` (the server is gone by then). Returns the
+    server's statistics."""
+    states, stats = learner.snapshot()
+    for optimizer, state in zip(optimizers, states):
+        optimizer.local.load_state_dict(with_groups(state, optimizer.local))
+    return stats

@@ -26,7 +26,7 @@ from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
 from lightning_rudra.learner.learner import Learner, LearnerOptimizer
 from lightning_rudra.learner.simulation import SimulatedClient
-from lightning_rudra.strategy.checkpoints import Checkpoints, load_groups
+from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states, load_groups
 from lightning_rudra.strategy.checks import (check_arguments, check_min_learners, check_module, check_num_servers,
                                              check_optimizers, check_simulated_devices, check_trainer, is_placeholder,
                                              warn_of_meetings_per_batch)
@@ -302,7 +302,7 @@ class RudraStrategy(ParallelStrategy):
         if self._learner is not None:
             self._learner.finish()
             if self.is_global_zero:
-                self.stats = self._checkpoints.keep_final_states(self._learner, self.optimizers)
+                self.stats = keep_final_states(self._learner, self.optimizers)
             else:
                 assert self._servers.client is not None
                 self.stats = self._servers.client.stats()

@@ -56,19 +56,22 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
     for run in runs:
         run["final_acc"] = final_accuracy(run)
         run["tta_target"] = target
-        run["tta_s"], run["best_accuracy"] = ((None, None) if target is None else
-                                              report.time_to_accuracy({"accuracy": series(run)}, target))
+        run["tta_s"], run["best_accuracy"] = (
+            (None, None) if target is None else report.time_to_accuracy({"accuracy": series(run)}, target)
+        )
         run["tta_epochs"] = epochs_at(run, run["tta_s"])
         run["epochs_trained"] = min((len(r) for r in run.get("epoch_ends_s") or []), default=None)
     out = report.summarize_runs(runs)
     for strategy, entry in out.items():
         mine = [r for r in runs if r["strategy"] == strategy]
-        entry.update(final_accuracy=report.median([r["final_acc"] for r in mine]),
-                     final_accuracy_runs=[r["final_acc"] for r in mine],
-                     tta_epochs=report.median([r["tta_epochs"] for r in mine]),
-                     tta_epochs_runs=[r["tta_epochs"] for r in mine],
-                     epochs_trained=report.median([r["epochs_trained"] for r in mine]),
-                     job_wall_s=report.median([r.get("job_wall_s") for r in mine]))
+        entry.update(
+            final_accuracy=report.median([r["final_acc"] for r in mine]),
+            final_accuracy_runs=[r["final_acc"] for r in mine],
+            tta_epochs=report.median([r["tta_epochs"] for r in mine]),
+            tta_epochs_runs=[r["tta_epochs"] for r in mine],
+            epochs_trained=report.median([r["epochs_trained"] for r in mine]),
+            job_wall_s=report.median([r.get("job_wall_s") for r in mine]),
+        )
         if strategy != "ddp" and target is not None:
             reps = [math.inf if t is None else r for r, t in zip(entry["tta_vs_ddp_reps"], entry["tta_s_reps"])]
             known = [r for r in reps if r is not None]
@@ -87,27 +90,34 @@ def phase(suite: Any) -> None:
     raw: list[dict[str, Any]] = []
     configs: list[dict[str, Any]] = []
     suite.raw["accuracy"], suite.summary["accuracy"] = raw, configs  # filled in as measured, as in epochs
-    suite.summary["accuracy_info"] = {"text": (
-        f"MNIST-1D example CNN, {cfg['accuracy_samples']} samples (72 % of them the train split, 20 % the test "
-        f"split the accuracy is of), μ·λ = {BATCH} (μ per learner in the first column), SGD lr {OPTIMIZER['lr']} "
-        f"momentum {OPTIMIZER['momentum']} (the rate that is best for batch {BATCH} in the project's simulations). "
-        f"DDP (gloo) trains {epochs} epochs; the median of its runs' final test accuracies (of the final weights) "
-        f"minus {100 * DROP:g} point is the *target*. Rudra async with its default options (shared epoch, "
-        f"`compensation=\"momentum\"`) trains {STALE_EPOCHS * epochs} epochs, from the same initial weights. "
-        f"*Time to target*: from rank 0's training start (process start, rendezvous and the server's start left "
-        f"out, as in section 5) to its first weights (snapshots every "
-        f"{cfg['snapshot_every']} of its batches, then the final weights) at or above the target, read after the "
-        f"runs; in brackets the epochs done by then (an epoch ends when its last learner ends it). *Straggler*: the "
-        f"last learner sleeps (k − 1)·t before every batch, t being the median DDP step time without a straggler "
-        f"for that λ and μ, measured in this run ({cfg['epoch_calibration_steps']} steps); k = 1: none. Runs per "
-        f"row: {reps} of async, each between two DDP runs; *async / DDP*: each async run's time against the mean "
-        f"of those two DDP runs' times, median (lowest–highest) over runs, \"never\" if async did not reach the "
-        f"target in half its runs or more. Times are wall clock on a small machine shared with other jobs (see "
-        f"the load average above): they are noisy, the ratios of runs side by side less so.")}
+    suite.summary["accuracy_info"] = {
+        "text": (
+            f"MNIST-1D example CNN, {cfg['accuracy_samples']} samples (72 % of them the train split, 20 % the test "
+            f"split the accuracy is of), μ·λ = {BATCH} (μ per learner in the first column), SGD lr {OPTIMIZER['lr']} "
+            f"momentum {OPTIMIZER['momentum']} (the rate that is best for batch {BATCH} in the project's simulations). "
+            f"DDP (gloo) trains {epochs} epochs; the median of its runs' final test accuracies (of the final weights) "
+            f"minus {100 * DROP:g} point is the *target*. Rudra async with its default options (shared epoch, "
+            f'`compensation="momentum"`) trains {STALE_EPOCHS * epochs} epochs, from the same initial weights. '
+            f"*Time to target*: from rank 0's training start (process start, rendezvous and the server's start left "
+            f"out, as in section 5) to its first weights (snapshots every "
+            f"{cfg['snapshot_every']} of its batches, then the final weights) at or above the target, read after the "
+            f"runs; in brackets the epochs done by then (an epoch ends when its last learner ends it). *Straggler*: the "
+            f"last learner sleeps (k − 1)·t before every batch, t being the median DDP step time without a straggler "
+            f"for that λ and μ, measured in this run ({cfg['epoch_calibration_steps']} steps); k = 1: none. Runs per "
+            f"row: {reps} of async, each between two DDP runs; *async / DDP*: each async run's time against the mean "
+            f'of those two DDP runs\' times, median (lowest–highest) over runs, "never" if async did not reach the '
+            f"target in half its runs or more. Times are wall clock on a small machine shared with other jobs (see "
+            f"the load average above): they are noisy, the ratios of runs side by side less so."
+        )
+    }
     for learners in cfg["accuracy_learners"]:
         pool = suite._pool_for(learners)
-        setup = {"num_learners": learners, "batch_size": BATCH // learners, "num_samples": cfg["accuracy_samples"],
-                 **OPTIMIZER}
+        setup = {
+            "num_learners": learners,
+            "batch_size": BATCH // learners,
+            "num_samples": cfg["accuracy_samples"],
+            **OPTIMIZER,
+        }
         calibration = suite._calibrate(pool, setup, phase="accuracy")
         if calibration is None:
             continue
@@ -120,22 +130,44 @@ def phase(suite: Any) -> None:
             runs: list[dict[str, Any]] = []
             raw[-1]["runs"][f"{slowdown:g}x"] = runs
             for seq, (key, rep) in enumerate(suite._schedule(["ddp", "async"], reps)):
-                run = suite._train(key, rep, seq, pool=pool, timeout=timeout, sleep_s=sleep, snapshots=True,
-                                   max_epochs=epochs * (1 if key == "ddp" else STALE_EPOCHS),
-                                   snapshot_every=cfg["snapshot_every"], **setup)
+                run = suite._train(
+                    key,
+                    rep,
+                    seq,
+                    pool=pool,
+                    timeout=timeout,
+                    sleep_s=sleep,
+                    snapshots=True,
+                    max_epochs=epochs * (1 if key == "ddp" else STALE_EPOCHS),
+                    snapshot_every=cfg["snapshot_every"],
+                    **setup,
+                )
                 if run is None:
                     continue
                 runs.append(run)
-                suite.log(f"accuracy {learners} learners, {slowdown:g}x, rep {rep} {key}: final accuracy "
-                          f"{report._f(final_accuracy(run), '{:.3f}')}, best "
-                          f"{report._f(max((a for _, a in series(run)), default=None), '{:.3f}')}, epoch "
-                          f"{report._f(run.get('epoch_s'))} s (job {run['job_wall_s']:.1f} s)")
+                suite.log(
+                    f"accuracy {learners} learners, {slowdown:g}x, rep {rep} {key}: final accuracy "
+                    f"{report._f(final_accuracy(run), '{:.3f}')}, best "
+                    f"{report._f(max((a for _, a in series(run)), default=None), '{:.3f}')}, epoch "
+                    f"{report._f(run.get('epoch_s'))} s (job {run['job_wall_s']:.1f} s)"
+                )
             summary = summarize(runs)
-            configs.append({"learners": learners, "batch_size": BATCH // learners, "slowdown": slowdown,
-                            "step_ms": 1e3 * step_s, "sleep_ms": 1e3 * (slowdown - 1) * step_s, "epochs": epochs,
-                            "stale_epochs": STALE_EPOCHS * epochs, **summary})
+            configs.append(
+                {
+                    "learners": learners,
+                    "batch_size": BATCH // learners,
+                    "slowdown": slowdown,
+                    "step_ms": 1e3 * step_s,
+                    "sleep_ms": 1e3 * (slowdown - 1) * step_s,
+                    "epochs": epochs,
+                    "stale_epochs": STALE_EPOCHS * epochs,
+                    **summary,
+                }
+            )
             rudra, ddp = summary["runs"].get("async", {}), summary["runs"].get("ddp", {})
-            suite.log(f"accuracy {learners} learners, {slowdown:g}x: target {report._f(summary['target'], '{:.3f}')}"
-                      f", time to it DDP {report._f(ddp.get('tta_s'))} s, async {report._f(rudra.get('tta_s'))} s, "
-                      f"async / DDP {report._f(rudra.get('tta_vs_ddp'))}")
+            suite.log(
+                f"accuracy {learners} learners, {slowdown:g}x: target {report._f(summary['target'], '{:.3f}')}"
+                f", time to it DDP {report._f(ddp.get('tta_s'))} s, async {report._f(rudra.get('tta_s'))} s, "
+                f"async / DDP {report._f(rudra.get('tta_vs_ddp'))}"
+            )
     suite._close_extra_pools()

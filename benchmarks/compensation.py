@@ -28,8 +28,12 @@ LEARNERS = 4
 def push_times(compensation: str, size: int, pushes: int, warmup: int = 4) -> list[float]:
     weights = torch.zeros(size)
     opt = torch.optim.SGD([weights], lr=1e-3, momentum=0.9)
-    server = Server(ProtocolConfig(LEARNERS, "async", compensation=compensation), [weights], [],
-                    [OptimizerSpec.from_optimizer(opt, [weights])])
+    server = Server(
+        ProtocolConfig(LEARNERS, "async", compensation=compensation),
+        [weights],
+        [],
+        [OptimizerSpec.from_optimizer(opt, [weights])],
+    )
     hparams = [hyperparameters(group) for group in opt.param_groups]
     held = [server.clock] * LEARNERS
     grads = [torch.randn(size) for _ in range(2)]
@@ -50,25 +54,39 @@ def measure(size: int, pushes: int, rounds: int) -> dict[str, Any]:
         for rule in RULES:
             samples[rule] += push_times(rule, size, pushes)
     medians = {rule: 1e3 * statistics.median(times) for rule, times in samples.items()}
-    return {"parameters": size, "load_average": os.getloadavg()[0], "learners": LEARNERS, "pushes_per_rule": pushes * rounds,
-            "median_push_ms": medians, "extra_ms": {rule: medians[rule] - medians["none"] for rule in RULES}}
+    return {
+        "parameters": size,
+        "load_average": os.getloadavg()[0],
+        "learners": LEARNERS,
+        "pushes_per_rule": pushes * rounds,
+        "median_push_ms": medians,
+        "extra_ms": {rule: medians[rule] - medians["none"] for rule in RULES},
+    }
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = ["# Staleness compensation: the server's time per push", "",
-             f"`python -m benchmarks.compensation`: async, λ = {result['learners']}, {result['parameters']:,} "
-             f"float32 parameters, SGD with momentum 0.9, one thread; median over {result['pushes_per_rule']} pushes "
-             f"per rule (σ = 3 each), rules interleaved in rounds; load average {result['load_average']:.1f} on this "
-             "machine at the end (other jobs share its cores: the times are inflated alike).", "",
-             "| compensation | ms per push | more than none |", "|---|---|---|"]
+    lines = [
+        "# Staleness compensation: the server's time per push",
+        "",
+        f"`python -m benchmarks.compensation`: async, λ = {result['learners']}, {result['parameters']:,} "
+        f"float32 parameters, SGD with momentum 0.9, one thread; median over {result['pushes_per_rule']} pushes "
+        f"per rule (σ = 3 each), rules interleaved in rounds; load average {result['load_average']:.1f} on this "
+        "machine at the end (other jobs share its cores: the times are inflated alike).",
+        "",
+        "| compensation | ms per push | more than none |",
+        "|---|---|---|",
+    ]
     for rule, ms in result["median_push_ms"].items():
         lines.append(f"| {rule} | {ms:.1f} | {result['extra_ms'][rule]:+.1f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compensation", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.compensation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--size", type=int, default=10_000_000, help="parameters (default 10 M)")
     p.add_argument("--pushes", type=int, default=8, help="timed pushes per rule and round")
     p.add_argument("--rounds", type=int, default=3)

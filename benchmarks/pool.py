@@ -42,8 +42,14 @@ def _write_json(path: str, obj: Any) -> None:
 class Pool:
     """``size`` worker processes; ``env`` is added to their environment (and so to processes they start)."""
 
-    def __init__(self, name: str, size: int = 2, env: Optional[dict[str, str]] = None,
-                 preload: tuple[str, ...] = (), start_timeout: float = 180.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        size: int = 2,
+        env: Optional[dict[str, str]] = None,
+        preload: tuple[str, ...] = (),
+        start_timeout: float = 180.0,
+    ) -> None:
         self.name = name
         self.size = size
         self.env = dict(env or {})
@@ -64,19 +70,42 @@ class Pool:
         os.makedirs(os.path.join(self.dir, "results"))
         self.next_job = 0
         env = dict(os.environ)
-        env.update({"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(self.size), "NODE_RANK": "0",
-                    "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-                        [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]),
-                    "PYTHONWARNINGS": "ignore"})
+        env.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "WORLD_SIZE": str(self.size),
+                "NODE_RANK": "0",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(
+                    [REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+                ),
+                "PYTHONWARNINGS": "ignore",
+            }
+        )
         env.update(self.env)
         for rank in range(self.size):
             log = open(os.path.join(self.dir, f"worker{rank}.log"), "w")
             self.logs.append(log)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.pool", "--dir", self.dir, "--rank", str(rank),
-                 "--preload", ",".join(self.preload)],
-                env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)}, cwd=REPO_ROOT, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.pool",
+                        "--dir",
+                        self.dir,
+                        "--rank",
+                        str(rank),
+                        "--preload",
+                        ",".join(self.preload),
+                    ],
+                    env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
+                    cwd=REPO_ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
 
     def wait_ready(self) -> None:
         self.start()

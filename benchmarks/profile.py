@@ -60,16 +60,27 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=200)
     args = parser.parse_args()
 
-    pool = Pool("profile", preload=("pytorch_lightning", "lightning_rudra", "benchmarks.training",
-                                    "benchmarks.transport"))
+    pool = Pool(
+        "profile", preload=("pytorch_lightning", "lightning_rudra", "benchmarks.training", "benchmarks.transport")
+    )
     pool.wait_ready()
     if args.what == "push":
-        fn, kwargs, delay = "benchmarks.transport:push_loop", {"numel": args.numel, "port": _port(),
-                                                              "seconds": args.seconds + 8, "both": args.both}, 6.0
+        fn, kwargs, delay = (
+            "benchmarks.transport:push_loop",
+            {"numel": args.numel, "port": _port(), "seconds": args.seconds + 8, "both": args.both},
+            6.0,
+        )
     else:
         fn = "benchmarks.training:train"
-        kwargs = {"strategy": args.strategy, "port": _port(), "max_steps": [1_000_000] * 2, "sleep_s": [0.0, 0.0],
-                  "stop_after_s": [args.seconds + 8] * 2, "lr": 0.1, "momentum": 0.5}
+        kwargs = {
+            "strategy": args.strategy,
+            "port": _port(),
+            "max_steps": [1_000_000] * 2,
+            "sleep_s": [0.0, 0.0],
+            "stop_after_s": [args.seconds + 8] * 2,
+            "lr": 0.1,
+            "momentum": 0.5,
+        }
         delay = 10.0
     outcome: dict[str, Any] = {}
     job = threading.Thread(target=lambda: outcome.setdefault("result", pool.run(fn, 300, **kwargs)))
@@ -80,10 +91,31 @@ def main() -> None:
         learner = pool.procs[0].pid
         children = subprocess.run(["pgrep", "-P", str(learner)], capture_output=True, text=True).stdout.split()
         targets = {"learner 0": learner, **{f"server (pid {c})": int(c) for c in children}}
-        spies = {name: (os.path.join(out_dir, f"{pid}.txt"), subprocess.Popen(
-            ["py-spy", "record", "--pid", str(pid), "--duration", str(int(args.seconds)), "--rate", str(args.rate),
-             "--format", "raw", "--output", os.path.join(out_dir, f"{pid}.txt"), "--nonblocking"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)) for name, pid in targets.items()}
+        spies = {
+            name: (
+                os.path.join(out_dir, f"{pid}.txt"),
+                subprocess.Popen(
+                    [
+                        "py-spy",
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--duration",
+                        str(int(args.seconds)),
+                        "--rate",
+                        str(args.rate),
+                        "--format",
+                        "raw",
+                        "--output",
+                        os.path.join(out_dir, f"{pid}.txt"),
+                        "--nonblocking",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+            )
+            for name, pid in targets.items()
+        }
         for name, (path, spy) in spies.items():
             spy.wait()
             print(f"\n== {name}: share of samples with the function on the stack (process busy time only)")

@@ -45,8 +45,9 @@ def reuse_pack_buffers(layout) -> None:
     layout.pack = pack
 
 
-LEARNER_PATCHES = {"pack_reuse": lambda learner: [reuse_pack_buffers(layout)
-                                                  for layout in learner.shards[0].grad_layouts]}
+LEARNER_PATCHES = {
+    "pack_reuse": lambda learner: [reuse_pack_buffers(layout) for layout in learner.shards[0].grad_layouts]
+}
 
 _ENTRY = """import sys, types
 package = types.ModuleType("lightning_rudra")
@@ -67,8 +68,10 @@ def patched_source(package_dir: str, filename: str, patches: Sequence[str]) -> s
             continue
         for old, new in replacements:
             if source.count(old) != 1:
-                raise RuntimeError(f"patch {name!r} no longer applies to lightning_rudra/{filename}: its text "
-                                   f"occurs {source.count(old)} times")
+                raise RuntimeError(
+                    f"patch {name!r} no longer applies to lightning_rudra/{filename}: its text "
+                    f"occurs {source.count(old)} times"
+                )
             source = source.replace(old, new)
     return source
 

@@ -56,12 +56,14 @@ def throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     end = min(t[-1] for t in times)
     counts = [sum(1 for x in t if start < x <= end) for t in times]
     batch = ranks[0]["batch_size"]
-    steps0 = [b - a for a, b in zip(times[0][warmup:], times[0][warmup + 1:])]
-    return {"samples_per_s": batch * sum(counts) / (end - start) if end > start else None,
-            "window_s": end - start, "batches_in_window": counts,
-            "step_ms_rank": [1e3 * statistics.median([b - a for a, b in zip(t[warmup:], t[warmup + 1:])])
-                             for t in times],
-            "step_ms": 1e3 * statistics.median(steps0)}
+    steps0 = [b - a for a, b in zip(times[0][warmup:], times[0][warmup + 1 :])]
+    return {
+        "samples_per_s": batch * sum(counts) / (end - start) if end > start else None,
+        "window_s": end - start,
+        "batches_in_window": counts,
+        "step_ms_rank": [1e3 * statistics.median([b - a for a, b in zip(t[warmup:], t[warmup + 1 :])]) for t in times],
+        "step_ms": 1e3 * statistics.median(steps0),
+    }
 
 
 def time_to_accuracy(rank0: dict[str, Any], target: float) -> tuple[Optional[float], Optional[float]]:
@@ -86,10 +88,14 @@ def epoch_times(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     times = [b - a for a, b in zip(ends, ends[1:])]
     start = min(r["start"] for r in ranks)
     out: dict[str, Any] = {
-        "epoch_s": median(times), "epoch_times_s": times,
+        "epoch_s": median(times),
+        "epoch_times_s": times,
         "epoch_ends_s": [[e - start for e in r["epoch_ends"]] for r in ranks],
-        "epoch_batches": [[sum(a < t <= b for t in r["times"]) for a, b in zip([-math.inf] + r["epoch_ends"],
-                                                                              r["epoch_ends"])] for r in ranks]}
+        "epoch_batches": [
+            [sum(a < t <= b for t in r["times"]) for a, b in zip([-math.inf] + r["epoch_ends"], r["epoch_ends"])]
+            for r in ranks
+        ],
+    }
     if ends and all(len(r["times"]) >= warmup for r in ranks):
         first = max(r["times"][warmup - 1] for r in ranks)
         samples = sum(r["batch_size"] * sum(first < t <= ends[-1] for t in r["times"]) for r in ranks)
@@ -131,19 +137,39 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
         else:
             vs = ratios(sps, [bracket(r, "samples_per_s") for r in mine])
             tta_vs = ratios([r.get("tta_s") for r in mine], [bracket(r, "tta_s") for r in mine])
-        entry = {"runs": len(mine), "samples_per_s": median(sps), "samples_per_s_runs": sps,
-                 "vs_ddp": median(vs), "vs_ddp_reps": vs, "step_ms": median([r.get("step_ms") for r in mine])}
+        entry = {
+            "runs": len(mine),
+            "samples_per_s": median(sps),
+            "samples_per_s_runs": sps,
+            "vs_ddp": median(vs),
+            "vs_ddp_reps": vs,
+            "step_ms": median([r.get("step_ms") for r in mine]),
+        }
         if any(r.get("tta_target") is not None for r in mine):
             tta = [r.get("tta_s") for r in mine]
-            entry.update({"tta_s": median(tta), "tta_s_reps": tta, "tta_vs_ddp": median(tta_vs),
-                          "tta_vs_ddp_reps": tta_vs, "tta_reached": sum(t is not None for t in tta),
-                          "best_accuracy": median([r.get("best_accuracy") for r in mine])})
+            entry.update(
+                {
+                    "tta_s": median(tta),
+                    "tta_s_reps": tta,
+                    "tta_vs_ddp": median(tta_vs),
+                    "tta_vs_ddp_reps": tta_vs,
+                    "tta_reached": sum(t is not None for t in tta),
+                    "best_accuracy": median([r.get("best_accuracy") for r in mine]),
+                }
+            )
         if any(r.get("epoch_s") is not None for r in mine):
             epoch = [r.get("epoch_s") for r in mine]
-            epoch_vs = [1.0] * len(mine) if strategy == baseline else ratios(
-                epoch, [bracket(r, "epoch_s") for r in mine])
-            entry.update({"epoch_s": median(epoch), "epoch_s_reps": epoch, "epoch_vs_ddp": median(epoch_vs),
-                          "epoch_vs_ddp_reps": epoch_vs})
+            epoch_vs = (
+                [1.0] * len(mine) if strategy == baseline else ratios(epoch, [bracket(r, "epoch_s") for r in mine])
+            )
+            entry.update(
+                {
+                    "epoch_s": median(epoch),
+                    "epoch_s_reps": epoch,
+                    "epoch_vs_ddp": median(epoch_vs),
+                    "epoch_vs_ddp_reps": epoch_vs,
+                }
+            )
         share = [r.get("straggler_share") for r in mine]
         if any(s is not None for s in share):
             entry["straggler_share"] = median(share)
@@ -177,8 +203,10 @@ def summarize_variants(raw: dict[str, Any], reference: str) -> dict[str, Any]:
         out[label] = {"error": errors.get(label)}
         for size, values in sizes.items():
             ref = times.get(reference, {}).get(size, [])
-            out[label][size] = {"ms": None if median(values) is None else 1e3 * median(values),
-                                "vs_reference": median(ratios(values, ref))}
+            out[label][size] = {
+                "ms": None if median(values) is None else 1e3 * median(values),
+                "vs_reference": median(ratios(values, ref)),
+            }
     return out
 
 
@@ -240,16 +268,30 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     for key, text, threshold, op in TARGETS:
         value = values.get(key)
         if value is None:
-            out.append({"key": key, "target": text, "threshold": threshold, "op": op, "value": None,
-                        "met": False if key in never else None,
-                        "by": "missed: async never reached it" if key in never else "not measured"})
+            out.append(
+                {
+                    "key": key,
+                    "target": text,
+                    "threshold": threshold,
+                    "op": op,
+                    "value": None,
+                    "met": False if key in never else None,
+                    "by": "missed: async never reached it" if key in never else "not measured",
+                }
+            )
             continue
         met = value <= threshold if op == "<=" else value >= threshold
         factor = value / threshold if op == "<=" else threshold / value  # > 1: how far off a missed target is
-        by = (f"met, {threshold / value:.2f}x better than needed" if op == "<=" else
-              f"met, {value / threshold:.2f}x the target") if met else f"missed: {factor:.2f}x off"
-        out.append({"key": key, "target": text, "threshold": threshold, "op": op, "value": value, "met": met,
-                    "by": by})
+        by = (
+            (
+                f"met, {threshold / value:.2f}x better than needed"
+                if op == "<="
+                else f"met, {value / threshold:.2f}x the target"
+            )
+            if met
+            else f"missed: {factor:.2f}x off"
+        )
+        out.append({"key": key, "target": text, "threshold": threshold, "op": op, "value": value, "met": met, "by": by})
     return out
 
 
@@ -274,11 +316,17 @@ def _threshold(key: str) -> str:
 
 
 def _epochs_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
-    lines = ["", "## 5. Epochs with one straggler", "", info.get("text", ""), "",
-             f"| learners (μ) | slowdown (sleep ms) | DDP epoch s | async epoch s | async / DDP (runs) | ideal | "
-             f"target | straggler's share of batches (ideal) | time to {info.get('target', '?')} acc.: DDP s | "
-             f"async s | async / DDP (runs) | target | reached (DDP, async) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## 5. Epochs with one straggler",
+        "",
+        info.get("text", ""),
+        "",
+        f"| learners (μ) | slowdown (sleep ms) | DDP epoch s | async epoch s | async / DDP (runs) | ideal | "
+        f"target | straggler's share of batches (ideal) | time to {info.get('target', '?')} acc.: DDP s | "
+        f"async s | async / DDP (runs) | target | reached (DDP, async) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in configs:
         ddp, rudra = c["runs"].get("ddp", {}), c["runs"].get("async", {})
         name = f"{c['learners']}x{c['slowdown']:g}"
@@ -290,14 +338,22 @@ def _epochs_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
             f"{_f(ddp.get('tta_s'))} | {_f(rudra.get('tta_s'))} | "
             f"{_f(rudra.get('tta_vs_ddp'))}{_spread(rudra.get('tta_vs_ddp_reps'))} | "
             f"{_threshold(f'epochs_tta_{name}')} | {ddp.get('tta_reached', 0)}/{ddp.get('runs', 0)}, "
-            f"{rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)} |")
+            f"{rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)} |"
+        )
     return lines
 
 
 def _models_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
-    lines = ["", "## 6. Real model sizes", "", info.get("text", ""), "",
-             "| model | learners (μ) | straggler (sleep ms) | strategy | samples/s | vs DDP (runs) | target | "
-             "step ms (rank 0) | epoch s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## 6. Real model sizes",
+        "",
+        info.get("text", ""),
+        "",
+        "| model | learners (μ) | straggler (sleep ms) | strategy | samples/s | vs DDP (runs) | target | "
+        "step ms (rank 0) | epoch s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in configs:
         name = model_key(c)
         rows = [("–", key, e, _threshold(f"{name}_{key}")) for key, e in c["runs"].items()]
@@ -305,34 +361,46 @@ def _models_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
             straggler = f"{c['slowdown']:g}x ({c['sleep_ms']:.1f})"
             rows += [(straggler, key, e, _threshold(f"{name}_straggler_{key}")) for key, e in c["straggler"].items()]
         for straggler, key, e, target in rows:
-            lines.append(f"| MLP {c['parameters'] / 1e6:.1f} M | {c['learners']} ({c['batch_size']}) | {straggler} | "
-                         f"{STRATEGY_LABELS.get(key, key)} | {_f(e['samples_per_s'], '{:.0f}')} | "
-                         f"{_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | {target} | "
-                         f"{_f(e['step_ms'], '{:.1f}')} | {_f(e.get('epoch_s'))} |")
+            lines.append(
+                f"| MLP {c['parameters'] / 1e6:.1f} M | {c['learners']} ({c['batch_size']}) | {straggler} | "
+                f"{STRATEGY_LABELS.get(key, key)} | {_f(e['samples_per_s'], '{:.0f}')} | "
+                f"{_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | {target} | "
+                f"{_f(e['step_ms'], '{:.1f}')} | {_f(e.get('epoch_s'))} |"
+            )
     return lines
 
 
 def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
-    lines = ["", "## 7. Time to DDP's accuracy, momentum SGD", "", info.get("text", ""), "",
-             "| learners (μ) | straggler (sleep ms) | DDP final acc. (runs) | target | DDP s to target (epochs) | "
-             "async s to target (epochs) | async / DDP (runs) | needed | async best acc. | async final acc. (runs) | "
-             "reached (DDP, async) | epochs run (DDP, async) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## 7. Time to DDP's accuracy, momentum SGD",
+        "",
+        info.get("text", ""),
+        "",
+        "| learners (μ) | straggler (sleep ms) | DDP final acc. (runs) | target | DDP s to target (epochs) | "
+        "async s to target (epochs) | async / DDP (runs) | needed | async best acc. | async final acc. (runs) | "
+        "reached (DDP, async) | epochs run (DDP, async) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in configs:
         ddp, rudra = c["runs"].get("ddp", {}), c["runs"].get("async", {})
         acc = lambda e, k: _f(e.get(k), "{:.3f}")  # noqa: E731
         never = rudra.get("tta_vs_ddp") is None and bool(rudra.get("tta_s_reps"))
-        cells = [f"{c['learners']} ({c['batch_size']})",
-                 f"{c['slowdown']:g}x ({c['sleep_ms']:.1f})" if c["slowdown"] > 1 else "none",
-                 acc(c, "ddp_final_accuracy") + _spread(ddp.get("final_accuracy_runs")), acc(c, "target"),
-                 f"{_f(ddp.get('tta_s'))} ({_f(ddp.get('tta_epochs'), '{:.1f}')})",
-                 f"{_f(rudra.get('tta_s')) if rudra.get('tta_s') is not None else 'never'} "
-                 f"({_f(rudra.get('tta_epochs'), '{:.1f}')})",
-                 ("never" if never else _f(rudra.get("tta_vs_ddp"))) + _spread(rudra.get("tta_vs_ddp_reps")),
-                 _threshold(f"accuracy_{c['learners']}x{c['slowdown']:g}"), acc(rudra, "best_accuracy"),
-                 acc(rudra, "final_accuracy") + _spread(rudra.get("final_accuracy_runs")),
-                 f"{ddp.get('tta_reached', 0)}/{ddp.get('runs', 0)}, "
-                 f"{rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)}",
-                 f"{_f(ddp.get('epochs_trained'), '{:g}')}, {_f(rudra.get('epochs_trained'), '{:g}')}"]
+        cells = [
+            f"{c['learners']} ({c['batch_size']})",
+            f"{c['slowdown']:g}x ({c['sleep_ms']:.1f})" if c["slowdown"] > 1 else "none",
+            acc(c, "ddp_final_accuracy") + _spread(ddp.get("final_accuracy_runs")),
+            acc(c, "target"),
+            f"{_f(ddp.get('tta_s'))} ({_f(ddp.get('tta_epochs'), '{:.1f}')})",
+            f"{_f(rudra.get('tta_s')) if rudra.get('tta_s') is not None else 'never'} "
+            f"({_f(rudra.get('tta_epochs'), '{:.1f}')})",
+            ("never" if never else _f(rudra.get("tta_vs_ddp"))) + _spread(rudra.get("tta_vs_ddp_reps")),
+            _threshold(f"accuracy_{c['learners']}x{c['slowdown']:g}"),
+            acc(rudra, "best_accuracy"),
+            acc(rudra, "final_accuracy") + _spread(rudra.get("final_accuracy_runs")),
+            f"{ddp.get('tta_reached', 0)}/{ddp.get('runs', 0)}, {rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)}",
+            f"{_f(ddp.get('epochs_trained'), '{:g}')}, {_f(rudra.get('epochs_trained'), '{:g}')}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -340,11 +408,15 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
 def render_markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     meta = result["meta"]
-    lines = [f"# lightning_rudra benchmark ({meta['mode']})", "",
-             f"{meta['date']} · lightning_rudra at {meta.get('commit', '?')}"
-             f"{' (modified)' if meta.get('package_modified') else ''} · {meta['nproc']} CPUs ({meta['cpu_model']}) · torch {meta['torch']} · "
-             f"pytorch-lightning {meta['lightning']} · python {meta['python']} · {meta['duration_s']:.0f} s · "
-             f"load average {meta['loadavg_start'][0]:.1f} at the start, {meta['loadavg_end'][0]:.1f} at the end", ""]
+    lines = [
+        f"# lightning_rudra benchmark ({meta['mode']})",
+        "",
+        f"{meta['date']} · lightning_rudra at {meta.get('commit', '?')}"
+        f"{' (modified)' if meta.get('package_modified') else ''} · {meta['nproc']} CPUs ({meta['cpu_model']}) · torch {meta['torch']} · "
+        f"pytorch-lightning {meta['lightning']} · python {meta['python']} · {meta['duration_s']:.0f} s · "
+        f"load average {meta['loadavg_start'][0]:.1f} at the start, {meta['loadavg_end'][0]:.1f} at the end",
+        "",
+    ]
 
     lines += ["## Targets", "", "| target | needed | measured | result |", "|---|---|---|---|"]
     for t in s["targets"]:
@@ -352,54 +424,81 @@ def render_markdown(result: dict[str, Any]) -> str:
 
     tr = s.get("transport", {})
     if tr.get("rudra"):
-        lines += ["", "## 1. Transport: one synchronisation of N float32 between 2 processes", "",
-                  "Medians in ms. *push+pull, 2 learners*: both learners step at once (`Learner.push`: pack, RPC "
-                  "to the server, async update, weights back, load), the time one learner waits; *1 learner*: "
-                  "learner 1 idle. *RPC echo*: the same bytes to the same server process and back, no work. "
-                  "Ratios are per round, then the median.", "",
-                  "| N | push+pull, 2 learners | push+pull, 1 learner | RPC echo | gloo all-reduce | memcpy | "
-                  "copy to new memory | 2 learners / gloo | 2 learners / memcpy | 1 learner / gloo | "
-                  "1 learner / memcpy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## 1. Transport: one synchronisation of N float32 between 2 processes",
+            "",
+            "Medians in ms. *push+pull, 2 learners*: both learners step at once (`Learner.push`: pack, RPC "
+            "to the server, async update, weights back, load), the time one learner waits; *1 learner*: "
+            "learner 1 idle. *RPC echo*: the same bytes to the same server process and back, no work. "
+            "Ratios are per round, then the median.",
+            "",
+            "| N | push+pull, 2 learners | push+pull, 1 learner | RPC echo | gloo all-reduce | memcpy | "
+            "copy to new memory | 2 learners / gloo | 2 learners / memcpy | 1 learner / gloo | "
+            "1 learner / memcpy |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for size, e in tr["rudra"].items():
             ms = e["ms"]
-            lines.append(f"| {_size_label(size)} | {_f(ms.get('both'), '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
-                         f"{_f(ms.get('echo'), '{:.1f}')} | {_f(ms.get('gloo'), '{:.1f}')} | "
-                         f"{_f(ms.get('memcpy'), '{:.1f}')} | {_f(ms.get('clone'), '{:.1f}')} | "
-                         f"{_f(e.get('both_vs_gloo'))} | {_f(e.get('both_vs_memcpy'))} | "
-                         f"{_f(e.get('solo_vs_gloo'))} | {_f(e.get('solo_vs_memcpy'))} |")
+            lines.append(
+                f"| {_size_label(size)} | {_f(ms.get('both'), '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
+                f"{_f(ms.get('echo'), '{:.1f}')} | {_f(ms.get('gloo'), '{:.1f}')} | "
+                f"{_f(ms.get('memcpy'), '{:.1f}')} | {_f(ms.get('clone'), '{:.1f}')} | "
+                f"{_f(e.get('both_vs_gloo'))} | {_f(e.get('both_vs_memcpy'))} | "
+                f"{_f(e.get('solo_vs_gloo'))} | {_f(e.get('solo_vs_memcpy'))} |"
+            )
         for servers, sizes in tr.get("servers", {}).items():
-            lines += ["", f"With `num_servers={servers}` (each server process owns a contiguous part of the "
-                      "parameter), in jobs of their own, after the one above, each with its own gloo and memcpy "
-                      "references:", "",
-                      "| N | push+pull, 2 learners | push+pull, 1 learner | gloo all-reduce | memcpy | "
-                      "2 learners / gloo | 2 learners / memcpy | 1 learner / memcpy |", "|---|---|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"With `num_servers={servers}` (each server process owns a contiguous part of the "
+                "parameter), in jobs of their own, after the one above, each with its own gloo and memcpy "
+                "references:",
+                "",
+                "| N | push+pull, 2 learners | push+pull, 1 learner | gloo all-reduce | memcpy | "
+                "2 learners / gloo | 2 learners / memcpy | 1 learner / memcpy |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for size, e in sizes.items():
                 ms = e["ms"]
-                lines.append(f"| {_size_label(size)} | {_f(ms.get('both'), '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
-                             f"{_f(ms.get('gloo'), '{:.1f}')} | {_f(ms.get('memcpy'), '{:.1f}')} | "
-                             f"{_f(e.get('both_vs_gloo'))} | {_f(e.get('both_vs_memcpy'))} | "
-                             f"{_f(e.get('solo_vs_memcpy'))} |")
-        lines += ["", "Where one push goes, measured in-process on learner 0 (ms): *pack* the gradient into one "
-                  "flat buffer; *server update* = `Server.push` (checks, async SGD step) + `Server.pull` (copy of "
-                  "the weights for the reply); *load* the reply into the parameters. The rest of a 1-learner "
-                  "push is the RPC (compare *RPC echo*).", "",
-                  "| N | pack | server update | load | RPC echo | sum | push+pull, 1 learner | "
-                  "pack into a reused buffer |", "|---|---|---|---|---|---|---|---|"]
+                lines.append(
+                    f"| {_size_label(size)} | {_f(ms.get('both'), '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
+                    f"{_f(ms.get('gloo'), '{:.1f}')} | {_f(ms.get('memcpy'), '{:.1f}')} | "
+                    f"{_f(e.get('both_vs_gloo'))} | {_f(e.get('both_vs_memcpy'))} | "
+                    f"{_f(e.get('solo_vs_memcpy'))} |"
+                )
+        lines += [
+            "",
+            "Where one push goes, measured in-process on learner 0 (ms): *pack* the gradient into one "
+            "flat buffer; *server update* = `Server.push` (checks, async SGD step) + `Server.pull` (copy of "
+            "the weights for the reply); *load* the reply into the parameters. The rest of a 1-learner "
+            "push is the RPC (compare *RPC echo*).",
+            "",
+            "| N | pack | server update | load | RPC echo | sum | push+pull, 1 learner | pack into a reused buffer |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for size, e in tr["rudra"].items():
             ms = e["ms"]
             parts = [ms.get(k) for k in ("pack", "server_update", "load", "echo")]
             total = sum(parts) if all(p is not None for p in parts) else None
-            lines.append(f"| {_size_label(size)} | " + " | ".join(_f(p, "{:.1f}") for p in parts) +
-                         f" | {_f(total, '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
-                         f"{_f(ms.get('pack_reuse'), '{:.1f}')} |")
+            lines.append(
+                f"| {_size_label(size)} | "
+                + " | ".join(_f(p, "{:.1f}") for p in parts)
+                + f" | {_f(total, '{:.1f}')} | {_f(ms.get('solo'), '{:.1f}')} | "
+                f"{_f(ms.get('pack_reuse'), '{:.1f}')} |"
+            )
     if tr.get("variants"):
         ref = tr.get("variants_reference")
         sizes = [k for k in next(iter(tr["variants"].values())) if k != "error"]
-        lines += ["", "## TensorPipe settings: bare RPC round trip between the two workers (prototype)", "",
-                  f"Median ms (ratio to `{ref}`, the setting lightning_rudra pins). `shm` busy-polls: it "
-                  "burns a core per process while idle.", "",
-                  "| setting | " + " | ".join(_size_label(x) for x in sizes) + " |",
-                  "|---|" + "---|" * len(sizes)]
+        lines += [
+            "",
+            "## TensorPipe settings: bare RPC round trip between the two workers (prototype)",
+            "",
+            f"Median ms (ratio to `{ref}`, the setting lightning_rudra pins). `shm` busy-polls: it "
+            "burns a core per process while idle.",
+            "",
+            "| setting | " + " | ".join(_size_label(x) for x in sizes) + " |",
+            "|---|" + "---|" * len(sizes),
+        ]
         for label, e in tr["variants"].items():
             if e.get("error"):
                 lines.append(f"| {label} | " + " | ".join("failed" for _ in sizes) + f" |  <!-- {e['error']} -->")
@@ -408,22 +507,34 @@ def render_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     if tr.get("prototypes"):
         ref = tr.get("prototypes_reference")
-        lines += ["", "## Prototype fixes, 10 M push+pull (ms, and ratio to the package as it is)", "",
-                  "See `benchmarks/proto.py`. *THP*: `THP_MEM_ALLOC_ENABLE=1` (torch then asks for transparent huge "
-                  "pages for large tensors) in the server process's environment, or in every process's. *pack into "
-                  "reused buffers*: the learner packs its gradient into two buffers it keeps (alternating) instead of "
-                  "new memory. *pack*, *server update* and *copy to new memory* are the in-process measurements on "
-                  "learner 0 (its environment).", "",
-                  "| configuration | 2 learners | 1 learner | 2 learners / memcpy | pack | server update | "
-                  "copy to new memory |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Prototype fixes, 10 M push+pull (ms, and ratio to the package as it is)",
+            "",
+            "See `benchmarks/proto.py`. *THP*: `THP_MEM_ALLOC_ENABLE=1` (torch then asks for transparent huge "
+            "pages for large tensors) in the server process's environment, or in every process's. *pack into "
+            "reused buffers*: the learner packs its gradient into two buffers it keeps (alternating) instead of "
+            "new memory. *pack*, *server update* and *copy to new memory* are the in-process measurements on "
+            "learner 0 (its environment).",
+            "",
+            "| configuration | 2 learners | 1 learner | 2 learners / memcpy | pack | server update | "
+            "copy to new memory |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for label, e in tr["prototypes"].items():
-            cell = lambda m: (f"{_f(e[m]['ms'], '{:.1f}')} ({_f(e[m]['vs_reference'])}x)"  # noqa: E731
-                              if m in e else "–")
-            lines.append(f"| {label} | {cell('both')} | {cell('solo')} | {_f(e.get('both_vs_memcpy'))} | "
-                         f"{cell('pack')} | {cell('server_update')} | {cell('clone')} |")
 
-    for section, title, with_tta in (("e2e", "2 & 4. End to end, no straggler", True),
-                                     ("straggler", "3. One learner 3x slower", False)):
+            def cell(m: str, e: dict = e) -> str:
+                return f"{_f(e[m]['ms'], '{:.1f}')} ({_f(e[m]['vs_reference'])}x)" if m in e else "–"
+
+            lines.append(
+                f"| {label} | {cell('both')} | {cell('solo')} | {_f(e.get('both_vs_memcpy'))} | "
+                f"{cell('pack')} | {cell('server_update')} | {cell('clone')} |"
+            )
+
+    for section, title, with_tta in (
+        ("e2e", "2 & 4. End to end, no straggler", True),
+        ("straggler", "3. One learner 3x slower", False),
+    ):
         rows = s.get(section)
         if not rows:
             continue
@@ -436,13 +547,17 @@ def render_markdown(result: dict[str, Any]) -> str:
             sep += "---|---|---|---|"
         lines += [header, sep]
         for key, e in rows.items():
-            row = (f"| {STRATEGY_LABELS.get(key, key)} | {_f(e['samples_per_s'], '{:.0f}')} | "
-                   f"{_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | "
-                   f"{_f(e['step_ms'], '{:.1f}')} | {_f(e.get('mean_staleness'))} |")
+            row = (
+                f"| {STRATEGY_LABELS.get(key, key)} | {_f(e['samples_per_s'], '{:.0f}')} | "
+                f"{_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | "
+                f"{_f(e['step_ms'], '{:.1f}')} | {_f(e.get('mean_staleness'))} |"
+            )
             if with_tta:
-                row += (f" {_f(e.get('tta_s'))} | {_f(e.get('tta_vs_ddp'))}{_spread(e.get('tta_vs_ddp_reps'))} | "
-                        f"{e.get('tta_reached', 0)}/"
-                        f"{len(e.get('tta_s_reps', []))} | {_f(e.get('best_accuracy'), '{:.3f}')} |")
+                row += (
+                    f" {_f(e.get('tta_s'))} | {_f(e.get('tta_vs_ddp'))}{_spread(e.get('tta_vs_ddp_reps'))} | "
+                    f"{e.get('tta_reached', 0)}/"
+                    f"{len(e.get('tta_s_reps', []))} | {_f(e.get('best_accuracy'), '{:.3f}')} |"
+                )
             lines.append(row)
     if s.get("epochs"):
         lines += _epochs_table(s["epochs"], s.get("epochs_info", {}))

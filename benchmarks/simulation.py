@@ -26,9 +26,18 @@ def train_seconds(strategy: Any, batch_size: int, epochs: int) -> float:
     pl.seed_everything(1, verbose=False)
     dm = MNIST1DDataModule(num_samples=4000, seed=42, batch_size=batch_size)
     model = MNIST1DClassifier(lr=0.05)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, limit_val_batches=0,
-                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=epochs,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     start = time.perf_counter()
     trainer.fit(model, datamodule=dm)
     return time.perf_counter() - start
@@ -54,8 +63,10 @@ def main(argv: Optional[list[str]] = None) -> dict[str, float]:
             line.append(f"{name}, λ = {args.learners} simulated {simulated:.2f} s ({simulated / plain:.2f}×)")
         print("; ".join(line), flush=True)
     medians = {name: statistics.median(r) for name, r in ratios.items()}
-    print("median time of a simulated run / one plain process: "
-          + ", ".join(f"{name} {ratio:.2f}×" for name, ratio in medians.items()))
+    print(
+        "median time of a simulated run / one plain process: "
+        + ", ".join(f"{name} {ratio:.2f}×" for name, ratio in medians.items())
+    )
     return medians
 
 

@@ -28,8 +28,15 @@ def hidden_width(params: int, inputs: int = INPUTS, classes: int = CLASSES, laye
 class MLPClassifier(ClassifierModule):
     """``inputs`` -> ``layers`` × (Linear, ReLU) of one width -> ``classes`` logits; SGD with momentum."""
 
-    def __init__(self, params: int, lr: float = 0.05, momentum: float = 0.9, inputs: int = INPUTS,
-                 classes: int = CLASSES, layers: int = HIDDEN_LAYERS) -> None:
+    def __init__(
+        self,
+        params: int,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        inputs: int = INPUTS,
+        classes: int = CLASSES,
+        layers: int = HIDDEN_LAYERS,
+    ) -> None:
         super().__init__(num_classes=classes)
         self.save_hyperparameters()
         width = hidden_width(params, inputs, classes, layers)

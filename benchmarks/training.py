@@ -31,8 +31,12 @@ def _data(mlp_params: Optional[int], num_samples: int, seed: int) -> dict[str, t
 
             dm = MNIST1DDataModule(num_samples=num_samples, seed=seed)
             dm.setup("fit")
-            _DATA[key] = {"x": dm.train_set.tensors[0], "y": dm.train_set.tensors[1],
-                          "x_test": dm.test_set.tensors[0], "y_test": dm.test_set.tensors[1]}
+            _DATA[key] = {
+                "x": dm.train_set.tensors[0],
+                "y": dm.train_set.tensors[1],
+                "x_test": dm.test_set.tensors[0],
+                "y_test": dm.test_set.tensors[1],
+            }
         else:
             from benchmarks.synthetic import teacher_data
 
@@ -122,12 +126,29 @@ def _accuracy(model: torch.nn.Module, weights: list[torch.Tensor], x: torch.Tens
     return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
-def train(rank: int, *, strategy: str, port: int, sleep_s: list[float], max_steps: Optional[list[int]] = None,
-          max_epochs: int = -1, num_learners: int = 2, n: int = 1, batch_size: int = 32, lr: float = 0.05,
-          momentum: float = 0.9, seed: int = 42, num_samples: int = 4000, snapshot_every: int = 0, warmup: int = 10,
-          stop_after_s: Optional[list[Optional[float]]] = None, rpc_timeout: float = 60.0,
-          protos: Optional[list[str]] = None, options: Optional[dict[str, Any]] = None,
-          mlp_params: Optional[int] = None) -> dict[str, Any]:
+def train(
+    rank: int,
+    *,
+    strategy: str,
+    port: int,
+    sleep_s: list[float],
+    max_steps: Optional[list[int]] = None,
+    max_epochs: int = -1,
+    num_learners: int = 2,
+    n: int = 1,
+    batch_size: int = 32,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    seed: int = 42,
+    num_samples: int = 4000,
+    snapshot_every: int = 0,
+    warmup: int = 10,
+    stop_after_s: Optional[list[Optional[float]]] = None,
+    rpc_timeout: float = 60.0,
+    protos: Optional[list[str]] = None,
+    options: Optional[dict[str, Any]] = None,
+    mlp_params: Optional[int] = None,
+) -> dict[str, Any]:
     """``strategy``: ``ddp`` or a Rudra protocol (``hardsync``, ``softsync`` with ``n``, ``async``).
     ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank (``num_learners`` of them; no ``max_steps``: no
     step limit, ``max_epochs`` ends the run); ``protos``: prototype changes to RudraStrategy; ``options``: more
@@ -146,33 +167,55 @@ def train(rank: int, *, strategy: str, port: int, sleep_s: list[float], max_step
     else:
         strat = _rudra_class(protos or [])(protocol=strategy, n=n, rpc_timeout=rpc_timeout, **(options or {}))
     recorder = _callback(rank, sleep_s[rank], snapshot_every, warmup, (stop_after_s or [None] * num_learners)[rank])
-    trainer = pl.Trainer(accelerator="cpu", devices=num_learners, strategy=strat,
-                         max_steps=max_steps[rank] if max_steps else -1, max_epochs=max_epochs, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[recorder])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=num_learners,
+        strategy=strat,
+        max_steps=max_steps[rank] if max_steps else -1,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[recorder],
+    )
     loader = DataLoader(TensorDataset(data["x"], data["y"]), batch_size=batch_size, shuffle=True)
     try:
         trainer.fit(model, train_dataloaders=loader)
     finally:
         if torch.distributed.is_initialized():  # a later Rudra job must not find a default process group
             torch.distributed.destroy_process_group()
-    result: dict[str, Any] = {"times": recorder.times, "epoch_ends": recorder.epoch_ends, "start": recorder.start,
-                              "end": recorder.end, "batch_size": batch_size,
-                              "parameters": sum(p.numel() for p in model.parameters())}
+    result: dict[str, Any] = {
+        "times": recorder.times,
+        "epoch_ends": recorder.epoch_ends,
+        "start": recorder.start,
+        "end": recorder.end,
+        "batch_size": batch_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     if rank == 0:
         if recorder.snapshots:
             probe = _model(mlp_params)
-            result["accuracy"] = [(t, _accuracy(probe, w, data["x_test"], data["y_test"]))
-                                  for t, w in recorder.snapshots]
+            result["accuracy"] = [
+                (t, _accuracy(probe, w, data["x_test"], data["y_test"])) for t, w in recorder.snapshots
+            ]
         if recorder.final is not None:
             probe = _model(mlp_params)
-            result["final_accuracy"] = (recorder.final[0], _accuracy(probe, recorder.final[1], data["x_test"],
-                                                                     data["y_test"]))
+            result["final_accuracy"] = (
+                recorder.final[0],
+                _accuracy(probe, recorder.final[1], data["x_test"], data["y_test"]),
+            )
         stats = getattr(trainer.strategy, "stats", None)
         if stats is not None:
-            result["stats"] = {"clock": stats.clock, "gradients": stats.gradients,
-                               "mean_staleness": stats.mean_staleness, "max_staleness": stats.max_staleness,
-                               "batches": stats.batches}
+            result["stats"] = {
+                "clock": stats.clock,
+                "gradients": stats.gradients,
+                "mean_staleness": stats.mean_staleness,
+                "max_staleness": stats.max_staleness,
+                "batches": stats.batches,
+            }
     del trainer, model, recorder
     gc.collect()
     return result

@@ -41,11 +41,21 @@ class _Flat(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(numel))
 
 
-def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds: int, iters: int,
-                    measures: tuple[str, ...] = ("both", "solo", "echo", "gloo", "memcpy", "breakdown"),
-                    server_patches: tuple[str, ...] = (), server_env: Optional[dict[str, str]] = None,
-                    learner_patches: tuple[str, ...] = (), timeout: float = 120.0,
-                    num_servers: int = 1) -> dict[str, Any]:
+def rudra_transport(
+    rank: int,
+    *,
+    numel: int,
+    port: int,
+    gloo_port: int,
+    rounds: int,
+    iters: int,
+    measures: tuple[str, ...] = ("both", "solo", "echo", "gloo", "memcpy", "breakdown"),
+    server_patches: tuple[str, ...] = (),
+    server_env: Optional[dict[str, str]] = None,
+    learner_patches: tuple[str, ...] = (),
+    timeout: float = 120.0,
+    num_servers: int = 1,
+) -> dict[str, Any]:
     """``server_patches``: names in :data:`benchmarks.proto.PATCHES` that the server process runs with;
     ``server_env``: variables added to the server process's environment only; ``learner_patches``: names in
     :data:`benchmarks.proto.LEARNER_PATCHES` applied to both learners; ``num_servers``: server processes, each
@@ -76,8 +86,7 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
             learner.register(config, [optimizer], None)
         learner.pull()
         model.weight.grad = torch.full((numel,), 1e-3)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
-                                world_size=NUM_LEARNERS)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank, world_size=NUM_LEARNERS)
         buffer = torch.randn(numel)
         src, dst = torch.randn(numel), torch.empty(numel)
         push = lambda: learner.push(0, optimizer)  # noqa: E731 - the training step's whole exchange
@@ -98,8 +107,9 @@ def rudra_transport(rank: int, *, numel: int, port: int, gloo_port: int, rounds:
             if "echo" in measures:  # the wire alone: the same bytes to the same server process and back
                 dist.barrier()
                 if rank == 0:
-                    out["echo"].append(_median_time(
-                        lambda: rpc.rpc_sync(SERVER_NAME, echo, args=(src,), timeout=timeout), iters))
+                    out["echo"].append(
+                        _median_time(lambda: rpc.rpc_sync(SERVER_NAME, echo, args=(src,), timeout=timeout), iters)
+                    )
             if "gloo" in measures:
                 dist.barrier()
                 out["gloo"].append(_median_time(lambda: dist.all_reduce(buffer), iters))
@@ -138,8 +148,12 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
     reused = torch.empty_like(grad)  # the same packing into a buffer kept from one push to the next
     out.setdefault("pack_reuse", []).append(_median_time(lambda: torch.cat([grad.reshape(-1)], out=reused), iters))
     weights = torch.zeros(numel)
-    server = Server(ProtocolConfig(NUM_LEARNERS, "async", lr_modulation="none"), [weights], [],
-                    [OptimizerSpec.from_optimizer(torch.optim.SGD([weights], lr=1e-9), [weights])])
+    server = Server(
+        ProtocolConfig(NUM_LEARNERS, "async", lr_modulation="none"),
+        [weights],
+        [],
+        [OptimizerSpec.from_optimizer(torch.optim.SGD([weights], lr=1e-9), [weights])],
+    )
     hparams = [hyperparameters(g) for g in optimizer.param_groups]
     has_grad = torch.ones(1, dtype=torch.bool)
     times = []
@@ -155,8 +169,16 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
 
 
 # ---- TensorPipe settings, bare round trips between the two workers ----------------------------------------
-def tp_variants(rank: int, *, variants: list[dict[str, Any]], sizes: list[int], ports: list[int], rounds: int,
-                iters: list[int], timeout: float = 60.0) -> dict[str, Any]:
+def tp_variants(
+    rank: int,
+    *,
+    variants: list[dict[str, Any]],
+    sizes: list[int],
+    ports: list[int],
+    rounds: int,
+    iters: list[int],
+    timeout: float = 60.0,
+) -> dict[str, Any]:
     """Round trip of ``size`` float32 from worker 0 to worker 1 and back (``echo``), per TensorPipe setting.
     ``variants``: dicts with ``label``, ``transports`` and ``channels`` (None: TensorPipe's own choice).
     Rounds are the outer loop, so every setting is measured once per round, close in time to the others."""
@@ -177,8 +199,9 @@ def tp_variants(rank: int, *, variants: list[dict[str, Any]], sizes: list[int], 
                 kwargs["_transports"] = variant["transports"]
             if variant.get("channels") is not None:
                 kwargs["_channels"] = variant["channels"]
-            options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=timeout,
-                                                      **kwargs)
+            options = rpc.TensorPipeRpcBackendOptions(
+                init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=timeout, **kwargs
+            )
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore")
                 rpc.init_rpc(f"tp{rank}", rank=rank, world_size=2, rpc_backend_options=options)
@@ -189,7 +212,8 @@ def tp_variants(rank: int, *, variants: list[dict[str, Any]], sizes: list[int], 
                         try:
                             rpc.rpc_sync("tp1", echo, args=(x,))  # warm-up, and a check
                             results[variant["label"]][str(size)].append(
-                                _median_time(lambda: rpc.rpc_sync("tp1", echo, args=(x,)), n_iters))
+                                _median_time(lambda: rpc.rpc_sync("tp1", echo, args=(x,)), n_iters)
+                            )
                         except Exception as error:  # e.g. a channel this host does not allow
                             errors[variant["label"]] = f"{type(error).__name__}: {error}"[:300]
                             break
@@ -210,8 +234,7 @@ def tp_variants(rank: int, *, variants: list[dict[str, Any]], sizes: list[int], 
     return {"times": results, "errors": errors} if rank == 0 else {}
 
 
-def push_loop(rank: int, *, numel: int, port: int, seconds: float, both: bool = False,
-              timeout: float = 120.0) -> int:
+def push_loop(rank: int, *, numel: int, port: int, seconds: float, both: bool = False, timeout: float = 120.0) -> int:
     """For profiling: learner 0 (and learner 1 with ``both``) pushes for ``seconds``; returns the push count."""
     from lightning_rudra.learner.client import join, leave
     from lightning_rudra.learner.learner import Learner

@@ -36,9 +36,15 @@ class PaperCIFAR10Net(nn.Sequential):
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__(
-            nn.Conv2d(3, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True),
-            nn.Conv2d(32, 32, 5, padding=2), nn.ReLU(), nn.AvgPool2d(3, 2, ceil_mode=True),
-            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.AvgPool2d(3, 2, ceil_mode=True),
+            nn.Conv2d(3, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(3, 2, ceil_mode=True),
+            nn.Conv2d(32, 32, 5, padding=2),
+            nn.ReLU(),
+            nn.AvgPool2d(3, 2, ceil_mode=True),
+            nn.Conv2d(32, 64, 5, padding=2),
+            nn.ReLU(),
+            nn.AvgPool2d(3, 2, ceil_mode=True),
             nn.Flatten(),
             nn.Linear(64 * 4 * 4, num_classes),
         )

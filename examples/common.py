@@ -54,8 +54,9 @@ class TensorDataModule(pl.LightningDataModule):
     test_set: TensorDataset
 
     def _loader(self, dataset: TensorDataset, shuffle: bool) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=shuffle,
-                          num_workers=self.hparams.num_workers)
+        return DataLoader(
+            dataset, batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=self.hparams.num_workers
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

@@ -88,9 +88,12 @@ class MNIST1DClassifier(ClassifierModule):
         c = channels
         self.net = nn.Sequential(
             nn.Unflatten(1, (1, 40)),  # [B, 40] -> [B, 1, 40]
-            nn.Conv1d(1, c, 5, stride=2, padding=1), nn.ReLU(),  # 40 -> 19
-            nn.Conv1d(c, c, 3, stride=2, padding=1), nn.ReLU(),  # 19 -> 10
-            nn.Conv1d(c, c, 3, stride=2, padding=1), nn.ReLU(),  # 10 -> 5
+            nn.Conv1d(1, c, 5, stride=2, padding=1),
+            nn.ReLU(),  # 40 -> 19
+            nn.Conv1d(c, c, 3, stride=2, padding=1),
+            nn.ReLU(),  # 19 -> 10
+            nn.Conv1d(c, c, 3, stride=2, padding=1),
+            nn.ReLU(),  # 10 -> 5
             nn.Flatten(),
             nn.Linear(c * 5, 10),
         )

@@ -32,9 +32,11 @@ _MODULES = ("strategy", "step_times")
 
 def _rewrite(source: str) -> str:
     """The import statements only: strings and comments keep their words."""
+
     def imports(statement: re.Match) -> str:
-        text = re.sub(r"\b(pytorch_lightning|lightning_fabric)\b", lambda found: _FLAVOUR[found.group(1)],
-                      statement.group(0))
+        text = re.sub(
+            r"\b(pytorch_lightning|lightning_fabric)\b", lambda found: _FLAVOUR[found.group(1)], statement.group(0)
+        )
         return re.sub(r"\blightning_rudra\.(%s)\b" % "|".join(_MODULES), __name__ + r".\1", text)
 
     return re.sub(r"^[ \t]*(from|import)[ \t][^\n]*", imports, source, flags=re.M)
@@ -46,12 +48,13 @@ class _FlavourLoader(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname: str, path: object = None, target: object = None):
         prefix = __name__ + "."
-        if not fullname.startswith(prefix) or fullname[len(prefix):].partition(".")[0] not in _MODULES:
+        if not fullname.startswith(prefix) or fullname[len(prefix) :].partition(".")[0] not in _MODULES:
             return None
-        where = os.path.join(_SOURCE, *fullname[len(prefix):].split("."))
+        where = os.path.join(_SOURCE, *fullname[len(prefix) :].split("."))
         if os.path.isdir(where):
-            return importlib.util.spec_from_file_location(fullname, os.path.join(where, "__init__.py"), loader=self,
-                                                          submodule_search_locations=[])
+            return importlib.util.spec_from_file_location(
+                fullname, os.path.join(where, "__init__.py"), loader=self, submodule_search_locations=[]
+            )
         return importlib.util.spec_from_file_location(fullname, where + ".py", loader=self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:

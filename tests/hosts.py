@@ -62,10 +62,30 @@ class Host:
         :func:`init`, which the namespace's name names), stdout and stderr to ``log``. Killing the returned process
         kills every process on the host (init first, and the kernel the rest of its pid namespace)."""
         with open(log, "w") as out:
-            return subprocess.Popen(["ip", "netns", "exec", self.namespace, "unshare", "--uts", "--pid", "--fork",
-                                     "--kill-child", "--mount-proc", sys.executable, "-m", "tests.hosts",
-                                     self.namespace, *args],
-                                    env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.namespace,
+                    "unshare",
+                    "--uts",
+                    "--pid",
+                    "--fork",
+                    "--kill-child",
+                    "--mount-proc",
+                    sys.executable,
+                    "-m",
+                    "tests.hosts",
+                    self.namespace,
+                    *args,
+                ],
+                env=env,
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def pids(self) -> list[int]:
         """The processes running in this host's namespace."""
@@ -75,8 +95,13 @@ class Host:
     def link_bytes(self) -> int:
         """Bytes this host's end of the link has sent and received so far (its interface's counters)."""
         stats = f"/sys/class/net/{self.interface}/statistics"
-        read = subprocess.run(["ip", "netns", "exec", self.namespace, "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"],
-                              check=True, capture_output=True, text=True, timeout=10)
+        read = subprocess.run(
+            ["ip", "netns", "exec", self.namespace, "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return sum(int(count) for count in read.stdout.split())
 
     def cut_link(self) -> None:
@@ -110,9 +135,12 @@ def two_hosts() -> Iterator[list[Host]]:
 
 def host_env(**variables: object) -> dict[str, str]:
     """This process's environment for a host's processes, without any rendezvous variable of its own."""
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "TP_SOCKET_IFNAME")
-           and not key.startswith("SLURM_")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK", "TP_SOCKET_IFNAME")
+        and not key.startswith("SLURM_")
+    }
     env["PYTHONPATH"] = str(REPO)
     env.update({key: str(value) for key, value in variables.items()})
     return env

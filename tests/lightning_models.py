@@ -34,15 +34,17 @@ def flat(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params])
 
 
-def single_process_sgd(epochs: int, batch_size: int, model: Optional[pl.LightningModule] = None,
-                       **kwargs) -> torch.Tensor:
+def single_process_sgd(
+    epochs: int, batch_size: int, model: Optional[pl.LightningModule] = None, **kwargs
+) -> torch.Tensor:
     """Plain SGD over the batches of μλ samples that the λ learners' shards make up together: Lightning's
     DistributedSampler shuffles training data with the permutation seeded by the epoch. A module may return
     ``[opt], [{"scheduler": ..., "interval": "step"}]``: its schedulers step after every step."""
     model = model if model is not None else Regression(**kwargs)
     opt = model.configure_optimizers()
-    opt, schedulers = (opt, []) if isinstance(opt, torch.optim.Optimizer) else (opt[0][0], [c["scheduler"] for c in
-                                                                                          opt[1]])
+    opt, schedulers = (
+        (opt, []) if isinstance(opt, torch.optim.Optimizer) else (opt[0][0], [c["scheduler"] for c in opt[1]])
+    )
     x, y = loader(batch_size).dataset.tensors
     for epoch in range(epochs):
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
@@ -68,7 +70,7 @@ def sgd_after_a_loss(epochs: int, mu: int, learners: int, lost: int, lost_at: in
         shards = [order[rank::learners] for rank in range(learners)]
         for k in range(len(shards[0]) // mu):
             left = [r for r in range(learners) if step < lost_at or r != lost]
-            rows = torch.cat([shards[r][k * mu:(k + 1) * mu] for r in left])
+            rows = torch.cat([shards[r][k * mu : (k + 1) * mu] for r in left])
             opt.zero_grad()
             model.loss((x[rows], y[rows])).backward()
             opt.step()
@@ -129,14 +131,28 @@ class ProbedRudra(RudraStrategy):
             # each server's contiguous part of the parameters, in the module's order (one dtype here)
             params, buffers = [torch.cat([flats[0] for flats, _ in parts])], parts[0][1]
             # the rate of each optimizer's last update on the (first) server; a checkpoint holds the learners' rate
-            lrs = [[g["lr"] for g in self._servers.client.optimizer_state(i)["param_groups"]]
-                   for i in range(len(self.optimizers))] if len(self._servers.clients) == 1 else None
+            lrs = (
+                [
+                    [g["lr"] for g in self._servers.client.optimizer_state(i)["param_groups"]]
+                    for i in range(len(self.optimizers))
+                ]
+                if len(self._servers.clients) == 1
+                else None
+            )
             torch.save({"params": params, "buffers": buffers, "lrs": lrs, "pid": os.getpid()}, self.probe_path)
 
 
 def quiet_trainer(strategy, devices: int, **kwargs) -> pl.Trainer:
-    options = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    options = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     options.update(kwargs)
     return pl.Trainer(**options)
 
@@ -233,8 +249,9 @@ class ReadsItsStart(Regression):
 
     def on_fit_start(self) -> None:
         shared = any(t.is_shared() for t in list(self.parameters()) + list(self.buffers()))
-        self.seen.copy_(torch.tensor([float(os.environ.get("RUDRA_TEST_MARK", "-1")), torch.rand(1).item(),
-                                      float(shared)]))
+        self.seen.copy_(
+            torch.tensor([float(os.environ.get("RUDRA_TEST_MARK", "-1")), torch.rand(1).item(), float(shared)])
+        )
 
 
 class FailingLearner(Regression):
@@ -306,8 +323,10 @@ class Recording(Regression):
             self.validations.append((self.current_epoch, sum(e == self.current_epoch for e, _ in self.batches)))
 
     def on_train_end(self) -> None:
-        torch.save({"batches": self.batches, "validations": self.validations},
-                   os.path.join(self.out_dir, f"learner{self.global_rank}.pt"))
+        torch.save(
+            {"batches": self.batches, "validations": self.validations},
+            os.path.join(self.out_dir, f"learner{self.global_rank}.pt"),
+        )
 
 
 def indexed_loader(batch_size: int, num_samples: int = 256, shuffle: bool = True) -> DataLoader:
@@ -420,4 +439,4 @@ class Stream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         x, y = regression_data().tensors
-        return iter(zip(x[:self.num_samples], y[:self.num_samples]))
+        return iter(zip(x[: self.num_samples], y[: self.num_samples]))

@@ -37,9 +37,12 @@ def run_learners(num_learners: int, target, timeout: float = 20.0, num_servers: 
     ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
     environ = dict(os.environ)  # a fork server's children have the environment of when it started
-    procs = [ctx.Process(target=_learner_main, args=(rank, num_learners, port, timeout, num_servers, target, kwargs,
-                                                     queue, environ))
-             for rank in range(num_learners)]
+    procs = [
+        ctx.Process(
+            target=_learner_main, args=(rank, num_learners, port, timeout, num_servers, target, kwargs, queue, environ)
+        )
+        for rank in range(num_learners)
+    ]
     for proc in procs:
         proc.start()
     results = {}
@@ -78,8 +81,7 @@ class SubclassedSGD(torch.optim.SGD):
     """SGD under another class: not known to be elementwise, so several servers are cut between parameters."""
 
 
-def start(rank, clients, config, lr=0.1, momentum=0.0, overlap=False, shared_memory=True,
-          optimizer=torch.optim.SGD):
+def start(rank, clients, config, lr=0.1, momentum=0.0, overlap=False, shared_memory=True, optimizer=torch.optim.SGD):
     """A learner on the test model: learner 0 registers it, every learner pulls the starting weights."""
     net = model()
     opt = optimizer(net.parameters(), lr=lr, momentum=momentum)
@@ -98,8 +100,9 @@ def step(net, wrapped, rows):
     wrapped.step()
 
 
-def train(rank, clients, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, shared_memory=True,
-          optimizer=torch.optim.SGD):
+def train(
+    rank, clients, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, shared_memory=True, optimizer=torch.optim.SGD
+):
     """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
     net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer)
     lam = config.num_learners
@@ -109,9 +112,13 @@ def train(rank, clients, config, steps, mu, lr=0.1, momentum=0.9, overlap=False,
         step(net, wrapped, torch.arange(i * mu * lam, (i + 1) * mu * lam)[rank::lam])
     learner.finish()
     stats = clients[0].stats() if rank == 0 else None
-    return {"params": [p.detach().clone() for p in net.parameters()], "stats": stats, "pushes": pushes,
-            "owned": [len(shard.params) for shard in learner.shards],
-            "shared_memory": all(shard.shm is not None for shard in learner.shards)}
+    return {
+        "params": [p.detach().clone() for p in net.parameters()],
+        "stats": stats,
+        "pushes": pushes,
+        "owned": [len(shard.params) for shard in learner.shards],
+        "shared_memory": all(shard.shm is not None for shard in learner.shards),
+    }
 
 
 def push_garbage(rank, clients, config):
@@ -120,14 +127,14 @@ def push_garbage(rank, clients, config):
     client = clients[0]
     before, _ = client.pull()
     try:
-        client.receive(client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], [],
-                                   client.timestamp))
+        client.receive(
+            client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], [], client.timestamp)
+        )
         error = None
     except Exception as exc:
         error = str(exc)
     after, _ = client.pull()
-    return {"error": error, "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
-            "stats": client.stats()}
+    return {"error": error, "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)), "stats": client.stats()}
 
 
 def die_after_one_step(rank, clients, config):

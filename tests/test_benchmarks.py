@@ -23,9 +23,23 @@ def _transport(rank: int, ports: list[tuple[int, int]], results) -> None:
         measures = ("both", "solo", "echo", "gloo", "memcpy", "breakdown") if num_servers == 1 else ("both", "solo")
         # the second pass also runs the learner-side prototype the benchmark lists ("pack into reused buffers")
         patches = ("pack_reuse",) if num_servers == 2 else ()
-        results.put((num_servers, rank, rudra_transport(rank, numel=1000, port=port, gloo_port=gloo_port, rounds=1,
-                                                        iters=2, measures=measures, num_servers=num_servers,
-                                                        learner_patches=patches)))
+        results.put(
+            (
+                num_servers,
+                rank,
+                rudra_transport(
+                    rank,
+                    numel=1000,
+                    port=port,
+                    gloo_port=gloo_port,
+                    rounds=1,
+                    iters=2,
+                    measures=measures,
+                    num_servers=num_servers,
+                    learner_patches=patches,
+                ),
+            )
+        )
 
 
 @pytest.mark.slow
@@ -51,18 +65,34 @@ def test_the_transport_benchmark_runs_every_measure():
     assert all(len(times) == 1 and times[0] > 0 for servers in (1, 2) for times in measured[servers, 0].values())
 
 
-def _run(strategy: str, seq: int, snapshots: list[tuple[float, float]], final: tuple[float, float],
-         epoch_ends_s: list[list[float]]) -> dict:
+def _run(
+    strategy: str,
+    seq: int,
+    snapshots: list[tuple[float, float]],
+    final: tuple[float, float],
+    epoch_ends_s: list[list[float]],
+) -> dict:
     """A run as ``Suite._train(..., snapshots=True)`` records it (the fields the phase reads)."""
-    return {"strategy": strategy, "rep": 0, "seq": seq, "job_wall_s": 9.0, "samples_per_s": 100.0,
-            "accuracy": snapshots, "final_accuracy": final, "rank0_start_s": 0.1, "epoch_ends_s": epoch_ends_s,
-            "epoch_times_s": [b - a for a, b in zip(epoch_ends_s[0], epoch_ends_s[0][1:])]}
+    return {
+        "strategy": strategy,
+        "rep": 0,
+        "seq": seq,
+        "job_wall_s": 9.0,
+        "samples_per_s": 100.0,
+        "accuracy": snapshots,
+        "final_accuracy": final,
+        "rank0_start_s": 0.1,
+        "epoch_ends_s": epoch_ends_s,
+        "epoch_times_s": [b - a for a, b in zip(epoch_ends_s[0], epoch_ends_s[0][1:])],
+    }
 
 
 def _config(async_snapshots: list[tuple[float, float]]) -> dict:
-    runs = [_run("ddp", 0, [(1.0, 0.5), (2.0, 0.89), (3.0, 0.9)], (3.2, 0.90), [[1.6, 3.1], [1.6, 3.1]]),
-            _run("async", 1, async_snapshots, (2.0, 0.88), [[0.8, 1.6], [0.9, 1.7]]),
-            _run("ddp", 2, [(1.0, 0.6), (2.0, 0.91), (3.0, 0.905)], (3.1, 0.92), [[1.6, 3.0], [1.6, 3.0]])]
+    runs = [
+        _run("ddp", 0, [(1.0, 0.5), (2.0, 0.89), (3.0, 0.9)], (3.2, 0.90), [[1.6, 3.1], [1.6, 3.1]]),
+        _run("async", 1, async_snapshots, (2.0, 0.88), [[0.8, 1.6], [0.9, 1.7]]),
+        _run("ddp", 2, [(1.0, 0.6), (2.0, 0.91), (3.0, 0.905)], (3.1, 0.92), [[1.6, 3.0], [1.6, 3.0]]),
+    ]
     return {"learners": 2, "batch_size": 64, "slowdown": 3, "sleep_ms": 20.0, **accuracy.summarize(runs)}
 
 
@@ -79,7 +109,8 @@ def test_the_accuracy_phase_sets_the_target_after_the_runs_and_reads_each_runs_t
     targets = {t["key"]: t for t in report.check_targets({"accuracy": [config]})}
     assert targets["accuracy_2x3"]["met"] and targets["accuracy_4x3"]["by"] == "not measured"
     assert "| 2 (64) | 3x (20.0) | 0.910 (0.90–0.92) | 0.900 | 2.50 (1.7) | 1.00 (1.2) | 0.40 |" in "\n".join(
-        report._accuracy_table([config], {}))
+        report._accuracy_table([config], {})
+    )
 
 
 def test_an_async_run_that_never_reaches_the_target_is_reported_as_never():

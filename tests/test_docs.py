@@ -11,8 +11,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 # what Lightning passes to every strategy: its plumbing, not options of ours
-LIGHTNING_PLUMBING = {"self", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-                      "precision_plugin"}
+LIGHTNING_PLUMBING = {
+    "self",
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+}
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _DOCS_PATH = re.compile(r"(?<![\w./-])docs/[\w./-]*[\w/-]|(?<![\w./-])docs/(?=[\s`)'\"])")
@@ -29,8 +35,9 @@ def _relative_links(text: str) -> list[str]:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_every_relative_link_leads_to_a_file(page):
-    missing = [target for target in _relative_links(page.read_text(encoding="utf-8"))
-               if not (page.parent / target).exists()]
+    missing = [
+        target for target in _relative_links(page.read_text(encoding="utf-8")) if not (page.parent / target).exists()
+    ]
     assert not missing, f"{page.relative_to(ROOT)} links to what does not exist: {missing}"
 
 
@@ -42,8 +49,10 @@ def test_every_docs_path_named_exists(page):
 
 
 def test_the_link_checks_see_links_and_paths():
-    text = ("[a](docs/options.md#protocol) ![b](study/x.png) [c](https://lightning.ai) [d](#here) "
-            "see `docs/study/paper/findings.md`, and docs/faults.md.")
+    text = (
+        "[a](docs/options.md#protocol) ![b](study/x.png) [c](https://lightning.ai) [d](#here) "
+        "see `docs/study/paper/findings.md`, and docs/faults.md."
+    )
     assert _relative_links(text) == ["docs/options.md", "study/x.png"]
     assert sorted(_DOCS_PATH.findall(text)) == ["docs/faults.md", "docs/options.md", "docs/study/paper/findings.md"]
 
@@ -51,8 +60,9 @@ def test_the_link_checks_see_links_and_paths():
 def test_every_argument_of_the_strategy_is_in_the_options_reference():
     from lightning_rudra import RudraStrategy
 
-    arguments = [name for name in inspect.signature(RudraStrategy.__init__).parameters
-                 if name not in LIGHTNING_PLUMBING]
+    arguments = [
+        name for name in inspect.signature(RudraStrategy.__init__).parameters if name not in LIGHTNING_PLUMBING
+    ]
     assert "compensation" in arguments and "protocol" in arguments
     reference = (ROOT / "docs" / "options.md").read_text(encoding="utf-8")
     missing = [name for name in arguments if f"`{name}`" not in reference]

@@ -26,18 +26,26 @@ def run_python(args: list[str], timeout: float = SUBPROCESS_TIMEOUT) -> subproce
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("MASTER_PORT", None)  # Lightning picks a free port
     env.setdefault("OMP_NUM_THREADS", "1")  # learners and server share the cores
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_mnist1d_cli(tmp_path: Path, config: str, *overrides: str) -> subprocess.CompletedProcess:
     """Fit, test and print the summary, as ``python -m examples.mnist1d --config ...`` does; tiny and short."""
-    return run_python([
-        "-m", "examples.mnist1d", "--config", f"examples/configs/{config}",
-        "--trainer.max_epochs=1", "--data.num_samples=600", "--trainer.devices=2",
-        "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
-        f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}", *overrides,
-    ])
+    return run_python(
+        [
+            "-m",
+            "examples.mnist1d",
+            "--config",
+            f"examples/configs/{config}",
+            "--trainer.max_epochs=1",
+            "--data.num_samples=600",
+            "--trainer.devices=2",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
+            *overrides,
+        ]
+    )
 
 
 def assert_trained_and_summarised(proc: subprocess.CompletedProcess) -> None:
@@ -46,7 +54,9 @@ def assert_trained_and_summarised(proc: subprocess.CompletedProcess) -> None:
     accuracy = ACCURACY.search(proc.stdout)
     assert accuracy is not None, f"no 'final test accuracy: ...' line\n{output[-6000:]}"
     assert 0.0 <= float(accuracy.group(1)) <= 1.0
-    assert re.search(r"^updates applied: [1-9]\d*, gradients: [1-9]\d*, dropped: \d+", proc.stdout, re.MULTILINE), output[-3000:]
+    assert re.search(r"^updates applied: [1-9]\d*, gradients: [1-9]\d*, dropped: \d+", proc.stdout, re.MULTILINE), (
+        output[-3000:]
+    )
     assert STALENESS.search(proc.stdout), output[-3000:]
     assert "staleness histogram: σ=" in proc.stdout, output[-3000:]
     # printed once, by learner 0
@@ -104,7 +114,10 @@ def test_study_writes_results_and_resumes(tmp_path):
 
     rows = _csv_rows(out / "runs.csv")
     assert [(r["protocol"], r["learners"], r["simulated"]) for r in rows] == [
-        ("single", "1", "0"), ("softsync", "2", "0"), ("softsync", "8", "1")]
+        ("single", "1", "0"),
+        ("softsync", "2", "0"),
+        ("softsync", "8", "1"),
+    ]
     for r in rows:
         assert 0.0 <= float(r["test_error"]) <= 1.0
         assert float(r["wall_s"]) > 0 and float(r["samples_per_s"]) > 0 and int(r["updates"]) > 0

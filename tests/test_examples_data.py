@@ -86,8 +86,13 @@ def test_mnist1d_classifier_learns_in_one_epoch():
     dm = MNIST1DDataModule(num_samples=512, batch_size=16)
     model = MNIST1DClassifier(optimizer="adam", lr=0.01)  # SGD's first epoch is too slow for a clear margin
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     before = trainer.validate(model, datamodule=dm, verbose=False)[0]["val_loss"]
     trainer.fit(model, datamodule=dm)

@@ -35,10 +35,13 @@ def test_lightning_is_imported_only_under_strategy(layer):
 
 @pytest.mark.parametrize("layer", LAYERS)
 def test_a_layer_imports_only_the_layers_below_it(layer):
-    above = LAYERS[LAYERS.index(layer) + 1:]
+    above = LAYERS[LAYERS.index(layer) + 1 :]
     for path in files(layer):
-        upward = {name for name in imports(path) if name.startswith("lightning_rudra.")
-                  and name.split(".")[1] in above or name == "lightning_rudra"}
+        upward = {
+            name
+            for name in imports(path)
+            if name.startswith("lightning_rudra.") and name.split(".")[1] in above or name == "lightning_rudra"
+        }
         assert not upward, f"{path.relative_to(PACKAGE)} imports {sorted(upward)}, above its layer ({layer})"
 
 

@@ -32,8 +32,15 @@ from pathlib import Path
 from typing import Optional
 
 from examples.study.findings import write_findings
-from examples.study.grid import (GRIDS, PAPER_SEEDS, RunConfig, choose_alpha0, paper_grid, paper_grid_without_momentum,
-                                 paper_sweep)
+from examples.study.grid import (
+    GRIDS,
+    PAPER_SEEDS,
+    RunConfig,
+    choose_alpha0,
+    paper_grid,
+    paper_grid_without_momentum,
+    paper_sweep,
+)
 from examples.study.report import plot, write_markdown
 from examples.study.runs import RunFailed, append_row, read_rows, row_key, run_one
 
@@ -49,19 +56,35 @@ def _seed_list(text: str) -> list[int]:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m examples.study", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grid", choices=sorted(GRIDS), default="small",
-                   help="small: 10 runs, ~5 min (default); medium: 42; large: 248; paper: 96 at λ up to 30 (simulated), "
-                        "~40 min with --jobs 2; tiny: 3 (tests)")
+    p = argparse.ArgumentParser(
+        prog="python -m examples.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--grid",
+        choices=sorted(GRIDS),
+        default="small",
+        help="small: 10 runs, ~5 min (default); medium: 42; large: 248; paper: 96 at λ up to 30 (simulated), "
+        "~40 min with --jobs 2; tiny: 3 (tests)",
+    )
     p.add_argument("--out", default="study_results", help="output folder (default: study_results)")
-    p.add_argument("--resume", action="store_true",
-                   help="keep <out>/runs.csv and skip the configurations already in it (otherwise it starts over)")
-    p.add_argument("--seeds", type=_seed_list, default=None,
-                   help="comma-separated seeds (data and initial weights) to run the grid with, e.g. 42,43; "
-                        "default: the grid's own (42)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs at a time (default 1); the paper grid's simulated runs take one process each")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep <out>/runs.csv and skip the configurations already in it (otherwise it starts over)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=_seed_list,
+        default=None,
+        help="comma-separated seeds (data and initial weights) to run the grid with, e.g. 42,43; "
+        "default: the grid's own (42)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at a time (default 1); the paper grid's simulated runs take one process each",
+    )
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
     p.add_argument("--report-only", action="store_true", help="only rewrite results.md and the plots from runs.csv")
     p.add_argument("--list", action="store_true", help="print the grid's configurations and exit")
@@ -91,15 +114,23 @@ def run_configs(configs: list[RunConfig], csv_path: Path, args: argparse.Namespa
             return
         with lock:
             append_row(csv_path, config, result)
-            staleness = "" if config.protocol == "single" else \
-                f", ⟨σ⟩ {result['mean_staleness']:.2f} (max {result['max_staleness']})"
-            print(f"{prefix} ... test error {result['test_error']:.3f} in {result['wall_s']:.0f} s "
-                  f"({result['samples_per_s']:.0f} samples/s{staleness})", flush=True)
+            staleness = (
+                ""
+                if config.protocol == "single"
+                else f", ⟨σ⟩ {result['mean_staleness']:.2f} (max {result['max_staleness']})"
+            )
+            print(
+                f"{prefix} ... test error {result['test_error']:.3f} in {result['wall_s']:.0f} s "
+                f"({result['samples_per_s']:.0f} samples/s{staleness})",
+                flush=True,
+            )
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         list(pool.map(train, todo))
-    print(f"{len(todo) - len(failed)} run(s) trained in {(time.perf_counter() - start) / 60:.1f} min, "
-          f"{len(configs) - len(todo)} skipped (already done), {len(failed)} failed")
+    print(
+        f"{len(todo) - len(failed)} run(s) trained in {(time.perf_counter() - start) / 60:.1f} min, "
+        f"{len(configs) - len(todo)} skipped (already done), {len(failed)} failed"
+    )
     return failed
 
 
@@ -130,9 +161,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{i}/{len(configs)}] {config.label(show_seed)}")
         if args.grid == "paper":
             seeds = args.seeds or PAPER_SEEDS
-            print(f"then, at the α0 the sweep chooses: {len(paper_grid(0.1, seeds))} runs (paper_grid in "
-                  f"examples/study/grid.py); then without momentum: a sweep of {len(paper_sweep(seeds, momentum=0.0))} runs and "
-                  f"{len(paper_grid_without_momentum(1.0, seeds))} runs at the α0 it chooses")
+            print(
+                f"then, at the α0 the sweep chooses: {len(paper_grid(0.1, seeds))} runs (paper_grid in "
+                f"examples/study/grid.py); then without momentum: a sweep of {len(paper_sweep(seeds, momentum=0.0))} runs and "
+                f"{len(paper_grid_without_momentum(1.0, seeds))} runs at the α0 it chooses"
+            )
         return 0
     out.mkdir(parents=True, exist_ok=True)
     failed: list[RunConfig] = []
@@ -154,7 +187,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         written += write_findings(rows, out)
     print(f"wrote {csv_path}, {out / 'results.md'}, " + ", ".join(str(p) for p in written))
     if failed:
-        print(f"{len(failed)} run(s) failed: " + "; ".join(c.label(show_seed) for c in failed) + " (rerun with --resume)")
+        print(
+            f"{len(failed)} run(s) failed: " + "; ".join(c.label(show_seed) for c in failed) + " (rerun with --resume)"
+        )
         return 1
     return 0
 

@@ -43,22 +43,34 @@ WITHIN = 0.02  # of hardsync's final error
 def grid(rates: dict[str, float]) -> list[dict[str, Any]]:
     """Every run, once the rates are chosen: hardsync per optimizer and seed; async at every λ, 4-softsync at λ = 16 and
     1-softsync (the strategy's default protocol) at λ = 4, under every rule, the default rule's runs first."""
-    runs = [dict(optimizer=o, protocol="hardsync", learners=16, n=1, rule="none", seed=s, epochs=EPOCHS)
-            for o in rates for s in SEEDS]
+    runs = [
+        dict(optimizer=o, protocol="hardsync", learners=16, n=1, rule="none", seed=s, epochs=EPOCHS)
+        for o in rates
+        for s in SEEDS
+    ]
     stale = [("async", lam, 1) for lam in LEARNERS] + [("softsync", 16, 4), ("softsync", 4, 1)]
     rules = [DEFAULT] + [r for r in RULES if r != DEFAULT]
-    runs += [dict(optimizer=o, protocol=p, learners=lam, n=n, rule=r, seed=s, epochs=2 * EPOCHS)
-             for r in rules for s in SEEDS for o in rates for p, lam, n in stale]
+    runs += [
+        dict(optimizer=o, protocol=p, learners=lam, n=n, rule=r, seed=s, epochs=2 * EPOCHS)
+        for r in rules
+        for s in SEEDS
+        for o in rates
+        for p, lam, n in stale
+    ]
     return [{**run, "lr": rates[run["optimizer"]]} for run in runs]
 
 
 def sweep() -> list[dict[str, Any]]:
-    return [dict(optimizer=o, protocol="hardsync", learners=16, n=1, rule="none", seed=SEEDS[0], epochs=EPOCHS, lr=lr)
-            for o, lrs in RATES.items() for lr in lrs]
+    return [
+        dict(optimizer=o, protocol="hardsync", learners=16, n=1, rule="none", seed=SEEDS[0], epochs=EPOCHS, lr=lr)
+        for o, lrs in RATES.items()
+        for lr in lrs
+    ]
 
 
-def train(optimizer: str, protocol: str, learners: int, n: int, rule: str, seed: int, epochs: int,
-          lr: float) -> dict[str, Any]:
+def train(
+    optimizer: str, protocol: str, learners: int, n: int, rule: str, seed: int, epochs: int, lr: float
+) -> dict[str, Any]:
     """One run; returns its test error after every epoch."""
     torch.manual_seed(seed)
     data = generate_mnist1d(NUM_SAMPLES, 42, 0.2)
@@ -66,7 +78,7 @@ def train(optimizer: str, protocol: str, learners: int, n: int, rule: str, seed:
     x_test, y_test = torch.tensor(data["x_test"], dtype=torch.float32), torch.tensor(data["y_test"])
     model = MNIST1DClassifier()
     params = list(model.parameters())
-    opt = (torch.optim.SGD(params, lr=lr, momentum=0.9) if optimizer == "sgd" else torch.optim.Adam(params, lr=lr))
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9) if optimizer == "sgd" else torch.optim.Adam(params, lr=lr)
     options = dict(lr_modulation="mean") if rule == "paper" else dict(compensation=rule)
     config = ProtocolConfig(learners, protocol, n, **options)
     server = Server(config, [p.detach() for p in params], [], [OptimizerSpec.from_optimizer(opt, params)])
@@ -84,7 +96,7 @@ def train(optimizer: str, protocol: str, learners: int, n: int, rule: str, seed:
         for r in push_order(protocol, steps, timing, done):
             weights, _, timestamp = held[r]
             torch.nn.utils.vector_to_parameters(weights[0], params)
-            batch = shards[r][position[r] * mu:(position[r] + 1) * mu]
+            batch = shards[r][position[r] * mu : (position[r] + 1) * mu]
             position[r] += 1
             model.zero_grad(set_to_none=False)
             F.cross_entropy(model(x[batch]), y[batch]).backward()
@@ -98,8 +110,11 @@ def train(optimizer: str, protocol: str, learners: int, n: int, rule: str, seed:
         weights = server.pull()[0][0]
         torch.nn.utils.vector_to_parameters(weights, params)
         with torch.no_grad():
-            errors.append(round((model(x_test).argmax(1) != y_test).float().mean().item(), 4)
-                          if math.isfinite(weights.sum().item()) else 1.0)
+            errors.append(
+                round((model(x_test).argmax(1) != y_test).float().mean().item(), 4)
+                if math.isfinite(weights.sum().item())
+                else 1.0
+            )
     return {"errors": errors, "mean_staleness": round(server.stats.mean_staleness, 3)}
 
 
@@ -151,15 +166,26 @@ def epochs_to(errors: list[float], target: float) -> Optional[int]:
 
 
 def write_report(rows: list[dict[str, Any]], rates: dict[str, float], out: Path) -> None:
-    lines = ["# Staleness compensation: which rule (simulated learners, MNIST-1D)", "",
-             "Made by `python -m examples.study.compensation --out docs/study/compensation` "
-             "(see the module's docstring for the method). Cells: mean test error ± standard deviation over the seeds "
-             f"run (of {list(SEEDS)}) after the run's last epoch; in brackets, for each seed run, the epochs it needed to "
-             f"come within {WITHIN:.2f} of hardsync's final error (– : never). Hardsync trains {EPOCHS} epochs, the stale runs "
-             f"{2 * EPOCHS}.", ""]
-    lines += ["## Rates chosen on the synchronous run", "", "| optimizer | rate | hardsync final error |", "|---|---|---|"]
-    for row in sorted((r for r in rows if r["protocol"] == "hardsync" and r["seed"] == SEEDS[0]),
-                      key=lambda r: (r["optimizer"], r["lr"])):
+    lines = [
+        "# Staleness compensation: which rule (simulated learners, MNIST-1D)",
+        "",
+        "Made by `python -m examples.study.compensation --out docs/study/compensation` "
+        "(see the module's docstring for the method). Cells: mean test error ± standard deviation over the seeds "
+        f"run (of {list(SEEDS)}) after the run's last epoch; in brackets, for each seed run, the epochs it needed to "
+        f"come within {WITHIN:.2f} of hardsync's final error (– : never). Hardsync trains {EPOCHS} epochs, the stale runs "
+        f"{2 * EPOCHS}.",
+        "",
+    ]
+    lines += [
+        "## Rates chosen on the synchronous run",
+        "",
+        "| optimizer | rate | hardsync final error |",
+        "|---|---|---|",
+    ]
+    for row in sorted(
+        (r for r in rows if r["protocol"] == "hardsync" and r["seed"] == SEEDS[0]),
+        key=lambda r: (r["optimizer"], r["lr"]),
+    ):
         mark = " (chosen)" if rates.get(row["optimizer"]) == row["lr"] else ""
         lines.append(f"| {row['optimizer']} | {row['lr']:g}{mark} | {row['errors'][-1]:.3f} |")
     for optimizer, lr in rates.items():
@@ -169,10 +195,17 @@ def write_report(rows: list[dict[str, Any]], rates: dict[str, float], out: Path)
             continue
         target = statistics.mean(sync) + WITHIN
         title = "SGD, momentum 0.9" if optimizer == "sgd" else "Adam"
-        lines += ["", f"## {title}, rate {lr:g}: hardsync {_mean(sync)}", "",
-                  "| protocol | λ | μ | " + " | ".join(RULES) + " |", "|---|---|---|" + "---|" * len(RULES)]
-        for protocol, lam, n in sorted({(r["protocol"], r["learners"], r["n"]) for r in at if r["protocol"] != "hardsync"},
-                                       key=lambda c: (c[0] != "async", c[1])):
+        lines += [
+            "",
+            f"## {title}, rate {lr:g}: hardsync {_mean(sync)}",
+            "",
+            "| protocol | λ | μ | " + " | ".join(RULES) + " |",
+            "|---|---|---|" + "---|" * len(RULES),
+        ]
+        for protocol, lam, n in sorted(
+            {(r["protocol"], r["learners"], r["n"]) for r in at if r["protocol"] != "hardsync"},
+            key=lambda c: (c[0] != "async", c[1]),
+        ):
             name = "async" if protocol == "async" else f"{n}-softsync"
             cells = []
             for rule in RULES:
@@ -194,11 +227,19 @@ def plot(rows: list[dict[str, Any]], rates: dict[str, float], out: Path) -> None
     for ax, (optimizer, lr) in zip(axes[0], rates.items()):
         at = [r for r in rows if r["optimizer"] == optimizer and r["lr"] == lr]
         for rule in RULES:
-            cell = {lam: [r["errors"][-1] for r in at if (r["protocol"], r["rule"], r["learners"]) == ("async", rule, lam)]
-                    for lam in LEARNERS}
+            cell = {
+                lam: [r["errors"][-1] for r in at if (r["protocol"], r["rule"], r["learners"]) == ("async", rule, lam)]
+                for lam in LEARNERS
+            }
             xs = [lam for lam in LEARNERS if cell[lam]]
-            ax.errorbar(xs, [statistics.mean(cell[lam]) for lam in xs], marker="o", capsize=3, label=rule,
-                        yerr=[statistics.stdev(cell[lam]) if len(cell[lam]) > 1 else 0 for lam in xs])
+            ax.errorbar(
+                xs,
+                [statistics.mean(cell[lam]) for lam in xs],
+                marker="o",
+                capsize=3,
+                label=rule,
+                yerr=[statistics.stdev(cell[lam]) if len(cell[lam]) > 1 else 0 for lam in xs],
+            )
         sync = [r["errors"][-1] for r in at if r["protocol"] == "hardsync"]
         if sync:
             ax.axhline(statistics.mean(sync), color="black", linestyle="--", label="hardsync")
@@ -210,8 +251,11 @@ def plot(rows: list[dict[str, Any]], rates: dict[str, float], out: Path) -> None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m examples.study.compensation", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m examples.study.compensation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", default="study_compensation", help="output folder (default: study_compensation)")
     p.add_argument("--resume", action="store_true", help="skip the runs already in <out>/runs.jsonl")
     p.add_argument("--report-only", action="store_true", help="write the report from <out>/runs.jsonl, train nothing")

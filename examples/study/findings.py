@@ -15,8 +15,18 @@ import math
 import statistics
 from pathlib import Path
 
-from examples.study.grid import (PAPER_ALPHA0, PAPER_EPOCHS, PAPER_GROWING_MU, PAPER_LEARNERS, PAPER_MU_LAMBDA,
-                                 PAPER_NS, PAPER_SAMPLES, PAPER_SPREAD, RunConfig, choose_alpha0)
+from examples.study.grid import (
+    PAPER_ALPHA0,
+    PAPER_EPOCHS,
+    PAPER_GROWING_MU,
+    PAPER_LEARNERS,
+    PAPER_MU_LAMBDA,
+    PAPER_NS,
+    PAPER_SAMPLES,
+    PAPER_SPREAD,
+    RunConfig,
+    choose_alpha0,
+)
 
 _LR_MODS = ("none", "mean", "per_gradient")
 _LR_MOD_NAMES = {"none": "α0 (none)", "mean": "α0/⟨σ⟩ (mean)", "per_gradient": "α0/σ (per gradient)"}
@@ -24,8 +34,11 @@ _LR_MOD_NAMES = {"none": "α0 (none)", "mean": "α0/⟨σ⟩ (mean)", "per_gradi
 
 def _matching(rows: list[dict[str, str]], **match) -> list[dict[str, str]]:
     """The rows whose configuration has the given field values."""
-    return [row for row in rows
-            if all(getattr(config, k) == v for config in [RunConfig.from_row(row)] for k, v in match.items())]
+    return [
+        row
+        for row in rows
+        if all(getattr(config, k) == v for config in [RunConfig.from_row(row)] for k, v in match.items())
+    ]
 
 
 def _errors(rows: list[dict[str, str]], **match) -> list[float]:
@@ -60,8 +73,6 @@ def _staleness_summary(hist: dict[int, int], n: int) -> tuple[float, float, int]
         return math.nan, math.nan, 0
     mean = sum(s * c for s, c in hist.items()) / total
     return mean, sum(c for s, c in hist.items() if s > 2 * n) / total, max(hist)
-
-
 
 
 def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
@@ -102,65 +113,118 @@ def write_findings(rows: list[dict[str, str]], out: Path) -> list[Path]:
             values = _errors(rows, protocol="single", batch_size=PAPER_MU_LAMBDA, lr=lr, momentum=momentum)
             lines.append(f"| {momentum:g} | {lr:g}{' (chosen)' if lr == chosen else ''} | {_cell(values)} |")
 
-    lines += ["", "## 1. μλ constant keeps the baseline's accuracy; μλ growing loses it", "",
-              f"μλ = {PAPER_MU_LAMBDA} constant (μ = {PAPER_MU_LAMBDA}/λ), against μ = {PAPER_GROWING_MU} "
-              f"constant (μλ = {PAPER_GROWING_MU}·λ). Same epochs, same α0 = {alpha0:g}; the last two columns "
-              f"repeat μλ constant without momentum (α0 = {plain_alpha0:g}).", "",
-              "| λ | μ | hardsync | 1-softsync, α0/⟨σ⟩ | μλ growing: μλ | hardsync "
-              "| no momentum: hardsync | 1-softsync |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## 1. μλ constant keeps the baseline's accuracy; μλ growing loses it",
+        "",
+        f"μλ = {PAPER_MU_LAMBDA} constant (μ = {PAPER_MU_LAMBDA}/λ), against μ = {PAPER_GROWING_MU} "
+        f"constant (μλ = {PAPER_GROWING_MU}·λ). Same epochs, same α0 = {alpha0:g}; the last two columns "
+        f"repeat μλ constant without momentum (α0 = {plain_alpha0:g}).",
+        "",
+        "| λ | μ | hardsync | 1-softsync, α0/⟨σ⟩ | μλ growing: μλ | hardsync | no momentum: hardsync | 1-softsync |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for learners in PAPER_LEARNERS:
         batch = PAPER_MU_LAMBDA // learners
         if learners == 1:
-            constant = [_cell(baseline), "(single learner)", _cell(_errors(plain, protocol="single",
-                                                                            batch_size=batch)), "(single learner)"]
+            constant = [
+                _cell(baseline),
+                "(single learner)",
+                _cell(_errors(plain, protocol="single", batch_size=batch)),
+                "(single learner)",
+            ]
             growing = _cell(_errors(at, protocol="single", batch_size=PAPER_GROWING_MU))
         else:
-            constant = [_cell(_errors(rows_at, protocol=protocol, n=n, learners=learners, batch_size=batch,
-                                      lr_modulation=lr_mod, simulated=1))
-                        for rows_at in (at, plain)
-                        for protocol, n, lr_mod in (("hardsync", 0, "none"), ("softsync", 1, "mean"))]
-            growing = _cell(_errors(at, protocol="hardsync", learners=learners, batch_size=PAPER_GROWING_MU,
-                                    simulated=1))
-        lines.append(f"| {learners} | {batch} | {constant[0]} | {constant[1]} | {PAPER_GROWING_MU * learners} "
-                     f"| {growing} | {constant[2]} | {constant[3]} |")
+            constant = [
+                _cell(
+                    _errors(
+                        rows_at,
+                        protocol=protocol,
+                        n=n,
+                        learners=learners,
+                        batch_size=batch,
+                        lr_modulation=lr_mod,
+                        simulated=1,
+                    )
+                )
+                for rows_at in (at, plain)
+                for protocol, n, lr_mod in (("hardsync", 0, "none"), ("softsync", 1, "mean"))
+            ]
+            growing = _cell(
+                _errors(at, protocol="hardsync", learners=learners, batch_size=PAPER_GROWING_MU, simulated=1)
+            )
+        lines.append(
+            f"| {learners} | {batch} | {constant[0]} | {constant[1]} | {PAPER_GROWING_MU * learners} "
+            f"| {growing} | {constant[2]} | {constant[3]} |"
+        )
 
-    lines += ["", f"## 2. n-softsync: ⟨σ⟩ ≈ n, and σ ≤ 2n almost always (λ = {lam}, μ = {mu})", "",
-              "All runs of each n together (every modulation and seed).", "",
-              "| n | ⟨σ⟩ | n(λ−1)/λ | fraction σ > 2n | max σ | gradients |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"## 2. n-softsync: ⟨σ⟩ ≈ n, and σ ≤ 2n almost always (λ = {lam}, μ = {mu})",
+        "",
+        "All runs of each n together (every modulation and seed).",
+        "",
+        "| n | ⟨σ⟩ | n(λ−1)/λ | fraction σ > 2n | max σ | gradients |",
+        "|---|---|---|---|---|---|",
+    ]
     for n in PAPER_NS:
         hist = _histogram(at, learners=lam, n=n, simulated=1)
         mean, beyond, top = _staleness_summary(hist, n)
-        lines.append(f"| {n}{' (async)' if n == lam else ''} | {mean:.2f} | {n * (lam - 1) / lam:.2f} "
-                     f"| {beyond:.2e} | {top} | {sum(hist.values())} |")
+        lines.append(
+            f"| {n}{' (async)' if n == lam else ''} | {mean:.2f} | {n * (lam - 1) / lam:.2f} "
+            f"| {beyond:.2e} | {top} | {sum(hist.values())} |"
+        )
 
-    lines += ["", f"## 3. Without LR modulation large n degrades; with it every n reaches the baseline (λ = {lam})",
-              "", f"Single learner (μ = {PAPER_MU_LAMBDA}): {_cell(baseline)}; hardsync λ = {lam}: "
-              f"{_cell(_errors(at, protocol='hardsync', learners=lam, batch_size=mu, simulated=1))}.", "",
-              f"The last two columns: the same without momentum (α0 = {plain_alpha0:g}; single learner "
-              f"{_cell(_errors(plain, protocol='single', batch_size=PAPER_MU_LAMBDA))}).", "",
-              "| n | " + " | ".join(_LR_MOD_NAMES[m] for m in _LR_MODS) + " | no momentum: none | mean |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"## 3. Without LR modulation large n degrades; with it every n reaches the baseline (λ = {lam})",
+        "",
+        f"Single learner (μ = {PAPER_MU_LAMBDA}): {_cell(baseline)}; hardsync λ = {lam}: "
+        f"{_cell(_errors(at, protocol='hardsync', learners=lam, batch_size=mu, simulated=1))}.",
+        "",
+        f"The last two columns: the same without momentum (α0 = {plain_alpha0:g}; single learner "
+        f"{_cell(_errors(plain, protocol='single', batch_size=PAPER_MU_LAMBDA))}).",
+        "",
+        "| n | " + " | ".join(_LR_MOD_NAMES[m] for m in _LR_MODS) + " | no momentum: none | mean |",
+        "|---|---|---|---|---|---|",
+    ]
     for n in PAPER_NS:
-        cells = [_cell(_errors(rows_at, learners=lam, n=n, batch_size=mu, lr_modulation=m, simulated=1))
-                 for rows_at, mods in ((at, _LR_MODS), (plain, ("none", "mean"))) for m in mods]
+        cells = [
+            _cell(_errors(rows_at, learners=lam, n=n, batch_size=mu, lr_modulation=m, simulated=1))
+            for rows_at, mods in ((at, _LR_MODS), (plain, ("none", "mean")))
+            for m in mods
+        ]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
 
-    lines += ["", "## The simulator against real learner processes (λ = 4)", "",
-              "The same configurations with λ = 4 real learner processes and a server process on this 2-core "
-              "machine, and simulated. Real step times are what the machine gave; simulated ones are jittered.", "",
-              "| configuration | test error real / simulated | ⟨σ⟩ real / simulated | max σ real / simulated |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "## The simulator against real learner processes (λ = 4)",
+        "",
+        "The same configurations with λ = 4 real learner processes and a server process on this 2-core "
+        "machine, and simulated. Real step times are what the machine gave; simulated ones are jittered.",
+        "",
+        "| configuration | test error real / simulated | ⟨σ⟩ real / simulated | max σ real / simulated |",
+        "|---|---|---|---|",
+    ]
     for protocol, n, lr_mod in (("hardsync", 0, "none"), ("softsync", 1, "mean"), ("async", 4, "mean")):
         match = dict(protocol=protocol, n=n, learners=4, batch_size=PAPER_MU_LAMBDA // 4, lr_modulation=lr_mod)
         real, sim = _errors(at, simulated=0, **match), _errors(at, simulated=1, **match)
         real_s = _staleness_summary(_histogram(at, simulated=0, **match), max(n, 1))
         sim_s = _staleness_summary(_histogram(at, simulated=1, **match), max(n, 1))
         name = {"softsync": f"{n}-softsync", "async": "async"}.get(protocol, protocol)
-        lines.append(f"| {name}, lr_mod={lr_mod} | {_cell(real)} / {_cell(sim)} | {real_s[0]:.2f} / {sim_s[0]:.2f} "
-                     f"| {real_s[2]} / {sim_s[2]} |")
-    lines += ["", "![error vs λ](findings_mu_lambda.png)", "", "![staleness vs n](findings_staleness.png)", "",
-              "![error vs n](findings_modulation.png)", ""]
+        lines.append(
+            f"| {name}, lr_mod={lr_mod} | {_cell(real)} / {_cell(sim)} | {real_s[0]:.2f} / {sim_s[0]:.2f} "
+            f"| {real_s[2]} / {sim_s[2]} |"
+        )
+    lines += [
+        "",
+        "![error vs λ](findings_mu_lambda.png)",
+        "",
+        "![staleness vs n](findings_staleness.png)",
+        "",
+        "![error vs n](findings_modulation.png)",
+        "",
+    ]
     path = out / "findings.md"
     path.write_text("\n".join(lines))
     return [path] + _plots(at, plain, out, baseline)
@@ -179,8 +243,14 @@ def _plots(at: list[dict[str, str]], plain: list[dict[str, str]], out: Path, bas
     def errorbars(ax, xs, samples, **style) -> None:
         points = [(x, *_mean_sd(s)) for x, s in zip(xs, samples) if s]
         if points:
-            ax.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], capsize=3,
-                        marker="o", **style)
+            ax.errorbar(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                yerr=[p[2] for p in points],
+                capsize=3,
+                marker="o",
+                **style,
+            )
 
     def finish(fig, ax, name: str, title: str) -> None:
         ax.set_title(title, fontsize=10)
@@ -195,17 +265,40 @@ def _plots(at: list[dict[str, str]], plain: list[dict[str, str]], out: Path, bas
     fig, ax = plt.subplots(figsize=(7, 4.5))
     learners = PAPER_LEARNERS
     for (protocol, n, lr_mod, color), (rows, style) in itertools.product(
-            (("hardsync", 0, "none", "tab:blue"), ("softsync", 1, "mean", "tab:green")),
-            ((at, "-"), (plain, ":"))):
-        samples = [_errors(rows, protocol="single", batch_size=PAPER_MU_LAMBDA) if lam == 1 else
-                   _errors(rows, protocol=protocol, n=n, learners=lam, batch_size=PAPER_MU_LAMBDA // lam,
-                           lr_modulation=lr_mod, simulated=1) for lam in learners]
-        errorbars(ax, learners, samples, color=color, linestyle=style,
-                  label=f"{'hardsync' if n == 0 else '1-softsync, α0/⟨σ⟩'}, μλ = {PAPER_MU_LAMBDA}"
-                        + (", no momentum" if rows is plain else ""))
-    samples = [_errors(at, protocol="single", batch_size=PAPER_GROWING_MU) if lam == 1 else
-               _errors(at, protocol="hardsync", learners=lam, batch_size=PAPER_GROWING_MU, simulated=1) for lam in learners]
-    errorbars(ax, learners, samples, color="tab:red", linestyle="--", label=f"hardsync, μ = {PAPER_GROWING_MU}: μλ grows")
+        (("hardsync", 0, "none", "tab:blue"), ("softsync", 1, "mean", "tab:green")), ((at, "-"), (plain, ":"))
+    ):
+        samples = [
+            _errors(rows, protocol="single", batch_size=PAPER_MU_LAMBDA)
+            if lam == 1
+            else _errors(
+                rows,
+                protocol=protocol,
+                n=n,
+                learners=lam,
+                batch_size=PAPER_MU_LAMBDA // lam,
+                lr_modulation=lr_mod,
+                simulated=1,
+            )
+            for lam in learners
+        ]
+        errorbars(
+            ax,
+            learners,
+            samples,
+            color=color,
+            linestyle=style,
+            label=f"{'hardsync' if n == 0 else '1-softsync, α0/⟨σ⟩'}, μλ = {PAPER_MU_LAMBDA}"
+            + (", no momentum" if rows is plain else ""),
+        )
+    samples = [
+        _errors(at, protocol="single", batch_size=PAPER_GROWING_MU)
+        if lam == 1
+        else _errors(at, protocol="hardsync", learners=lam, batch_size=PAPER_GROWING_MU, simulated=1)
+        for lam in learners
+    ]
+    errorbars(
+        ax, learners, samples, color="tab:red", linestyle="--", label=f"hardsync, μ = {PAPER_GROWING_MU}: μλ grows"
+    )
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(learners), [str(lam) for lam in learners])
     ax.set_xlabel("λ (learners)")
@@ -234,17 +327,29 @@ def _plots(at: list[dict[str, str]], plain: list[dict[str, str]], out: Path, bas
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for lr_mod, color in zip(_LR_MODS, ("tab:gray", "tab:green", "tab:purple")):
-        errorbars(ax, ns, [_errors(at, learners=lam, n=n, batch_size=mu, lr_modulation=lr_mod, simulated=1)
-                           for n in ns], color=color, label=_LR_MOD_NAMES[lr_mod])
+        errorbars(
+            ax,
+            ns,
+            [_errors(at, learners=lam, n=n, batch_size=mu, lr_modulation=lr_mod, simulated=1) for n in ns],
+            color=color,
+            label=_LR_MOD_NAMES[lr_mod],
+        )
         if lr_mod != "per_gradient":
-            errorbars(ax, ns, [_errors(plain, learners=lam, n=n, batch_size=mu, lr_modulation=lr_mod, simulated=1)
-                               for n in ns], color=color, linestyle=":", label=_LR_MOD_NAMES[lr_mod] + ", no momentum")
+            errorbars(
+                ax,
+                ns,
+                [_errors(plain, learners=lam, n=n, batch_size=mu, lr_modulation=lr_mod, simulated=1) for n in ns],
+                color=color,
+                linestyle=":",
+                label=_LR_MOD_NAMES[lr_mod] + ", no momentum",
+            )
     if baseline:
         ax.axhline(statistics.fmean(baseline), color="k", linestyle="--", linewidth=1, label="single learner")
     plain_baseline = _errors(plain, protocol="single", batch_size=PAPER_MU_LAMBDA)
     if plain_baseline:
-        ax.axhline(statistics.fmean(plain_baseline), color="k", linestyle=":", linewidth=1,
-                   label="single learner, no momentum")
+        ax.axhline(
+            statistics.fmean(plain_baseline), color="k", linestyle=":", linewidth=1, label="single learner, no momentum"
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_xlabel(f"n (λ = {lam}; n = {lam} is async)")

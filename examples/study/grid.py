@@ -10,7 +10,6 @@ from dataclasses import astuple, dataclass, fields
 from typing import Any, Iterable
 
 
-
 @dataclass(frozen=True)
 class RunConfig:
     """One training run. Its fields, all together, are the run's key in ``runs.csv``."""
@@ -42,28 +41,70 @@ class RunConfig:
 
     def label(self, seed: bool = False) -> str:
         name = {"softsync": f"softsync n={self.n}", "single": "single"}.get(self.protocol, self.protocol)
-        return (f"{name} λ={self.learners} μ={self.batch_size} lr_mod={self.lr_modulation}"
-                + (" simulated" if self.simulated else "") + (f" α0={self.lr:g}" if self.protocol == "single" else "")
-                + (f" momentum={self.momentum:g}" if self.momentum != 0.9 else "")
-                + (f" seed={self.seed}" if seed else ""))
+        return (
+            f"{name} λ={self.learners} μ={self.batch_size} lr_mod={self.lr_modulation}"
+            + (" simulated" if self.simulated else "")
+            + (f" α0={self.lr:g}" if self.protocol == "single" else "")
+            + (f" momentum={self.momentum:g}" if self.momentum != 0.9 else "")
+            + (f" seed={self.seed}" if seed else "")
+        )
 
     def runner_args(self) -> list[str]:
-        return ["--protocol", self.protocol, "--n", str(max(1, self.n)), "--learners", str(self.learners),
-                "--batch-size", str(self.batch_size), "--lr-modulation", self.lr_modulation,
-                "--epochs", str(self.epochs), "--num-samples", str(self.num_samples), "--lr", repr(self.lr),
-                "--seed", str(self.seed), "--momentum", repr(self.momentum)] + (
-                    ["--simulate", "--spread", repr(self.spread)] if self.simulated else [])
+        return [
+            "--protocol",
+            self.protocol,
+            "--n",
+            str(max(1, self.n)),
+            "--learners",
+            str(self.learners),
+            "--batch-size",
+            str(self.batch_size),
+            "--lr-modulation",
+            self.lr_modulation,
+            "--epochs",
+            str(self.epochs),
+            "--num-samples",
+            str(self.num_samples),
+            "--lr",
+            repr(self.lr),
+            "--seed",
+            str(self.seed),
+            "--momentum",
+            repr(self.momentum),
+        ] + (["--simulate", "--spread", repr(self.spread)] if self.simulated else [])
 
 
 KEY_FIELDS = [f.name for f in fields(RunConfig)]
-RESULT_FIELDS = ["mu_lambda", "test_error", "test_loss", "train_loss", "wall_s", "train_s", "samples",
-                 "samples_per_s", "mean_staleness", "max_staleness", "updates", "gradients", "dropped", "staleness"]
+RESULT_FIELDS = [
+    "mu_lambda",
+    "test_error",
+    "test_loss",
+    "train_loss",
+    "wall_s",
+    "train_s",
+    "samples",
+    "samples_per_s",
+    "mean_staleness",
+    "max_staleness",
+    "updates",
+    "gradients",
+    "dropped",
+    "staleness",
+]
 CSV_FIELDS = KEY_FIELDS + RESULT_FIELDS
 
+
 # ---- the grids -----------------------------------------------------------------------------------------------
-def _grid(rows: Iterable[tuple[str, int, int, int, str]], epochs: int, num_samples: int, lr: float,
-          seeds: Iterable[int] = (42,), simulated: bool = False, spread: float = 0.0,
-          momentum: float = 0.9) -> list[RunConfig]:
+def _grid(
+    rows: Iterable[tuple[str, int, int, int, str]],
+    epochs: int,
+    num_samples: int,
+    lr: float,
+    seeds: Iterable[int] = (42,),
+    simulated: bool = False,
+    spread: float = 0.0,
+    momentum: float = 0.9,
+) -> list[RunConfig]:
     """Configurations from (protocol, n, λ, μ, lr_modulation); duplicates dropped, order kept."""
     out: dict[tuple, RunConfig] = {}
     for seed in seeds:
@@ -75,8 +116,20 @@ def _grid(rows: Iterable[tuple[str, int, int, int, str]], epochs: int, num_sampl
             if protocol in ("hardsync", "single"):
                 lr_mod = "none"  # never stale: modulation would change nothing
             sim = simulated and protocol != "single"
-            config = RunConfig(protocol, n, learners, mu, lr_mod, epochs, num_samples, lr, seed, int(sim),
-                               spread if sim else 0.0, momentum)
+            config = RunConfig(
+                protocol,
+                n,
+                learners,
+                mu,
+                lr_mod,
+                epochs,
+                num_samples,
+                lr,
+                seed,
+                int(sim),
+                spread if sim else 0.0,
+                momentum,
+            )
             out.setdefault(config.key(), config)
     return list(out.values())
 
@@ -141,8 +194,9 @@ def tiny_grid() -> list[RunConfig]:
     simulated learners."""
     rows = [("single", 0, 1, 32, "none"), ("softsync", 1, 2, 16, "mean")]
     simulated = [("softsync", 2, 8, 4, "mean")]
-    return (_grid(rows, epochs=1, num_samples=1000, lr=0.05)
-            + _grid(simulated, epochs=1, num_samples=1000, lr=0.05, simulated=True, spread=PAPER_SPREAD))
+    return _grid(rows, epochs=1, num_samples=1000, lr=0.05) + _grid(
+        simulated, epochs=1, num_samples=1000, lr=0.05, simulated=True, spread=PAPER_SPREAD
+    )
 
 
 # ---- the paper's scale -----------------------------------------------------------------------------------------
@@ -159,8 +213,13 @@ PAPER_ALPHA0 = {0.9: (0.05, 0.1, 0.2, 0.3), 0.0: (0.25, 0.5, 0.75, 1.0)}  # per 
 
 def paper_sweep(seeds: Iterable[int] = PAPER_SEEDS, momentum: float = 0.9) -> list[RunConfig]:
     """Stage 1: the single learner with μ = μλ at every α0 of the sweep."""
-    return [config for lr in PAPER_ALPHA0[momentum] for config in _grid(
-        [("single", 0, 1, PAPER_MU_LAMBDA, "none")], PAPER_EPOCHS, PAPER_SAMPLES, lr, seeds, momentum=momentum)]
+    return [
+        config
+        for lr in PAPER_ALPHA0[momentum]
+        for config in _grid(
+            [("single", 0, 1, PAPER_MU_LAMBDA, "none")], PAPER_EPOCHS, PAPER_SAMPLES, lr, seeds, momentum=momentum
+        )
+    ]
 
 
 def choose_alpha0(rows: list[dict[str, str]], momentum: float = 0.9) -> float:
@@ -188,18 +247,27 @@ def paper_grid(alpha0: float, seeds: Iterable[int] = PAPER_SEEDS) -> list[RunCon
     constant = [("single", 0, 1, PAPER_MU_LAMBDA, "none")]
     growing = [("single", 0, 1, PAPER_GROWING_MU, "none")]
     for learners in PAPER_LEARNERS[1:]:
-        constant += [("hardsync", 0, learners, PAPER_MU_LAMBDA // learners, "none"),
-                     ("softsync", 1, learners, PAPER_MU_LAMBDA // learners, "mean")]
+        constant += [
+            ("hardsync", 0, learners, PAPER_MU_LAMBDA // learners, "none"),
+            ("softsync", 1, learners, PAPER_MU_LAMBDA // learners, "mean"),
+        ]
         growing.append(("hardsync", 0, learners, PAPER_GROWING_MU, "none"))
     lam, mu = PAPER_LEARNERS[-1], PAPER_MU_LAMBDA // PAPER_LEARNERS[-1]
-    modulated = [("softsync" if n < lam else "async", n, lam, mu, lr_mod) for n in PAPER_NS for lr_mod in ("none", "mean")]
+    modulated = [
+        ("softsync" if n < lam else "async", n, lam, mu, lr_mod) for n in PAPER_NS for lr_mod in ("none", "mean")
+    ]
     per_gradient = [("softsync" if n < lam else "async", n, lam, mu, "per_gradient") for n in PAPER_NS]
-    check = [("hardsync", 0, 4, PAPER_MU_LAMBDA // 4, "none"), ("softsync", 1, 4, PAPER_MU_LAMBDA // 4, "mean"),
-             ("async", 4, 4, PAPER_MU_LAMBDA // 4, "mean")]
+    check = [
+        ("hardsync", 0, 4, PAPER_MU_LAMBDA // 4, "none"),
+        ("softsync", 1, 4, PAPER_MU_LAMBDA // 4, "mean"),
+        ("async", 4, 4, PAPER_MU_LAMBDA // 4, "mean"),
+    ]
     common = dict(epochs=PAPER_EPOCHS, num_samples=PAPER_SAMPLES, lr=alpha0, spread=PAPER_SPREAD)
-    configs = (_grid(constant + growing + modulated, seeds=seeds, simulated=True, **common)
-               + _grid(per_gradient + check, seeds=seeds[:1], simulated=True, **common)
-               + _grid(check, seeds=seeds[:1], **common))
+    configs = (
+        _grid(constant + growing + modulated, seeds=seeds, simulated=True, **common)
+        + _grid(per_gradient + check, seeds=seeds[:1], simulated=True, **common)
+        + _grid(check, seeds=seeds[:1], **common)
+    )
     return list({c.key(): c for c in configs}.values())
 
 
@@ -209,12 +277,24 @@ def paper_grid_without_momentum(alpha0: float, seeds: Iterable[int] = PAPER_SEED
     staleness does from what it does to momentum."""
     constant = [("single", 0, 1, PAPER_MU_LAMBDA, "none")]
     for learners in PAPER_LEARNERS[1:]:
-        constant += [("hardsync", 0, learners, PAPER_MU_LAMBDA // learners, "none"),
-                     ("softsync", 1, learners, PAPER_MU_LAMBDA // learners, "mean")]
+        constant += [
+            ("hardsync", 0, learners, PAPER_MU_LAMBDA // learners, "none"),
+            ("softsync", 1, learners, PAPER_MU_LAMBDA // learners, "mean"),
+        ]
     lam, mu = PAPER_LEARNERS[-1], PAPER_MU_LAMBDA // PAPER_LEARNERS[-1]
-    modulated = [("softsync" if n < lam else "async", n, lam, mu, lr_mod) for n in PAPER_NS for lr_mod in ("none", "mean")]
-    return _grid(constant + modulated, PAPER_EPOCHS, PAPER_SAMPLES, alpha0, list(seeds)[:1], simulated=True,
-                 spread=PAPER_SPREAD, momentum=0.0)
+    modulated = [
+        ("softsync" if n < lam else "async", n, lam, mu, lr_mod) for n in PAPER_NS for lr_mod in ("none", "mean")
+    ]
+    return _grid(
+        constant + modulated,
+        PAPER_EPOCHS,
+        PAPER_SAMPLES,
+        alpha0,
+        list(seeds)[:1],
+        simulated=True,
+        spread=PAPER_SPREAD,
+        momentum=0.0,
+    )
 
 
 GRIDS = {"tiny": tiny_grid, "small": small_grid, "medium": medium_grid, "large": large_grid, "paper": paper_sweep}

@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+
 def _f(row: dict[str, str], name: str) -> float:
     value = row.get(name, "")
     return float(value) if value not in ("", None) else math.nan
@@ -22,8 +23,17 @@ def _expected_staleness(row: dict[str, str]) -> str:
 
 def write_markdown(rows: list[dict[str, str]], path: Path) -> None:
     order = {"single": 0, "hardsync": 1, "softsync": 2, "async": 3}
-    rows = sorted(rows, key=lambda r: (order.get(r["protocol"], 9), int(r["learners"]), int(r["n"]),
-                                       int(r["batch_size"]), r["lr_modulation"], int(r["seed"])))
+    rows = sorted(
+        rows,
+        key=lambda r: (
+            order.get(r["protocol"], 9),
+            int(r["learners"]),
+            int(r["n"]),
+            int(r["batch_size"]),
+            r["lr_modulation"],
+            int(r["seed"]),
+        ),
+    )
     settings = sorted({(r["epochs"], r["num_samples"], r["lr"]) for r in rows})
     lines = [
         "# Rudra tradeoff study on MNIST-1D",
@@ -50,8 +60,15 @@ def write_markdown(rows: list[dict[str, str]], path: Path) -> None:
             f"| {r['max_staleness']} "
             f"| {r['updates']} | {r['dropped']} |"
         )
-    lines += ["", "![test error vs μλ](error_vs_batch.png)", "", "![staleness](staleness.png)", "",
-              "![test error vs wall time](error_vs_time.png)", ""]
+    lines += [
+        "",
+        "![test error vs μλ](error_vs_batch.png)",
+        "",
+        "![staleness](staleness.png)",
+        "",
+        "![test error vs wall time](error_vs_time.png)",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
@@ -71,7 +88,6 @@ def _series_name(protocol: str, n: int, learners: int, lr_mod: str) -> str:
     return f"{name}, λ={learners}" + ("" if protocol in ("single", "hardsync") else f", lr_mod={lr_mod}")
 
 
-
 def _save_error_plot(fig, ax, title: str, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
@@ -84,6 +100,7 @@ def _save_error_plot(fig, ax, title: str, path: Path) -> Path:
     plt.close(fig)
     return path
 
+
 def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
     import matplotlib
 
@@ -94,7 +111,13 @@ def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
     # 1. test error vs μλ: one line per (protocol, n, λ, lr_mod), mean over seeds
     series: dict[tuple, dict[int, list[float]]] = {}
     for r in rows:
-        key = (_PROTOCOL_ORDER.get(r["protocol"], 9), r["protocol"], int(r["n"]), int(r["learners"]), r["lr_modulation"])
+        key = (
+            _PROTOCOL_ORDER.get(r["protocol"], 9),
+            r["protocol"],
+            int(r["n"]),
+            int(r["learners"]),
+            r["lr_modulation"],
+        )
         series.setdefault(key, {}).setdefault(int(r["mu_lambda"]), []).append(_f(r, "test_error"))
     fig, ax = plt.subplots(figsize=(8, 5))
     for index, ((_, protocol, n, learners, lr_mod), points) in enumerate(sorted(series.items())):
@@ -102,10 +125,16 @@ def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
         dodge = 1.0 + 0.025 * (index - len(series) / 2)  # keep points of equal μλ apart
         ys = [sum(points[x]) / len(points[x]) for x in xs]
         stale = protocol in ("softsync", "async")
-        ax.plot([x * dodge for x in xs], ys, marker=_MARKERS.get(lr_mod, "o"), color=_color(protocol, n),
-                linestyle="--" if stale and lr_mod == "none" else "-", markersize=7,
-                markerfacecolor="white" if stale and lr_mod == "none" else _color(protocol, n),
-                label=_series_name(protocol, n, learners, lr_mod))
+        ax.plot(
+            [x * dodge for x in xs],
+            ys,
+            marker=_MARKERS.get(lr_mod, "o"),
+            color=_color(protocol, n),
+            linestyle="--" if stale and lr_mod == "none" else "-",
+            markersize=7,
+            markerfacecolor="white" if stale and lr_mod == "none" else _color(protocol, n),
+            label=_series_name(protocol, n, learners, lr_mod),
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("μ·λ (per-learner mini-batch × learners)")
     written.append(_save_error_plot(fig, ax, "Test error vs μ·λ, same number of epochs", out / "error_vs_batch.png"))
@@ -136,12 +165,19 @@ def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
             tail = sum(c for s, c in hist.items() if s > cut) / total
             ax.bar(xs, heights, color=_color(protocol, n))
             ax.bar([cut + 1.5], [tail], color="gray")
-            ax.set_xticks(list(range(0, cut + 1, max(1, (cut + 1) // 6))) + [cut + 1.5],
-                          [str(x) for x in range(0, cut + 1, max(1, (cut + 1) // 6))] + [f">{cut}"])
+            ax.set_xticks(
+                list(range(0, cut + 1, max(1, (cut + 1) // 6))) + [cut + 1.5],
+                [str(x) for x in range(0, cut + 1, max(1, (cut + 1) // 6))] + [f">{cut}"],
+            )
             ax.axvline(mean, color="k", linestyle="--", linewidth=1, label=f"mean {mean:.2f}")
             if protocol != "hardsync":
-                ax.axvline(n * (learners - 1) / learners, color="k", linestyle=":", linewidth=1,
-                           label=f"n(λ−1)/λ = {n * (learners - 1) / learners:.2f}")
+                ax.axvline(
+                    n * (learners - 1) / learners,
+                    color="k",
+                    linestyle=":",
+                    linewidth=1,
+                    label=f"n(λ−1)/λ = {n * (learners - 1) / learners:.2f}",
+                )
                 beyond = sum(c for s, c in hist.items() if s > 2 * n) / total
                 extra = f", P(σ>2n) = {beyond:.1e}" if beyond else ", σ ≤ 2n always"
             else:
@@ -153,7 +189,7 @@ def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
             ax.set_yscale("log")
             ax.set_ylim(0.5 / total, 2.0)
             ax.legend(fontsize=6, loc="upper right")
-        for ax in list(axes.flat)[len(keys):]:
+        for ax in list(axes.flat)[len(keys) :]:
             ax.axis("off")
         fig.suptitle("Staleness of applied gradients, all runs of each protocol together", fontsize=10)
         fig.tight_layout()
@@ -169,12 +205,17 @@ def plot(rows: list[dict[str, str]], out: Path) -> list[Path]:
         stale = protocol in ("softsync", "async")
         label = _series_name(protocol, n, int(r["learners"]), lr_mod)
         x, y = _f(r, "train_s"), _f(r, "test_error")
-        ax.scatter(x, y, color=_color(protocol, n), marker=_MARKERS.get(lr_mod, "o"), s=50,
-                   facecolors="white" if stale and lr_mod == "none" else _color(protocol, n),
-                   label=None if label in labelled else label)
+        ax.scatter(
+            x,
+            y,
+            color=_color(protocol, n),
+            marker=_MARKERS.get(lr_mod, "o"),
+            s=50,
+            facecolors="white" if stale and lr_mod == "none" else _color(protocol, n),
+            label=None if label in labelled else label,
+        )
         labelled.add(label)
         ax.annotate(f"μ={r['batch_size']}", (x, y), fontsize=6, xytext=(4, -3), textcoords="offset points")
     ax.set_xlabel("training wall time (s): the training loop, without process start-up")
     written.append(_save_error_plot(fig, ax, "Test error vs training wall time", out / "error_vs_time.png"))
     return written
-

@@ -60,8 +60,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--learners", type=int, default=1, help="λ")
     p.add_argument("--batch-size", type=int, required=True, help="μ, per learner")
     p.add_argument("--lr-modulation", choices=("none", "mean", "per_gradient"), default="none")
-    p.add_argument("--compensation", default="none",
-                   help="RudraStrategy's compensation (default: none, as the paper study ran; the strategy's is momentum)")
+    p.add_argument(
+        "--compensation",
+        default="none",
+        help="RudraStrategy's compensation (default: none, as the paper study ran; the strategy's is momentum)",
+    )
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--num-samples", type=int, default=4000)
     p.add_argument("--lr", type=float, default=0.05)
@@ -91,15 +94,28 @@ def main(argv: Optional[list[str]] = None) -> None:
         simulation: dict[str, Any] = {}
         if args.simulate:
             simulation = dict(simulate=args.learners, timing=Jittered(args.spread, seed=args.seed))
-        strategy = RudraStrategy(protocol=args.protocol, n=args.n if args.protocol == "softsync" else 1,
-                                 lr_modulation=args.lr_modulation, compensation=args.compensation,
-                                 rpc_timeout=args.rpc_timeout,
-                                 start_method="popen", **simulation)
+        strategy = RudraStrategy(
+            protocol=args.protocol,
+            n=args.n if args.protocol == "softsync" else 1,
+            lr_modulation=args.lr_modulation,
+            compensation=args.compensation,
+            rpc_timeout=args.rpc_timeout,
+            start_method="popen",
+            **simulation,
+        )
     timer = TrainTimer()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1 if args.simulate else args.learners, strategy=strategy, max_epochs=args.epochs,
-        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
+        accelerator="cpu",
+        devices=1 if args.simulate else args.learners,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
     )
     trainer.fit(model, datamodule=dm)
     if not trainer.is_global_zero:

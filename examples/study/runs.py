@@ -24,7 +24,9 @@ class RunFailed(RuntimeError):
 def run_one(config: RunConfig, timeout: float, log_dir: Path) -> dict[str, Any]:
     """Train ``config`` in a subprocess (its own process group, so a timeout stops learners and server too)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     env.setdefault("OMP_NUM_THREADS", "1")  # λ learners + a server share the cores: one thread each
     env.pop("MASTER_PORT", None)  # let Lightning pick a free port for every run
     with tempfile.TemporaryDirectory(prefix="rudra_study_") as tmp:
@@ -33,8 +35,9 @@ def run_one(config: RunConfig, timeout: float, log_dir: Path) -> dict[str, Any]:
         command = [sys.executable, "-m", "examples.study.runner", *config.runner_args(), "--result", str(result_path)]
         start = time.perf_counter()
         with open(log_path, "w") as log:
-            process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
                 returncode: Optional[int] = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -112,4 +115,3 @@ def _upgrade(path: Path) -> None:
 
 def row_key(row: dict[str, str]) -> tuple[Any, ...]:
     return RunConfig.from_row(row).key()
-

@@ -60,23 +60,32 @@ def staleness_options(lr_modulation: Optional[str], compensation: Optional[str])
 def parse_compensation(compensation: str) -> tuple[str, ...]:
     """The rules of ``compensation`` (``"none"``: no rule), or a ValueError naming what is wrong."""
     rules = tuple(compensation.split("+")) if isinstance(compensation, str) else ()
-    if not rules or any(rule not in COMPENSATIONS for rule in rules) or len(set(rules)) != len(rules) or (
-            "none" in rules and len(rules) > 1):
-        raise ValueError(f"compensation={compensation!r} is not supported: expected 'none' or one or more of "
-                         f"{', '.join(repr(r) for r in COMPENSATIONS[1:])} joined by '+' (e.g. 'momentum+dc').")
+    if (
+        not rules
+        or any(rule not in COMPENSATIONS for rule in rules)
+        or len(set(rules)) != len(rules)
+        or ("none" in rules and len(rules) > 1)
+    ):
+        raise ValueError(
+            f"compensation={compensation!r} is not supported: expected 'none' or one or more of "
+            f"{', '.join(repr(r) for r in COMPENSATIONS[1:])} joined by '+' (e.g. 'momentum+dc')."
+        )
     return () if rules == ("none",) else rules
 
 
 def check_optimizer(rules: Sequence[str], optimizer: type, name: str) -> None:
     """Refuse a rule the optimizer cannot take, at setup (``name``: how to call the optimizer in the message)."""
     if "momentum" in rules and optimizer.__name__ in _SIGN_BASED:
-        raise ValueError(f"compensation 'momentum' scales the learning rate, which {name} does not "
-                         "apply to the gradient's size (its steps follow the gradient's sign): use "
-                         "compensation='none' or 'dc'/'gap' with it, or another optimizer.")
+        raise ValueError(
+            f"compensation 'momentum' scales the learning rate, which {name} does not "
+            "apply to the gradient's size (its steps follow the gradient's sign): use "
+            "compensation='none' or 'dc'/'gap' with it, or another optimizer."
+        )
 
 
-def momentum_hyperparameters(group: dict[str, Any], optimizer: type, gradients_per_update: int,
-                             num_learners: int, mean_staleness: float) -> None:
+def momentum_hyperparameters(
+    group: dict[str, Any], optimizer: type, gradients_per_update: int, num_learners: int, mean_staleness: float
+) -> None:
     """The ``momentum`` rule on one parameter group of an ``optimizer`` (its lr and momentum as the learner sent
     them), in place."""
     scale = gradients_per_update / num_learners
@@ -112,8 +121,13 @@ class StaleWeights:
         return self.copies[timestamp] if timestamp in self.copies else self.copies[min(self.copies)]
 
 
-def compensate(rules: Sequence[str], params: Sequence[Tensor], stale: Sequence[Tensor], grads: Sequence[Tensor],
-               state: Sequence[dict[str, Any]]) -> None:
+def compensate(
+    rules: Sequence[str],
+    params: Sequence[Tensor],
+    stale: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    state: Sequence[dict[str, Any]],
+) -> None:
     """The ``dc`` and ``gap`` rules on one stale gradient, in place: per parameter, its current weights, the
     weights the gradient came from, the gradient, and the optimizer's state of that parameter."""
     for w, w_stale, g, st in zip(params, stale, grads, state):

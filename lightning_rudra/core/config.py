@@ -16,19 +16,24 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
         raise ValueError(f"{name}={value!r} is not supported: expected one of {', '.join(map(repr, choices))}.")
 
 
-def validate_options(protocol: str, n: int, lr_modulation: str, max_staleness: Optional[int], nonfinite: str,
-                     compensation: str = "none") -> None:
+def validate_options(
+    protocol: str, n: int, lr_modulation: str, max_staleness: Optional[int], nonfinite: str, compensation: str = "none"
+) -> None:
     """Check the options that do not depend on the number of learners."""
     _choice("protocol", protocol, PROTOCOLS)
     _choice("lr_modulation", lr_modulation, LR_MODULATIONS)
     if "momentum" in parse_compensation(compensation) and lr_modulation != "none":
-        raise ValueError(f"lr_modulation={lr_modulation!r} and compensation={compensation!r} both scale the learning "
-                         "rate for staleness: use one (lr_modulation='none' with the compensation, or "
-                         "compensation='none' for the paper's modulation).")
+        raise ValueError(
+            f"lr_modulation={lr_modulation!r} and compensation={compensation!r} both scale the learning "
+            "rate for staleness: use one (lr_modulation='none' with the compensation, or "
+            "compensation='none' for the paper's modulation)."
+        )
     _choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n={n!r} is not valid: the softsync splitting parameter must be an integer >= 1.")
-    if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0):
+    if max_staleness is not None and (
+        isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+    ):
         raise ValueError(f"max_staleness={max_staleness!r} is not valid: expected None (no bound) or an integer >= 0.")
 
 
@@ -56,8 +61,9 @@ class ProtocolConfig:
     def __post_init__(self) -> None:
         if isinstance(self.num_learners, bool) or not isinstance(self.num_learners, int) or self.num_learners < 1:
             raise ValueError(f"num_learners={self.num_learners!r} is not valid: expected an integer >= 1.")
-        validate_options(self.protocol, self.n, self.lr_modulation, self.max_staleness, self.nonfinite,
-                         self.compensation)
+        validate_options(
+            self.protocol, self.n, self.lr_modulation, self.max_staleness, self.nonfinite, self.compensation
+        )
         validate_n(self.protocol, self.n, self.num_learners)
 
     @property

@@ -42,8 +42,10 @@ class EpochPlan:
         for name in ("num_samples", "batch_size", "resumed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "batch_size" else 0):
-                raise ValueError(f"EpochPlan {name}={value!r} is not valid: expected an integer >= "
-                                 f"{1 if name == 'batch_size' else 0}.")
+                raise ValueError(
+                    f"EpochPlan {name}={value!r} is not valid: expected an integer >= "
+                    f"{1 if name == 'batch_size' else 0}."
+                )
         for name in ("max_batches", "budget"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -108,8 +110,9 @@ class EpochPool:
         self.redeal: deque[_Dealt] = deque()  # a lost learner's batches, to be dealt again first
         self.redealt = 0  # batches dealt again over the run
 
-    def draw(self, epoch: int, learner: int, plan: EpochPlan, want: int = 1,
-             trained: Optional[int] = None) -> tuple[Optional[Tensor], int, str]:
+    def draw(
+        self, epoch: int, learner: int, plan: EpochPlan, want: int = 1, trained: Optional[int] = None
+    ) -> tuple[Optional[Tensor], int, str]:
         """The next batches of ``epoch`` for ``learner``: ``(indices, position, "batch")``, the indices of
         consecutive batches from ``position`` (the epoch's batches count from 0); or ``(None, batches in the
         epoch, why)`` when there is none left, ``why`` being ``"epoch"`` (the epoch is drained) or ``"budget"``
@@ -125,9 +128,11 @@ class EpochPool:
         is trained in this one, at the place this epoch has reached. Such a batch comes as ``(indices, position,
         "again")``: the learner may get more batches in this epoch than the epoch has."""
         if plan != self.plan:
-            raise ValueError(f"learner {learner} describes this dataloader's epoch as {plan}, but the server holds "
-                             f"{self.plan}: every learner must build the same train dataloader (same dataset "
-                             "size, batch size, shuffle, seed, drop_last and limits).")
+            raise ValueError(
+                f"learner {learner} describes this dataloader's epoch as {plan}, but the server holds "
+                f"{self.plan}: every learner must build the same train dataloader (same dataset "
+                "size, batch size, shuffle, seed, drop_last and limits)."
+            )
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch {epoch!r} from learner {learner} is not valid: expected an integer >= 0.")
         if epoch > self.newest:
@@ -158,14 +163,15 @@ class EpochPool:
         if self.plan.budget is not None:
             count = min(count, self.plan.budget - self.drawn)
         size = self.plan.batch_size
-        indices = state.order[position * size:(position + count) * size].clone()
+        indices = state.order[position * size : (position + count) * size].clone()
         batches = [_Dealt(epoch, position + i, part) for i, part in enumerate(indices.split(size))]
         state.cursor += count
         self.drawn += count
         return self._deal(own, learner, batches, indices, "batch")
 
-    def _deal(self, own: _Learner, learner: int, batches: list[_Dealt], indices: Tensor,
-              what: str) -> tuple[Tensor, int, str]:
+    def _deal(
+        self, own: _Learner, learner: int, batches: list[_Dealt], indices: Tensor, what: str
+    ) -> tuple[Tensor, int, str]:
         own.dealt.extend(batches)
         self.taken[learner] = self.taken.get(learner, 0) + len(batches)
         return indices, batches[0].position, what

@@ -28,8 +28,10 @@ class FlatLayout:
 
     def pack(self, tensors: Sequence[Tensor], device: Optional[torch.device] = None) -> list[Tensor]:
         """One new contiguous tensor per dtype (a copy: safe to send while the originals change)."""
-        return [torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(device) if idx else
-                torch.empty(0, dtype=dtype) for dtype, idx in self.groups.items()]
+        return [
+            torch.cat([tensors[i].detach().reshape(-1) for i in idx]).to(device) if idx else torch.empty(0, dtype=dtype)
+            for dtype, idx in self.groups.items()
+        ]
 
     def pack_into(self, tensors: Sequence[Tensor], flats: Sequence[Tensor]) -> None:
         """Copy ``tensors`` into existing flat buffers (one per dtype), allocating nothing on the CPU."""
@@ -47,18 +49,24 @@ class FlatLayout:
             offset = 0
             for i in idx:
                 numel = self.shapes[i].numel()
-                out[i] = flat[offset:offset + numel].view(self.shapes[i])
+                out[i] = flat[offset : offset + numel].view(self.shapes[i])
                 offset += numel
         return out  # type: ignore[return-value]
 
     def check(self, flats: Sequence[Tensor], what: str) -> None:
         """Raise a ValueError naming the mismatch if ``flats`` was not packed with this layout."""
         expected = [f"{dtype} x {numel}" for dtype, numel in self.numels.items()]
-        got = [f"{f.dtype} x {f.numel()}" + ("" if f.dim() == 1 else f" ({f.dim()}-D)") if isinstance(f, Tensor)
-               else type(f).__name__ for f in flats]
+        got = [
+            f"{f.dtype} x {f.numel()}" + ("" if f.dim() == 1 else f" ({f.dim()}-D)")
+            if isinstance(f, Tensor)
+            else type(f).__name__
+            for f in flats
+        ]
         if got != expected:
-            raise ValueError(f"{what} has flat buffers [{', '.join(got)}]: expected [{', '.join(expected)}] "
-                             "(dtype x number of elements, one 1-D buffer per dtype).")
+            raise ValueError(
+                f"{what} has flat buffers [{', '.join(got)}]: expected [{', '.join(expected)}] "
+                "(dtype x number of elements, one 1-D buffer per dtype)."
+            )
 
 
 class WeightsStore:

@@ -26,8 +26,10 @@ class OptimizerSpec:
         for group in optimizer.param_groups:
             missing = [tuple(p.shape) for p in group["params"] if id(p) not in index]
             if missing:
-                raise ValueError(f"{type(optimizer).__name__} optimizes tensors of shapes {missing} that are not "
-                                 "parameters of the LightningModule: the server can only hold module parameters.")
+                raise ValueError(
+                    f"{type(optimizer).__name__} optimizes tensors of shapes {missing} that are not "
+                    "parameters of the LightningModule: the server can only hold module parameters."
+                )
             groups.append(([index[id(p)] for p in group["params"]], hyperparameters(group)))
         return cls(type(optimizer), groups)
 
@@ -38,5 +40,8 @@ class OptimizerSpec:
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's hyper-parameters (lr, momentum, ...), without its tensors or kernel choices. A
     one-element tensor (``lr=torch.tensor(0.1)``) travels as the number it holds."""
-    return {k: v.item() if isinstance(v, Tensor) and v.numel() == 1 else v
-            for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+    return {
+        k: v.item() if isinstance(v, Tensor) and v.numel() == 1 else v
+        for k, v in group.items()
+        if k not in _IMPLEMENTATION_KEYS
+    }

@@ -12,8 +12,13 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_rudra.core.compensation import (StaleWeights, compensate, momentum_hyperparameters, parse_compensation,
-                                               record_steps)
+from lightning_rudra.core.compensation import (
+    StaleWeights,
+    compensate,
+    momentum_hyperparameters,
+    parse_compensation,
+    record_steps,
+)
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
@@ -122,9 +127,15 @@ class Server:
     An update is due once c gradients were received (rejected ones do not count; dropped ones do).
     """
 
-    def __init__(self, config: ProtocolConfig, params: Sequence[Tensor], buffers: Sequence[Tensor],
-                 optimizers: Sequence[OptimizerSpec], stats: Optional[Stats] = None,
-                 store: Optional[WeightsStore] = None) -> None:
+    def __init__(
+        self,
+        config: ProtocolConfig,
+        params: Sequence[Tensor],
+        buffers: Sequence[Tensor],
+        optimizers: Sequence[OptimizerSpec],
+        stats: Optional[Stats] = None,
+        store: Optional[WeightsStore] = None,
+    ) -> None:
         self.config = config
         self.stats = stats or Stats()
         self.store = store or WeightsStore()
@@ -146,23 +157,35 @@ class Server:
         self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
         # hardsync has no stale gradient: no rule (it stays SGD with batch μλ)
         self.rules = parse_compensation(config.compensation) if config.protocol != "hardsync" else ()
-        self.history = (StaleWeights(config.num_learners, self.clock, self.flat_params)
-                        if {"dc", "gap"} & set(self.rules) else None)
+        self.history = (
+            StaleWeights(config.num_learners, self.clock, self.flat_params) if {"dc", "gap"} & set(self.rules) else None
+        )
 
     @property
     def clock(self) -> int:
         return self.stats.clock
 
     def _stored(self, name: str, layout: FlatLayout, tensors: Sequence[Tensor]) -> list[Tensor]:
-        return [self.store.allocate(f"{name}-{i}", flat.numel(), flat.dtype).copy_(flat)
-                for i, flat in enumerate(layout.pack(tensors, torch.device("cpu")))]
+        return [
+            self.store.allocate(f"{name}-{i}", flat.numel(), flat.dtype).copy_(flat)
+            for i, flat in enumerate(layout.pack(tensors, torch.device("cpu")))
+        ]
 
     def pull(self) -> tuple[list[Tensor], list[Tensor], int]:
         """A copy of the current weights and buffers (flat), and their timestamp."""
         return [f.clone() for f in self.flat_params], [f.clone() for f in self.flat_buffers], self.clock
 
-    def push(self, learner: int, optimizer: int, grads: Sequence[Tensor], has_grad: Tensor, timestamp: int,
-             hparams: Sequence[dict[str, Any]], buffers: Sequence[Tensor], finite: Optional[bool] = None) -> PushResult:
+    def push(
+        self,
+        learner: int,
+        optimizer: int,
+        grads: Sequence[Tensor],
+        has_grad: Tensor,
+        timestamp: int,
+        hparams: Sequence[dict[str, Any]],
+        buffers: Sequence[Tensor],
+        finite: Optional[bool] = None,
+    ) -> PushResult:
         """Take one gradient. ``grads`` is packed with the gradient layout of ``optimizer`` (zeros where
         ``has_grad`` is False), computed from weights with ``timestamp``; ``hparams`` are the learner's
         current parameter-group hyper-parameters (its LR schedule stays in charge); ``buffers`` its buffers.
@@ -174,15 +197,19 @@ class Server:
         self._check_push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
         pending = self._pending[optimizer]
         if self.config.protocol == "hardsync" and learner in pending.learners:
-            raise RuntimeError(f"learner {learner} pushed twice for optimizer {optimizer} in one hardsync round "
-                               f"(clock {self.clock}): hardsync takes one gradient from every learner per update.")
+            raise RuntimeError(
+                f"learner {learner} pushed twice for optimizer {optimizer} in one hardsync round "
+                f"(clock {self.clock}): hardsync takes one gradient from every learner per update."
+            )
         sigma = self._staleness(timestamp)
         if finite is None:
             finite = all_finite(grads)
         if not finite:
             if self.config.nonfinite == "raise":
-                raise FloatingPointError(f"learner {learner} pushed a gradient with NaN or Inf for optimizer "
-                                         f"{optimizer}; the weights were left unchanged (nonfinite='raise').")
+                raise FloatingPointError(
+                    f"learner {learner} pushed a gradient with NaN or Inf for optimizer "
+                    f"{optimizer}; the weights were left unchanged (nonfinite='raise')."
+                )
             self.stats.rejected += 1
             status = "rejected"
         else:
@@ -239,8 +266,10 @@ class Server:
     def load_optimizer_states(self, states: Sequence[dict[str, Any]]) -> None:
         """On resume: the saved state of every optimizer (none: start afresh)."""
         if states and len(states) != len(self.optimizers):
-            raise ValueError(f"{len(states)} optimizer states to restore for {len(self.optimizers)} optimizers: "
-                             "the checkpoint was saved from a module with a different configure_optimizers.")
+            raise ValueError(
+                f"{len(states)} optimizer states to restore for {len(self.optimizers)} optimizers: "
+                "the checkpoint was saved from a module with a different configure_optimizers."
+            )
         for i, state in enumerate(states):
             self.load_optimizer_state(i, state)
 
@@ -251,33 +280,49 @@ class Server:
 
     def _check_learner(self, learner: int) -> None:
         if learner not in self.active:
-            state = ("is unknown" if learner not in range(self.config.num_learners) else
-                     "was lost" if learner not in self.members else "has already finished")
-            raise ValueError(f"learner {learner!r} {state}: expected one of the active learners "
-                             f"{sorted(self.active)} (λ={self.config.num_learners}).")
+            state = (
+                "is unknown"
+                if learner not in range(self.config.num_learners)
+                else "was lost"
+                if learner not in self.members
+                else "has already finished"
+            )
+            raise ValueError(
+                f"learner {learner!r} {state}: expected one of the active learners "
+                f"{sorted(self.active)} (λ={self.config.num_learners})."
+            )
 
     def _check_push(self, learner, optimizer, grads, has_grad, timestamp, hparams, buffers) -> None:
         self._check_learner(learner)
         if optimizer not in range(len(self.optimizers)):
-            raise ValueError(f"optimizer index {optimizer!r} is unknown: the server holds "
-                             f"{len(self.optimizers)} optimizer(s), indices 0..{len(self.optimizers) - 1}.")
+            raise ValueError(
+                f"optimizer index {optimizer!r} is unknown: the server holds "
+                f"{len(self.optimizers)} optimizer(s), indices 0..{len(self.optimizers) - 1}."
+            )
         self.grad_layouts[optimizer].check(grads, f"the gradient pushed by learner {learner} for optimizer {optimizer}")
         num_params = len(self.grad_layouts[optimizer])
         if not (isinstance(has_grad, Tensor) and has_grad.dtype == torch.bool and has_grad.shape == (num_params,)):
-            raise ValueError(f"has_grad from learner {learner} must be a bool tensor of shape ({num_params},), "
-                             f"got {has_grad!r}.")
+            raise ValueError(
+                f"has_grad from learner {learner} must be a bool tensor of shape ({num_params},), got {has_grad!r}."
+            )
         if isinstance(timestamp, bool) or not isinstance(timestamp, int) or not 0 <= timestamp <= self.clock:
-            raise ValueError(f"timestamp {timestamp!r} from learner {learner} is not valid: expected an integer "
-                             f"between 0 and the server clock {self.clock}.")
+            raise ValueError(
+                f"timestamp {timestamp!r} from learner {learner} is not valid: expected an integer "
+                f"between 0 and the server clock {self.clock}."
+            )
         num_groups = len(self.optimizers[optimizer].param_groups)
         if len(hparams) != num_groups:
-            raise ValueError(f"learner {learner} sent hyper-parameters for {len(hparams)} parameter groups of "
-                             f"optimizer {optimizer}: expected {num_groups}.")
+            raise ValueError(
+                f"learner {learner} sent hyper-parameters for {len(hparams)} parameter groups of "
+                f"optimizer {optimizer}: expected {num_groups}."
+            )
         for hp in hparams:
             lr = hp.get("lr") if isinstance(hp, dict) else None
             if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
-                raise ValueError(f"learner {learner} sent the learning rate {lr!r} for optimizer {optimizer}: "
-                                 "expected a number >= 0 in every parameter group.")
+                raise ValueError(
+                    f"learner {learner} sent the learning rate {lr!r} for optimizer {optimizer}: "
+                    "expected a number >= 0 in every parameter group."
+                )
         self.buffer_layout.check(buffers, f"the buffers pushed by learner {learner}")
 
     def _states(self, optimizer: int) -> list[dict[str, Any]]:
@@ -301,8 +346,13 @@ class Server:
         if sigma and self.history is not None:
             indices = self.optimizer_params[optimizer]
             stale = self.param_layout.unpack(self.history.at(self.clock - sigma))
-            compensate(self.rules, [self.params[i] for i in indices], [stale[i] for i in indices],
-                       self.grad_layouts[optimizer].unpack(grads), self._states(optimizer))
+            compensate(
+                self.rules,
+                [self.params[i] for i in indices],
+                [stale[i] for i in indices],
+                self.grad_layouts[optimizer].unpack(grads),
+                self._states(optimizer),
+            )
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
         if pending.grads is None:
             pending.grads = [_accumulator(g, scale) for g in grads]
@@ -323,8 +373,14 @@ class Server:
         """Average the pending gradients of ``optimizer`` into one update; None if every one was refused."""
         pending, self._pending[optimizer] = self._pending[optimizer], _Pending()
         for gradient in pending.waiting:  # σ counted now, as the update applies
-            self._admit(pending, optimizer, gradient.grads, gradient.has_grad, gradient.buffers,
-                        self._staleness(gradient.timestamp))
+            self._admit(
+                pending,
+                optimizer,
+                gradient.grads,
+                gradient.has_grad,
+                gradient.buffers,
+                self._staleness(gradient.timestamp),
+            )
         if pending.grads is None:
             return None
         count = len(pending.staleness)

@@ -18,8 +18,10 @@ from lightning_rudra.core.optimizers import OptimizerSpec
 
 # torch.optim classes whose update and state are elementwise: a slice of a parameter steps as the whole would
 # (exactly these classes: a subclass may step otherwise)
-ELEMENTWISE = frozenset(getattr(torch.optim, name) for name in (
-    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD"))
+ELEMENTWISE = frozenset(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD")
+)
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class Piece:
 
 
 def _view(tensor: Tensor, piece: Piece) -> Tensor:
-    return tensor if piece.whole else tensor.reshape(-1)[piece.start:piece.stop]
+    return tensor if piece.whole else tensor.reshape(-1)[piece.start : piece.stop]
 
 
 def parts(tensors: Sequence[Tensor], owned: Sequence[tuple[int, Piece]]) -> list[Tensor]:
@@ -56,8 +58,10 @@ class ShardPlan:
         numels = [shape.numel() for shape in shapes]
         total = sum(numels)
         if num_shards > max(1, total) and not whole:
-            raise ValueError(f"num_servers={num_shards} is more than the model's {total} parameter elements: "
-                             "every server must own at least one. Use fewer servers.")
+            raise ValueError(
+                f"num_servers={num_shards} is more than the model's {total} parameter elements: "
+                "every server must own at least one. Use fewer servers."
+            )
         self.shapes = list(shapes)
         cuts = [total * s // num_shards for s in range(num_shards + 1)]
         if whole:
@@ -107,11 +111,13 @@ class ShardPlan:
         for k, (position, piece) in enumerate(owned):
             entry = saved.get(position, saved.get(str(position)))
             if entry is not None:
-                shard_state[k] = entry if piece.whole else {
-                    key: self._slice(value, piece) for key, value in entry.items()}
+                shard_state[k] = (
+                    entry if piece.whole else {key: self._slice(value, piece) for key, value in entry.items()}
+                )
         local = {position: k for k, (position, _) in enumerate(owned)}
-        groups = [{**group, "params": [local[p] for p in group["params"] if p in local]}
-                  for group in state["param_groups"]]
+        groups = [
+            {**group, "params": [local[p] for p in group["params"] if p in local]} for group in state["param_groups"]
+        ]
         return {"state": shard_state, "param_groups": groups}
 
     def merge_states(self, order: Sequence[int], states: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -129,8 +135,12 @@ class ShardPlan:
                 merged[position] = first
                 continue
             shape = self.shapes[piece.param]
-            merged[position] = {key: torch.cat([entry[key].reshape(-1) for _, entry in pieces]).view(shape)
-                                if self._sliced(value, piece) else value for key, value in first.items()}
+            merged[position] = {
+                key: torch.cat([entry[key].reshape(-1) for _, entry in pieces]).view(shape)
+                if self._sliced(value, piece)
+                else value
+                for key, value in first.items()
+            }
         return {"state": merged, "param_groups": []}
 
     @staticmethod
@@ -140,5 +150,5 @@ class ShardPlan:
 
     def _slice(self, value: Any, piece: Piece) -> Any:
         if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == self.shapes[piece.param].numel():
-            return value.reshape(-1)[piece.start:piece.stop].clone()
+            return value.reshape(-1)[piece.start : piece.stop].clone()
         return value

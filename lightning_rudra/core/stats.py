@@ -33,9 +33,16 @@ class Stats:
         return max(self.staleness, default=0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"clock": self.clock, "gradients": self.gradients, "dropped": self.dropped,
-                "rejected": self.rejected, "staleness": dict(sorted(self.staleness.items())),
-                "batches": dict(sorted(self.batches.items())), "redealt": self.redealt, "lost": dict(sorted(self.lost.items()))}
+        return {
+            "clock": self.clock,
+            "gradients": self.gradients,
+            "dropped": self.dropped,
+            "rejected": self.rejected,
+            "staleness": dict(sorted(self.staleness.items())),
+            "batches": dict(sorted(self.batches.items())),
+            "redealt": self.redealt,
+            "lost": dict(sorted(self.lost.items())),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stats":

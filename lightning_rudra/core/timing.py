@@ -41,8 +41,10 @@ class Jittered(TimingModel):
 
     def __init__(self, spread: float = 0.3, seed: int = 0, slowdown: Optional[dict[int, float]] = None) -> None:
         if not (isinstance(spread, (int, float)) and 0 <= spread <= 3):
-            raise ValueError(f"spread={spread!r} is not valid: expected the standard deviation of a step time's log, "
-                             "a number between 0 and 3.")
+            raise ValueError(
+                f"spread={spread!r} is not valid: expected the standard deviation of a step time's log, "
+                "a number between 0 and 3."
+            )
         self.spread = float(spread)
         self.seed = int(seed)
         self.slowdown = _checked_slowdown(slowdown or {})
@@ -68,8 +70,10 @@ class Measured(TimingModel):
     def __init__(self, times: Sequence[Sequence[float]]) -> None:
         lists = [list(map(float, t)) for t in times]
         if not lists or any(not t or min(t) <= 0 or not all(map(math.isfinite, t)) for t in lists):
-            raise ValueError("Measured(times) needs, for at least one learner, a non-empty list of step durations in "
-                             f"seconds, every one finite and > 0; got {times!r:.200}.")
+            raise ValueError(
+                "Measured(times) needs, for at least one learner, a non-empty list of step durations in "
+                f"seconds, every one finite and > 0; got {times!r:.200}."
+            )
         self.times = lists
 
     def duration(self, learner: int, step: int) -> float:

@@ -18,8 +18,7 @@ from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, PushReply
-from lightning_rudra.transport.rpc_world import (address_towards, check_port_free, init_rpc, server_name,
-                                      shutdown_rpc)
+from lightning_rudra.transport.rpc_world import address_towards, check_port_free, init_rpc, server_name, shutdown_rpc
 from lightning_rudra.transport.shm import SharedNames
 from lightning_rudra.core.stats import Stats
 
@@ -27,7 +26,9 @@ from lightning_rudra.core.stats import Stats
 # heartbeat watch fails them instead when a learner is lost.
 _NO_TIME_LIMIT = 0
 # How TensorPipe words a connection the other side closed or never answered
-_CONNECTION_LOST = re.compile(r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe", re.I)
+_CONNECTION_LOST = re.compile(
+    r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe", re.I
+)
 _TIMED_OUT = re.compile(r"ran for more than set timeout", re.I)
 
 
@@ -41,8 +42,9 @@ class LearnerClient:
     wait with no time limit ends with an error (or, for a lost learner under ``min_learners``, goes on without it).
     """
 
-    def __init__(self, rank: int, timeout: float, server_host: str, shard: int = 0,
-                 rendezvous: Optional[str] = None) -> None:
+    def __init__(
+        self, rank: int, timeout: float, server_host: str, shard: int = 0, rendezvous: Optional[str] = None
+    ) -> None:
         """``server_host``: where the server runs, as far as this learner knows (its heartbeat replies say it
         exactly); ``rendezvous``: where the learners meet (default: ``server_host``)."""
         self.rank = rank
@@ -64,12 +66,18 @@ class LearnerClient:
         process = this_process()
         while True:
             try:
-                where = rpc.rpc_sync(self.server, _server.call, timeout=self.timeout,
-                                     args=("heartbeat", self.rank, self.address, process))
+                where = rpc.rpc_sync(
+                    self.server,
+                    _server.call,
+                    timeout=self.timeout,
+                    args=("heartbeat", self.rank, self.address, process),
+                )
             except Exception as error:
                 if not self._stop_heartbeat.is_set():
-                    self._server_lost = (f"{self.what} (on {self.server_host}) did not answer a heartbeat "
-                                         f"within {self.timeout:g} s (rpc_timeout): {error}")
+                    self._server_lost = (
+                        f"{self.what} (on {self.server_host}) did not answer a heartbeat "
+                        f"within {self.timeout:g} s (rpc_timeout): {error}"
+                    )
                 return
             self.server_host = where or self.server_host
             if self._stop_heartbeat.wait(self._interval):
@@ -87,17 +95,20 @@ class LearnerClient:
             yield
         except RuntimeError as error:
             if _CONNECTION_LOST.search(str(error)):
-                raise RuntimeError(f"{self.what} (on {self.server_host}) is gone: its connection closed "
-                                   f"({error}). Its process died or was killed; its own output may say why.") from error
+                raise RuntimeError(
+                    f"{self.what} (on {self.server_host}) is gone: its connection closed "
+                    f"({error}). Its process died or was killed; its own output may say why."
+                ) from error
             if _TIMED_OUT.search(str(error)):
-                raise RuntimeError(f"{self.what} (on {self.server_host}) did not answer within "
-                                   f"{self.timeout:g} s (rpc_timeout): {error}. Its host may be unreachable, or the "
-                                   "server stopped; its own output may say why.") from error
+                raise RuntimeError(
+                    f"{self.what} (on {self.server_host}) did not answer within "
+                    f"{self.timeout:g} s (rpc_timeout): {error}. Its host may be unreachable, or the "
+                    "server stopped; its own output may say why."
+                ) from error
             raise
 
     def _wait(self, method: str, *args: Any) -> Any:
-        return self.result(rpc.rpc_async(self.server, _server.call_async, args=(method, *args),
-                                         timeout=_NO_TIME_LIMIT))
+        return self.result(rpc.rpc_async(self.server, _server.call_async, args=(method, *args), timeout=_NO_TIME_LIMIT))
 
     def result(self, future: Future) -> Any:
         """The value of a call that waits for other learners: no time limit while the server answers."""
@@ -112,9 +123,16 @@ class LearnerClient:
             raise value
         return value
 
-    def register(self, config: ProtocolConfig, params: list[Tensor], buffers: list[Tensor],
-                 specs: list[OptimizerSpec], stats: Optional[Stats], shared_memory: bool,
-                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+    def register(
+        self,
+        config: ProtocolConfig,
+        params: list[Tensor],
+        buffers: list[Tensor],
+        specs: list[OptimizerSpec],
+        stats: Optional[Stats],
+        shared_memory: bool,
+        optimizer_states: Optional[list[dict[str, Any]]] = None,
+    ) -> None:
         self._sync("register", config, params, buffers, specs, stats, shared_memory, optimizer_states)
 
     def attach(self) -> tuple[Optional[SharedNames], Optional[str]]:
@@ -128,14 +146,26 @@ class LearnerClient:
         params, buffers, self.timestamp = self._wait("pull")
         return params, buffers
 
-    def push(self, optimizer: int, grads: Optional[list[Tensor]], has_grad: Tensor, hparams: list[dict[str, Any]],
-             buffers: list[Tensor], timestamp: int, finite: Optional[bool] = None) -> Future:
+    def push(
+        self,
+        optimizer: int,
+        grads: Optional[list[Tensor]],
+        has_grad: Tensor,
+        hparams: list[dict[str, Any]],
+        buffers: list[Tensor],
+        timestamp: int,
+        finite: Optional[bool] = None,
+    ) -> Future:
         """Send a gradient computed from the weights of ``timestamp``; hand the future to :meth:`receive`.
         The tensors must not change until it resolves (RPC reads them when it sends them). ``grads=None``: the
         gradient is in this learner's shared-memory buffer. ``finite``: whether the whole gradient is (None: the
         server checks its part)."""
-        return rpc.rpc_async(self.server, _server.call_async, timeout=_NO_TIME_LIMIT, args=(
-            "push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite))
+        return rpc.rpc_async(
+            self.server,
+            _server.call_async,
+            timeout=_NO_TIME_LIMIT,
+            args=("push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite),
+        )
 
     def receive(self, pushed: Future) -> PushReply:
         """The server's reply to a push; its clock is the timestamp of this learner's next push."""
@@ -161,8 +191,9 @@ class LearnerClient:
     def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int, trained: Optional[int] = None) -> Future:
         """Ask for up to ``want`` next batches of the shared epoch of train dataloader ``pool``, saying that this
         learner has trained on ``trained`` of the batches dealt to it; its :meth:`result` is ``EpochPool.draw``'s."""
-        return rpc.rpc_async(self.server, _server.call, args=("draw", pool, epoch, self.rank, plan, want, trained),
-                             timeout=self.timeout)
+        return rpc.rpc_async(
+            self.server, _server.call, args=("draw", pool, epoch, self.rank, plan, want, trained), timeout=self.timeout
+        )
 
     def stop_drawing(self) -> None:
         """This learner stops training: no learner gets another batch of the shared epoch."""
@@ -194,8 +225,15 @@ class LearnerClient:
         self._sync("load_optimizer_state", optimizer, state)
 
 
-def join(rank: int, num_learners: int, host: str, port: int, timeout: float, min_learners: Optional[int] = None,
-         starters: Sequence[int] = (0,)) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
+def join(
+    rank: int,
+    num_learners: int,
+    host: str,
+    port: int,
+    timeout: float,
+    min_learners: Optional[int] = None,
+    starters: Sequence[int] = (0,),
+) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
     """Join the RPC world of ``num_learners`` learners and one server process per entry of ``starters`` (the
     learner that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the
     port). Returns a client per server and the server processes this learner started."""
@@ -206,8 +244,11 @@ def join(rank: int, num_learners: int, host: str, port: int, timeout: float, min
             check_port_free(host, port)
         for shard, starter in enumerate(starters):
             if starter == rank:
-                processes.append(_server.start_server(init_method, num_learners, timeout, min_learners, shard=shard,
-                                              starters=starters))
+                processes.append(
+                    _server.start_server(
+                        init_method, num_learners, timeout, min_learners, shard=shard, starters=starters
+                    )
+                )
         init_rpc(rank, num_learners, init_method, timeout, len(starters))
     except BaseException:
         for process in processes:
@@ -218,8 +259,9 @@ def join(rank: int, num_learners: int, host: str, port: int, timeout: float, min
     return [LearnerClient(rank, timeout, where, shard, host) for shard, where in enumerate(hosts)], processes
 
 
-def leave(clients: Sequence[LearnerClient], processes: Sequence[subprocess.Popen], timeout: float,
-          error: Optional[str] = None) -> None:
+def leave(
+    clients: Sequence[LearnerClient], processes: Sequence[subprocess.Popen], timeout: float, error: Optional[str] = None
+) -> None:
     """Leave the RPC world; a learner that started server processes then waits (bounded) for them to exit."""
     for client in clients:
         try:

@@ -59,17 +59,28 @@ class _Shard:
         if names is not None and names.host == socket.gethostname():
             client = self.client
             try:
-                self.shm = MappedWeights(names, client.rank, f"{client.what} (on {client.server_host})",
-                                         client.timeout, lambda: client._server_lost)
+                self.shm = MappedWeights(
+                    names,
+                    client.rank,
+                    f"{client.what} (on {client.server_host})",
+                    client.timeout,
+                    lambda: client._server_lost,
+                )
             except OSError as why:  # the same host name, but not the same /dev/shm
-                warnings.warn(f"lightning_rudra: learner {client.rank} could not map the shared memory of "
-                              f"{client.what}, though both run on a host named {names.host}: {why}. Another "
-                              "container or machine of that name? Weights and gradients go through RPC instead "
-                              "(slower).")
+                warnings.warn(
+                    f"lightning_rudra: learner {client.rank} could not map the shared memory of "
+                    f"{client.what}, though both run on a host named {names.host}: {why}. Another "
+                    "container or machine of that name? Weights and gradients go through RPC instead "
+                    "(slower)."
+                )
         self.client.attached(self.shm is not None)
 
-    def take(self, flat_params: Optional[list[Tensor]], flat_buffers: Optional[list[Tensor]],
-             sent: Optional[list[Tensor]] = None) -> None:
+    def take(
+        self,
+        flat_params: Optional[list[Tensor]],
+        flat_buffers: Optional[list[Tensor]],
+        sent: Optional[list[Tensor]] = None,
+    ) -> None:
         """Load a reply's weights (None: read them from shared memory). ``sent``: the buffers pushed for this
         reply, under overlap: the reply's buffers predate the forward passes run since, whose changes (BatchNorm
         statistics) stay on top of them."""
@@ -79,6 +90,7 @@ class _Shard:
 
             def load(params: list[Tensor], buffers: list[Tensor]) -> None:
                 self.load(params, [_rebased(*b) for b in zip(buffers, now, sent)])
+
         if flat_params is None:
             assert self.shm is not None
             self.client.timestamp = self.shm.read(load)
@@ -87,8 +99,10 @@ class _Shard:
 
     @torch.no_grad()
     def load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
-        for layout, flats, targets in ((self.param_layout, flat_params, self.params),
-                                       (self.buffer_layout, flat_buffers, self.buffers)):
+        for layout, flats, targets in (
+            (self.param_layout, flat_params, self.params),
+            (self.buffer_layout, flat_buffers, self.buffers),
+        ):
             if targets:
                 device = targets[0].device
                 torch._foreach_copy_(targets, layout.unpack([f.to(device, non_blocking=True) for f in flats]))
@@ -105,8 +119,13 @@ class Learner:
     servers (one client each, ``clients[0]`` the one that also answers collectives), each owns a contiguous part
     of the parameters; a push goes to all at once and its reply is complete when all have answered."""
 
-    def __init__(self, module: torch.nn.Module, clients: Sequence[LearnerClient], overlap: bool = False,
-                 shared_memory: bool = True) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        clients: Sequence[LearnerClient],
+        overlap: bool = False,
+        shared_memory: bool = True,
+    ) -> None:
         self.clients = list(clients)
         self.client = self.clients[0]
         self.overlap = overlap
@@ -141,8 +160,10 @@ class Learner:
         whole = whole or not all(p.is_contiguous() for p in self.params)
         self.plan = ShardPlan([p.shape for p in self.params], len(self.clients), whole)
         weights = [p.detach() for p in self.params]
-        self.shards = [_Shard(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
-                       for s, client in enumerate(self.clients)]
+        self.shards = [
+            _Shard(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
+            for s, client in enumerate(self.clients)
+        ]
 
     def check(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:
         """The optimizers' specs. Before the first pull: if one is not elementwise, the servers' cuts move to the
@@ -150,8 +171,10 @@ class Learner:
         specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
         if self.plan.splits_a_parameter and not cuts_parameters(specs):
             if any(shard.attached for shard in self.shards):
-                raise RuntimeError("the learner pulled weights before its optimizers were known: the servers' cuts "
-                                   "can no longer move to parameter boundaries for a non-elementwise optimizer")
+                raise RuntimeError(
+                    "the learner pulled weights before its optimizers were known: the servers' cuts "
+                    "can no longer move to parameter boundaries for a non-elementwise optimizer"
+                )
             self._cut(whole=True)
         return specs
 
@@ -162,16 +185,20 @@ class Learner:
         self.orders = [[i for idx, _ in spec.groups for i in idx] for spec in specs]
         for shard in self.shards:
             shard.owned = [self.plan.owned(shard.index, order) for order in self.orders]
-            shard.grad_layouts = [FlatLayout(parts([p.detach() for p in params], owned))
-                                  for params, owned in zip(self.optimizer_params, shard.owned)]
+            shard.grad_layouts = [
+                FlatLayout(parts([p.detach() for p in params], owned))
+                for params, owned in zip(self.optimizer_params, shard.owned)
+            ]
         return specs
 
     def _stamp(self, index: int) -> Callable[[Tensor], None]:
         """A gradient comes from the weights its backward ran on, which may be older than the newest received
         (one backward, then two optimizers' steps; a pull in the middle of gradient accumulation)."""
+
         def hook(param: Tensor) -> None:
             if self.grad_timestamps[index] is None:
                 self.grad_timestamps[index] = self._timestamps()
+
         return hook
 
     def _timestamps(self) -> tuple[int, ...]:
@@ -183,15 +210,26 @@ class Learner:
             hook.remove()
         self._hooks = []
 
-    def register(self, config: ProtocolConfig, optimizers: Sequence[Optimizer], stats: Optional[Stats],
-                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+    def register(
+        self,
+        config: ProtocolConfig,
+        optimizers: Sequence[Optimizer],
+        stats: Optional[Stats],
+        optimizer_states: Optional[list[dict[str, Any]]] = None,
+    ) -> None:
         """Learner 0 only: give every server its part of the starting weights and of the optimizers to rebuild
         (on resume, with their saved states and the statistics)."""
         specs = self._lay_out(optimizers)
         for shard in self.shards:
             shard_specs = [self.plan.spec(shard.index, spec) for spec in specs]
-            states = [self.plan.split_state(shard.index, order, state)
-                      for order, state in zip(self.orders, optimizer_states)] if optimizer_states else None
+            states = (
+                [
+                    self.plan.split_state(shard.index, order, state)
+                    for order, state in zip(self.orders, optimizer_states)
+                ]
+                if optimizer_states
+                else None
+            )
             copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers)]
             shard.client.register(config, *copies, shard_specs, stats, self.shared_memory, states)
 
@@ -204,8 +242,10 @@ class Learner:
             params, buffers, shard.client.timestamp, states[shard.index], shard_stats = shard.client.snapshot()
             shard.load(params, buffers)
             stats.append(shard_stats)
-        merged = [self._merge(index, {s: shard_states[index] for s, shard_states in states.items()})
-                  for index in range(len(self.orders))]
+        merged = [
+            self._merge(index, {s: shard_states[index] for s, shard_states in states.items()})
+            for index in range(len(self.orders))
+        ]
         return merged, stats[0]
 
     def _merge(self, index: int, states: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -235,8 +275,9 @@ class Learner:
         push is loaded at the next push, so that communication overlaps the next step's computation."""
         params = self.optimizer_params[index]
         # sparse gradients (nn.Embedding(sparse=True)) travel dense: the server's flat buffers are dense
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
-                 for p in params]
+        grads = [
+            torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params
+        ]
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
         # of the weights this gradient came from (no hook saw it: a gradient set by hand, from the current ones)
         timestamps = self.grad_timestamps[index] or self._timestamps()
@@ -258,8 +299,15 @@ class Learner:
             else:
                 packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
             positions = [position for position, _ in owned]
-            pushed.append((shard, shard.client.push(index, packed, has_grad[positions], hparams, buffers,
-                                                    timestamps[shard.index], finite), buffers))
+            pushed.append(
+                (
+                    shard,
+                    shard.client.push(
+                        index, packed, has_grad[positions], hparams, buffers, timestamps[shard.index], finite
+                    ),
+                    buffers,
+                )
+            )
         self.settle()
         self._in_flight = (pushed, index)
         if not self.overlap:
@@ -274,8 +322,12 @@ class Learner:
         for shard, reply, sent in replies:
             shard.take(reply.params, reply.buffers, sent if self.overlap else None)
         if self.on_push is not None:
-            self.on_push(index, max((reply.status for _, reply, _ in replies), key=_SEVERITY.index),
-                         max(reply.staleness for _, reply, _ in replies), min(reply.lr_scale for _, reply, _ in replies))
+            self.on_push(
+                index,
+                max((reply.status for _, reply, _ in replies), key=_SEVERITY.index),
+                max(reply.staleness for _, reply, _ in replies),
+                min(reply.lr_scale for _, reply, _ in replies),
+            )
 
     def finish(self) -> None:
         """Stop pushing and take the final weights, once every learner has stopped. Every server hears it at
@@ -338,14 +390,18 @@ class LearnerOptimizer(Optimizer):
         """Only the hyper-parameters of the parameter groups (where LR schedulers step from)."""
         saved = state_dict["param_groups"]
         if len(saved) != len(self.local.param_groups):
-            raise ValueError(f"the saved state of optimizer {self.index} has {len(saved)} parameter groups: its "
-                             f"optimizer {type(self.local).__name__} has {len(self.local.param_groups)}.")
+            raise ValueError(
+                f"the saved state of optimizer {self.index} has {len(saved)} parameter groups: its "
+                f"optimizer {type(self.local).__name__} has {len(self.local.param_groups)}."
+            )
         for group, values in zip(self.local.param_groups, saved):
             group.update({k: v for k, v in values.items() if k != "params"})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise RuntimeError("parameter groups cannot be added once training under RudraStrategy has started: the "
-                           "server built its copy of the optimizer from the groups that existed at setup.")
+        raise RuntimeError(
+            "parameter groups cannot be added once training under RudraStrategy has started: the "
+            "server built its copy of the optimizer from the groups that existed at setup."
+        )
 
     def __repr__(self) -> str:
         return f"LearnerOptimizer({self.local!r})"

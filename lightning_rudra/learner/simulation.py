@@ -40,12 +40,20 @@ class SimulatedClient:
         self._parked: dict[int, list[int]] = {}  # hardsync, per optimizer: learners waiting for the round to close
         self._loaded: Optional[int] = None  # the clock of the weights in the module, while nothing changed them
 
-    def register(self, config: ProtocolConfig, params: list[Tensor], buffers: list[Tensor],
-                 specs: list[OptimizerSpec], stats: Optional[Stats], shared_memory: bool = False,
-                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+    def register(
+        self,
+        config: ProtocolConfig,
+        params: list[Tensor],
+        buffers: list[Tensor],
+        specs: list[OptimizerSpec],
+        stats: Optional[Stats],
+        shared_memory: bool = False,
+        optimizer_states: Optional[list[dict[str, Any]]] = None,
+    ) -> None:
         if config.num_learners != self.num_learners:
-            raise ValueError(f"a protocol for λ={config.num_learners} learners cannot run {self.num_learners} "
-                             "simulated learners.")
+            raise ValueError(
+                f"a protocol for λ={config.num_learners} learners cannot run {self.num_learners} simulated learners."
+            )
         self.server = Server(config, params, buffers, specs, stats)
         self.server.load_optimizer_states(optimizer_states or [])
         self._held = [self.server.clock] * self.num_learners
@@ -72,8 +80,16 @@ class SimulatedClient:
         self.timestamp = self._loaded = self._server().clock
         return self._weights(self.timestamp)
 
-    def push(self, optimizer: int, grads: list[Tensor], has_grad: Tensor, hparams: list[dict[str, Any]],
-             buffers: list[Tensor], timestamp: int, finite: Optional[bool] = None) -> Future:
+    def push(
+        self,
+        optimizer: int,
+        grads: list[Tensor],
+        has_grad: Tensor,
+        hparams: list[dict[str, Any]],
+        buffers: list[Tensor],
+        timestamp: int,
+        finite: Optional[bool] = None,
+    ) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
         there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
         server = self._server()
@@ -84,7 +100,8 @@ class SimulatedClient:
                 "push waits for the hardsync round to close. A real learner would wait for the round in between; a "
                 "simulated one trains each batch in one go, so more than one optimizer step per batch (several "
                 "optimizers, manual optimization) cannot be simulated under hardsync. Use softsync or async, or real "
-                "learners (devices=λ).")
+                "learners (devices=λ)."
+            )
         result = server.push(self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite)
         if hardsync and not result.closed:
             self._parked.setdefault(optimizer, []).append(self.learner)
@@ -95,8 +112,15 @@ class SimulatedClient:
                 self._held[learner] = clock
         update = server.last_updates[optimizer]
         reply: Future = Future()
-        reply.set_result(PushReply(result.status, result.staleness, update.lr_scale if update is not None else 1.0,
-                                   *self._weights(clock), clock))
+        reply.set_result(
+            PushReply(
+                result.status,
+                result.staleness,
+                update.lr_scale if update is not None else 1.0,
+                *self._weights(clock),
+                clock,
+            )
+        )
         return reply
 
     def receive(self, pushed: Future) -> PushReply:
@@ -166,8 +190,15 @@ class SimulatedSampler(Sampler[list[int]]):
     one learner's batches per epoch, or, once ``whole``, every learner's.
     """
 
-    def __init__(self, shards: Sequence[DistributedSampler], batch_size: int, drop_last: bool, protocol: str,
-                 timing: TimingModel, taken: Optional[dict[int, int]] = None) -> None:
+    def __init__(
+        self,
+        shards: Sequence[DistributedSampler],
+        batch_size: int,
+        drop_last: bool,
+        protocol: str,
+        timing: TimingModel,
+        taken: Optional[dict[int, int]] = None,
+    ) -> None:
         self.shards = list(shards)
         self.sampler = self  # where Lightning sets the epoch of a batch sampler (``batch_sampler.sampler``)
         self.batch_size = batch_size
@@ -210,7 +241,7 @@ class SimulatedSampler(Sampler[list[int]]):
 
     def _cut(self, indices: list[int]) -> list[list[int]]:
         size = self.batch_size
-        cut = [indices[i:i + size] for i in range(0, len(indices), size)]
+        cut = [indices[i : i + size] for i in range(0, len(indices), size)]
         return cut[:-1] if cut and self.drop_last and len(cut[-1]) < size else cut
 
 
@@ -243,9 +274,13 @@ class LearnerSchedules:
         self.switch(before)
 
     def _take(self) -> tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]:
-        return ([copy.deepcopy(scheduler.state_dict()) for scheduler in self.schedulers],
-                [[{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-                 for optimizer in self.optimizers])
+        return (
+            [copy.deepcopy(scheduler.state_dict()) for scheduler in self.schedulers],
+            [
+                [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+                for optimizer in self.optimizers
+            ],
+        )
 
     def _put(self, state: tuple[list[dict[str, Any]], list[list[dict[str, Any]]]]) -> None:
         schedulers, optimizers = copy.deepcopy(state)

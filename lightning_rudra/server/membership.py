@@ -38,8 +38,9 @@ def _ended(pid: int) -> bool:
 class Membership:
     """The learners of one run. ``min_learners=None``: every learner is needed."""
 
-    def __init__(self, num_learners: int, timeout: float, min_learners: Optional[int] = None,
-                 server_hosts: Sequence[int] = (0,)) -> None:
+    def __init__(
+        self, num_learners: int, timeout: float, min_learners: Optional[int] = None, server_hosts: Sequence[int] = (0,)
+    ) -> None:
         self.num_learners = num_learners
         self.timeout = timeout
         self.min_learners = min_learners
@@ -76,23 +77,34 @@ class Membership:
             if learner in self.pids and _ended(self.pids[learner]):
                 found.append((learner, f"ended before training did: its process (pid {self.pids[learner]}) is gone"))
             elif now - self.last_heard[learner] > self.timeout:
-                found.append((learner, f"has not been heard from for more than {self.timeout:g} s (rpc_timeout): its "
-                                       "process died or hung, or its host cannot be reached"))
+                found.append(
+                    (
+                        learner,
+                        f"has not been heard from for more than {self.timeout:g} s (rpc_timeout): its "
+                        "process died or hung, or its host cannot be reached",
+                    )
+                )
         return found
 
     def lose(self, learner: int, why: str) -> Optional[str]:
         """Count ``learner`` as lost. Returns why training cannot go on without it, or None if it can."""
         self.lost[learner] = why
         if self.min_learners is None:
-            return (f"{self.where(learner)} {why}, and training cannot go on without it (with "
-                    "RudraStrategy(min_learners=k), training goes on while k learners are left)")
+            return (
+                f"{self.where(learner)} {why}, and training cannot go on without it (with "
+                "RudraStrategy(min_learners=k), training goes on while k learners are left)"
+            )
         if learner in self.server_hosts:
-            return (f"{self.where(learner)} {why}, and training cannot go on without learner {learner}: its process "
-                    "runs a parameter server")
+            return (
+                f"{self.where(learner)} {why}, and training cannot go on without learner {learner}: its process "
+                "runs a parameter server"
+            )
         left = len(self.members)
         if left < self.min_learners:
-            return (f"{self.where(learner)} {why}: {left} learner{'s' if left != 1 else ''} left, fewer than "
-                    f"min_learners={self.min_learners}, so training cannot go on")
+            return (
+                f"{self.where(learner)} {why}: {left} learner{'s' if left != 1 else ''} left, fewer than "
+                f"min_learners={self.min_learners}, so training cannot go on"
+            )
         return None
 
     def all_gone(self) -> bool:
@@ -103,10 +115,13 @@ class Membership:
         """A call from a learner this run does not know, or no longer counts, is refused before it changes
         anything: a lost learner (a stalled process that wakes up) is not merged back in."""
         if not isinstance(learner, int) or learner not in range(self.num_learners):
-            raise ValueError(f"{method} from learner {learner!r} refused: this run's learners are "
-                             f"0..{self.num_learners - 1}")
+            raise ValueError(
+                f"{method} from learner {learner!r} refused: this run's learners are 0..{self.num_learners - 1}"
+            )
         if learner in self.lost:
-            raise RuntimeError(f"{method} from learner {learner} refused: it was counted as lost (it "
-                               f"{self.lost[learner]}), and it cannot rejoin this run")
+            raise RuntimeError(
+                f"{method} from learner {learner} refused: it was counted as lost (it "
+                f"{self.lost[learner]}), and it cannot rejoin this run"
+            )
         if learner in self.left:
             raise RuntimeError(f"{method} from learner {learner} refused: it has left this run")

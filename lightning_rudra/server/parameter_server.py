@@ -9,7 +9,6 @@ or that is silent for longer than the timeout, is lost: every wait fails at once
 with ``min_learners``, completes with the learners left.
 """
 
-
 import socket
 import sys
 import threading
@@ -54,8 +53,14 @@ class ParameterServer:
     their buffer) and get ``None`` for the weights, which they read themselves.
     """
 
-    def __init__(self, num_learners: int, timeout: float = 60.0, min_learners: Optional[int] = None,
-                 announce: bool = True, server_hosts: Sequence[int] = (0,)) -> None:
+    def __init__(
+        self,
+        num_learners: int,
+        timeout: float = 60.0,
+        min_learners: Optional[int] = None,
+        announce: bool = True,
+        server_hosts: Sequence[int] = (0,),
+    ) -> None:
         """``server_hosts``: the learners whose processes started a server (they cannot be lost); ``announce``:
         print each loss (with several servers, the first does)."""
         self.num_learners = num_learners
@@ -79,9 +84,16 @@ class ParameterServer:
         self.mapped: set[int] = set()  # learners that read and write the shared memory
         self.answered: set[int] = set()  # learners that said whether they could map it
 
-    def register(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
-                 stats: Optional[Stats], shared_memory: bool = True,
-                 optimizer_states: Optional[list[dict[str, Any]]] = None) -> None:
+    def register(
+        self,
+        config: ProtocolConfig,
+        params,
+        buffers,
+        specs: list[OptimizerSpec],
+        stats: Optional[Stats],
+        shared_memory: bool = True,
+        optimizer_states: Optional[list[dict[str, Any]]] = None,
+    ) -> None:
         """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics and the
         optimizers' states: all in place before any learner pulls. With ``shared_memory`` the weights live in
         shared memory, or, if it cannot be allocated, in plain memory (the learners are told why)."""
@@ -101,8 +113,9 @@ class ParameterServer:
                 self.core.remove(learner)
         self.registered.set_result(None)
 
-    def _server_in_shared_memory(self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec],
-                                 stats: Optional[Stats]) -> Server:
+    def _server_in_shared_memory(
+        self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec], stats: Optional[Stats]
+    ) -> Server:
         shared = SharedWeights(socket.gethostname())  # allocation failures unlink what was made and raise
         core = Server(config, params, buffers, specs, stats, shared)
         self.shared_grads = shared.allocate_grads(self.num_learners, core.grad_layouts)
@@ -129,8 +142,17 @@ class ParameterServer:
         self._check_alive()
         return self.registered.then(lambda registered: registered.wait() or self._locked(self.core.pull))
 
-    def push(self, learner: int, optimizer: int, grads, has_grad, timestamp: int, hparams, buffers,
-             finite: Optional[bool] = None) -> Future:
+    def push(
+        self,
+        learner: int,
+        optimizer: int,
+        grads,
+        has_grad,
+        timestamp: int,
+        hparams,
+        buffers,
+        finite: Optional[bool] = None,
+    ) -> Future:
         with self.lock:
             self._check_alive()
             core = self._core()
@@ -140,8 +162,7 @@ class ParameterServer:
             in_round = core.config.protocol == "hardsync" and not result.closed
             if in_round:
                 reply: Future = Future()
-                self.round_waiters.setdefault(optimizer, []).append((reply, learner, result.status,
-                                                                     result.staleness))
+                self.round_waiters.setdefault(optimizer, []).append((reply, learner, result.status, result.staleness))
                 outcomes = self._give_up_if_deadlocked()
             else:
                 outcomes, weights = self._release_rounds([optimizer] if result.closed else [], learner)
@@ -156,8 +177,10 @@ class ParameterServer:
         weights they carry (also for ``pusher``, which did not wait). Called under the lock."""
         released = [(waiter, optimizer) for optimizer in closed for waiter in self.round_waiters.pop(optimizer, [])]
         weights = self._weights(([] if pusher is None else [pusher]) + [waiter[1] for waiter, _ in released])
-        return [(future, PushReply(status, staleness, self._lr_scale(optimizer), *weights))
-                for (future, _, status, staleness), optimizer in released], weights
+        return [
+            (future, PushReply(status, staleness, self._lr_scale(optimizer), *weights))
+            for (future, _, status, staleness), optimizer in released
+        ], weights
 
     def _lr_scale(self, optimizer: int) -> float:
         update = self._core().last_updates[optimizer]
@@ -165,8 +188,10 @@ class ParameterServer:
 
     def _shared_gradient(self, learner: int, optimizer: int) -> list[Any]:
         if learner not in self.mapped or (learner, optimizer) not in self.shared_grads:
-            raise ValueError(f"learner {learner} pushed its gradient for optimizer {optimizer} through shared "
-                             "memory, but it has not mapped the server's shared memory.")
+            raise ValueError(
+                f"learner {learner} pushed its gradient for optimizer {optimizer} through shared "
+                "memory, but it has not mapped the server's shared memory."
+            )
         grads = self.shared_grads[(learner, optimizer)]
         core = self._core()
         if core.config.protocol == "softsync" and core.gradients_per_update > 1:
@@ -221,8 +246,9 @@ class ParameterServer:
             outcomes.append((future, {learner: objs[learner] for learner in sorted(objs) if learner in members}))
         return outcomes
 
-    def draw(self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int,
-             trained: Optional[int] = None) -> tuple[Optional[Any], int, str]:
+    def draw(
+        self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int, trained: Optional[int] = None
+    ) -> tuple[Optional[Any], int, str]:
         """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
         with self.lock:
             core = self._core()
@@ -298,8 +324,12 @@ class ParameterServer:
             pool.lose(learner)
         left = sorted(self.membership.members)
         if self.announce:
-            print(f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Training goes on with "
-                  f"learners {left} (min_learners={self.membership.min_learners}).", file=sys.stderr, flush=True)
+            print(
+                f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Training goes on with "
+                f"learners {left} (min_learners={self.membership.min_learners}).",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.core is None:
             return []
         outcomes, _ = self._release_rounds(self.core.remove(learner))
@@ -323,8 +353,10 @@ class ParameterServer:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
         the learner waiting in the round can never join the collective. Called under the lock."""
         in_round = sorted({w[1] for ws in self.round_waiters.values() for w in ws})
-        at_collective = sorted({learner for _, objs in self.gatherings.values() for learner in objs}
-                               & (self.core.active if self.core is not None else set()))
+        at_collective = sorted(
+            {learner for _, objs in self.gatherings.values() for learner in objs}
+            & (self.core.active if self.core is not None else set())
+        )
         if not (in_round and at_collective):
             return []
         return self._give_up(
@@ -333,7 +365,8 @@ class ParameterServer:
             "its gradient, so neither can go on. Under hardsync every learner must train on the same number of "
             "batches per epoch, and theirs differ: an IterableDataset, or a sampler of your own, that yields a "
             "different number of batches on each learner? Make every learner's stream yield the same number of "
-            "batches, or use protocol='softsync' or 'async', whose learners do not wait for each other.")
+            "batches, or use protocol='softsync' or 'async', whose learners do not wait for each other."
+        )
 
     def stats(self) -> dict[str, Any]:
         return self._locked(lambda: self._core().stats.to_dict())
@@ -341,11 +374,13 @@ class ParameterServer:
     def snapshot(self) -> tuple:
         """What a checkpoint holds, all of one clock: weights and buffers (flat), the clock, every optimizer's
         state and the statistics."""
+
         def take() -> tuple:
             core = self._core()
             params, buffers, clock = core.pull()
             states = [core.optimizer_state(i) for i in range(len(core.optimizers))]
             return params, buffers, clock, states, core.stats.to_dict()
+
         return self._locked(take)
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:

@@ -17,8 +17,14 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from lightning_rudra.server.parameter_server import ParameterServer
-from lightning_rudra.transport.rpc_world import (address_towards, init_rpc, quiet_peers_leaving, rpc_counters,
-                                                 set_rpc_counters, shutdown_rpc)
+from lightning_rudra.transport.rpc_world import (
+    address_towards,
+    init_rpc,
+    quiet_peers_leaving,
+    rpc_counters,
+    set_rpc_counters,
+    shutdown_rpc,
+)
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server.process`, not in a copy named
@@ -44,18 +50,40 @@ from lightning_rudra.server.process import main
 main()"""
 
 
-def start_server(init_method: str, num_learners: int, timeout: float, min_learners: Optional[int] = None,
-                 code: Optional[str] = None, shard: int = 0, starters: Sequence[int] = (0,)) -> subprocess.Popen:
+def start_server(
+    init_method: str,
+    num_learners: int,
+    timeout: float,
+    min_learners: Optional[int] = None,
+    code: Optional[str] = None,
+    shard: int = 0,
+    starters: Sequence[int] = (0,),
+) -> subprocess.Popen:
     """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
     Python it runs, if not the server's own entry). It exits when every learner has left, or at once if this
     process dies."""
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
-    command = [sys.executable, "-c", code or _SERVER_ENTRY.format(package=_PACKAGE),
-               "--init-method", init_method, "--rpc-counters", json.dumps(rpc_counters()), "--learners", str(num_learners),
-               "--timeout", str(timeout), "--parent-pid", str(os.getpid()), "--shard", str(shard),
-               "--server-learners", json.dumps(list(starters))]
+    command = [
+        sys.executable,
+        "-c",
+        code or _SERVER_ENTRY.format(package=_PACKAGE),
+        "--init-method",
+        init_method,
+        "--rpc-counters",
+        json.dumps(rpc_counters()),
+        "--learners",
+        str(num_learners),
+        "--timeout",
+        str(timeout),
+        "--parent-pid",
+        str(os.getpid()),
+        "--shard",
+        str(shard),
+        "--server-learners",
+        json.dumps(list(starters)),
+    ]
     if min_learners is not None:
         command += ["--min-learners", str(min_learners)]
     return subprocess.Popen(command, env=env)
@@ -75,17 +103,31 @@ _server: Optional[ParameterServer] = None
 
 # What a learner may call, and where the calling learner is among the arguments (None: no learner argument)
 ENTRY_POINTS: dict[str, Optional[int]] = {
-    "register": None, "attach": 0, "attached": 0, "pull": None, "push": 0, "finish": 0, "gather": 1, "draw": 2,
-    "stop_drawing": 0, "heartbeat": 0, "leave": 0, "report": 0, "stats": None, "snapshot": None,
-    "optimizer_state": None, "load_optimizer_state": None,
+    "register": None,
+    "attach": 0,
+    "attached": 0,
+    "pull": None,
+    "push": 0,
+    "finish": 0,
+    "gather": 1,
+    "draw": 2,
+    "stop_drawing": 0,
+    "heartbeat": 0,
+    "leave": 0,
+    "report": 0,
+    "stats": None,
+    "snapshot": None,
+    "optimizer_state": None,
+    "load_optimizer_state": None,
 }
 
 
 def _entry(method: str, args: tuple) -> Callable:
     """The server's method for a call from a learner, once the call is checked: nothing changes before."""
     if method not in ENTRY_POINTS:
-        raise ValueError(f"{method!r} is not a call the parameter server answers: expected one of "
-                         f"{', '.join(sorted(ENTRY_POINTS))}")
+        raise ValueError(
+            f"{method!r} is not a call the parameter server answers: expected one of {', '.join(sorted(ENTRY_POINTS))}"
+        )
     position = ENTRY_POINTS[method]
     if position is not None:
         _server.check_caller(method, args[position] if position < len(args) else None)
@@ -123,15 +165,27 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--init-method", required=True, help="tcp://host:port of the learners' RPC rendezvous")
     parser.add_argument("--rpc-counters", type=json.loads, required=True, help="see rpc_world.rpc_counters")
     parser.add_argument("--learners", type=int, required=True)
-    parser.add_argument("--timeout", type=float, required=True,
-                        help="seconds, for every RPC call that does not wait for other learners, and for a "
-                             "learner's silence before it counts as lost")
-    parser.add_argument("--min-learners", type=int, default=None,
-                        help="train on while this many learners are left (default: a lost learner ends training)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        required=True,
+        help="seconds, for every RPC call that does not wait for other learners, and for a "
+        "learner's silence before it counts as lost",
+    )
+    parser.add_argument(
+        "--min-learners",
+        type=int,
+        default=None,
+        help="train on while this many learners are left (default: a lost learner ends training)",
+    )
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--shard", type=int, default=0, help="which of the server processes this is")
-    parser.add_argument("--server-learners", type=json.loads, default=[0],
-                        help="per server, the learner whose process started it (those cannot be lost)")
+    parser.add_argument(
+        "--server-learners",
+        type=json.loads,
+        default=[0],
+        help="per server, the learner whose process started it (those cannot be lost)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     # torch imports its compiler stack (some 800 modules: seconds, over 10 s on a busy machine) when it builds its
@@ -139,8 +193,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
-    _server = ParameterServer(args.learners, args.timeout, args.min_learners, announce=args.shard == 0,
-                              server_hosts=args.server_learners)
+    _server = ParameterServer(
+        args.learners, args.timeout, args.min_learners, announce=args.shard == 0, server_hosts=args.server_learners
+    )
     _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
     set_rpc_counters(args.rpc_counters)
     init_rpc(None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard)
@@ -153,4 +208,3 @@ def main(argv: Optional[list[str]] = None) -> None:
         finally:
             _release_shared_memory()
         shutdown_rpc()
-

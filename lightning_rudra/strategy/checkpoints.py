@@ -35,8 +35,15 @@ class Checkpoints:
             return with_groups(self.snapshot[0][optimizer.index], optimizer.local)
         return optimizer.state_dict()
 
-    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any], is_global_zero: bool,
-             stats: Optional[Stats], write: Callable[[dict[str, Any], Any, Optional[Any]], None]) -> None:
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: Any,
+        storage_options: Optional[Any],
+        is_global_zero: bool,
+        stats: Optional[Stats],
+        write: Callable[[dict[str, Any], Any, Optional[Any]], None],
+    ) -> None:
         """Adds the statistics to learner 0's checkpoint and writes it with ``write`` (the checkpoint IO's)."""
         stats = self.snapshot[1] if self.snapshot is not None else stats
         if is_global_zero and stats is not None:

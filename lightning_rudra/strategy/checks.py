@@ -25,32 +25,50 @@ SAMPLINGS = ("shared", "static")
 START_METHODS = ("popen", "spawn", "forkserver")
 
 
-def check_arguments(protocol: str, sampling: Optional[str], rpc_timeout: float, start_method: str,
-                    overlap: bool, min_learners: Optional[int] = None, num_servers: Optional[int] = None) -> None:
+def check_arguments(
+    protocol: str,
+    sampling: Optional[str],
+    rpc_timeout: float,
+    start_method: str,
+    overlap: bool,
+    min_learners: Optional[int] = None,
+    num_servers: Optional[int] = None,
+) -> None:
     """RudraStrategy's own arguments, as it is built (the protocol's are :func:`protocol.validate_options`)."""
     if start_method not in START_METHODS:
-        raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or "
-                         "'forkserver'.")
+        raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or 'forkserver'.")
     if overlap and protocol == "hardsync":
-        raise ValueError("overlap=True is not available with protocol='hardsync': computing on weights one "
-                         "update old would make every gradient stale (σ = 1). Use softsync or async.")
+        raise ValueError(
+            "overlap=True is not available with protocol='hardsync': computing on weights one "
+            "update old would make every gradient stale (σ = 1). Use softsync or async."
+        )
     if sampling is not None and sampling not in SAMPLINGS:
-        raise ValueError(f"sampling={sampling!r} is not supported: expected 'shared', 'static' or None (shared "
-                         "under softsync and async, static under hardsync).")
+        raise ValueError(
+            f"sampling={sampling!r} is not supported: expected 'shared', 'static' or None (shared "
+            "under softsync and async, static under hardsync)."
+        )
     if sampling == "shared" and protocol == "hardsync":
-        raise ValueError("sampling='shared' is not available with protocol='hardsync': a hardsync round takes "
-                         "one batch from every learner, so every learner needs the same number of batches. "
-                         "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'.")
+        raise ValueError(
+            "sampling='shared' is not available with protocol='hardsync': a hardsync round takes "
+            "one batch from every learner, so every learner needs the same number of batches. "
+            "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'."
+        )
     if not rpc_timeout > 0:
         raise ValueError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
-    if min_learners is not None and (isinstance(min_learners, bool) or not isinstance(min_learners, int)
-                                     or min_learners < 1):
-        raise ValueError(f"min_learners={min_learners!r} is not valid: expected an integer >= 1 (train on while that "
-                         "many learners are left), or None (a lost learner ends training).")
-    if num_servers is not None and (isinstance(num_servers, bool) or not isinstance(num_servers, int)
-                                    or num_servers < 1):
-        raise ValueError(f"num_servers={num_servers!r} is not valid: expected an integer >= 1 (server processes, "
-                         "each owning a part of the parameters), or None (one per node).")
+    if min_learners is not None and (
+        isinstance(min_learners, bool) or not isinstance(min_learners, int) or min_learners < 1
+    ):
+        raise ValueError(
+            f"min_learners={min_learners!r} is not valid: expected an integer >= 1 (train on while that "
+            "many learners are left), or None (a lost learner ends training)."
+        )
+    if num_servers is not None and (
+        isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1
+    ):
+        raise ValueError(
+            f"num_servers={num_servers!r} is not valid: expected an integer >= 1 (server processes, "
+            "each owning a part of the parameters), or None (one per node)."
+        )
 
 
 def check_min_learners(min_learners: Optional[int], num_learners: int, simulate: Optional[int]) -> None:
@@ -58,17 +76,23 @@ def check_min_learners(min_learners: Optional[int], num_learners: int, simulate:
     if min_learners is None:
         return
     if simulate:
-        raise ValueError(f"min_learners={min_learners} has no meaning with simulate={simulate}: simulated learners "
-                         "are never lost. Leave min_learners unset.")
+        raise ValueError(
+            f"min_learners={min_learners} has no meaning with simulate={simulate}: simulated learners "
+            "are never lost. Leave min_learners unset."
+        )
     if min_learners > num_learners:
-        raise ValueError(f"min_learners={min_learners} is more than the {num_learners} learners of this run "
-                         "(devices × num_nodes): expected 1 <= min_learners <= λ.")
+        raise ValueError(
+            f"min_learners={min_learners} is more than the {num_learners} learners of this run "
+            "(devices × num_nodes): expected 1 <= min_learners <= λ."
+        )
 
 
 def check_num_servers(num_servers: Optional[int], simulate: Optional[int]) -> None:
     if simulate and num_servers not in (None, 1):
-        raise ValueError(f"num_servers={num_servers} has no meaning with simulate={simulate}: simulated learners "
-                         "share one in-process server. Leave num_servers unset.")
+        raise ValueError(
+            f"num_servers={num_servers} has no meaning with simulate={simulate}: simulated learners "
+            "share one in-process server. Leave num_servers unset."
+        )
 
 
 def is_placeholder(optimizer: Optimizer) -> bool:
@@ -83,7 +107,8 @@ def check_trainer(trainer: "pl.Trainer") -> None:
                 f"{type(callback).__name__} (what Tuner.lr_find adds) cannot run under RudraStrategy: its range test "
                 "trains inside fit and then puts the weights back from a checkpoint on each learner, while the "
                 "weights that count live on the parameter server. Find the rate on one device first "
-                "(Tuner(pl.Trainer(devices=1)).lr_find(model)), then train with RudraStrategy.")
+                "(Tuner(pl.Trainer(devices=1)).lr_find(model)), then train with RudraStrategy."
+            )
 
 
 def check_module(module: torch.nn.Module) -> None:
@@ -94,19 +119,25 @@ def check_module(module: torch.nn.Module) -> None:
             f"the parameters {', '.join(lazy)} are not initialized yet (lazy modules such as nn.LazyLinear), and "
             "the parameter server needs their shapes before training starts. Materialize them before fit: run a "
             "forward pass on an example batch at the end of __init__ or in configure_model, or give the layers "
-            "their input sizes (nn.Linear instead of nn.LazyLinear).")
+            "their input sizes (nn.Linear instead of nn.LazyLinear)."
+        )
     devices: dict[str, list[str]] = {}
     for name, p in module.named_parameters():
         devices.setdefault(str(p.device), []).append(name)
     if len(devices) > 1:
-        where = "; ".join(f"{device}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
-                          for device, names in devices.items())
-        raise ValueError(f"the module's parameters are on several devices ({where}): RudraStrategy trains one whole "
-                         "copy of the module per learner, on that learner's device, as DDP does. Keep every "
-                         "parameter on one device (no model parallelism inside a learner).")
+        where = "; ".join(
+            f"{device}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for device, names in devices.items()
+        )
+        raise ValueError(
+            f"the module's parameters are on several devices ({where}): RudraStrategy trains one whole "
+            "copy of the module per learner, on that learner's device, as DDP does. Keep every "
+            "parameter on one device (no model parallelism inside a learner)."
+        )
 
 
-def check_optimizers(optimizers: Sequence[Optimizer], params: Sequence[torch.Tensor], compensation: str = "none") -> None:
+def check_optimizers(
+    optimizers: Sequence[Optimizer], params: Sequence[torch.Tensor], compensation: str = "none"
+) -> None:
     """The server steps its own copy of each optimizer, rebuilt as ``cls(param_groups)``, with the gradients the
     learners push and no closure, and with the ``compensation`` rules."""
     for index, optimizer in enumerate(optimizers):
@@ -114,15 +145,18 @@ def check_optimizers(optimizers: Sequence[Optimizer], params: Sequence[torch.Ten
             continue
         name = f"optimizer {index} ({type(optimizer).__name__})"
         if isinstance(optimizer, torch.optim.SparseAdam):
-            raise ValueError(f"{name} needs sparse gradients, but the learners push dense ones (sparse gradients "
-                             "are made dense on the learner). Use torch.optim.Adam, or SGD / Adagrad, which give "
-                             "the same result with dense gradients as with sparse ones.")
+            raise ValueError(
+                f"{name} needs sparse gradients, but the learners push dense ones (sparse gradients "
+                "are made dense on the learner). Use torch.optim.Adam, or SGD / Adagrad, which give "
+                "the same result with dense gradients as with sparse ones."
+            )
         closure = inspect.signature(optimizer.step).parameters.get("closure")
         if closure is not None and closure.default is inspect.Parameter.empty:
             raise ValueError(
                 f"{name} needs a closure in every step: it re-evaluates the loss at weights of its own choosing "
                 "(LBFGS does, several times per step), and the parameter server only receives gradients. Use a "
-                "first-order optimizer (SGD, Adam, ...), or train this module with DDP.")
+                "first-order optimizer (SGD, Adam, ...), or train this module with DDP."
+            )
         check_optimizer(parse_compensation(compensation), type(optimizer), name)
         spec = OptimizerSpec.from_optimizer(optimizer, params)  # refuses tensors that are not module parameters
         try:
@@ -132,25 +166,35 @@ def check_optimizers(optimizers: Sequence[Optimizer], params: Sequence[torch.Ten
                 f"the parameter server cannot rebuild {name} as {type(optimizer).__name__}(param_groups): {error}. It "
                 "steps its own copy, made from the parameter groups' values alone; an optimizer whose constructor "
                 "needs more (an argument without a default, another optimizer it wraps, the model) cannot run there. Use a plain torch optimizer, "
-                "or one whose settings all live in its parameter groups.") from error
+                "or one whose settings all live in its parameter groups."
+            ) from error
 
 
 def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:
     """With static shards, Lightning features that broadcast a decision after every batch put softsync and async
     learners in lock-step. (Under the shared epoch each learner decides for itself: no meeting.)"""
-    timed = [f"Trainer(max_time={cb._duration:g} s)" for cb in trainer.callbacks
-             if isinstance(cb, Timer) and cb._duration is not None]
-    timed += [f"ModelCheckpoint(train_time_interval={cb._train_time_interval})" for cb in trainer.callbacks
-              if isinstance(cb, ModelCheckpoint) and cb._train_time_interval is not None]
+    timed = [
+        f"Trainer(max_time={cb._duration:g} s)"
+        for cb in trainer.callbacks
+        if isinstance(cb, Timer) and cb._duration is not None
+    ]
+    timed += [
+        f"ModelCheckpoint(train_time_interval={cb._train_time_interval})"
+        for cb in trainer.callbacks
+        if isinstance(cb, ModelCheckpoint) and cb._train_time_interval is not None
+    ]
     if timed:
-        rank_zero_warn(f"{' and '.join(timed)} with RudraStrategy(sampling='static'): Lightning broadcasts its "
-                       "decision after every training batch, so every batch becomes a meeting of all learners and "
-                       "softsync/async run in lock-step. Use sampling='shared' (the default under softsync and "
-                       "async: each learner decides on its own clock), or max_epochs/max_steps.")
+        rank_zero_warn(
+            f"{' and '.join(timed)} with RudraStrategy(sampling='static'): Lightning broadcasts its "
+            "decision after every training batch, so every batch becomes a meeting of all learners and "
+            "softsync/async run in lock-step. Use sampling='shared' (the default under softsync and "
+            "async: each learner decides on its own clock), or max_epochs/max_steps."
+        )
 
 
 def check_simulated_devices(simulate: Optional[int], num_nodes: int, num_processes: int) -> None:
     if simulate and num_nodes * num_processes != 1:
         raise ValueError(
             f"simulate={simulate} trains every learner in this one process: use Trainer(devices=1, num_nodes=1), "
-            f"not devices={num_processes}, num_nodes={num_nodes}. For real learner processes, leave simulate unset.")
+            f"not devices={num_processes}, num_nodes={num_nodes}. For real learner processes, leave simulate unset."
+        )

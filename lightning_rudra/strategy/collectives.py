@@ -19,8 +19,14 @@ from torchmetrics import Metric
 
 from lightning_rudra.learner.client import LearnerClient
 
-_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "avg": torch.mean, "max": torch.amax, "min": torch.amin,
-               "product": torch.prod}
+_REDUCTIONS = {
+    "sum": torch.sum,
+    "mean": torch.mean,
+    "avg": torch.mean,
+    "max": torch.amax,
+    "min": torch.amin,
+    "product": torch.prod,
+}
 
 
 class Collectives:
@@ -89,15 +95,18 @@ class Collectives:
 
     def all_gather(self, tensor: Tensor, sync_grads: bool = False) -> Tensor:
         if sync_grads:
-            raise NotImplementedError("RudraStrategy.all_gather(sync_grads=True) is not supported: gathered "
-                                      "tensors travel through the server, without autograd.")
+            raise NotImplementedError(
+                "RudraStrategy.all_gather(sync_grads=True) is not supported: gathered "
+                "tensors travel through the server, without autograd."
+            )
         if self.client is None:
             return tensor
         if self.in_batch():
             raise RuntimeError(
                 "all_gather was called during a training batch under RudraStrategy's shared epoch: learners take "
                 "different numbers of batches, so no batch is shared by all of them. Move it to an epoch hook "
-                "(e.g. on_train_epoch_end), or use RudraStrategy(sampling='static').")
+                "(e.g. on_train_epoch_end), or use RudraStrategy(sampling='static')."
+            )
         return torch.stack(list(self._gather(tensor).values())).to(tensor.device)
 
 
@@ -110,8 +119,8 @@ def _reduce_op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> str:
         name = next((n for n in ("SUM", "MAX", "MIN", "PRODUCT", "AVG") if reduce_op == getattr(ReduceOp, n)), "")
         name = name.lower()
     if name not in _REDUCTIONS:
-        raise ValueError(f"reduce_op={reduce_op!r} is not supported by RudraStrategy.reduce: expected one of "
-                         f"{sorted(_REDUCTIONS)} or the matching torch.distributed.ReduceOp.")
+        raise ValueError(
+            f"reduce_op={reduce_op!r} is not supported by RudraStrategy.reduce: expected one of "
+            f"{sorted(_REDUCTIONS)} or the matching torch.distributed.ReduceOp."
+        )
     return name
-
-

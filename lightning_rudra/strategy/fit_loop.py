@@ -91,11 +91,16 @@ class SharedEpochLoop:
         fit_loop.max_batches = max(limits)
         self._learner_batches = -(-limits[0] // self.num_learners)
         if trainer.lightning_module.automatic_optimization:
-            self._scheduled = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and
-                               not c.reduce_on_plateau]
+            self._scheduled = [
+                c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau
+            ]
         # a resumed run's schedulers were stepped before the checkpoint: an LRScheduler counts its steps
-        self._scheduler_steps = [c.scheduler.last_epoch if isinstance(c.scheduler, LRScheduler) else
-                                 self._ddp_steps(c, trainer.current_epoch, 0) for c in self._scheduled]
+        self._scheduler_steps = [
+            c.scheduler.last_epoch
+            if isinstance(c.scheduler, LRScheduler)
+            else self._ddp_steps(c, trainer.current_epoch, 0)
+            for c in self._scheduled
+        ]
         if trained:  # the validation points before the place the epoch goes on from were passed before
             plan, epoch = self.samplers[0].plan, trainer.current_epoch
             offset = epoch * plan.num_batches if trainer.check_val_every_n_epoch is None else 0
@@ -157,7 +162,8 @@ class SharedEpochLoop:
                 f"its batch {trainer.fit_loop.epoch_loop.batch_idx} of epoch {trainer.current_epoch}: under "
                 "RudraStrategy's shared epoch the learners take different batches, so the others cannot skip at "
                 "the same place, and validation and the epoch's end would not meet. Use limit_train_batches (it "
-                "counts the batches of all learners), or RudraStrategy(sampling='static').")
+                "counts the batches of all learners), or RudraStrategy(sampling='static')."
+            )
         if self.samplers[0].ended == "epoch":  # the epoch was drained, not the run stopped within it
             self._catch_up_schedulers(self._learner_batches)
 
@@ -176,20 +182,25 @@ class SharedEpochLoop:
     def _refuse_per_learner_counts(self) -> None:
         trainer = self.trainer
         if trainer.reload_dataloaders_every_n_epochs:
-            raise ValueError(f"reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs} cannot be "
-                             "used with RudraStrategy's shared epoch yet: the learners' pools are set up once, when "
-                             "training starts. Use RudraStrategy(sampling='static').")
+            raise ValueError(
+                f"reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs} cannot be "
+                "used with RudraStrategy's shared epoch yet: the learners' pools are set up once, when "
+                "training starts. Use RudraStrategy(sampling='static')."
+            )
         if getattr(trainer, "_val_check_time_interval", None) is not None:
-            raise ValueError(f"val_check_interval={trainer.val_check_interval!r} (a time) cannot be used with "
-                             "RudraStrategy's shared epoch: each learner would validate at its own moment and the "
-                             "collectives in validation would not meet. Use a fraction or a number of batches, or "
-                             "RudraStrategy(sampling='static').")
+            raise ValueError(
+                f"val_check_interval={trainer.val_check_interval!r} (a time) cannot be used with "
+                "RudraStrategy's shared epoch: each learner would validate at its own moment and the "
+                "collectives in validation would not meet. Use a fraction or a number of batches, or "
+                "RudraStrategy(sampling='static')."
+            )
         for callback in trainer.callbacks:
             if isinstance(callback, ModelCheckpoint) and callback._train_time_interval is not None:
                 raise ValueError(
                     f"ModelCheckpoint(train_time_interval={callback._train_time_interval}) cannot be used with "
                     "RudraStrategy's shared epoch yet. Use every_n_train_steps (learner 0's steps), every_n_epochs, "
-                    "or RudraStrategy(sampling='static').")
+                    "or RudraStrategy(sampling='static')."
+                )
 
     # ---- step-interval LR schedulers at the epoch's progress ----------------------------------------------
     def _ddp_steps(self, config: Any, epoch: int, batches: int) -> int:
@@ -280,7 +291,8 @@ class SimulatedEpochLoop:
             raise ValueError(
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} cannot be simulated yet: the batches of "
                 "one process come from different simulated learners in turn. Use a batch size of "
-                "accumulate_grad_batches times as many samples, or real learners (devices=λ).")
+                "accumulate_grad_batches times as many samples, or real learners (devices=λ)."
+            )
         one = self.sampler.batches_per_learner()
         limit = trainer.limit_train_batches
         self.sampler.max_batches = min(one, limit) if isinstance(limit, int) else int(one * limit)
@@ -332,7 +344,8 @@ class SimulatedEpochLoop:
                     f"an LR scheduler with interval='step' and frequency={config.frequency} cannot be simulated yet: "
                     "Lightning would count the batches of all simulated learners together, not each learner's own. "
                     "Use frequency=1 and a schedule that steps every k steps itself (e.g. StepLR(step_size=k)), or "
-                    "real learners (devices=λ).")
+                    "real learners (devices=λ)."
+                )
         self.schedules = LearnerSchedules(self.num_learners, [c.scheduler for c in configs], trainer.optimizers)
         trainer.fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers
 
@@ -342,7 +355,7 @@ class SimulatedEpochLoop:
         assert self.schedules is not None
         epoch_loop = self.trainer.fit_loop.epoch_loop
         update = type(epoch_loop).update_lr_schedulers
-        for _ in (self.schedules.each() if interval == "epoch" else [None]):
+        for _ in self.schedules.each() if interval == "epoch" else [None]:
             update(epoch_loop, interval, update_plateau_schedulers)
 
 

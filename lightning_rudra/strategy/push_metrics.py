@@ -28,8 +28,9 @@ class PushMetrics:
         """Under automatic optimization the push follows training_step, so these describe the previous steps.
         Logged only where Lightning writes logs (and at an epoch's end): logging costs more than a small step."""
         trainer = module.trainer
-        if not self.accepted or not (trainer._logger_connector.should_update_logs
-                                     or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch):
+        if not self.accepted or not (
+            trainer._logger_connector.should_update_logs or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        ):
             return
         module.log("staleness_mean", self.staleness_sum / self.accepted, prog_bar=True, on_step=True)
         module.log("staleness_max", float(self.staleness_max), prog_bar=True, on_step=True)

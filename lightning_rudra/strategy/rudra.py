@@ -27,9 +27,17 @@ from lightning_rudra.core.timing import Homogeneous, TimingModel
 from lightning_rudra.learner.learner import Learner, LearnerOptimizer
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states, load_groups
-from lightning_rudra.strategy.checks import (check_arguments, check_min_learners, check_module, check_num_servers,
-                                             check_optimizers, check_simulated_devices, check_trainer, is_placeholder,
-                                             warn_of_meetings_per_batch)
+from lightning_rudra.strategy.checks import (
+    check_arguments,
+    check_min_learners,
+    check_module,
+    check_num_servers,
+    check_optimizers,
+    check_simulated_devices,
+    check_trainer,
+    is_placeholder,
+    warn_of_meetings_per_batch,
+)
 from lightning_rudra.strategy.collectives import Collectives
 from lightning_rudra.strategy.fit_loop import EndOfTraining, SharedEpochLoop, SimulatedEpochLoop
 from lightning_rudra.strategy.launchers import launcher_for
@@ -91,9 +99,13 @@ class RudraStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         lr_modulation, compensation = staleness_options(lr_modulation, compensation)
         validate_options(protocol, n, lr_modulation, max_staleness, nonfinite, compensation)
         check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers)
@@ -131,9 +143,11 @@ class RudraStrategy(ParallelStrategy):
         ours, other = (("pytorch_lightning", "lightning_rudra"), ("lightning.pytorch", "lightning_rudra.lightning"))
         if pl.__name__ != ours[0]:
             ours, other = other, ours
-        return (f"RudraStrategy(protocol={self.protocol!r}, n={self.n}, lr_modulation={self.lr_modulation!r}, "
-                f"compensation={self.compensation!r}) "
-                f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]")
+        return (
+            f"RudraStrategy(protocol={self.protocol!r}, n={self.n}, lr_modulation={self.lr_modulation!r}, "
+            f"compensation={self.compensation!r}) "
+            f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]"
+        )
 
     # ---- ranks, devices and launch -------------------------------------------------------------------
     @override
@@ -193,9 +207,14 @@ class RudraStrategy(ParallelStrategy):
         if self.simulate:
             return
         assert self.cluster_environment is not None
-        self._servers.join(self.cluster_environment, self.global_rank, self.num_learners,
-                           server_starters(self.num_servers, self.num_nodes, self.num_processes), self.rpc_timeout,
-                           self.min_learners)
+        self._servers.join(
+            self.cluster_environment,
+            self.global_rank,
+            self.num_learners,
+            server_starters(self.num_servers, self.num_nodes, self.num_processes),
+            self.rpc_timeout,
+            self.min_learners,
+        )
         assert self._servers.client is not None
         self._collectives.connect(self._servers.client, self.root_device)
 
@@ -224,8 +243,15 @@ class RudraStrategy(ParallelStrategy):
             self._learner.on_push = self._push_metrics.record
             self._learner.check(stepping)
             if self.is_global_zero:
-                config = ProtocolConfig(self.num_learners, self.protocol, self.n, self.lr_modulation,
-                                        self.max_staleness, self.nonfinite, self.compensation)
+                config = ProtocolConfig(
+                    self.num_learners,
+                    self.protocol,
+                    self.n,
+                    self.lr_modulation,
+                    self.max_staleness,
+                    self.nonfinite,
+                    self.compensation,
+                )
                 self._learner.register(config, stepping, *resumed)
             self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
             if stepping:
@@ -244,8 +270,9 @@ class RudraStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         if self.simulate and trainer.state.stage == RunningStage.TRAINING:
             # made before the learner exists: inside configure_optimizers, which reads one learner's counts
-            return simulated_dataloader(dataloader, self.simulate, self.protocol, self.timing,
-                                        whole=self._learner is not None)
+            return simulated_dataloader(
+                dataloader, self.simulate, self.protocol, self.timing, whole=self._learner is not None
+            )
         client = self._servers.client
         if self.sampling == "shared" and client is not None and trainer.state.stage == RunningStage.TRAINING:
             shared = shared_dataloader(dataloader, client, self._pools, self.num_learners)
@@ -353,8 +380,9 @@ class RudraStrategy(ParallelStrategy):
         return self._collectives.broadcast(obj, src, self.global_rank)
 
     @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None,
-               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+    def reduce(
+        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Any:
         return self._collectives.reduce(tensor, reduce_op)
 
     @override
@@ -377,8 +405,9 @@ class RudraStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        self._checkpoints.save(checkpoint, filepath, storage_options, self.is_global_zero, self.stats,
-                               super().save_checkpoint)
+        self._checkpoints.save(
+            checkpoint, filepath, storage_options, self.is_global_zero, self.stats, super().save_checkpoint
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -393,8 +422,14 @@ class RudraStrategy(ParallelStrategy):
     @override
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("rudra", cls, description="Rudra parameter server (default: 1-softsync)",
-                                   override=True)
+        strategy_registry.register(
+            "rudra", cls, description="Rudra parameter server (default: 1-softsync)", override=True
+        )
         for protocol in PROTOCOLS:
-            strategy_registry.register(f"rudra_{protocol}", cls, description=f"Rudra parameter server, {protocol}",
-                                       override=True, protocol=protocol)
+            strategy_registry.register(
+                f"rudra_{protocol}",
+                cls,
+                description=f"Rudra parameter server, {protocol}",
+                override=True,
+                protocol=protocol,
+            )

@@ -27,8 +27,9 @@ def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int, num_lea
     return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 
 
-def start_shared_epoch(trainer: "pl.Trainer", loaders: list[Any], num_learners: int,
-                       resumed: Optional[Stats] = None) -> Optional["SharedEpochLoop"]:
+def start_shared_epoch(
+    trainer: "pl.Trainer", loaders: list[Any], num_learners: int, resumed: Optional[Stats] = None
+) -> Optional["SharedEpochLoop"]:
     """The shared epoch for this ``fit``, installed; None if no train dataloader draws from the server.
     ``resumed``: the statistics of the checkpoint this ``fit`` resumes from."""
     samplers = [dl.sampler for dl in loaders if isinstance(getattr(dl, "sampler", None), SharedEpochSampler)]
@@ -37,13 +38,15 @@ def start_shared_epoch(trainer: "pl.Trainer", loaders: list[Any], num_learners: 
             f"{len(loaders) - len(samplers)} of the {len(loaders)} train dataloaders cannot share their epoch "
             "(an IterableDataset, or a sampler of your own, keeps one stream per learner), and the others do: "
             "their epochs would end at different batches on different learners. Use "
-            "RudraStrategy(sampling='static'), or plain map-style datasets for every train dataloader.")
+            "RudraStrategy(sampling='static'), or plain map-style datasets for every train dataloader."
+        )
     if len(samplers) > 1:
         raise ValueError(
             f"{len(samplers)} train dataloaders cannot share their epochs yet: Lightning cycles the shorter ones "
             "until the longest is done, and a drained shared pool does not cycle, so the epoch would end with the "
             "shortest. Use RudraStrategy(sampling='static') (each learner its own shard of every dataloader), or "
-            "one train dataloader.")
+            "one train dataloader."
+        )
     if not samplers:
         return None
     loop = SharedEpochLoop(trainer, samplers, num_learners)

@@ -31,8 +31,15 @@ class StageServers:
         self.client: Optional[LearnerClient] = None  # the first server's: collectives, the shared epoch
         self.processes: list[Popen] = []  # the server processes this learner started
 
-    def join(self, env: ClusterEnvironment, rank: int, num_learners: int, starters: list[int], rpc_timeout: float,
-             min_learners: Optional[int]) -> None:
+    def join(
+        self,
+        env: ClusterEnvironment,
+        rank: int,
+        num_learners: int,
+        starters: list[int],
+        rpc_timeout: float,
+        min_learners: Optional[int],
+    ) -> None:
         """Meet the other learners and the servers; the learners that start a server (``starters``, per server
         process) start it first."""
         global _next_port
@@ -42,8 +49,9 @@ class StageServers:
             self.rendezvous += 1
             key = f"lightning_rudra/port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self.rendezvous}"
             port = port_from_agent_store(rank, env.main_address, port, rpc_timeout, key)
-        self.clients, self.processes = join(rank, num_learners, env.main_address, port, rpc_timeout, min_learners,
-                                            starters)
+        self.clients, self.processes = join(
+            rank, num_learners, env.main_address, port, rpc_timeout, min_learners, starters
+        )
         self.client = self.clients[0]
 
     def report_lost(self, learner: int, why: str) -> None:

@@ -26,12 +26,14 @@ class StepTimes(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self.times = []
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._start is not None:
             self.times.append(time.perf_counter() - self._start)
             self._start = None
@@ -40,7 +42,7 @@ class StepTimes(Callback):
         # learners take different numbers of batches (the shared epoch): gather the counts, then padded times
         counts = trainer.strategy.all_gather(torch.tensor([len(self.times)])).reshape(-1).tolist()
         padded = torch.full((max(counts),), math.nan, dtype=torch.float64)
-        padded[:len(self.times)] = torch.tensor(self.times, dtype=torch.float64)
+        padded[: len(self.times)] = torch.tensor(self.times, dtype=torch.float64)
         gathered = trainer.strategy.all_gather(padded).reshape(len(counts), -1)
         if trainer.is_global_zero:
             times = [row[:count].tolist() for row, count in zip(gathered, counts)]

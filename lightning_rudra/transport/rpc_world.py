@@ -79,8 +79,14 @@ def _rendezvous_store(host: str, port: int, timeout: float) -> dist.TCPStore:
     port joins. The store owns the socket from here on."""
     sock = _bound(host, port)
     sock.listen(socket.SOMAXCONN)
-    return dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout), multi_tenant=True,
-                         master_listen_fd=sock.detach())
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        timeout=timedelta(seconds=timeout),
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def rpc_counters() -> dict[str, Any]:
@@ -122,8 +128,9 @@ def interface_towards(host: str) -> Optional[str]:
     return None
 
 
-def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeout: float, num_servers: int = 1,
-             shard: int = 0) -> None:
+def init_rpc(
+    learner: Optional[int], num_learners: int, init_method: str, timeout: float, num_servers: int = 1, shard: int = 0
+) -> None:
     """Join as learner number ``learner``, or as server ``shard`` (None). The first server is RPC rank 0, which
     hosts the rendezvous' TCP store: its port then closes when that server exits after the stage, and a new Trainer
     in learner 0's process can meet on the same port (torch keeps the store of a shut-down agent listening). A
@@ -141,8 +148,13 @@ def init_rpc(learner: Optional[int], num_learners: int, init_method: str, timeou
     interface = interface_towards(host)
     changes: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": None}
     if interface is not None:
-        changes.update({variable: interface for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
-                        if variable not in os.environ})
+        changes.update(
+            {
+                variable: interface
+                for variable in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+                if variable not in os.environ
+            }
+        )
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
     store = _rendezvous_store(host, int(port), timeout) if rank == 0 else None
@@ -173,9 +185,11 @@ def _set_environment(values: dict[str, Optional[str]]) -> None:
 
 # What TensorPipe logs (C++, to fd 2) in a process whose peer closes a connection while its own agent runs, and
 # in the server when it shuts down with a reply to a learner that has left still unsent
-_PEER_LEFT = re.compile(rb"tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ (encountered error when (reading incoming "
-                        rb"(request|response) from|sending response to request #\d+ to) \S+: (pipe closed|EOF: end "
-                        rb"of file)|won't send response to request #\d+ to \S+, as the agent is shutting down)")
+_PEER_LEFT = re.compile(
+    rb"tensorpipe_agent\.cpp:\d+\] RPC agent for \S+ (encountered error when (reading incoming "
+    rb"(request|response) from|sending response to request #\d+ to) \S+: (pipe closed|EOF: end "
+    rb"of file)|won't send response to request #\d+ to \S+, as the agent is shutting down)"
+)
 
 
 @contextmanager

@@ -44,8 +44,10 @@ def shared_memory_refused(machine: str) -> Optional[str]:
     (aarch64, POWER) may show a reader new weights with an old version."""
     if machine in _X86:
         return None
-    return (f"shared memory is not used on this {machine or 'unknown'} CPU: its sequence lock is only correct on "
-            "x86 (no memory fences).")
+    return (
+        f"shared memory is not used on this {machine or 'unknown'} CPU: its sequence lock is only correct on "
+        "x86 (no memory fences)."
+    )
 
 
 def _create(path: str, numel: int, dtype: torch.dtype) -> Tensor:
@@ -117,25 +119,39 @@ class SharedWeights(WeightsStore):
             tensor = _create(path, max(1, numel), dtype)[:numel]
         except OSError as error:
             self.unlink()
-            raise OSError(f"cannot allocate {numel} x {dtype} of shared memory at {path}: {error}. Free space in "
-                          f"{os.path.dirname(path)} (df -h {os.path.dirname(path)}), or pass "
-                          "RudraStrategy(shared_memory=False) to send weights and gradients through RPC.") from error
+            raise OSError(
+                f"cannot allocate {numel} x {dtype} of shared memory at {path}: {error}. Free space in "
+                f"{os.path.dirname(path)} (df -h {os.path.dirname(path)}), or pass "
+                "RudraStrategy(shared_memory=False) to send weights and gradients through RPC."
+            ) from error
         self.paths.append(path)
         self.files[tensor.data_ptr()] = (path, numel, dtype)
         return tensor
 
     def allocate_grads(self, num_learners: int, layouts: Sequence[FlatLayout]) -> dict[tuple[int, int], list[Tensor]]:
-        return {(learner, opt): [self.allocate(f"grad-{learner}-{opt}-{i}", numel, dtype)
-                                 for i, (dtype, numel) in enumerate(layout.numels.items())]
-                for learner in range(num_learners) for opt, layout in enumerate(layouts)}
+        return {
+            (learner, opt): [
+                self.allocate(f"grad-{learner}-{opt}-{i}", numel, dtype)
+                for i, (dtype, numel) in enumerate(layout.numels.items())
+            ]
+            for learner in range(num_learners)
+            for opt, layout in enumerate(layouts)
+        }
 
-    def names(self, params: Sequence[Tensor], buffers: Sequence[Tensor],
-              grads: dict[tuple[int, int], list[Tensor]]) -> SharedNames:
+    def names(
+        self, params: Sequence[Tensor], buffers: Sequence[Tensor], grads: dict[tuple[int, int], list[Tensor]]
+    ) -> SharedNames:
         def files(tensors: Sequence[Tensor]) -> Files:
             return [self.files[t.data_ptr()] for t in tensors]
 
-        return SharedNames(self.host, self.token, self.paths[0], files(params), files(buffers),
-                           {key: files(ts) for key, ts in grads.items()})
+        return SharedNames(
+            self.host,
+            self.token,
+            self.paths[0],
+            files(params),
+            files(buffers),
+            {key: files(ts) for key, ts in grads.items()},
+        )
 
     def begin(self) -> None:
         self.header[0] += 1
@@ -161,8 +177,9 @@ class MappedWeights:
     ``lost()`` says why the server is gone (the client's heartbeat), since a server killed in the middle of an
     update leaves the version odd for good."""
 
-    def __init__(self, names: SharedNames, learner: int, server: str, timeout: float,
-                 lost: Callable[[], Optional[str]]) -> None:
+    def __init__(
+        self, names: SharedNames, learner: int, server: str, timeout: float, lost: Callable[[], Optional[str]]
+    ) -> None:
         def mapped(files: Files) -> list[Tensor]:
             return [_open(path, max(1, numel), dtype)[:numel] for path, numel, dtype in files]
 
@@ -196,6 +213,8 @@ class MappedWeights:
         if lost is not None:
             raise RuntimeError(f"{lost}. It went in the middle of an update of the weights in shared memory.")
         if time.monotonic() - since > self.timeout:
-            raise RuntimeError(f"{self.server} has been in the middle of an update of the weights in shared memory "
-                               f"for more than {self.timeout:g} s (rpc_timeout): its process probably died while "
-                               "writing them. Its own output may say why.")
+            raise RuntimeError(
+                f"{self.server} has been in the middle of an update of the weights in shared memory "
+                f"for more than {self.timeout:g} s (rpc_timeout): its process probably died while "
+                "writing them. Its own output may say why."
+            )

@@ -17,8 +17,15 @@ def scalar_server(compensation, protocol="async", learners=2, momentum=0.0, opti
 
 
 def push(server, opt, learner, grad, timestamp):
-    return server.push(learner, 0, [torch.tensor([grad])], torch.tensor([True]), timestamp,
-                       [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups], [])
+    return server.push(
+        learner,
+        0,
+        [torch.tensor([grad])],
+        torch.tensor([True]),
+        timestamp,
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        [],
+    )
 
 
 def weight(server):
@@ -104,8 +111,11 @@ def test_defaults_and_refusals():
     assert parse_compensation("none") == () and parse_compensation("gap+momentum") == ("gap", "momentum")
     with pytest.raises(ValueError, match=r"compensation='dc\+dc' is not supported"):
         parse_compensation("dc+dc")
-    with pytest.raises(ValueError, match=r"compensation 'momentum' scales the learning rate, which optimizer 0 "
-                                         r"\(Rprop\) does not"):
+    with pytest.raises(
+        ValueError,
+        match=r"compensation 'momentum' scales the learning rate, which optimizer 0 "
+        r"\(Rprop\) does not",
+    ):
         check_optimizer(("momentum",), torch.optim.Rprop, "optimizer 0 (Rprop)")
     check_optimizer(("dc",), torch.optim.Rprop, "optimizer 0 (Rprop)")
     with pytest.raises(ValueError, match="lr_modulation='per_gradient' and compensation='momentum' both scale"):

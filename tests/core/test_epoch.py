@@ -92,21 +92,27 @@ def test_a_learner_with_another_plan_is_refused_and_changes_nothing():
     plan = EpochPlan(40, 10)
     pool = EpochPool(plan)
     pool.draw(0, 0, plan)
-    with pytest.raises(ValueError, match=r"learner 1 describes this dataloader's epoch as .*batch_size=8.*"
-                                         r"every learner must build the same train dataloader"):
+    with pytest.raises(
+        ValueError,
+        match=r"learner 1 describes this dataloader's epoch as .*batch_size=8.*"
+        r"every learner must build the same train dataloader",
+    ):
         pool.draw(0, 1, EpochPlan(40, 8))
     with pytest.raises(ValueError, match="epoch -1 from learner 1 is not valid"):
         pool.draw(-1, 1, plan)
     assert pool.draw(0, 1, plan)[1] == 1
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_samples=-1, batch_size=4), "num_samples=-1 is not valid: expected an integer >= 0"),
-    (dict(num_samples=10, batch_size=0), "batch_size=0 is not valid: expected an integer >= 1"),
-    (dict(num_samples=10, batch_size=2, max_batches=-2), "max_batches=-2 is not valid"),
-    (dict(num_samples=10, batch_size=2, budget=1.5), "budget=1.5 is not valid"),
-    (dict(num_samples=10, batch_size=2, resumed=-3), "resumed=-3 is not valid: expected an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_samples=-1, batch_size=4), "num_samples=-1 is not valid: expected an integer >= 0"),
+        (dict(num_samples=10, batch_size=0), "batch_size=0 is not valid: expected an integer >= 1"),
+        (dict(num_samples=10, batch_size=2, max_batches=-2), "max_batches=-2 is not valid"),
+        (dict(num_samples=10, batch_size=2, budget=1.5), "budget=1.5 is not valid"),
+        (dict(num_samples=10, batch_size=2, resumed=-3), "resumed=-3 is not valid: expected an integer >= 0"),
+    ],
+)
 def test_bad_plans_are_refused_by_name(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EpochPlan(**kwargs)

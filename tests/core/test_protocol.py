@@ -9,8 +9,16 @@ from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
 
 
-def make_server(protocol="softsync", n=1, learners=2, lr_modulation="none", max_staleness=None,
-                nonfinite="skip", momentum=0.0, buffers=()):
+def make_server(
+    protocol="softsync",
+    n=1,
+    learners=2,
+    lr_modulation="none",
+    max_staleness=None,
+    nonfinite="skip",
+    momentum=0.0,
+    buffers=(),
+):
     w = torch.zeros(2)
     opt = torch.optim.SGD([w], lr=0.1, momentum=momentum)
     config = ProtocolConfig(learners, protocol, n, lr_modulation, max_staleness, nonfinite)
@@ -18,8 +26,15 @@ def make_server(protocol="softsync", n=1, learners=2, lr_modulation="none", max_
 
 
 def push(server, learner, grad, timestamp, lr=0.1, buffers=()):
-    return server.push(learner, 0, [torch.tensor(grad, dtype=torch.float32)], torch.tensor([True]), timestamp,
-                       [{"lr": lr, "momentum": 0.0}], server.buffer_layout.pack([torch.tensor(b) for b in buffers]))
+    return server.push(
+        learner,
+        0,
+        [torch.tensor(grad, dtype=torch.float32)],
+        torch.tensor([True]),
+        timestamp,
+        [{"lr": lr, "momentum": 0.0}],
+        server.buffer_layout.pack([torch.tensor(b) for b in buffers]),
+    )
 
 
 def weights(server):
@@ -50,10 +65,14 @@ def test_softsync_updates_every_c_gradients_with_mean_modulation():
     server = make_server("softsync", n=2, learners=4, lr_modulation="mean")
     assert server.config.gradients_per_update == 2
     script = [  # (learner, timestamp, expected σ)
-        (0, 0, 0), (1, 0, 0),   # update 1 at clock 0: mean σ 0 -> lr 0.1
-        (2, 0, 1), (3, 0, 1),   # update 2: mean σ 1 -> lr 0.1
-        (0, 1, 1), (1, 0, 2),   # update 3: mean σ 1.5 -> lr 0.1 / 1.5
-        (2, 0, 3), (3, 2, 1),   # update 4: mean σ 2 -> lr 0.05
+        (0, 0, 0),
+        (1, 0, 0),  # update 1 at clock 0: mean σ 0 -> lr 0.1
+        (2, 0, 1),
+        (3, 0, 1),  # update 2: mean σ 1 -> lr 0.1
+        (0, 1, 1),
+        (1, 0, 2),  # update 3: mean σ 1.5 -> lr 0.1 / 1.5
+        (2, 0, 3),
+        (3, 2, 1),  # update 4: mean σ 2 -> lr 0.05
     ]
     updates = []
     for learner, timestamp, sigma in script:
@@ -72,8 +91,12 @@ def test_softsync_updates_every_c_gradients_with_mean_modulation():
 def test_async_with_per_gradient_modulation_scales_each_gradient():
     server = make_server("async", learners=2, lr_modulation="per_gradient")
     expected = torch.zeros(2)
-    for learner, timestamp, grad, scale in [(0, 0, [1.0, 0.0], 1.0), (1, 0, [0.0, 1.0], 1.0),
-                                            (0, 1, [2.0, 2.0], 1.0), (1, 1, [4.0, 4.0], 0.5)]:
+    for learner, timestamp, grad, scale in [
+        (0, 0, [1.0, 0.0], 1.0),
+        (1, 0, [0.0, 1.0], 1.0),
+        (0, 1, [2.0, 2.0], 1.0),
+        (1, 1, [4.0, 4.0], 0.5),
+    ]:
         result = push(server, learner, grad, timestamp)
         assert result.closed and result.update.gradient_scales == (scale,)
         assert result.update.lr_factor == 1.0
@@ -91,8 +114,16 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
     assert result.status == "dropped" and result.staleness == 2
     assert result.closed and result.update is None  # it was this update's one gradient: nothing to apply
     assert weights(server) == before and server.clock == 2
-    assert server.stats.to_dict() == {"clock": 2, "gradients": 3, "dropped": 1, "rejected": 0,
-                                      "staleness": {0: 1, 1: 1}, "batches": {}, "redealt": 0, "lost": {}}
+    assert server.stats.to_dict() == {
+        "clock": 2,
+        "gradients": 3,
+        "dropped": 1,
+        "rejected": 0,
+        "staleness": {0: 1, 1: 1},
+        "batches": {},
+        "redealt": 0,
+        "lost": {},
+    }
 
 
 def two_optimizer_server(learners=2, n=1, lr_modulation="none", max_staleness=None, protocol="softsync"):
@@ -178,15 +209,20 @@ def test_hardsync_round_with_a_refused_gradient_averages_the_others():
     assert weights(server) == pytest.approx([-0.2, -0.2])
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda s: push(s, 5, [1.0, 1.0], 0), "learner 5 is unknown"),
-    (lambda s: push(s, 0, [1.0, 1.0, 1.0], 0), "float32 x 3"),
-    (lambda s: s.push(0, 0, [torch.ones(2, dtype=torch.float64)], torch.tensor([True]), 0, [{"lr": 0.1}], []),
-     "torch.float64 x 2"),
-    (lambda s: push(s, 0, [1.0, 1.0], 7), "timestamp 7"),
-    (lambda s: push(s, 0, [1.0, 1.0], 0, lr=float("nan")), "learning rate nan"),
-    (lambda s: s.push(0, 3, [torch.ones(2)], torch.tensor([True]), 0, [{"lr": 0.1}], []), "optimizer index 3"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda s: push(s, 5, [1.0, 1.0], 0), "learner 5 is unknown"),
+        (lambda s: push(s, 0, [1.0, 1.0, 1.0], 0), "float32 x 3"),
+        (
+            lambda s: s.push(0, 0, [torch.ones(2, dtype=torch.float64)], torch.tensor([True]), 0, [{"lr": 0.1}], []),
+            "torch.float64 x 2",
+        ),
+        (lambda s: push(s, 0, [1.0, 1.0], 7), "timestamp 7"),
+        (lambda s: push(s, 0, [1.0, 1.0], 0, lr=float("nan")), "learning rate nan"),
+        (lambda s: s.push(0, 3, [torch.ones(2)], torch.tensor([True]), 0, [{"lr": 0.1}], []), "optimizer index 3"),
+    ],
+)
 def test_bad_push_is_refused_with_a_clear_error_and_changes_nothing(call, message):
     server = make_server("async", learners=2)
     push(server, 0, [1.0, 1.0], 0)
@@ -196,14 +232,17 @@ def test_bad_push_is_refused_with_a_clear_error_and_changes_nothing(call, messag
     assert (weights(server), server.stats.to_dict()) == before
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(protocol="bulksync"), "protocol='bulksync'"),
-    (dict(n=0), "n=0"),
-    (dict(n=3), "n=3 is larger than the number of learners λ=2"),
-    (dict(max_staleness=-1), "max_staleness=-1"),
-    (dict(lr_modulation="sqrt"), "lr_modulation='sqrt'"),
-    (dict(nonfinite="ignore"), "nonfinite='ignore'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(protocol="bulksync"), "protocol='bulksync'"),
+        (dict(n=0), "n=0"),
+        (dict(n=3), "n=3 is larger than the number of learners λ=2"),
+        (dict(max_staleness=-1), "max_staleness=-1"),
+        (dict(lr_modulation="sqrt"), "lr_modulation='sqrt'"),
+        (dict(nonfinite="ignore"), "nonfinite='ignore'"),
+    ],
+)
 def test_bad_configuration_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ProtocolConfig(num_learners=2, **kwargs)
@@ -237,11 +276,15 @@ def test_buffers_are_averaged_and_integer_buffers_take_the_last_value():
     assert [b.tolist() for b in server.buffer_layout.unpack(buffers)] == [[2.0, 3.0], 7]
 
 
-@pytest.mark.parametrize("make_optimizer", [
-    lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=1e-2),
-    lambda groups: torch.optim.Adam(groups, lr=0.01),
-    lambda groups: torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1),
-], ids=["sgd-momentum", "adam", "adamw"])
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=1e-2),
+        lambda groups: torch.optim.Adam(groups, lr=0.01),
+        lambda groups: torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1),
+    ],
+    ids=["sgd-momentum", "adam", "adamw"],
+)
 def test_async_with_one_learner_is_the_plain_optimizer(make_optimizer):
     torch.manual_seed(0)
     local = [torch.randn(3, 2), torch.randn(4), torch.randn(2)]
@@ -263,7 +306,7 @@ def test_async_with_one_learner_is_the_plain_optimizer(make_optimizer):
         local_opt.step()
     for mine, theirs in zip(local, server.params):
         torch.testing.assert_close(theirs, mine, rtol=0, atol=0)
-    assert server.optimizer_state(0)["param_groups"][1]["lr"] == pytest.approx(0.05 * 0.9 ** 5)
+    assert server.optimizer_state(0)["param_groups"][1]["lr"] == pytest.approx(0.05 * 0.9**5)
     assert server.optimizer_state(0)["state"].keys() == local_opt.state_dict()["state"].keys()
 
 
@@ -287,8 +330,15 @@ def test_hardsync_equals_sgd_on_the_union_batch():
             model.zero_grad()
             rows = torch.arange(batch.start, batch.stop)[learner::learners]
             torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-            server.push(learner, 0, server.grad_layouts[0].pack([p.grad for p in params]), torch.tensor([True, True]),
-                        clock, [{"lr": 0.1, "momentum": 0.9}], [])
+            server.push(
+                learner,
+                0,
+                server.grad_layouts[0].pack([p.grad for p in params]),
+                torch.tensor([True, True]),
+                clock,
+                [{"lr": 0.1, "momentum": 0.9}],
+                [],
+            )
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(reference(x[batch]), y[batch]).backward()
         ref_opt.step()

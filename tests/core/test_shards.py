@@ -35,8 +35,9 @@ def test_views_of_a_parameter_write_through_to_it():
     assert weight.sum() == 10 and weight[:2].eq(1).all()
 
 
-@pytest.mark.parametrize("cls, options", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-                                          (torch.optim.Adam, {"lr": 0.01})])
+@pytest.mark.parametrize(
+    "cls, options", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 0.01})]
+)
 def test_optimizer_states_split_at_the_cuts_step_as_the_whole_and_merge_back(cls, options):
     """Each server's optimizer over its slices, stepped on the slices of one gradient, ends with exactly the
     whole optimizer's weights and state; the state merged from the servers loads into the whole optimizer."""
@@ -78,7 +79,10 @@ def test_a_non_elementwise_optimizer_or_a_non_contiguous_parameter_is_not_cut():
     assert learner.plan.splits_a_parameter  # elementwise: cut anywhere
     learner.check([torch.optim.Adafactor(model.parameters())])  # factors each matrix: whole parameters
     assert [[(p.param, p.whole) for p in pieces] for pieces in learner.plan.shards] == [
-        [(0, True)], [(1, True)], [(2, True), (3, True)]]  # cuts at 20 and 25, the nearest to 20.3 and 40.7
+        [(0, True)],
+        [(1, True)],
+        [(2, True), (3, True)],
+    ]  # cuts at 20 and 25, the nearest to 20.3 and 40.7
     assert [len(shard.params) for shard in learner.shards] == [1, 1, 2]
     conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     plan = Learner(conv, [object(), object()]).plan

@@ -44,8 +44,15 @@ def no_shared_memory_left():
 @pytest.mark.parametrize("shared_memory, num_servers", [(True, 1), (True, 2), (False, 2)])
 def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, num_servers, no_shared_memory_left):
     learners, mu, steps = 3, 4, 6
-    results = harness.run_learners(learners, harness.train, config=ProtocolConfig(learners, "hardsync"),
-                                   steps=steps, mu=mu, shared_memory=shared_memory, num_servers=num_servers)
+    results = harness.run_learners(
+        learners,
+        harness.train,
+        config=ProtocolConfig(learners, "hardsync"),
+        steps=steps,
+        mu=mu,
+        shared_memory=shared_memory,
+        num_servers=num_servers,
+    )
     check_ok(results)
     assert [r["shared_memory"] for r in results] == [shared_memory] * learners
     reference = sgd_reference(steps, mu * learners)
@@ -62,8 +69,15 @@ def test_hardsync_over_servers_cut_between_parameters_one_of_them_empty(no_share
     """An optimizer not known to be elementwise: the 3 servers' cuts move to the parameter boundaries nearest to
     them (0 and 48 of 65), so the first server owns nothing and still takes every push; still exactly SGD."""
     learners, mu, steps = 2, 4, 5
-    results = harness.run_learners(learners, harness.train, config=ProtocolConfig(learners, "hardsync"),
-                                   steps=steps, mu=mu, num_servers=3, optimizer=harness.SubclassedSGD)
+    results = harness.run_learners(
+        learners,
+        harness.train,
+        config=ProtocolConfig(learners, "hardsync"),
+        steps=steps,
+        mu=mu,
+        num_servers=3,
+        optimizer=harness.SubclassedSGD,
+    )
     check_ok(results)
     assert [r["owned"] for r in results] == [[0, 1, 3]] * learners
     for result in results:
@@ -77,8 +91,9 @@ def test_hardsync_over_servers_cut_between_parameters_one_of_them_empty(no_share
 def test_async_with_one_learner_is_plain_sgd(num_servers, no_shared_memory_left):
     # through shared memory; over RPC in test_shared_memory_that_cannot_be_allocated_falls_back_to_rpc
     steps, mu = 8, 5
-    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu,
-                                    num_servers=num_servers)
+    [result] = harness.run_learners(
+        1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu, num_servers=num_servers
+    )
     check_ok([result])
     assert result["shared_memory"]
     for mine, expected in zip(result["params"], sgd_reference(steps, mu)):
@@ -89,8 +104,9 @@ def test_async_with_one_learner_is_plain_sgd(num_servers, no_shared_memory_left)
 def test_overlap_computes_on_the_newest_weights_received():
     """Rudra-adv*: with one learner, gradient k (k >= 1) comes from the weights before update k - 1 (σ = 1)."""
     steps, mu, lr, momentum = 6, 4, 0.1, 0.9
-    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu,
-                                    lr=lr, momentum=momentum, overlap=True)
+    [result] = harness.run_learners(
+        1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu, lr=lr, momentum=momentum, overlap=True
+    )
     check_ok([result])
     assert result["stats"].staleness == {0: 1, 1: steps - 1}
     master, probe = harness.model(), harness.model()
@@ -157,8 +173,9 @@ def test_a_dead_learner_ends_the_others_with_an_error():
 
 
 def test_a_live_learner_slower_than_the_timeout_is_waited_for():
-    results = harness.run_learners(2, harness.slow_first_push, config=ProtocolConfig(2, "hardsync"), timeout=3.0,
-                                   sleep_s=7.0)
+    results = harness.run_learners(
+        2, harness.slow_first_push, config=ProtocolConfig(2, "hardsync"), timeout=3.0, sleep_s=7.0
+    )
     check_ok(results)
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
@@ -166,8 +183,9 @@ def test_a_live_learner_slower_than_the_timeout_is_waited_for():
 
 def test_the_shared_epoch_deals_every_sample_once_and_more_to_the_fast_learner():
     plan = EpochPlan(96, 4, shuffle=True, seed=5)
-    results = harness.run_learners(2, harness.draw_shared_epochs, config=ProtocolConfig(2, "async"), plan=plan,
-                                   epochs=2, sleep_s=0.05)
+    results = harness.run_learners(
+        2, harness.draw_shared_epochs, config=ProtocolConfig(2, "async"), plan=plan, epochs=2, sleep_s=0.05
+    )
     check_ok(results)
     for epoch in range(2):
         mine, theirs = ([b for e, b in r["batches"] if e == epoch] for r in results)

@@ -16,8 +16,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_rudra import RudraStrategy
 from lightning_rudra.step_times import StepTimes
 from lightning_rudra.timing import Homogeneous, Jittered, Measured, Stragglers, push_order
-from tests.lightning_models import (IndexedData, OneBackwardTwoSteps, Regression, Stream, TwoOptimizers, flat,
-                                    indexed_loader, loader, quiet_trainer, single_process_sgd)
+from tests.lightning_models import (
+    IndexedData,
+    OneBackwardTwoSteps,
+    Regression,
+    Stream,
+    TwoOptimizers,
+    flat,
+    indexed_loader,
+    loader,
+    quiet_trainer,
+    single_process_sgd,
+)
 
 
 # ---- the order of pushes, by hand --------------------------------------------------------------------------
@@ -45,31 +55,41 @@ def test_measured_times_are_used_in_turn_and_cycle_over_learners():
 
 def test_jitter_is_reproducible_from_its_seed():
     steps = [20] * 4
-    assert push_order("async", steps, Jittered(0.5, seed=1), [0] * 4) == push_order("async", steps, Jittered(0.5, seed=1), [0] * 4)
-    assert push_order("async", steps, Jittered(0.5, seed=1), [0] * 4) != push_order("async", steps, Jittered(0.5, seed=2), [0] * 4)
+    assert push_order("async", steps, Jittered(0.5, seed=1), [0] * 4) == push_order(
+        "async", steps, Jittered(0.5, seed=1), [0] * 4
+    )
+    assert push_order("async", steps, Jittered(0.5, seed=1), [0] * 4) != push_order(
+        "async", steps, Jittered(0.5, seed=2), [0] * 4
+    )
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: Jittered(spread=-1), "spread=-1"),
-    (lambda: Stragglers({0: 0.0}), "slowdown of learner 0 is 0.0"),
-    (lambda: Stragglers({-1: 2.0}), "slowdown names learner -1"),
-    (lambda: Measured([]), "Measured"),
-    (lambda: Measured([[1.0, -2.0]]), "finite and > 0"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Jittered(spread=-1), "spread=-1"),
+        (lambda: Stragglers({0: 0.0}), "slowdown of learner 0 is 0.0"),
+        (lambda: Stragglers({-1: 2.0}), "slowdown names learner -1"),
+        (lambda: Measured([]), "Measured"),
+        (lambda: Measured([[1.0, -2.0]]), "finite and > 0"),
+    ],
+)
 def test_bad_timing_models_are_refused(make, message):
     with pytest.raises(ValueError, match=message):
         make()
 
 
 # ---- the strategy's arguments ---------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(simulate=0), "simulate=0 is not valid"),
-    (dict(simulate=2.5), "simulate=2.5 is not valid"),
-    (dict(timing=Homogeneous()), "set simulate=λ too"),
-    (dict(simulate=4, timing="fast"), "is not a timing model"),
-    (dict(simulate=4, sampling="shared"), "sampling='shared' cannot be simulated"),
-    (dict(simulate=4, overlap=True), "overlap=True cannot be simulated"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(simulate=0), "simulate=0 is not valid"),
+        (dict(simulate=2.5), "simulate=2.5 is not valid"),
+        (dict(timing=Homogeneous()), "set simulate=λ too"),
+        (dict(simulate=4, timing="fast"), "is not a timing model"),
+        (dict(simulate=4, sampling="shared"), "sampling='shared' cannot be simulated"),
+        (dict(simulate=4, overlap=True), "overlap=True cannot be simulated"),
+    ],
+)
 def test_bad_simulation_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RudraStrategy(**kwargs)
@@ -143,15 +163,20 @@ def test_every_simulated_learner_steps_its_own_schedule_over_one_learners_estima
     # 2 epochs × 256 / (4 · 8) steps, as real learners would read it)
     model, trainer = fit(RudraStrategy(protocol="hardsync", simulate=4), model=OneCycle(), max_epochs=2)
     assert model.total_steps == 16 and trainer.lr_scheduler_configs[0].scheduler.last_epoch == 16
-    assert torch.allclose(flat(model.parameters()), single_process_sgd(2, 32, model=OneCycle(total_steps=16)),
-                          atol=1e-6)
+    assert torch.allclose(
+        flat(model.parameters()), single_process_sgd(2, 32, model=OneCycle(total_steps=16)), atol=1e-6
+    )
     # learners at their own pace: each rate is the learner's own, after its own steps and the epochs' ends
-    model, _ = fit(RudraStrategy(protocol="async", simulate=3, timing=Stragglers({0: 3.0})), model=TwoSchedules(),
-                   data=loader(8, num_samples=96), max_epochs=2)
+    model, _ = fit(
+        RudraStrategy(protocol="async", simulate=3, timing=Stragglers({0: 3.0})),
+        model=TwoSchedules(),
+        data=loader(8, num_samples=96),
+        max_epochs=2,
+    )
     steps = Counter()
     for i, (learner, lr) in enumerate(model.rates):
         epoch = i // 12  # 96 samples: 4 batches per learner and epoch
-        assert lr == pytest.approx(0.05 * 0.9 ** steps[learner] * 0.5 ** epoch), (i, learner)
+        assert lr == pytest.approx(0.05 * 0.9 ** steps[learner] * 0.5**epoch), (i, learner)
         steps[learner] += 1
     assert steps == {r: 8 for r in range(3)}
 
@@ -178,8 +203,11 @@ def predicted_staleness(n: int, learners: int, pushes: int) -> Counter:
 @pytest.mark.parametrize("n", [1, 2, 3, 6])
 def test_softsync_staleness_of_homogeneous_learners_is_what_the_protocol_predicts(n):
     learners = 6
-    _, trainer = fit(RudraStrategy(protocol="softsync" if n < learners else "async", n=n, simulate=learners),
-                     data=loader(4, num_samples=240), max_epochs=1)
+    _, trainer = fit(
+        RudraStrategy(protocol="softsync" if n < learners else "async", n=n, simulate=learners),
+        data=loader(4, num_samples=240),
+        max_epochs=1,
+    )
     stats = trainer.strategy.stats
     pushes = 240 // 4
     assert stats.staleness == dict(predicted_staleness(n, learners, pushes))
@@ -210,8 +238,12 @@ def test_each_simulated_learner_reads_the_shard_a_real_learner_of_its_rank_reads
     # this test only (learner processes that later tests start would inherit it)
     monkeypatch.setenv("PL_GLOBAL_SEED", "7")
     pl.seed_everything(7, verbose=False)
-    model, trainer = fit(RudraStrategy(protocol=protocol, simulate=learners, timing=Jittered(0.5, seed=3)),
-                         model=Seen(), data=indexed_loader(5, num_samples=100), max_epochs=epochs)
+    model, trainer = fit(
+        RudraStrategy(protocol=protocol, simulate=learners, timing=Jittered(0.5, seed=3)),
+        model=Seen(),
+        data=indexed_loader(5, num_samples=100),
+        max_epochs=epochs,
+    )
     for rank in range(learners):
         expected = []
         for epoch in range(epochs):
@@ -249,8 +281,7 @@ def test_a_straggler_raises_the_others_staleness_only_without_hardsync():
 def test_a_resumed_simulated_hardsync_run_equals_an_uninterrupted_one(tmp_path):
     whole, _ = fit(RudraStrategy(protocol="hardsync", simulate=4), max_epochs=2)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    fit(RudraStrategy(protocol="hardsync", simulate=4), max_epochs=1, callbacks=[checkpoint],
-        enable_checkpointing=True)
+    fit(RudraStrategy(protocol="hardsync", simulate=4), max_epochs=1, callbacks=[checkpoint], enable_checkpointing=True)
     resumed = Regression()
     trainer = quiet_trainer(RudraStrategy(protocol="hardsync", simulate=4), devices=1, max_epochs=2)
     trainer.fit(resumed, loader(8), ckpt_path=str(tmp_path / "last.ckpt"))
@@ -277,7 +308,8 @@ def test_lightning_cli_runs_a_simulation_from_yaml(tmp_path):
         "  enable_checkpointing: false\n  enable_model_summary: false\n  strategy:\n"
         "    class_path: lightning_rudra.RudraStrategy\n    init_args:\n      protocol: softsync\n      n: 2\n"
         "      simulate: 8\n      timing:\n        class_path: lightning_rudra.timing.Jittered\n"
-        "        init_args:\n          spread: 0.2\n          slowdown: {0: 2.0}\n")
+        "        init_args:\n          spread: 0.2\n          slowdown: {0: 2.0}\n"
+    )
     cli = LightningCLI(Regression, run=False, args=["--config", str(config)])
     strategy = cli.trainer.strategy
     assert (strategy.simulate, strategy.timing.spread, strategy.timing.slowdown) == (8, 0.2, {0: 2.0})
@@ -288,15 +320,20 @@ def test_lightning_cli_runs_a_simulation_from_yaml(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_several_optimizers_and_manual_optimization_are_simulated():
-    _, trainer = fit(RudraStrategy(protocol="softsync", n=2, lr_modulation="none", simulate=2), model=TwoOptimizers(),
-                     data=loader(16), max_epochs=1)
+    _, trainer = fit(
+        RudraStrategy(protocol="softsync", n=2, lr_modulation="none", simulate=2),
+        model=TwoOptimizers(),
+        data=loader(16),
+        max_epochs=1,
+    )
     assert trainer.strategy.stats.gradients == trainer.strategy.stats.clock == 2 * 2 * 8  # two pushes a step
     # a real hardsync learner waits for the first round before its second step: one process cannot
     with pytest.raises(RuntimeError, match="cannot be simulated under hardsync"):
         fit(RudraStrategy(protocol="hardsync", simulate=2), model=TwoOptimizers(), data=loader(16), max_epochs=1)
     # one backward, two steps: the second optimizer's gradient comes from the weights before the first's update
-    _, trainer = fit(RudraStrategy(protocol="async", simulate=1), model=OneBackwardTwoSteps(), data=loader(16),
-                     max_epochs=1)
+    _, trainer = fit(
+        RudraStrategy(protocol="async", simulate=1), model=OneBackwardTwoSteps(), data=loader(16), max_epochs=1
+    )
     assert trainer.strategy.stats.staleness == {0: 16, 1: 16}
 
 

@@ -42,11 +42,21 @@ class Sleepy(Wide):
 
 if __name__ == "__main__":
     num_nodes, devices, epochs = (int(arg) for arg in sys.argv[1:4])
-    protocol, sleep, timeout, width = (sys.argv[4:] + ["hardsync", "0", "20", "16"][len(sys.argv[4:]):])[:4]
-    trainer = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=float(timeout)), devices,
-                            num_nodes=num_nodes, max_epochs=epochs)
+    protocol, sleep, timeout, width = (sys.argv[4:] + ["hardsync", "0", "20", "16"][len(sys.argv[4:]) :])[:4]
+    trainer = quiet_trainer(
+        RudraStrategy(protocol=protocol, rpc_timeout=float(timeout)), devices, num_nodes=num_nodes, max_epochs=epochs
+    )
     model = Sleepy(float(sleep), int(width))
     trainer.fit(model, loader(8))
     if trainer.is_global_zero:
-        print("RESULT " + json.dumps({"params": flat(model.parameters()).tolist(), "learners": trainer.world_size,
-                                      "stats": trainer.strategy.stats.to_dict()}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "params": flat(model.parameters()).tolist(),
+                    "learners": trainer.world_size,
+                    "stats": trainer.strategy.stats.to_dict(),
+                }
+            ),
+            flush=True,
+        )

@@ -26,11 +26,19 @@ if __name__ == "__main__":
     [result] = trainer.test(model, loader(64, seed=1), verbose=False)
     if trainer.is_global_zero:
         saved = torch.load("after_fit.ckpt", weights_only=False)
-        print("RESULT " + json.dumps({"stats": stats.to_dict(), "test_loss": result["test_loss"],
-                                      "weights": flat(model.parameters()).sum().item(),
-                                      "finite": bool(torch.isfinite(flat(model.parameters())).all()),
-                                      "saved_state": len(saved["optimizer_states"][0]["state"]),
-                                      "saved_lr": saved["optimizer_states"][0]["param_groups"][0]["lr"],
-                                      "saved_clock": saved["rudra"]["stats"]["clock"],
-                                      "again_clock": again.strategy.stats.clock,
-                                      "again_lr": again.optimizers[0].param_groups[0]["lr"]}))
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "stats": stats.to_dict(),
+                    "test_loss": result["test_loss"],
+                    "weights": flat(model.parameters()).sum().item(),
+                    "finite": bool(torch.isfinite(flat(model.parameters())).all()),
+                    "saved_state": len(saved["optimizer_states"][0]["state"]),
+                    "saved_lr": saved["optimizer_states"][0]["param_groups"][0]["lr"],
+                    "saved_clock": saved["rudra"]["stats"]["clock"],
+                    "again_clock": again.strategy.stats.clock,
+                    "again_lr": again.optimizers[0].param_groups[0]["lr"],
+                }
+            )
+        )

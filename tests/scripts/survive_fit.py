@@ -16,6 +16,13 @@ if __name__ == "__main__":
     trainer = quiet_trainer(strategy, 2, max_epochs=epochs)
     trainer.fit(model, loader(8))
     if trainer.is_global_zero:
-        print("RESULT " + json.dumps({"weights": flat(model.parameters()).tolist(),
-                                      "stats": strategy.stats.to_dict(),
-                                      "children": [p.pid for p in getattr(strategy.launcher, "procs", [])]}))
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "weights": flat(model.parameters()).tolist(),
+                    "stats": strategy.stats.to_dict(),
+                    "children": [p.pid for p in getattr(strategy.launcher, "procs", [])],
+                }
+            )
+        )

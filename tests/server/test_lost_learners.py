@@ -27,8 +27,9 @@ def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n:
 
 
 def push(learner: int, value: float, timestamp: int = 0):
-    return server.call_async("push", learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool),
-                              timestamp, [{"lr": 1.0}], [])
+    return server.call_async(
+        "push", learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool), timestamp, [{"lr": 1.0}], []
+    )
 
 
 def lose(ps: ParameterServer, learner: int, why: str = "ended before training did: its process (pid 1) is gone"):
@@ -91,22 +92,44 @@ def test_a_launcher_reports_a_learner_whose_process_ended(monkeypatch):
 def test_a_lost_learner_that_comes_back_is_refused(monkeypatch):
     ps = parameter_server(monkeypatch, "async", 2, min_learners=1)
     lose(ps, 1, "has not been heard from for more than 5 s (rpc_timeout): its process died or hung")
-    with pytest.raises(RuntimeError, match=r"push from learner 1 refused: it was counted as lost \(it has not been "
-                                           r"heard from for more than 5 s"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"push from learner 1 refused: it was counted as lost \(it has not been "
+        r"heard from for more than 5 s",
+    ):
         push(1, 1.0)
     assert ps.core.stats.gradients == 0
 
 
-@pytest.mark.parametrize("learners, min_learners, lost, message", [
-    (2, None, 1, r"learner 1 \(on 10.0.0.2\) stopped with an error \(ValueError: broke\), and training cannot go on "
-                 r"without it \(with RudraStrategy\(min_learners=k\), training goes on while k learners are left\)"),
-    (3, 3, 2, r"learner 2 \(on a host it never named\) stopped with an error \(ValueError: broke\): 2 learners left, "
-              r"fewer than min_learners=3, so training cannot go on"),
-    (2, 1, 0, r"learner 0 \(on 10.0.0.1\) stopped with an error \(ValueError: broke\), and training cannot go on "
-              r"without learner 0: its process runs a parameter server"),
-])
-def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(monkeypatch, learners, min_learners, lost,
-                                                                        message):
+@pytest.mark.parametrize(
+    "learners, min_learners, lost, message",
+    [
+        (
+            2,
+            None,
+            1,
+            r"learner 1 \(on 10.0.0.2\) stopped with an error \(ValueError: broke\), and training cannot go on "
+            r"without it \(with RudraStrategy\(min_learners=k\), training goes on while k learners are left\)",
+        ),
+        (
+            3,
+            3,
+            2,
+            r"learner 2 \(on a host it never named\) stopped with an error \(ValueError: broke\): 2 learners left, "
+            r"fewer than min_learners=3, so training cannot go on",
+        ),
+        (
+            2,
+            1,
+            0,
+            r"learner 0 \(on 10.0.0.1\) stopped with an error \(ValueError: broke\), and training cannot go on "
+            r"without learner 0: its process runs a parameter server",
+        ),
+    ],
+)
+def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(
+    monkeypatch, learners, min_learners, lost, message
+):
     parameter_server(monkeypatch, "hardsync", learners, min_learners)
     for learner, address in ((0, "10.0.0.1"), (1, "10.0.0.2")):
         server.call("heartbeat", learner, address, None)
@@ -123,7 +146,8 @@ def test_with_several_servers_no_learner_that_started_one_can_be_lost():
     assert membership.lose(1, "left before training ended") is None
     assert membership.lose(2, "left before training ended") == (
         "learner 2 (on a host it never named) left before training ended, and training cannot go on without learner "
-        "2: its process runs a parameter server")
+        "2: its process runs a parameter server"
+    )
 
 
 def test_the_watch_finds_a_learner_whose_process_ended_on_this_machine():
@@ -137,8 +161,13 @@ def test_the_watch_finds_a_learner_whose_process_ended_on_this_machine():
     membership.heard(1, "127.0.0.1", ("another-machine/pid:[1]", child.pid))  # not this machine: no pid to check
     assert membership.newly_lost() == [] and membership.pids == {0: os.getpid()}
     membership.last_heard[1] = time.monotonic() - 61  # but silence counts everywhere
-    assert membership.newly_lost() == [(1, "has not been heard from for more than 60 s (rpc_timeout): its process "
-                                           "died or hung, or its host cannot be reached")]
+    assert membership.newly_lost() == [
+        (
+            1,
+            "has not been heard from for more than 60 s (rpc_timeout): its process "
+            "died or hung, or its host cannot be reached",
+        )
+    ]
 
 
 def test_after_training_failed_a_second_loss_does_not_change_the_reason(monkeypatch):

@@ -21,17 +21,19 @@ def parameter_server(monkeypatch):
 
 
 def push(learner):
-    return server.call_async("push", learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0,
-                              [{"lr": 0.1}], [])
+    return server.call_async("push", learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], [])
 
 
-@pytest.mark.parametrize("method, args, error, message", [
-    ("_give_up", ("any reason",), ValueError, "'_give_up' is not a call the parameter server answers: expected"),
-    ("lost", (), ValueError, "'lost' is not a call"),
-    ("heartbeat", (2, "10.0.0.3"), ValueError, r"heartbeat from learner 2 refused: this run's learners are 0..1"),
-    ("push", ("0",), ValueError, r"push from learner '0' refused"),
-    ("leave", (), ValueError, r"leave from learner None refused"),
-])
+@pytest.mark.parametrize(
+    "method, args, error, message",
+    [
+        ("_give_up", ("any reason",), ValueError, "'_give_up' is not a call the parameter server answers: expected"),
+        ("lost", (), ValueError, "'lost' is not a call"),
+        ("heartbeat", (2, "10.0.0.3"), ValueError, r"heartbeat from learner 2 refused: this run's learners are 0..1"),
+        ("push", ("0",), ValueError, r"push from learner '0' refused"),
+        ("leave", (), ValueError, r"leave from learner None refused"),
+    ],
+)
 def test_unknown_calls_and_learners_are_refused(parameter_server, method, args, error, message):
     heard = dict(parameter_server.membership.last_heard)
     with pytest.raises(error, match=message):
@@ -46,8 +48,11 @@ def test_a_learner_that_left_or_was_lost_cannot_come_back(parameter_server):
     with pytest.raises(RuntimeError, match="push from learner 1 refused: it has left this run"):
         push(1)
     parameter_server.membership.lost[0] = "has not been heard from for more than 5 s"  # as watch() finds
-    with pytest.raises(RuntimeError, match="heartbeat from learner 0 refused: it was counted as lost .it has not been "
-                                           "heard from for more than 5 s., and it cannot rejoin"):
+    with pytest.raises(
+        RuntimeError,
+        match="heartbeat from learner 0 refused: it was counted as lost .it has not been "
+        "heard from for more than 5 s., and it cannot rejoin",
+    ):
         server.call("heartbeat", 0, "10.0.0.2")
     assert parameter_server.core.clock == 0 and parameter_server.core.stats.gradients == 0
 

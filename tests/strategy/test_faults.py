@@ -38,8 +38,17 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.transport.rpc_world import free_port
-from tests.lightning_models import (START, FailingLearner, MeteredFailing, Regression, flat, loader, quiet_trainer,
-                                    regression_data, sgd_after_a_loss)
+from tests.lightning_models import (
+    START,
+    FailingLearner,
+    MeteredFailing,
+    Regression,
+    flat,
+    loader,
+    quiet_trainer,
+    regression_data,
+    sgd_after_a_loss,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -72,8 +81,12 @@ def server_pids(port: int, shard: Optional[int] = None) -> list[int]:
                 command = file.read().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, ValueError):
             continue
-        if (entry.isdigit() and "lightning_rudra.server.process" in command and f"tcp://127.0.0.1:{port} " in command
-                and (shard is None or f"--shard {shard} " in command)):
+        if (
+            entry.isdigit()
+            and "lightning_rudra.server.process" in command
+            and f"tcp://127.0.0.1:{port} " in command
+            and (shard is None or f"--shard {shard} " in command)
+        ):
             found.append(int(entry))
     return found
 
@@ -89,9 +102,17 @@ def pid_of(tmp_path, who: str, port: int) -> int:
     raise AssertionError(f"{who} never started")
 
 
-def run_with_fault(tmp_path, monkeypatch, who: str, signum: int, protocol: str = "async",
-                   min_learners: Optional[int] = None, max_epochs: int = 1000, num_servers: Optional[int] = None,
-                   **trainer_options: Any) -> tuple[Optional[str], list[int], Marked, Any]:
+def run_with_fault(
+    tmp_path,
+    monkeypatch,
+    who: str,
+    signum: int,
+    protocol: str = "async",
+    min_learners: Optional[int] = None,
+    max_epochs: int = 1000,
+    num_servers: Optional[int] = None,
+    **trainer_options: Any,
+) -> tuple[Optional[str], list[int], Marked, Any]:
     """Fit; once both learners train, send ``signum`` to ``who`` (``learner<r>``, ``server``, ``server<s>``: server
     process s of ``num_servers``). Returns the error's text (None: fit ended well),
     the pids that were still alive a while after the fit ended (stopped ones are let go first), the model and the
@@ -118,8 +139,9 @@ def run_with_fault(tmp_path, monkeypatch, who: str, signum: int, protocol: str =
 
     injector = threading.Thread(target=inject, daemon=True)
     injector.start()
-    strategy = RudraStrategy(protocol=protocol, start_method=START, rpc_timeout=TIMEOUT, min_learners=min_learners,
-                             num_servers=num_servers)
+    strategy = RudraStrategy(
+        protocol=protocol, start_method=START, rpc_timeout=TIMEOUT, min_learners=min_learners, num_servers=num_servers
+    )
     model = Marked(str(tmp_path))
     error = None
     try:
@@ -187,14 +209,16 @@ def test_a_killed_learner_ends_the_run_without_min_learners(tmp_path, monkeypatc
 def test_after_a_killed_server_training_resumes_from_the_last_periodic_checkpoint(tmp_path, monkeypatch):
     saves = tmp_path / "checkpoints"
     every = ModelCheckpoint(dirpath=saves, every_n_train_steps=10, save_last=True)
-    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server", signal.SIGKILL, max_epochs=1000,
-                                        enable_checkpointing=True, callbacks=[every])
+    error, alive, _, _ = run_with_fault(
+        tmp_path, monkeypatch, "server", signal.SIGKILL, max_epochs=1000, enable_checkpointing=True, callbacks=[every]
+    )
     assert error is not None and "the parameter server (on 127.0.0.1) is gone" in error and alive == []
     saved = torch.load(saves / "last.ckpt", weights_only=False)
     clock = saved["rudra"]["stats"]["clock"]
     assert clock > 0 and saved["optimizer_states"][0]["state"]  # the server's clock and momentum, mid-run
-    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=TIMEOUT), 2,
-                            max_epochs=saved["epoch"] + 2)
+    trainer = quiet_trainer(
+        RudraStrategy(protocol="async", start_method=START, rpc_timeout=TIMEOUT), 2, max_epochs=saved["epoch"] + 2
+    )
     trainer.fit(Regression(lr=0.01), loader(8), ckpt_path=str(saves / "last.ckpt"))
     assert trainer.state.status == "finished"
     assert trainer.strategy.stats.clock > clock + 32  # went on from the saved clock, for at least an epoch
@@ -209,10 +233,14 @@ def test_a_learner_stalled_past_the_timeout_is_lost_and_the_run_ends_naming_it(t
 
 def test_with_min_learners_a_killed_learner_is_lost_and_the_others_train_on(tmp_path, monkeypatch):
     epochs = 8
-    with pytest.warns(UserWarning, match=r"learner 1's process ended with signal SIGKILL \(min_learners=1: training "
-                                         "goes on while that many learners are left"):
-        error, alive, model, stats = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGKILL,
-                                                    min_learners=1, max_epochs=epochs)
+    with pytest.warns(
+        UserWarning,
+        match=r"learner 1's process ended with signal SIGKILL \(min_learners=1: training "
+        "goes on while that many learners are left",
+    ):
+        error, alive, model, stats = run_with_fault(
+            tmp_path, monkeypatch, "learner1", signal.SIGKILL, min_learners=1, max_epochs=epochs
+        )
     assert error is None and alive == []
     assert list(stats.lost) == [1] and stats.lost[1].startswith("ended before training did: its process (pid ")
     assert sum(stats.batches.values()) == epochs * 32 + stats.redealt  # every batch of every epoch, and those again
@@ -239,8 +267,7 @@ class Counted(Regression):
         return super().training_step((x, y), batch_idx)
 
 
-def test_with_min_learners_a_killed_learners_batches_are_dealt_again_and_every_sample_is_trained(tmp_path,
-                                                                                                 monkeypatch):
+def test_with_min_learners_a_killed_learners_batches_are_dealt_again_and_every_sample_is_trained(tmp_path, monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     epochs, x, y = 3, *regression_data().tensors
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, torch.arange(len(x))), batch_size=8)
@@ -270,8 +297,9 @@ def test_with_too_few_learners_left_the_run_ends_saying_so(tmp_path, monkeypatch
 
 
 def test_with_min_learners_a_stalled_learner_is_lost_and_ended_once_training_is_over(tmp_path, monkeypatch):
-    error, alive, model, stats = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGSTOP,
-                                                protocol="softsync", min_learners=1, max_epochs=25)
+    error, alive, model, stats = run_with_fault(
+        tmp_path, monkeypatch, "learner1", signal.SIGSTOP, protocol="softsync", min_learners=1, max_epochs=25
+    )
     assert error is None and alive == []
     assert list(stats.lost) == [1] and "has not been heard from for more than 5 s" in stats.lost[1]
     # c = 2 until the loss, then 1: every gradient learner 0 pushed alone made an update
@@ -283,10 +311,13 @@ def test_with_min_learners_a_stalled_learner_is_lost_and_ended_once_training_is_
 def test_with_min_learners_hardsync_goes_on_exactly_with_the_learners_left(protocol):
     epochs, mu = 2, 8
     model = FailingLearner("raise")  # learner 1 raises at its third batch, before pushing it
-    trainer = quiet_trainer(RudraStrategy(protocol=protocol, start_method=START, rpc_timeout=30, min_learners=1), 2,
-                            max_epochs=epochs)
-    with pytest.warns(UserWarning, match="(?s)learner 1's process ended with exit code 1 .*Its error:.*ValueError: "
-                                         "learner 1 broke on purpose"):
+    trainer = quiet_trainer(
+        RudraStrategy(protocol=protocol, start_method=START, rpc_timeout=30, min_learners=1), 2, max_epochs=epochs
+    )
+    with pytest.warns(
+        UserWarning,
+        match="(?s)learner 1's process ended with exit code 1 .*Its error:.*ValueError: learner 1 broke on purpose",
+    ):
         trainer.fit(model, loader(mu))
     expected = sgd_after_a_loss(epochs, mu, learners=2, lost=1, lost_at=2)
     torch.testing.assert_close(flat(model.parameters()), expected, rtol=0, atol=1e-5)
@@ -296,19 +327,26 @@ def test_with_min_learners_hardsync_goes_on_exactly_with_the_learners_left(proto
 
 
 # the server sees the process end, or learner 0's launcher tells it first: "... (exit code 7, as its launcher saw)"
-@pytest.mark.parametrize("how, why", [("exit", "ended before training did"),
-                                      ("stop", "has not been heard from for more than 5 s")])
+@pytest.mark.parametrize(
+    "how, why", [("exit", "ended before training did"), ("stop", "has not been heard from for more than 5 s")]
+)
 def test_popen_survives_a_lost_learner(tmp_path, how, why):
     """Lightning's popen launcher would end every learner; with min_learners the strategy's own lets learner 0 train
     on (hardsync: exactly SGD on the batches left) and ends a stalled learner once training is over."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     env = {**os.environ, "PYTHONPATH": root}
     env.pop("MASTER_PORT", None)
-    done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "survive_fit.py"), how, "2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "scripts", "survive_fit.py"), how, "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     expected = sgd_after_a_loss(2, 8, learners=2, lost=1, lost_at=2)
     torch.testing.assert_close(torch.tensor(result["weights"]), expected, rtol=0, atol=1e-5)
     assert list(result["stats"]["lost"]) == ["1"] and why in result["stats"]["lost"]["1"]
@@ -322,8 +360,9 @@ def test_a_torchmetrics_metric_syncs_over_the_learners_left():
     """Learner 1 of 3 raises while training; at the epoch's end learners 0 and 2 validate their shards, and the
     synced metric covers exactly theirs."""
     model = MeteredFailing("raise")
-    trainer = quiet_trainer(RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=30, min_learners=2),
-                            3, max_epochs=1)
+    trainer = quiet_trainer(
+        RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=30, min_learners=2), 3, max_epochs=1
+    )
     with pytest.warns(UserWarning, match="learner 1's process ended with exit code 1"):
         trainer.fit(model, loader(8, num_samples=96), loader(16, num_samples=96, seed=3))
     x, y = regression_data(96, seed=3).tensors
@@ -340,15 +379,35 @@ def test_under_slurm_the_learners_left_train_on(tmp_path):
     """Processes that srun started (its variables, one host): nobody ends learner 0 when learner 1 exits, and the
     server, seeing learner 1's process end, goes on without it."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    base = {key: value for key, value in os.environ.items() if not key.startswith("SLURM_")
-            and key not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    base.update(PYTHONPATH=root, MASTER_PORT=str(free_port()), SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2",
-                SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="rudra-test",
-                SLURM_NODELIST="127.0.0.1")
+    base = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("SLURM_")
+        and key not in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    base.update(
+        PYTHONPATH=root,
+        MASTER_PORT=str(free_port()),
+        SLURM_NTASKS="2",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_NNODES="1",
+        SLURM_NODEID="0",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="rudra-test",
+        SLURM_NODELIST="127.0.0.1",
+    )
     script = os.path.join(root, "tests", "scripts", "survive_fit.py")
-    learners = [subprocess.Popen([sys.executable, script, "exit", "2"], cwd=tmp_path, text=True,
-                                 env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(2)]
+    learners = [
+        subprocess.Popen(
+            [sys.executable, script, "exit", "2"],
+            cwd=tmp_path,
+            text=True,
+            env={**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
     try:
         outputs = [learner.communicate(timeout=200) for learner in learners]
     finally:
@@ -356,7 +415,7 @@ def test_under_slurm_the_learners_left_train_on(tmp_path):
             learner.kill()
     assert [learner.returncode for learner in learners] == [0, 7], outputs[0][1][-3000:]
     [line] = [line for line in outputs[0][0].splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     expected = sgd_after_a_loss(2, 8, learners=2, lost=1, lost_at=2)
     torch.testing.assert_close(torch.tensor(result["weights"]), expected, rtol=0, atol=1e-5)
     assert list(result["stats"]["lost"]) == ["1"]

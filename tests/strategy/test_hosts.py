@@ -14,8 +14,11 @@ from tests.hosts import LEFT, host_env, two_hosts, why_no_hosts
 from tests.lightning_models import single_process_sgd
 from tests.scripts.hosts_fit import Wide
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240),
-              pytest.mark.skipif(why_no_hosts() is not None, reason=str(why_no_hosts()))]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(why_no_hosts() is not None, reason=str(why_no_hosts())),
+]
 
 SCRIPT = "tests/scripts/hosts_fit.py"
 EPOCHS = 2
@@ -47,7 +50,7 @@ def assert_hardsync_over(learners, codes, logs, left, width=16):
     assert codes == [0] * len(codes), "\n".join(log[-3000:] for log in logs)
     assert left == [[], []], "processes left on the hosts"
     [line] = [line for line in logs[0].splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["learners"] == learners
     steps = EPOCHS * 256 // (8 * learners)
     assert result["stats"]["clock"] == steps and result["stats"]["gradients"] == steps * learners
@@ -73,9 +76,28 @@ def test_lightnings_launcher_two_hosts_two_learners_each(tmp_path):
 
 def test_torchrun_on_two_hosts(tmp_path):
     with two_hosts() as hosts:
-        commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                     "--node-rank", str(i), "--master-addr", hosts[0].address, "--master-port", "29500",
-                     SCRIPT, "2", "1", str(EPOCHS)] for i in range(2)]
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(i),
+                "--master-addr",
+                hosts[0].address,
+                "--master-port",
+                "29500",
+                SCRIPT,
+                "2",
+                "1",
+                str(EPOCHS),
+            ]
+            for i in range(2)
+        ]
         codes, logs, left = run_on_hosts(hosts, commands, [host_env(), host_env()], tmp_path)
     assert_hardsync_over(2, codes, logs, left)
 
@@ -85,9 +107,20 @@ def test_slurm_on_two_hosts(tmp_path):
     and the port from the job id."""
     with two_hosts() as hosts:
         nodes = ",".join(host.address for host in hosts)
-        envs = [host_env(SLURM_NTASKS=2, SLURM_NTASKS_PER_NODE=1, SLURM_NNODES=2, SLURM_PROCID=i, SLURM_LOCALID=0,
-                         SLURM_NODEID=i, SLURM_JOB_ID=4242, SLURM_JOB_NAME="rudra-test", SLURM_NODELIST=nodes)
-                for i in range(2)]
+        envs = [
+            host_env(
+                SLURM_NTASKS=2,
+                SLURM_NTASKS_PER_NODE=1,
+                SLURM_NNODES=2,
+                SLURM_PROCID=i,
+                SLURM_LOCALID=0,
+                SLURM_NODEID=i,
+                SLURM_JOB_ID=4242,
+                SLURM_JOB_NAME="rudra-test",
+                SLURM_NODELIST=nodes,
+            )
+            for i in range(2)
+        ]
         command = [sys.executable, SCRIPT, "2", "1", str(EPOCHS)]
         codes, logs, left = run_on_hosts(hosts, [command, command], envs, tmp_path)
     assert_hardsync_over(2, codes, logs, left)
@@ -96,6 +129,7 @@ def test_slurm_on_two_hosts(tmp_path):
 def test_a_cut_link_ends_both_hosts_with_an_error_that_names_the_unreachable_host(tmp_path):
     """Async, one learner per host; the link goes down mid-run. Each side gives up after rpc_timeout (8 s) of
     silence, with an error, by itself (not killed by the test's bound), and no process is left on either host."""
+
     def cut_once_training(logs):
         for _ in range(600):  # bounded: 120 s
             if "TRAINING" in logs[0].read_text():
@@ -112,7 +146,9 @@ def test_a_cut_link_ends_both_hosts_with_an_error_that_names_the_unreachable_hos
     assert "TRAINING" in logs[0]
     # host 0 hears of host 1's silence from its server (learner 1 lost), or from its own learner (server 1, which
     # runs on host 1, one per node, does not answer), whichever comes first
-    assert (f"learner 1 (on {hosts[1].address}) has not been heard from" in logs[0]
-            or f"parameter server 1 (on {hosts[1].address}) did not answer" in logs[0]), logs[0][-3000:]
+    assert (
+        f"learner 1 (on {hosts[1].address}) has not been heard from" in logs[0]
+        or f"parameter server 1 (on {hosts[1].address}) did not answer" in logs[0]
+    ), logs[0][-3000:]
     assert f"(on {hosts[0].address})" in logs[1], logs[1][-3000:]
     assert left == [[], []]

@@ -13,8 +13,21 @@ from pytorch_lightning.tuner import Tuner
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.strategy.checks import check_module, check_optimizers, check_trainer
-from tests.lightning_models import (START, SWA, Averaging, Compiled, ProbedRudra, Regression, Unusual, UnevenStreams,
-                                    WithoutOptimizer, flat, loader, quiet_trainer, single_process_sgd)
+from tests.lightning_models import (
+    START,
+    SWA,
+    Averaging,
+    Compiled,
+    ProbedRudra,
+    Regression,
+    Unusual,
+    UnevenStreams,
+    WithoutOptimizer,
+    flat,
+    loader,
+    quiet_trainer,
+    single_process_sgd,
+)
 
 
 class NeedsTheModel(torch.optim.SGD):
@@ -31,29 +44,43 @@ def _on_two_devices() -> torch.nn.Module:
     return module
 
 
-@pytest.mark.parametrize("module, message", [
-    (lambda: torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.Linear(3, 1)),
-     r"the parameters 0.weight, 0.bias are not initialized yet .*run a forward pass on an example batch"),
-    (_on_two_devices, r"on several devices \(meta: weight; cpu: bias\).*Keep every parameter on one device"),
-])
+@pytest.mark.parametrize(
+    "module, message",
+    [
+        (
+            lambda: torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.Linear(3, 1)),
+            r"the parameters 0.weight, 0.bias are not initialized yet .*run a forward pass on an example batch",
+        ),
+        (_on_two_devices, r"on several devices \(meta: weight; cpu: bias\).*Keep every parameter on one device"),
+    ],
+)
 def test_modules_the_server_cannot_hold_are_refused_at_setup(module, message):
     with pytest.raises(ValueError, match=message):
         check_module(module())
 
 
-@pytest.mark.parametrize("optimizer, message", [
-    (lambda m: torch.optim.LBFGS(m.parameters()), r"optimizer 0 \(LBFGS\) needs a closure in every step"),
-    (lambda m: torch.optim.SparseAdam(m.parameters()), r"optimizer 0 \(SparseAdam\) needs sparse gradients.*Adam"),
-    (lambda m: NeedsTheModel(m.parameters(), m),
-     r"cannot rebuild optimizer 0 \(NeedsTheModel\) as NeedsTheModel\(param_groups\): .*missing 1 required"),
-    (lambda m: torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1), r"tensors of shapes \[\(2,\)\] that are not"),
-])
+@pytest.mark.parametrize(
+    "optimizer, message",
+    [
+        (lambda m: torch.optim.LBFGS(m.parameters()), r"optimizer 0 \(LBFGS\) needs a closure in every step"),
+        (lambda m: torch.optim.SparseAdam(m.parameters()), r"optimizer 0 \(SparseAdam\) needs sparse gradients.*Adam"),
+        (
+            lambda m: NeedsTheModel(m.parameters(), m),
+            r"cannot rebuild optimizer 0 \(NeedsTheModel\) as NeedsTheModel\(param_groups\): .*missing 1 required",
+        ),
+        (
+            lambda m: torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1),
+            r"tensors of shapes \[\(2,\)\] that are not",
+        ),
+    ],
+)
 def test_optimizers_the_server_cannot_step_are_refused_at_setup(optimizer, message):
     module = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match=message):
         check_optimizers([optimizer(module)], list(module.parameters()))
-    check_optimizers([torch.optim.Adam(module.parameters()), torch.optim.Adagrad(module.parameters())],
-                     list(module.parameters()))  # plain optimizers pass
+    check_optimizers(
+        [torch.optim.Adam(module.parameters()), torch.optim.Adagrad(module.parameters())], list(module.parameters())
+    )  # plain optimizers pass
 
 
 def test_batch_size_scaling_is_refused_by_lightning_as_for_ddp():
@@ -63,8 +90,9 @@ def test_batch_size_scaling_is_refused_by_lightning_as_for_ddp():
 
 
 def test_the_learning_rate_finder_is_refused():
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=RudraStrategy(), logger=False,
-                         callbacks=[LearningRateFinder()])
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=RudraStrategy(), logger=False, callbacks=[LearningRateFinder()]
+    )
     with pytest.raises(ValueError, match=r"LearningRateFinder \(what Tuner.lr_find adds\) cannot run .*devices=1"):
         check_trainer(trainer)
 
@@ -87,8 +115,14 @@ def test_sparse_gradients_float64_and_parametrized_weights_train_exactly(tmp_pat
     env = {**os.environ, "PYTHONPATH": root}
     env.pop("MASTER_PORT", None)
     out = tmp_path / "weights.pt"
-    done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "popen_unusual.py"), str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "scripts", "popen_unusual.py"), str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = torch.load(out)
     torch.testing.assert_close(result["params"], single_process_sgd(2, 16, Unusual()), rtol=0, atol=1e-5)

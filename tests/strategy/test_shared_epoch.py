@@ -10,8 +10,17 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate
 from lightning_rudra import RudraStrategy
 from lightning_rudra.step_times import StepTimes
 from lightning_rudra.timing import Measured
-from tests.lightning_models import (START, GathersInStep, IndexedData, Recording, Regression, indexed_loader, loader,
-                                    quiet_trainer, regression_data)
+from tests.lightning_models import (
+    START,
+    GathersInStep,
+    IndexedData,
+    Recording,
+    Regression,
+    indexed_loader,
+    loader,
+    quiet_trainer,
+    regression_data,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -22,8 +31,9 @@ def fit(tmp_path, model, learners=2, strategy_kwargs=None, batch_size=8, num_wor
     train = indexed_loader(batch_size)
     if num_workers:
         # forked: a spawned worker would import torch again, for seconds, at every epoch
-        train = DataLoader(train.dataset, batch_size=batch_size, shuffle=True, num_workers=num_workers,
-                           multiprocessing_context="fork")
+        train = DataLoader(
+            train.dataset, batch_size=batch_size, shuffle=True, num_workers=num_workers, multiprocessing_context="fork"
+        )
     trainer.fit(model, train, indexed_loader(64, num_samples=64, shuffle=False))
     records = [torch.load(tmp_path / f"learner{rank}.pt") for rank in range(learners)]
     return trainer, records
@@ -34,8 +44,12 @@ def batches_of(records, epoch):
 
 
 def test_every_sample_once_per_epoch_fast_learner_takes_more_in_the_seeded_order(tmp_path):
-    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.03), max_epochs=2,
-                           callbacks=[StepTimes(str(tmp_path / "step_times.json"))])
+    trainer, records = fit(
+        tmp_path,
+        Recording(str(tmp_path), slow=0.03),
+        max_epochs=2,
+        callbacks=[StepTimes(str(tmp_path / "step_times.json"))],
+    )
     for epoch in range(2):
         mine, theirs = batches_of(records, epoch)
         seen = [i for batch in mine + theirs for i in batch]
@@ -43,7 +57,7 @@ def test_every_sample_once_per_epoch_fast_learner_takes_more_in_the_seeded_order
         assert len(mine) > len(theirs), (len(mine), len(theirs))  # learner 1 is the slow one
         # Lightning's sampler order over all learners (seed 0 + epoch), cut into batches of 8
         order = torch.randperm(256, generator=torch.Generator().manual_seed(epoch)).tolist()
-        assert set(mine + theirs) == {tuple(order[i:i + 8]) for i in range(0, 256, 8)}
+        assert set(mine + theirs) == {tuple(order[i : i + 8]) for i in range(0, 256, 8)}
     stats = trainer.strategy.stats
     assert stats.batches == {rank: len(record["batches"]) for rank, record in enumerate(records)}
     assert sum(stats.batches.values()) == stats.gradients == 2 * 32
@@ -58,8 +72,9 @@ def test_every_sample_once_per_epoch_fast_learner_takes_more_in_the_seeded_order
 
 def test_limits_and_validation_points_count_the_batches_of_all_learners(tmp_path):
     # limit_train_batches=10 is 10 batches per learner under DDP: 20 for the two together, shared
-    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_epochs=2, limit_train_batches=10,
-                           val_check_interval=0.5)
+    trainer, records = fit(
+        tmp_path, Recording(str(tmp_path), slow=0.02), max_epochs=2, limit_train_batches=10, val_check_interval=0.5
+    )
     for epoch in range(2):
         mine, theirs = batches_of(records, epoch)
         assert len(mine) + len(theirs) == 20 and len(set(mine + theirs)) == 20
@@ -73,8 +88,9 @@ def test_limits_and_validation_points_count_the_batches_of_all_learners(tmp_path
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_max_steps_counts_the_steps_of_all_learners(tmp_path, num_workers):
     # with workers, batches drawn (and counted in the budget) wait in their queue when the budget is spent
-    trainer, records = fit(tmp_path, Recording(str(tmp_path), slow=0.02), max_steps=45, accumulate_grad_batches=1,
-                           num_workers=num_workers)
+    trainer, records = fit(
+        tmp_path, Recording(str(tmp_path), slow=0.02), max_steps=45, accumulate_grad_batches=1, num_workers=num_workers
+    )
     assert trainer.strategy.stats.gradients == 2 * 45  # what two learners take in 45 DDP steps
     assert sum(len(record["batches"]) for record in records) == 90
     # 32 batches per epoch: the run stopped in the third epoch, on both learners
@@ -117,8 +133,12 @@ def test_collectives_in_batch_start_hooks_are_the_learners_own_and_a_none_batch_
     # Lightning calls the callbacks' and the module's on_train_batch_start before the strategy's: a meeting there
     # made the learners lock-step, then hung at the epoch's end
     model = MeetsAtBatchStart(str(tmp_path), slow=0.05)
-    trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=30), 2, max_epochs=2,
-                            callbacks=[MeetsAtBatchStartCallback()])
+    trainer = quiet_trainer(
+        RudraStrategy(protocol="async", start_method=START, rpc_timeout=30),
+        2,
+        max_epochs=2,
+        callbacks=[MeetsAtBatchStartCallback()],
+    )
     data = DataLoader(IndexedData(256), batch_size=8, shuffle=True, collate_fn=none_for_sample_0)
     trainer.fit(model, data, indexed_loader(64, num_samples=64, shuffle=False))
     records = [torch.load(tmp_path / f"learner{rank}.pt") for rank in range(2)]
@@ -127,7 +147,7 @@ def test_collectives_in_batch_start_hooks_are_the_learners_own_and_a_none_batch_
         assert len(record["batches"]) == len(places)
         for (epoch, indices), place in zip(record["batches"], places):  # in step past the None batch
             order = torch.randperm(256, generator=torch.Generator().manual_seed(epoch)).tolist()
-            assert indices == order[8 * place:8 * place + 8], (epoch, place)
+            assert indices == order[8 * place : 8 * place + 8], (epoch, place)
         assert [epoch for epoch, _ in record["validations"]] == [0, 1]  # together, at each epoch's end
     for epoch in range(2):
         mine, theirs = batches_of(records, epoch)
@@ -161,8 +181,10 @@ class OneCycle(Recording):
 
     def on_train_end(self) -> None:
         super().on_train_end()
-        torch.save({"estimated": self.estimated, "rates": self.rates, "steps": self.lr_schedulers().last_epoch},
-                   f"{self.out_dir}/rates{self.global_rank}.pt")
+        torch.save(
+            {"estimated": self.estimated, "rates": self.rates, "steps": self.lr_schedulers().last_epoch},
+            f"{self.out_dir}/rates{self.global_rank}.pt",
+        )
 
 
 def test_estimated_stepping_batches_and_step_schedulers_are_one_learners_as_under_ddp(tmp_path):
@@ -199,8 +221,14 @@ def test_a_learner_slower_than_the_rpc_timeout_does_not_end_the_run(tmp_path):
     # hardsync rounds wait the same way: test_rpc.py::test_a_live_learner_slower_than_the_timeout_is_waited_for
     model = Recording(str(tmp_path), slow_once=7.0)
     strategy = RudraStrategy(protocol="async", start_method=START, rpc_timeout=3)
-    trainer = quiet_trainer(strategy, 2, max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path,
-                            callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")])
+    trainer = quiet_trainer(
+        strategy,
+        2,
+        max_epochs=1,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")],
+    )
     trainer.fit(model, indexed_loader(8), indexed_loader(64, num_samples=64, shuffle=False))
     batches = trainer.strategy.stats.batches
     assert batches[0] >= 2 * batches[1], batches  # learner 0 took most of the epoch while learner 1 slept
@@ -224,30 +252,56 @@ class SkipsTheRestOfTheEpoch(Regression):
         return -1 if batch_idx == 3 else None
 
 
-@pytest.mark.parametrize("module, callbacks, message", [
-    (Regression, [ModelCheckpoint(train_time_interval=timedelta(seconds=5))],
-     r"ModelCheckpoint\(train_time_interval=0:00:05\) cannot be used with RudraStrategy's shared epoch.*"
-     r"every_n_train_steps"),
-    (GathersInStep, [], r"all_gather was called during a training batch under RudraStrategy's shared epoch.*Move it "
-                        r"to an epoch hook"),
-    # no learner can skip where the others do; left in a batch, it would not have met them at the epoch's end
-    (SkipsTheRestOfTheEpoch, [], r"on_train_batch_start returned -1 \(skip the rest of the epoch\) on learner 0, at "
-                                 r"its batch 3 of epoch 0.*limit_train_batches"),
-])
+@pytest.mark.parametrize(
+    "module, callbacks, message",
+    [
+        (
+            Regression,
+            [ModelCheckpoint(train_time_interval=timedelta(seconds=5))],
+            r"ModelCheckpoint\(train_time_interval=0:00:05\) cannot be used with RudraStrategy's shared epoch.*"
+            r"every_n_train_steps",
+        ),
+        (
+            GathersInStep,
+            [],
+            r"all_gather was called during a training batch under RudraStrategy's shared epoch.*Move it "
+            r"to an epoch hook",
+        ),
+        # no learner can skip where the others do; left in a batch, it would not have met them at the epoch's end
+        (
+            SkipsTheRestOfTheEpoch,
+            [],
+            r"on_train_batch_start returned -1 \(skip the rest of the epoch\) on learner 0, at "
+            r"its batch 3 of epoch 0.*limit_train_batches",
+        ),
+    ],
+)
 def test_what_needs_learners_in_step_is_refused_with_a_remedy(tmp_path, module, callbacks, message):
-    trainer = quiet_trainer(RudraStrategy(start_method=START, rpc_timeout=30), 1, max_epochs=1,
-                            enable_checkpointing=bool(callbacks), default_root_dir=tmp_path, callbacks=callbacks)
+    trainer = quiet_trainer(
+        RudraStrategy(start_method=START, rpc_timeout=30),
+        1,
+        max_epochs=1,
+        enable_checkpointing=bool(callbacks),
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+    )
     with pytest.raises(Exception, match=message):
         trainer.fit(module(), loader(8))
 
 
 def test_step_checkpoints_hold_the_servers_state_mid_epoch_and_a_resumed_run_trains_what_remains(tmp_path):
     """ModelCheckpoint(every_n_train_steps) counts learner 0's steps; learner 0 writes the server's snapshot."""
+
     def run(ckpt_path=None, **limits):
         checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
-        trainer = quiet_trainer(RudraStrategy(protocol="async", start_method=START, rpc_timeout=30), 2,
-                                enable_checkpointing=True, default_root_dir=tmp_path, callbacks=[checkpoint],
-                                **limits)
+        trainer = quiet_trainer(
+            RudraStrategy(protocol="async", start_method=START, rpc_timeout=30),
+            2,
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,
+            callbacks=[checkpoint],
+            **limits,
+        )
         trainer.fit(Recording(str(tmp_path), slow=0.02), indexed_loader(8), ckpt_path=ckpt_path)
         return trainer.strategy.stats
 
@@ -263,8 +317,11 @@ def test_step_checkpoints_hold_the_servers_state_mid_epoch_and_a_resumed_run_tra
         assert checkpoint["optimizer_states"][0]["state"], "the server's momentum buffers"
     # from the last snapshot inside learner 0's share of epoch 0 (one at its last batch would resume in epoch 1:
     # Lightning's own rule), 40 steps in all: what the uninterrupted run trains, 80 batches
-    inside = [i for i, checkpoint in enumerate(saved)
-              if not checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"]]
+    inside = [
+        i
+        for i, checkpoint in enumerate(saved)
+        if not checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"]
+    ]
     resumed = run(ckpt_path=str(paths[inside[-1]]), max_steps=40)
     trained = clocks[inside[-1]]  # batches trained before the snapshot, all learners (learner 0 took most)
     assert resumed.gradients == 80
@@ -273,7 +330,7 @@ def test_step_checkpoints_hold_the_servers_state_mid_epoch_and_a_resumed_run_tra
     # epoch 0 goes on after its first `trained` batches: each of the others once (none lost to learner 0's count)
     order = torch.randperm(256, generator=torch.Generator().manual_seed(0)).tolist()
     mine, theirs = batches_of(records, 0)
-    assert sorted(mine + theirs) == sorted(tuple(order[8 * p:8 * p + 8]) for p in range(trained, 32))
+    assert sorted(mine + theirs) == sorted(tuple(order[8 * p : 8 * p + 8]) for p in range(trained, 32))
 
 
 def test_several_train_dataloaders_are_refused_with_a_remedy():

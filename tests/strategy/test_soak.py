@@ -78,8 +78,10 @@ def test_four_learners_one_killed_one_stalled_for_minutes(tmp_path, monkeypatch)
     pushed = sum(steps for steps, _ in counts)
     accepted = sum(accepted for _, accepted in counts)
     applied = sum(stats.staleness.values())
-    print(f"pushed {pushed}, received {stats.gradients}, dropped {stats.dropped}, applied {applied} (learners: "
-          f"{accepted} accepted), clock {stats.clock}, batches {stats.batches}, lost {stats.lost}")  # with -s
+    print(
+        f"pushed {pushed}, received {stats.gradients}, dropped {stats.dropped}, applied {applied} (learners: "
+        f"{accepted} accepted), clock {stats.clock}, batches {stats.batches}, lost {stats.lost}"
+    )  # with -s
     assert pushed <= stats.gradients <= pushed + 2  # at most one push in flight per lost learner
     assert applied == stats.gradients - stats.dropped - stats.rejected and stats.rejected == 0
     assert accepted <= applied <= accepted + 2

@@ -12,9 +12,23 @@ import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_rudra import RudraStrategy
-from tests.lightning_models import (START, FailingLearner, Features, Metered, OneBackwardTwoSteps, ProbedRudra,
-                                    ReadsItsStart, Regression, Scheduled, TwoOptimizers, flat, loader, quiet_trainer,
-                                    regression_data, single_process_sgd)
+from tests.lightning_models import (
+    START,
+    FailingLearner,
+    Features,
+    Metered,
+    OneBackwardTwoSteps,
+    ProbedRudra,
+    ReadsItsStart,
+    Regression,
+    Scheduled,
+    TwoOptimizers,
+    flat,
+    loader,
+    quiet_trainer,
+    regression_data,
+    single_process_sgd,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -43,8 +57,9 @@ def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):
     assert metrics["server_clock"] == steps - 1  # logged before the last step's push
 
 
-@pytest.mark.parametrize("protocol, n, learners, overlap", [("softsync", 1, 3, False), ("softsync", 3, 3, False),
-                                                             ("async", 1, 2, True)])
+@pytest.mark.parametrize(
+    "protocol, n, learners, overlap", [("softsync", 1, 3, False), ("softsync", 3, 3, False), ("async", 1, 2, True)]
+)
 def test_protocols_train_and_return_the_server_weights(tmp_path, protocol, n, learners, overlap):
     model = Regression(lr=0.02, momentum=0.5)
     before = Regression(lr=0.02).loss(next(iter(loader(256)))).item()
@@ -81,8 +96,9 @@ class Normalized(Regression):
 def test_overlap_keeps_every_batchnorm_update(shared_memory):
     """With overlap, the reply to push k arrives after forward k + 1 has updated the statistics: they must stay."""
     model = Normalized()
-    strategy = RudraStrategy(protocol="async", overlap=True, shared_memory=shared_memory, start_method=START,
-                             rpc_timeout=60)
+    strategy = RudraStrategy(
+        protocol="async", overlap=True, shared_memory=shared_memory, start_method=START, rpc_timeout=60
+    )
     trainer = quiet_trainer(strategy, 1, max_epochs=1)
     trainer.fit(model, loader(8))
     reference = torch.nn.BatchNorm1d(6)
@@ -100,10 +116,20 @@ def test_overlap_keeps_every_batchnorm_update(shared_memory):
 def test_resume_from_checkpoint_continues_exactly_with_a_scheduler(tmp_path, saved_servers, resumed_servers):
     def run(max_epochs, ckpt_path=None, callbacks=()):
         model = Scheduled()
-        strategy = RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=60,
-                                 num_servers=resumed_servers if ckpt_path else saved_servers)
-        trainer = quiet_trainer(strategy, 2, max_epochs=max_epochs, callbacks=list(callbacks),
-                                enable_checkpointing=bool(callbacks), default_root_dir=tmp_path)
+        strategy = RudraStrategy(
+            protocol="hardsync",
+            start_method=START,
+            rpc_timeout=60,
+            num_servers=resumed_servers if ckpt_path else saved_servers,
+        )
+        trainer = quiet_trainer(
+            strategy,
+            2,
+            max_epochs=max_epochs,
+            callbacks=list(callbacks),
+            enable_checkpointing=bool(callbacks),
+            default_root_dir=tmp_path,
+        )
         trainer.fit(model, loader(8), ckpt_path=ckpt_path)
         return flat(model.parameters()), trainer.strategy.stats
 
@@ -133,9 +159,17 @@ def test_automatic_optimization_features_callbacks_and_test_after_fit(tmp_path):
     model = Features()
     frozen, unused = flat(model.frozen.parameters()), model.unused.detach().clone()
     strategy = probed(tmp_path, protocol="async", lr_modulation="none")
-    trainer = quiet_trainer(strategy, 2, max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5,
-                            precision="bf16-mixed", enable_checkpointing=True, default_root_dir=tmp_path,
-                            callbacks=[EarlyStopping("val_loss", patience=5), ModelCheckpoint(monitor="val_loss")])
+    trainer = quiet_trainer(
+        strategy,
+        2,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        precision="bf16-mixed",
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+        callbacks=[EarlyStopping("val_loss", patience=5), ModelCheckpoint(monitor="val_loss")],
+    )
     trainer.fit(model, loader(8), loader(32, seed=1))
     stats = trainer.strategy.stats
     # 32 batches per epoch, shared; one push per 2 consecutive batches a learner drew, and one for an odd last
@@ -232,16 +266,22 @@ def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     env = {**os.environ, "PYTHONPATH": root}
     env.pop("MASTER_PORT", None)
-    done = subprocess.run([sys.executable, os.path.join(root, "tests", "scripts", "popen_fit.py"), "hardsync", "2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+    done = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "scripts", "popen_fit.py"), "hardsync", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["stats"]["gradients"] == 2 * 2 * 16 and result["stats"]["clock"] == 2 * 16
     assert result["finite"] and result["test_loss"] > 0
     # saved after fit: the server's momentum, its statistics, and the learners' rate (0.02 after two StepLR steps)
     assert result["saved_state"] == 4 and result["saved_clock"] == 32
-    assert result["saved_lr"] == pytest.approx(0.02 * 0.1 ** 2)
-    assert result["again_clock"] == 48 and result["again_lr"] == pytest.approx(0.02 * 0.1 ** 3)
+    assert result["saved_lr"] == pytest.approx(0.02 * 0.1**2)
+    assert result["again_clock"] == 48 and result["again_lr"] == pytest.approx(0.02 * 0.1**3)
     assert "lr_scheduler.step()" not in done.stderr  # torch's warning: the server steps for the learners
     assert "tensorpipe" not in done.stderr  # peers leaving at the end of each stage, filtered

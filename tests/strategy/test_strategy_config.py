@@ -20,8 +20,10 @@ def trainer(strategy, devices=2, **kwargs):
     return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, **kwargs)
 
 
-@pytest.mark.parametrize("name, protocol", [("rudra", "softsync"), ("rudra_hardsync", "hardsync"),
-                                            ("rudra_softsync", "softsync"), ("rudra_async", "async")])
+@pytest.mark.parametrize(
+    "name, protocol",
+    [("rudra", "softsync"), ("rudra_hardsync", "hardsync"), ("rudra_softsync", "softsync"), ("rudra_async", "async")],
+)
 def test_importing_the_package_registers_the_names(name, protocol):
     strategy = trainer(name).strategy
     assert isinstance(strategy, RudraStrategy) and strategy.protocol == protocol
@@ -32,16 +34,38 @@ def test_importing_the_package_registers_the_names(name, protocol):
 def test_defaults_are_the_papers_and_arguments_read_back():
     default = RudraStrategy()
     assert (default.protocol, default.n, default.lr_modulation, default.compensation, default.max_staleness) == (
-        "softsync", 1, "none", "momentum", None)
+        "softsync",
+        1,
+        "none",
+        "momentum",
+        None,
+    )
     # the paper's modulation alone, as before compensation existed; or both, where they do not overlap
     assert RudraStrategy(lr_modulation="mean").compensation == "none"
-    assert (RudraStrategy(lr_modulation="mean", compensation="gap").lr_modulation, RudraStrategy(
-        compensation="dc").lr_modulation) == ("mean", "none")
-    strategy = RudraStrategy(protocol="async", n=3, lr_modulation="per_gradient", max_staleness=4, nonfinite="raise",
-                             rpc_timeout=30, start_method="forkserver", overlap=True)
-    assert (strategy.protocol, strategy.n, strategy.lr_modulation, strategy.max_staleness, strategy.nonfinite,
-            strategy.rpc_timeout, strategy.start_method, strategy.overlap) == (
-        "async", 3, "per_gradient", 4, "raise", 30.0, "forkserver", True)
+    assert (
+        RudraStrategy(lr_modulation="mean", compensation="gap").lr_modulation,
+        RudraStrategy(compensation="dc").lr_modulation,
+    ) == ("mean", "none")
+    strategy = RudraStrategy(
+        protocol="async",
+        n=3,
+        lr_modulation="per_gradient",
+        max_staleness=4,
+        nonfinite="raise",
+        rpc_timeout=30,
+        start_method="forkserver",
+        overlap=True,
+    )
+    assert (
+        strategy.protocol,
+        strategy.n,
+        strategy.lr_modulation,
+        strategy.max_staleness,
+        strategy.nonfinite,
+        strategy.rpc_timeout,
+        strategy.start_method,
+        strategy.overlap,
+    ) == ("async", 3, "per_gradient", 4, "raise", 30.0, "forkserver", True)
     launcher = trainer(strategy).strategy._launcher
     assert isinstance(launcher, _MultiProcessingLauncher) and launcher._start_method == "forkserver"
     assert (default.sampling, default.shared_memory) == ("shared", True)
@@ -49,20 +73,26 @@ def test_defaults_are_the_papers_and_arguments_read_back():
     assert RudraStrategy(sampling="static", shared_memory=False).sampling == "static"
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(protocol="bsp"), "protocol='bsp' is not supported: expected one of 'hardsync', 'softsync', 'async'"),
-    (dict(n=0), "n=0 is not valid"),
-    (dict(lr_modulation="linear"), "lr_modulation='linear'"),
-    (dict(compensation="momentum+adam"), r"compensation='momentum\+adam' is not supported: expected 'none' or one or more"),
-    (dict(compensation="none+dc"), r"compensation='none\+dc'"),
-    (dict(lr_modulation="mean", compensation="momentum"), "lr_modulation='mean' and compensation='momentum' both"),
-    (dict(max_staleness=-2), "max_staleness=-2"),
-    (dict(start_method="fork"), "start_method='fork'"),
-    (dict(rpc_timeout=0), "rpc_timeout=0"),
-    (dict(protocol="hardsync", overlap=True), "overlap=True is not available with protocol='hardsync'"),
-    (dict(sampling="dynamic"), "sampling='dynamic' is not supported: expected 'shared', 'static' or None"),
-    (dict(protocol="hardsync", sampling="shared"), "sampling='shared' is not available with protocol='hardsync'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(protocol="bsp"), "protocol='bsp' is not supported: expected one of 'hardsync', 'softsync', 'async'"),
+        (dict(n=0), "n=0 is not valid"),
+        (dict(lr_modulation="linear"), "lr_modulation='linear'"),
+        (
+            dict(compensation="momentum+adam"),
+            r"compensation='momentum\+adam' is not supported: expected 'none' or one or more",
+        ),
+        (dict(compensation="none+dc"), r"compensation='none\+dc'"),
+        (dict(lr_modulation="mean", compensation="momentum"), "lr_modulation='mean' and compensation='momentum' both"),
+        (dict(max_staleness=-2), "max_staleness=-2"),
+        (dict(start_method="fork"), "start_method='fork'"),
+        (dict(rpc_timeout=0), "rpc_timeout=0"),
+        (dict(protocol="hardsync", overlap=True), "overlap=True is not available with protocol='hardsync'"),
+        (dict(sampling="dynamic"), "sampling='dynamic' is not supported: expected 'shared', 'static' or None"),
+        (dict(protocol="hardsync", sampling="shared"), "sampling='shared' is not available with protocol='hardsync'"),
+    ],
+)
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RudraStrategy(**kwargs)
@@ -84,18 +114,31 @@ def test_lightning_cli_reads_the_strategy_from_yaml(tmp_path):
     config.write_text(
         "trainer:\n  accelerator: cpu\n  devices: 3\n  logger: false\n  strategy:\n"
         "    class_path: lightning_rudra.RudraStrategy\n"
-        "    init_args:\n      protocol: softsync\n      n: 3\n      lr_modulation: per_gradient\n      max_staleness: 5\n")
+        "    init_args:\n      protocol: softsync\n      n: 3\n      lr_modulation: per_gradient\n      max_staleness: 5\n"
+    )
     cli = LightningCLI(Regression, run=False, args=["--config", str(config)])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, RudraStrategy)
     assert (strategy.protocol, strategy.n, strategy.lr_modulation, strategy.max_staleness) == (
-        "softsync", 3, "per_gradient", 5)
+        "softsync",
+        3,
+        "per_gradient",
+        5,
+    )
     assert strategy.num_learners == 3
 
 
 def test_lightning_cli_takes_a_registered_name_on_the_command_line():
-    cli = LightningCLI(Regression, run=False, args=["--trainer.accelerator=cpu", "--trainer.devices=2",
-                                                    "--trainer.strategy=rudra_hardsync", "--trainer.logger=false"])
+    cli = LightningCLI(
+        Regression,
+        run=False,
+        args=[
+            "--trainer.accelerator=cpu",
+            "--trainer.devices=2",
+            "--trainer.strategy=rudra_hardsync",
+            "--trainer.logger=false",
+        ],
+    )
     assert isinstance(cli.trainer.strategy, RudraStrategy) and cli.trainer.strategy.protocol == "hardsync"
 
 
@@ -103,10 +146,13 @@ def test_the_package_exports_its_public_api():
     assert {"RudraStrategy", "Stats"} <= set(lightning_rudra.__all__)
 
 
-@pytest.mark.parametrize("kwargs, callbacks, message", [
-    (dict(max_time={"minutes": 5}), [], r"Trainer\(max_time=300 s\)"),
-    ({}, [ModelCheckpoint(train_time_interval=timedelta(minutes=1))], r"train_time_interval=0:01:00"),
-])
+@pytest.mark.parametrize(
+    "kwargs, callbacks, message",
+    [
+        (dict(max_time={"minutes": 5}), [], r"Trainer\(max_time=300 s\)"),
+        ({}, [ModelCheckpoint(train_time_interval=timedelta(minutes=1))], r"train_time_interval=0:01:00"),
+    ],
+)
 def test_features_that_meet_after_every_batch_are_warned_of_under_static_shards(kwargs, callbacks, message):
     built = trainer(RudraStrategy(protocol="async", sampling="static"), callbacks=callbacks, **kwargs)
     with pytest.warns(UserWarning, match=message + ".*every batch becomes a meeting"):

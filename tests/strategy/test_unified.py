@@ -22,13 +22,22 @@ class UnifiedRegression(RegressionSteps, L.LightningModule):
 
 
 def unified_trainer(strategy, devices: int, **kwargs) -> L.Trainer:
-    options = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    options = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     return L.Trainer(**{**options, **kwargs})
 
 
-@pytest.mark.parametrize("name, protocol", [("rudra", "softsync"), ("rudra_hardsync", "hardsync"),
-                                            ("rudra_async", "async")])
+@pytest.mark.parametrize(
+    "name, protocol", [("rudra", "softsync"), ("rudra_hardsync", "hardsync"), ("rudra_async", "async")]
+)
 def test_each_flavour_has_its_strategy_under_the_registered_names(name, protocol):
     strategy = unified_trainer(name, 2).strategy
     assert type(strategy) is unified.RudraStrategy and isinstance(strategy, ParallelStrategy)
@@ -58,8 +67,13 @@ def test_one_implementation_the_lightning_free_layers_shared():
 def test_hardsync_through_the_unified_trainer_equals_sgd_and_checkpoints_the_server(tmp_path):
     model = UnifiedRegression()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    trainer = unified_trainer(unified.RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=60), 2,
-                              max_epochs=2, callbacks=[checkpoint], enable_checkpointing=True)
+    trainer = unified_trainer(
+        unified.RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=60),
+        2,
+        max_epochs=2,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
     trainer.fit(model)
     torch.testing.assert_close(flat(model.parameters()), single_process_sgd(2, 16), rtol=0, atol=1e-5)
     assert trainer.strategy.stats.clock == 2 * 256 // 16 and trainer.strategy.stats.staleness == {0: 2 * 256 // 8}

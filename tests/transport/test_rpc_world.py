@@ -12,9 +12,11 @@ from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.transport.rpc_world import address_towards, interface_towards, quiet_peers_leaving
 from tests import rpc_harness as harness
 
-PEER_LEFT = (b"[W1201 06:58:43.926196677 tensorpipe_agent.cpp:941] RPC agent for learner1 encountered error when "
-             b"reading incoming response from server: EOF: end of file (this error originated at tensorpipe/transport"
-             b"/uv/connection_impl.cc:132)\n")
+PEER_LEFT = (
+    b"[W1201 06:58:43.926196677 tensorpipe_agent.cpp:941] RPC agent for learner1 encountered error when "
+    b"reading incoming response from server: EOF: end of file (this error originated at tensorpipe/transport"
+    b"/uv/connection_impl.cc:132)\n"
+)
 
 
 def test_the_interface_towards_the_rendezvous():
@@ -24,19 +26,29 @@ def test_the_interface_towards_the_rendezvous():
 def test_only_tensorpipes_peer_left_lines_are_dropped_while_leaving(capfd):
     with quiet_peers_leaving():
         os.write(2, PEER_LEFT)
-        os.write(2, b"[W1201 06:58:43.1 tensorpipe_agent.cpp:620] RPC agent for server won't send response to "
-                    b"request #69 to learner1, as the agent is shutting down\n")
+        os.write(
+            2,
+            b"[W1201 06:58:43.1 tensorpipe_agent.cpp:620] RPC agent for server won't send response to "
+            b"request #69 to learner1, as the agent is shutting down\n",
+        )
         os.write(2, b"a warning of the user's own\n")
     os.write(2, PEER_LEFT)  # outside the context: passes
     assert capfd.readouterr().err == "a warning of the user's own\n" + PEER_LEFT.decode()
 
 
-@pytest.mark.parametrize("error, message", [
-    ("RPCErr:1:RPC ran for more than set timeout (8000 ms) and will now be marked with an error",
-     r"parameter server 1 \(on 10.0.0.2\) did not answer within 8 s \(rpc_timeout\): RPCErr"),
-    ("EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)",
-     r"parameter server 1 \(on 10.0.0.2\) is gone: its connection closed \(EOF"),
-])
+@pytest.mark.parametrize(
+    "error, message",
+    [
+        (
+            "RPCErr:1:RPC ran for more than set timeout (8000 ms) and will now be marked with an error",
+            r"parameter server 1 \(on 10.0.0.2\) did not answer within 8 s \(rpc_timeout\): RPCErr",
+        ),
+        (
+            "EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)",
+            r"parameter server 1 \(on 10.0.0.2\) is gone: its connection closed \(EOF",
+        ),
+    ],
+)
 def test_a_call_the_server_does_not_answer_names_it_and_its_host(error, message):
     """Whichever call fails first (a heartbeat, a push, the request for the next batches), the learner's error
     says which server did not answer, and where it runs. (No RPC world here: the heartbeat thread fails at
@@ -45,7 +57,6 @@ def test_a_call_the_server_does_not_answer_names_it_and_its_host(error, message)
     with pytest.raises(RuntimeError, match=message):
         with client._naming_a_lost_server():
             raise RuntimeError(error)
-
 
 
 def listening(pid):
@@ -63,15 +74,21 @@ def listening(pid):
                 if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN
                     address, port = fields[1].split(":")
                     raw = bytes.fromhex(address)  # each 32-bit word in the kernel's (little-endian) order
-                    found.append((socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))),
-                                  int(port, 16)))
+                    found.append(
+                        (
+                            socket.inet_ntop(family, b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))),
+                            int(port, 16),
+                        )
+                    )
     return found
 
 
 def listeners(rank, clients, config):
     """Once the RPC world is up: what this learner and the server it started listen on."""
-    return {"learner": listening(os.getpid()),
-            "server": listening(rpc.rpc_sync(clients[0].server, os.getpid, timeout=10))}
+    return {
+        "learner": listening(os.getpid()),
+        "server": listening(rpc.rpc_sync(clients[0].server, os.getpid, timeout=10)),
+    }
 
 
 @pytest.mark.slow

@@ -17,8 +17,13 @@ def shared_server(tmp_path, num_learners=1):
     buffers = [torch.ones(2)]
     store = SharedWeights("host", str(tmp_path))
     opt = torch.optim.SGD([torch.nn.Parameter(p.clone()) for p in params], lr=0.5)
-    server = Server(ProtocolConfig(num_learners, "async"), params, buffers,
-                    [OptimizerSpec.from_optimizer(opt, list(opt.param_groups[0]["params"]))], store=store)
+    server = Server(
+        ProtocolConfig(num_learners, "async"),
+        params,
+        buffers,
+        [OptimizerSpec.from_optimizer(opt, list(opt.param_groups[0]["params"]))],
+        store=store,
+    )
     grads = store.allocate_grads(num_learners, server.grad_layouts)
     return server, store, grads, store.names(server.flat_params, server.flat_buffers, grads)
 
@@ -31,7 +36,8 @@ def test_a_learner_sees_the_servers_updates_and_writes_the_gradient_the_server_r
     server, store, grads, names = shared_server(tmp_path)
     mapped = mapping(names)
     FlatLayout([torch.zeros(3), torch.zeros(2, dtype=torch.float64)]).pack_into(
-        [torch.ones(3), torch.full((2,), 2.0, dtype=torch.float64)], mapped.grads[0])
+        [torch.ones(3), torch.full((2,), 2.0, dtype=torch.float64)], mapped.grads[0]
+    )
     assert [g.tolist() for g in grads[(0, 0)]] == [[1.0] * 3, [2.0] * 2]  # the same memory
     result = server.push(0, 0, grads[(0, 0)], torch.ones(2, dtype=torch.bool), 0, [{"lr": 0.5}], [torch.ones(2)])
     assert result.closed and server.clock == 1
@@ -48,8 +54,9 @@ def test_a_read_waits_while_the_server_writes_and_never_sees_half_an_update(tmp_
     store_params = server.flat_params[0]
     store_params.fill_(7.0)
     result = {}
-    reader = threading.Thread(target=lambda: result.update(clock=mapped.read(
-        lambda params, _: result.update(values=params[0].tolist()))))
+    reader = threading.Thread(
+        target=lambda: result.update(clock=mapped.read(lambda params, _: result.update(values=params[0].tolist())))
+    )
     reader.start()
     time.sleep(0.2)
     assert reader.is_alive() and "values" not in result  # it waits for the version to become even
@@ -70,17 +77,30 @@ def test_unlink_removes_every_file_and_mappings_stay_valid(tmp_path):
 
 
 def test_shared_memory_that_cannot_be_allocated_is_reported_with_a_remedy(tmp_path):
-    with pytest.raises(OSError, match=r"cannot allocate 3 x torch.int64 of shared memory at .*/missing/lightning_rudra"
-                                      r".*shared_memory=False"):
+    with pytest.raises(
+        OSError,
+        match=r"cannot allocate 3 x torch.int64 of shared memory at .*/missing/lightning_rudra"
+        r".*shared_memory=False",
+    ):
         SharedWeights("host", str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize("lost, timeout, message", [
-    (lambda: "the parameter server (on host) is gone: its connection closed", 60.0,
-     r"^the parameter server \(on host\) is gone: its connection closed. It went in the middle of an update"),
-    (lambda: None, 0.05, r"^the parameter server \(on host\) has been in the middle of an update of the weights in "
-                         r"shared memory for more than 0.05 s \(rpc_timeout\)"),
-])
+@pytest.mark.parametrize(
+    "lost, timeout, message",
+    [
+        (
+            lambda: "the parameter server (on host) is gone: its connection closed",
+            60.0,
+            r"^the parameter server \(on host\) is gone: its connection closed. It went in the middle of an update",
+        ),
+        (
+            lambda: None,
+            0.05,
+            r"^the parameter server \(on host\) has been in the middle of an update of the weights in "
+            r"shared memory for more than 0.05 s \(rpc_timeout\)",
+        ),
+    ],
+)
 def test_a_read_during_an_update_that_never_ends_fails_naming_the_server(tmp_path, lost, timeout, message):
     _, store, _, names = shared_server(tmp_path)
     reader = mapping(names, timeout=timeout, lost=lost)
@@ -104,14 +124,16 @@ def test_a_learner_maps_only_the_servers_own_files(tmp_path):
 
 
 def names_of(names):
-    return [names.header] + [path for files in (names.params, names.buffers, *names.grads.values())
-                             for path, _, _ in files]
+    return [names.header] + [
+        path for files in (names.params, names.buffers, *names.grads.values()) for path, _, _ in files
+    ]
 
 
 def test_shared_memory_is_refused_on_weakly_ordered_cpus(monkeypatch, tmp_path):
     assert [shared_memory_refused(m) for m in ("x86_64", "AMD64", "i686")] == [None] * 3
-    assert shared_memory_refused("aarch64") == ("shared memory is not used on this aarch64 CPU: its sequence lock is "
-                                                "only correct on x86 (no memory fences).")
+    assert shared_memory_refused("aarch64") == (
+        "shared memory is not used on this aarch64 CPU: its sequence lock is only correct on x86 (no memory fences)."
+    )
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
     with pytest.raises(OSError, match="not used on this aarch64 CPU"):
         SharedWeights("host", str(tmp_path))

@@ -57,14 +57,17 @@ def train_in_another_dev_shm(rank, clients, config, steps, mu):
         warnings.simplefilter("always")
         result = harness.train(rank, clients, config, steps, mu)
     names, _ = clients[0].attach()  # the server's files, in the machine's /dev/shm
-    return {**result, "warnings": [str(w.message) for w in caught], "left": os.listdir("/dev/shm"),
-            "prefix": os.path.basename(names.header).removesuffix("header")}
+    return {
+        **result,
+        "warnings": [str(w.message) for w in caught],
+        "left": os.listdir("/dev/shm"),
+        "prefix": os.path.basename(names.header).removesuffix("header"),
+    }
 
 
 def test_a_learner_with_the_servers_host_name_but_another_dev_shm_uses_rpc():
     steps, mu = 4, 5
-    [result] = harness.run_learners(1, train_in_another_dev_shm, config=ProtocolConfig(1, "async"), steps=steps,
-                                    mu=mu)
+    [result] = harness.run_learners(1, train_in_another_dev_shm, config=ProtocolConfig(1, "async"), steps=steps, mu=mu)
     if isinstance(result, str) and result.startswith("skip: "):
         pytest.skip(result)
     check_ok([result])
@@ -80,8 +83,9 @@ def small_tmpfs(tmp_path):
     """A tmpfs of 8 pages: the server's files fit while sparse, not once written."""
     directory = tmp_path / "shm"
     directory.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(directory)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(directory)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {done.stderr}")
     try:
@@ -107,8 +111,11 @@ def train_wide(rank, clients, config, steps):
         for _ in range(steps):
             wide_step(net, wrapped)
         learner.finish()
-    return {"params": [p.detach().clone() for p in net.parameters()], "warnings": [str(w.message) for w in caught],
-            "shared_memory": learner.shards[0].shm is not None}
+    return {
+        "params": [p.detach().clone() for p in net.parameters()],
+        "warnings": [str(w.message) for w in caught],
+        "shared_memory": learner.shards[0].shm is not None,
+    }
 
 
 def wide_step(net, optimizer):
@@ -123,8 +130,10 @@ def test_a_dev_shm_smaller_than_the_model_falls_back_to_rpc(small_tmpfs, monkeyp
     [result] = harness.run_learners(1, train_wide, config=ProtocolConfig(1, "async"), steps=steps)
     check_ok([result])
     assert not result["shared_memory"] and os.listdir(small_tmpfs) == []
-    assert any("No space left on device" in w and f"Free space in {small_tmpfs}" in w and "through RPC instead" in w
-               for w in result["warnings"]), result["warnings"]
+    assert any(
+        "No space left on device" in w and f"Free space in {small_tmpfs}" in w and "through RPC instead" in w
+        for w in result["warnings"]
+    ), result["warnings"]
     reference = wide_model()
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(steps):

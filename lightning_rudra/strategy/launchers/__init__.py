@@ -15,6 +15,7 @@ def launcher_for(strategy: Any, environment: ClusterEnvironment, report: Callabl
     if strategy.start_method == "popen" and strategy.min_learners is None:
         return _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
     if strategy.start_method == "popen":
-        return PopenLauncher(environment, strategy.num_processes, strategy.num_nodes,
-                             min_learners=strategy.min_learners, report=report)
+        return PopenLauncher(
+            environment, strategy.num_processes, strategy.num_nodes, min_learners=strategy.min_learners, report=report
+        )
     return SpawnLauncher(strategy, strategy.start_method)

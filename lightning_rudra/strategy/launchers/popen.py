@@ -32,9 +32,12 @@ def describe_exit(code: int) -> str:
 
 def warn_lost(rank: int, code: int, min_learners: int, trace: str = "") -> None:
     error = f" Its error:\n{trace}" if trace else ""
-    warnings.warn(f"lightning_rudra: learner {rank}'s process ended with {describe_exit(code)} (min_learners="
-                  f"{min_learners}: training goes on while that many learners are left, without the data it had not "
-                  f"trained on in this epoch).{error}", stacklevel=1)
+    warnings.warn(
+        f"lightning_rudra: learner {rank}'s process ended with {describe_exit(code)} (min_learners="
+        f"{min_learners}: training goes on while that many learners are left, without the data it had not "
+        f"trained on in this epoch).{error}",
+        stacklevel=1,
+    )
 
 
 def _trace(error_file: str) -> str:
@@ -89,8 +92,9 @@ class PopenLauncher(_SubprocessScriptLauncher):
                 self.procs[index].wait()
 
 
-def join_survivors(context: Any, min_learners: int, stats_ready: Callable[[], Optional[list[int]]],
-                   grace: float) -> None:
+def join_survivors(
+    context: Any, min_learners: int, stats_ready: Callable[[], Optional[list[int]]], grace: float
+) -> None:
     """``torch.multiprocessing``'s ``ProcessContext.join`` until every process has ended, except that a learner
     other than 0 that fails is reported and the others go on. Once learner 0 has ended well, ``stats_ready()``
     names the learners the server lost; those still running are ended, and so is any learner still running
@@ -114,8 +118,11 @@ def join_survivors(context: Any, min_learners: int, stats_ready: Callable[[], Op
             deadline = time.monotonic() + grace
         elif ended is not None and time.monotonic() > deadline:
             late = {rank for rank in context.sentinels.values() if context.processes[rank].is_alive()}
-            warnings.warn(f"lightning_rudra: learners {sorted(late)} were still running {grace:g} s after learner 0 "
-                          "finished training: ended.", stacklevel=1)
+            warnings.warn(
+                f"lightning_rudra: learners {sorted(late)} were still running {grace:g} s after learner 0 "
+                "finished training: ended.",
+                stacklevel=1,
+            )
             ended |= late
             deadline = float("inf")
         for rank in ended or ():

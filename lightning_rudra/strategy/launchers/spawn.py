@@ -70,16 +70,22 @@ class SpawnLauncher(_MultiProcessingLauncher):
         else:
             _check_missing_main_guard()
         if self._already_fit and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            raise NotImplementedError("Calling `trainer.fit()` twice on the same Trainer instance using a spawn-based "
-                                      "strategy is not supported: create a new Trainer and pass `fit(ckpt_path=...)`.")
+            raise NotImplementedError(
+                "Calling `trainer.fit()` twice on the same Trainer instance using a spawn-based "
+                "strategy is not supported: create a new Trainer and pass `fit(ckpt_path=...)`."
+            )
         assert self._strategy.cluster_environment is not None
         os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
         self._environ = dict(os.environ)
         self._global_states = _GlobalStateSnapshot.capture()
         return_queue = mp.get_context(self._start_method).SimpleQueue()
-        context = mp.start_processes(self._wrapping_function, nprocs=self._strategy.num_processes, join=False,
-                                     args=(trainer, function, args, kwargs, return_queue),
-                                     start_method=self._start_method)
+        context = mp.start_processes(
+            self._wrapping_function,
+            nprocs=self._strategy.num_processes,
+            join=False,
+            args=(trainer, function, args, kwargs, return_queue),
+            start_method=self._start_method,
+        )
         self.procs = context.processes
         outputs: list[_WorkerOutput] = []
         min_learners = self._strategy.min_learners
@@ -89,8 +95,9 @@ class SpawnLauncher(_MultiProcessingLauncher):
             while not context.join(grace_period=5):
                 pass
         else:
-            join_survivors(context, min_learners, lambda: _lost(outputs, return_queue),
-                           grace=self._strategy.rpc_timeout + 10)
+            join_survivors(
+                context, min_learners, lambda: _lost(outputs, return_queue), grace=self._strategy.rpc_timeout + 10
+            )
         worker_output = outputs[0] if outputs else return_queue.get()
         if trainer is None:
             return worker_output
@@ -98,8 +105,15 @@ class SpawnLauncher(_MultiProcessingLauncher):
         self._recover_results_in_main_process(worker_output, trainer)
         return worker_output.trainer_results
 
-    def _wrapping_function(self, process_idx: int, trainer: Optional["pl.Trainer"], function: Callable, args: Any,
-                           kwargs: Any, return_queue: Any) -> None:
+    def _wrapping_function(
+        self,
+        process_idx: int,
+        trainer: Optional["pl.Trainer"],
+        function: Callable,
+        args: Any,
+        kwargs: Any,
+        return_queue: Any,
+    ) -> None:
         os.environ.clear()  # a fork server's child has the environment of when the fork server started
         os.environ.update(self._environ)
         global_states = self._global_states
@@ -133,9 +147,11 @@ class SpawnLauncher(_MultiProcessingLauncher):
             renamed = {name if name in ours else name.replace(_COMPILED, ""): value for name, value in weights.items()}
             lost = sorted(set(renamed) - set(ours))
             if lost:
-                rank_zero_warn(f"{len(lost)} trained tensors of learner 0 ({', '.join(lost[:3])}"
-                               f"{', ...' if len(lost) > 3 else ''}) have no place in the module of this process: "
-                               "configure_model changed the module's composition in the learners. They were not "
-                               "returned; use start_method='popen' (the default), or load them from a checkpoint.")
+                rank_zero_warn(
+                    f"{len(lost)} trained tensors of learner 0 ({', '.join(lost[:3])}"
+                    f"{', ...' if len(lost) > 3 else ''}) have no place in the module of this process: "
+                    "configure_model changed the module's composition in the learners. They were not "
+                    "returned; use start_method='popen' (the default), or load them from a checkpoint."
+                )
             io.save_checkpoint(renamed, worker_output.weights_path)
         super()._recover_results_in_main_process(worker_output, trainer)

@@ -250,6 +250,12 @@ class Server:
         self.members.discard(learner)
         return self.finish(learner) if learner in self.active else []
 
+    def add(self, learner: int) -> None:
+        """A lost learner is back: it pushes again, a hardsync round open now waits for it too, and softsync's c
+        counts it."""
+        self.members.add(learner)
+        self.active.add(learner)
+
     @property
     def gradients_per_update(self) -> int:
         """c of the learners left: the configuration's c until a learner is lost."""

@@ -1,6 +1,7 @@
 """What the server counts while training, for the user to read after it (``RudraStrategy.stats``) and for a
 checkpoint to carry. Plain Python."""
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,7 @@ class Stats:
     under the shared epoch, or with simulated learners, the batches each learner took (learner -> count, first
     train dataloader), the batches dealt again because the learner they were dealt to was lost before it trained
     on them, and the learners lost during training with why (only with ``min_learners``: otherwise a loss ends
-    training)."""
+    training): those lost now, and every loss and rejoin in ``events``."""
 
     clock: int = 0
     gradients: int = 0
@@ -21,7 +22,9 @@ class Stats:
     staleness: dict[int, int] = field(default_factory=dict)
     batches: dict[int, int] = field(default_factory=dict)
     redealt: int = 0
-    lost: dict[int, str] = field(default_factory=dict)  # learner -> why it was lost (``min_learners``)
+    lost: dict[int, str] = field(default_factory=dict)  # learner -> why it is lost now (``min_learners``)
+    # every loss and rejoin, in order: {"learner", "event" ("lost" or "rejoined"), "time" (Unix seconds), "why"}
+    events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def mean_staleness(self) -> float:
@@ -42,10 +45,15 @@ class Stats:
             "batches": dict(sorted(self.batches.items())),
             "redealt": self.redealt,
             "lost": dict(sorted(self.lost.items())),
+            "events": [dict(event) for event in self.events],
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stats":
         counts = {key: {int(k): int(c) for k, c in data.get(key, {}).items()} for key in ("staleness", "batches")}
         lost = {int(k): str(why) for k, why in data.get("lost", {}).items()}
-        return cls(**{**data, **counts, "lost": lost})
+        events = [dict(event) for event in data.get("events", [])]
+        return cls(**{**data, **counts, "lost": lost, "events": events})
+
+    def record(self, learner: int, event: str, why: str) -> None:
+        self.events.append({"learner": int(learner), "event": event, "time": time.time(), "why": why})

@@ -3,9 +3,11 @@ epoch's batches and collectives. A call that waits for other learners waits as l
 server's heartbeat watch ends it when one is lost); every other call has a timeout. Nothing here knows about
 Lightning."""
 
+import json
 import re
 import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
@@ -15,10 +17,18 @@ from torch.futures import Future
 
 from lightning_rudra.server import process as _server
 from lightning_rudra.core.epoch import EpochPlan
-from lightning_rudra.server.membership import this_process
+from lightning_rudra.server.membership import ended, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, PushReply
-from lightning_rudra.transport.rpc_world import address_towards, check_port_free, init_rpc, server_name, shutdown_rpc
+from lightning_rudra.transport.elastic import LearnerId, RunStore, job_id
+from lightning_rudra.transport.rpc_world import (
+    address_towards,
+    check_port_free,
+    init_rpc,
+    server_name,
+    set_rpc_counters,
+    shutdown_rpc,
+)
 from lightning_rudra.transport.shm import SharedNames
 from lightning_rudra.core.stats import Stats
 
@@ -199,6 +209,22 @@ class LearnerClient:
         """This learner stops training: no learner gets another batch of the shared epoch."""
         self._sync("stop_drawing", self.rank)
 
+    def rejoin(self, module: dict[str, Any]) -> Future:
+        """This process takes a lost learner's place: hand the future to :meth:`result`, which gives the
+        ``Admission`` and the optimizers' hyper-parameters once the server admits it (at an epoch's start), or None
+        if training ended first. ``module``: :func:`~lightning_rudra.server.rejoins.describe_module`."""
+        return rpc.rpc_async(
+            self.server, _server.call_async, args=("rejoin", self.rank, module), timeout=_NO_TIME_LIMIT
+        )
+
+    def progress(self, epoch: int, global_step: int) -> None:
+        """This learner starts ``epoch`` at ``global_step`` (elastic runs: where a rejoining learner starts)."""
+        self._sync("progress", self.rank, epoch, global_step, self._collectives)
+
+    def continue_collectives(self, count: int) -> None:
+        """A rejoined learner's next collective is the others' ``count + 1``-th."""
+        self._collectives = count
+
     def leave(self, error: Optional[str] = None) -> None:
         """Leave this stage (``error``: why this learner stopped training early, for the others to hear)."""
         self._stop_heartbeat.set()
@@ -236,9 +262,12 @@ def join(
 ) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
     """Join the RPC world of ``num_learners`` learners and one server process per entry of ``starters`` (the
     learner that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the
-    port). Returns a client per server and the server processes this learner started."""
+    port). Returns a client per server and the server processes this learner started. With ``min_learners`` the
+    world is elastic: a process for a learner that was lost takes its place (its clients' ``rank`` carries a
+    nonzero incarnation) and must then ask each server to rejoin."""
     init_method = f"tcp://{host}:{port}"
     processes = []
+    incarnation = 0
     try:
         if rank == 0:
             check_port_free(host, port)
@@ -249,14 +278,51 @@ def join(
                         init_method, num_learners, timeout, min_learners, shard=shard, starters=starters
                     )
                 )
-        init_rpc(rank, num_learners, init_method, timeout, len(starters))
+        store = RunStore(host, port, timeout) if min_learners is not None else None
+        if store is not None:
+            incarnation = _incarnation(store, rank, f"{host}:{port}")
+        init_rpc(rank, num_learners, init_method, timeout, len(starters), store is not None, incarnation)
+        if store is not None and not incarnation:
+            store.arrive(num_learners + len(starters))
     except BaseException:
         for process in processes:
             process.kill()
             process.wait()
         raise
     hosts = [host if starter == 0 else f"the host of learner {starter}" for starter in starters]
-    return [LearnerClient(rank, timeout, where, shard, host) for shard, where in enumerate(hosts)], processes
+    learner = LearnerId(rank, incarnation)
+    return [LearnerClient(learner, timeout, where, shard, host) for shard, where in enumerate(hosts)], processes
+
+
+def _incarnation(store: RunStore, rank: int, where: str) -> int:
+    """0 for one of the run's first processes; a new number for a process that takes lost learner ``rank``'s place.
+    Refuses one whose learner is alive, and one that belongs to another run."""
+    deadline = time.monotonic() + store.timeout
+    while True:
+        state, value = store.status(rank)
+        if state == "lost":
+            if store.read("job") != job_id():
+                raise RuntimeError(
+                    f"this process (job {job_id() or 'none'}) cannot take learner {rank}'s place in the run at {where}: "
+                    f"that run belongs to job {store.read('job') or 'none'}. Check MASTER_ADDR and MASTER_PORT."
+                )
+            set_rpc_counters(store.read("rpc_counters"))
+            return store.next_incarnation()
+        if state == "new":
+            if store.joined():
+                raise RuntimeError(
+                    f"the run at {where} is under way with all its learners, and learner {rank} was never lost there: "
+                    "is this process part of another run (another job, MASTER_PORT or NODE_RANK)?"
+                )
+            return 0
+        process = json.loads(value) or ["", 0]
+        # the server may not have seen yet that the process it knows ended (a restart right after a crash)
+        if process[0] != this_process()[0] or not ended(int(process[1])) or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"learner {rank} of the run at {where} is alive (process {process[1]}), so this process cannot take its "
+                "place: start one only for a learner that was lost (see docs/faults.md)."
+            )
+        time.sleep(0.2)
 
 
 def leave(

@@ -10,6 +10,8 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
+from lightning_rudra.transport.elastic import incarnation_of
+
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -24,7 +26,7 @@ def this_process() -> tuple[str, int]:
     return machine, os.getpid()
 
 
-def _ended(pid: int) -> bool:
+def ended(pid: int) -> bool:
     """The process has exited (it may still be a zombie, waiting for its parent to collect it)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
@@ -51,6 +53,8 @@ class Membership:
         self.pids: dict[int, int] = {}  # learner -> its pid, if it runs on the server's machine
         self.left: set[int] = set()
         self.lost: dict[int, str] = {}  # learner -> why
+        self.incarnations: dict[int, int] = {}  # learner -> its process now, if not the first (see LearnerId)
+        self.joining: dict[int, int] = {}  # lost learner -> the incarnation of a new process asking to rejoin
 
     @property
     def members(self) -> set[int]:
@@ -74,7 +78,7 @@ class Membership:
         now = time.monotonic()
         found = []
         for learner in sorted(self.members - self.left):
-            if learner in self.pids and _ended(self.pids[learner]):
+            if learner in self.pids and ended(self.pids[learner]):
                 found.append((learner, f"ended before training did: its process (pid {self.pids[learner]}) is gone"))
             elif now - self.last_heard[learner] > self.timeout:
                 found.append(
@@ -107,21 +111,58 @@ class Membership:
             )
         return None
 
+    def newly_failed_joins(self) -> list[int]:
+        """Lost learners whose new process, waiting to rejoin, has ended or gone silent."""
+        now = time.monotonic()
+        return [
+            learner
+            for learner in sorted(self.joining)
+            if (learner in self.pids and ended(self.pids[learner])) or now - self.last_heard[learner] > self.timeout
+        ]
+
+    def rejoin(self, learner: int, incarnation: int) -> None:
+        """A lost learner's new process is admitted: it counts again, as ``incarnation``."""
+        self.joining.pop(learner, None)
+        self.lost.pop(learner, None)
+        self.left.discard(learner)
+        self.incarnations[learner] = incarnation
+        self.last_heard[learner] = time.monotonic()
+
     def all_gone(self) -> bool:
         """Every learner has left or is lost: the server's work is over."""
         return len(self.left | set(self.lost)) == self.num_learners
 
     def check_caller(self, method: str, learner: Any) -> None:
         """A call from a learner this run does not know, or no longer counts, is refused before it changes
-        anything: a lost learner (a stalled process that wakes up) is not merged back in."""
+        anything: a lost learner's process (a stalled one that wakes up) is not merged back in; a new process for it
+        may ask to rejoin (``min_learners``), and until it is admitted it may only wait, beat and leave."""
         if not isinstance(learner, int) or learner not in range(self.num_learners):
             raise ValueError(
                 f"{method} from learner {learner!r} refused: this run's learners are 0..{self.num_learners - 1}"
             )
-        if learner in self.lost:
+        incarnation = incarnation_of(learner)
+        if self.joining.get(learner) == incarnation and incarnation:
+            if method in ("heartbeat", "leave", "stats"):
+                return
             raise RuntimeError(
-                f"{method} from learner {learner} refused: it was counted as lost (it "
-                f"{self.lost[learner]}), and it cannot rejoin this run"
+                f"{method} from learner {learner} refused: it has asked to rejoin and waits to be admitted"
+            )
+        if learner in self.lost:
+            if method == "rejoin" and incarnation > self.incarnations.get(learner, 0):
+                return
+            raise RuntimeError(
+                f"{method} from learner {learner} refused: it was counted as lost (it {self.lost[learner]}); a new "
+                "process for it rejoins (RudraStrategy(min_learners=k, max_restarts=r)), this one cannot"
+            )
+        if incarnation != self.incarnations.get(learner, 0):
+            raise RuntimeError(
+                f"{method} from learner {learner} refused: this process of it was counted as lost, and another one "
+                "has taken its place"
+            )
+        if method == "rejoin":
+            raise RuntimeError(
+                f"learner {learner} cannot rejoin: {self.where(learner)} is alive (pid "
+                f"{self.pids.get(learner, 'unknown')}) and counted in this run; only a lost learner's place can be taken"
             )
         if learner in self.left:
             raise RuntimeError(f"{method} from learner {learner} refused: it has left this run")

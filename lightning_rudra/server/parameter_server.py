@@ -19,8 +19,10 @@ from torch.futures import Future
 
 from lightning_rudra.core.epoch import EpochPlan, EpochPool
 from lightning_rudra.server.membership import Membership
-from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, PushReply, Server
+from lightning_rudra.server.rejoins import Rejoins
+from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.transport.shm import SharedNames, SharedWeights
 from lightning_rudra.core.stats import Stats
 
@@ -83,6 +85,13 @@ class ParameterServer:
         self.shared_error: Optional[str] = None  # why shared memory could not be set up
         self.mapped: set[int] = set()  # learners that read and write the shared memory
         self.answered: set[int] = set()  # learners that said whether they could map it
+        self.rejoins = Rejoins()
+        # told, outside the lock, of each learner lost (its RPC names are struck: see transport.elastic), and of
+        # each process first heard from
+        self.on_lost: Optional[Callable[[int, str], None]] = None
+        self.on_heard: Optional[Callable[[int, Any], None]] = None
+        self._lost_queue: list[tuple[int, str]] = []
+        self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) already told of
 
     def register(
         self,
@@ -93,11 +102,14 @@ class ParameterServer:
         stats: Optional[Stats],
         shared_memory: bool = True,
         optimizer_states: Optional[list[dict[str, Any]]] = None,
+        module: Optional[dict[str, Any]] = None,
     ) -> None:
         """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics and the
         optimizers' states: all in place before any learner pulls. With ``shared_memory`` the weights live in
-        shared memory, or, if it cannot be allocated, in plain memory (the learners are told why)."""
+        shared memory, or, if it cannot be allocated, in plain memory (the learners are told why). ``module``:
+        what a learner that rejoins must match (:func:`~lightning_rudra.server.rejoins.describe_module`)."""
         with self.lock:
+            self.rejoins.module = module
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
             if shared_memory:
@@ -126,7 +138,13 @@ class ParameterServer:
     def attach(self, learner: int) -> Future:
         """Once registered: the shared memory's names (None without it), and why it is missing, if it failed."""
         self._check_alive()
-        return self.registered.then(lambda registered: registered.wait() or (self.shared_names, self.shared_error))
+
+        def names(registered: Future) -> tuple[Optional[SharedNames], Optional[str]]:
+            registered.wait()
+            # once every learner mapped it the files are gone: a learner that rejoins later uses RPC
+            return (None if self.shared is not None and self.shared.unlinked else self.shared_names), self.shared_error
+
+        return self.registered.then(names)
 
     def attached(self, learner: int, mapped: bool) -> None:
         """A learner says whether it mapped the shared memory. Once all have, the files go: nothing is left
@@ -135,7 +153,7 @@ class ParameterServer:
             if mapped:
                 self.mapped.add(learner)
             self.answered.add(learner)
-            if self.shared is not None and self.answered >= self.membership.members:
+            if self.shared is not None and not self.shared.unlinked and self.answered >= self.membership.members:
                 self.shared.unlink()
 
     def pull(self) -> Future:
@@ -167,7 +185,7 @@ class ParameterServer:
             else:
                 outcomes, weights = self._release_rounds([optimizer] if result.closed else [], learner)
                 lr_scale = self._lr_scale(optimizer)
-        _settle(outcomes)
+        self._settle(outcomes)
         if in_round:
             return reply
         return _done(PushReply(result.status, result.staleness, lr_scale, *weights))
@@ -214,7 +232,7 @@ class ParameterServer:
             future: Future = Future()
             self.finish_waiters.append(future)
             outcomes += self._complete_finish()
-        _settle(outcomes)
+        self._settle(outcomes)
         return future
 
     def _complete_finish(self) -> Outcomes:
@@ -222,7 +240,7 @@ class ParameterServer:
             return []
         weights = self._weights(sorted(self.membership.members))
         waiters, self.finish_waiters = self.finish_waiters, []
-        return [(waiter, weights) for waiter in waiters]
+        return [(waiter, weights) for waiter in waiters] + [(reply, None) for reply in self.rejoins.close()]
 
     def gather(self, sequence: int, learner: int, obj: Any) -> Future:
         """The ``sequence``-th collective of every learner: resolves with the objects of all learners left
@@ -234,7 +252,7 @@ class ParameterServer:
             outcomes = self._complete_gatherings()
             if not future.done() and sequence in self.gatherings:
                 outcomes += self._give_up_if_deadlocked()
-        _settle(outcomes)
+        self._settle(outcomes)
         return future
 
     def _complete_gatherings(self) -> Outcomes:
@@ -277,6 +295,9 @@ class ParameterServer:
         """``process``: (machine, pid) (:func:`~lightning_rudra.server.membership.this_process`). Answers with this
         server's address."""
         self.membership.heard(learner, address, process)
+        if self.on_heard is not None and (learner, incarnation_of(learner)) not in self._heard:
+            self._heard.add((learner, incarnation_of(learner)))
+            self.on_heard(learner, process)
         return self.address
 
     def watch(self) -> None:
@@ -286,7 +307,9 @@ class ParameterServer:
             time.sleep(min(1.0, self.membership.timeout / 4))
             with self.lock:
                 outcomes = [o for learner, why in self.membership.newly_lost() for o in self._lose(learner, why)]
-            _settle(outcomes)
+                for learner in self.membership.newly_failed_joins():
+                    outcomes += self._join_failed(learner, "its process ended or went silent while it waited")
+            self._settle(outcomes)
 
     def leave(self, learner: int, error: Optional[str] = None) -> None:
         """A learner leaves the stage; one that has not finished training, or stopped with an ``error`` (why), is
@@ -297,9 +320,11 @@ class ParameterServer:
             if (training or error) and self.failure is None:  # an error in any stage: the others must not wait
                 why = f"stopped with an error ({error})" if error else "left before training ended"
                 outcomes = self._lose(learner, why)
+            if learner in self.membership.joining:
+                outcomes += self._join_failed(learner, f"it left before it was admitted ({error or 'no error'})")
             self.membership.left.add(learner)
             self._check_all_left()
-        _settle(outcomes)
+        self._settle(outcomes)
 
     def report(self, reporter: int, learner: Any, why: str) -> None:
         """``reporter``'s launcher saw ``learner``'s process end (on another machine, sooner than its silence)."""
@@ -307,7 +332,69 @@ class ParameterServer:
             outcomes = []
             if learner in self.membership.members - self.membership.left and self.failure is None:
                 outcomes = self._lose(learner, f"ended before training did ({why}, as its launcher saw)")
+            elif learner in self.membership.joining:
+                outcomes = self._join_failed(learner, f"its process ended while it waited to rejoin ({why})")
+        self._settle(outcomes)
+
+    def rejoin(self, learner: int, module: dict[str, Any]) -> Future:
+        """A new process for lost ``learner`` (``min_learners``): resolves with ``(Admission, hyper-parameters per
+        optimizer and group)`` when it is admitted, at the start of an epoch (:mod:`lightning_rudra.server.rejoins`),
+        or with None if training ends first."""
+        with self.lock:
+            self._check_alive()
+            self.rejoins.check(learner, module)
+            reply: Future = Future()
+            self.rejoins.ask(learner, incarnation_of(learner), reply)
+            self.membership.joining[learner] = incarnation_of(learner)
+            self.membership.last_heard[learner] = time.monotonic()
+            over = self.finish_waiters or (self.core is not None and not self.core.active)
+            outcomes = [(r, None) for r in self.rejoins.close()] if over else self._admit_due()
+        self._settle(outcomes)
+        return reply
+
+    def progress(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
+        """``learner`` starts ``epoch``, at ``global_step``, having made ``collectives`` collectives: a learner
+        waiting to rejoin may be admitted now."""
+        with self.lock:
+            self.rejoins.report(learner, epoch, global_step, collectives)
+            outcomes = self._admit_due()
+        self._settle(outcomes)
+
+    def _admit_due(self) -> Outcomes:
+        """Admits the rejoining learners whose epoch has come. Called under the lock."""
+        outcomes: Outcomes = []
+        for learner, request, where in self.rejoins.due(self.membership.members):
+            self.membership.rejoin(learner, request.incarnation)
+            core = self._core()
+            core.add(learner)
+            core.stats.lost.pop(learner, None)
+            core.stats.record(learner, "rejoined", f"a new process, admitted at the start of epoch {where.epoch}")
+            hparams = [[hyperparameters(group) for group in opt.param_groups] for opt in core.optimizers]
+            outcomes.append((request.reply, (where, hparams)))
+            if self.announce:
+                print(
+                    f"lightning_rudra: {self.membership.where(learner)} rejoined at the start of epoch {where.epoch}; "
+                    f"training goes on with learners {sorted(self.membership.members)}.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return outcomes
+
+    def _join_failed(self, learner: int, why: str) -> Outcomes:
+        """The process waiting to rejoin as ``learner`` is gone. Called under the lock."""
+        self.membership.joining.pop(learner, None)
+        request = self.rejoins.drop(learner)
+        self._lost_queue.append((learner, f"a process rejoining for it failed: {why}"))
+        return [] if request is None else [(request.reply, RuntimeError(f"learner {learner} could not rejoin: {why}"))]
+
+    def _settle(self, outcomes: Outcomes) -> None:
+        """Resolve ``outcomes`` once the lock is released, then tell :attr:`on_lost` of the learners lost since."""
         _settle(outcomes)
+        with self.lock:
+            lost, self._lost_queue = self._lost_queue, []
+        for learner, why in lost:
+            if self.on_lost is not None:
+                self.on_lost(learner, why)
 
     def _lose(self, learner: int, why: str) -> Outcomes:
         """``learner`` is lost: without ``min_learners`` (or too few left) training ends; otherwise hardsync
@@ -316,8 +403,12 @@ class ParameterServer:
             return []
         failure = self.membership.lose(learner, why)
         self._check_all_left()
+        self.mapped.discard(learner)  # a process that rejoins for it has not mapped the shared memory
+        self.rejoins.progress.pop(learner, None)
+        self._lost_queue.append((learner, why))
         if self.core is not None:
             self.core.stats.lost[learner] = why
+            self.core.stats.record(learner, "lost", why)
         if failure is not None:
             return self._give_up(failure)
         for pool in self.pools.values():

@@ -17,6 +17,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from lightning_rudra.server.parameter_server import ParameterServer
+from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, job_id
 from lightning_rudra.transport.rpc_world import (
     address_towards,
     init_rpc,
@@ -115,6 +116,8 @@ ENTRY_POINTS: dict[str, Optional[int]] = {
     "heartbeat": 0,
     "leave": 0,
     "report": 0,
+    "rejoin": 0,
+    "progress": 0,
     "stats": None,
     "snapshot": None,
     "optimizer_state": None,
@@ -153,6 +156,48 @@ def _exit_when_orphaned(parent_pid: int) -> None:
         time.sleep(0.5)
     _release_shared_memory()
     os._exit(3)
+
+
+def _open_to_rejoins(args: argparse.Namespace) -> None:
+    """An elastic world (``min_learners``): the first server keeps the run's keys in the store, strikes each lost
+    learner from the RPC world's members (:mod:`lightning_rudra.transport.elastic`) and frees a group token that a
+    failed join left held. Every server then waits for the first members to have joined."""
+    host, _, port = args.init_method.removeprefix("tcp://").rpartition(":")
+    store = RunStore(host, int(port), args.timeout)
+    assert _server is not None
+    if args.shard == 0:
+        store.publish("rpc_counters", args.rpc_counters)
+        store.publish("job", job_id())
+
+        def lost(learner: int, why: str) -> None:
+            try:
+                forget(learner)
+                store.mark(learner, "lost", why)
+            except Exception as error:  # the store closes as the run ends
+                print(
+                    f"lightning_rudra: learner {learner} could not be struck from the RPC world: {error}",
+                    file=sys.stderr,
+                )
+
+        _server.on_lost = lost
+        _server.on_heard = lambda learner, process: store.mark(learner, "alive", json.dumps(process))
+        threading.Thread(target=_free_stuck_tokens, daemon=True).start()
+    store.arrive(args.learners + len(args.server_learners))
+
+
+def _free_stuck_tokens() -> None:
+    watch = TokenWatch()
+    assert _server is not None
+    while not _server.all_left.wait(1.0):
+        try:
+            holder = watch.check()
+        except Exception:  # the agent is shutting down
+            return
+        if holder is not None:
+            print(
+                f"lightning_rudra: a process failed while it joined ({holder}): the RPC world is open again",
+                file=sys.stderr,
+            )
 
 
 def _release_shared_memory() -> None:
@@ -198,7 +243,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
     set_rpc_counters(args.rpc_counters)
-    init_rpc(None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard)
+    elastic = args.min_learners is not None
+    init_rpc(None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard, elastic)
+    if elastic:
+        _open_to_rejoins(args)
     _server.membership.all_joined()
     threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.

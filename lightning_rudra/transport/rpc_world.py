@@ -129,15 +129,26 @@ def interface_towards(host: str) -> Optional[str]:
 
 
 def init_rpc(
-    learner: Optional[int], num_learners: int, init_method: str, timeout: float, num_servers: int = 1, shard: int = 0
+    learner: Optional[int],
+    num_learners: int,
+    init_method: str,
+    timeout: float,
+    num_servers: int = 1,
+    shard: int = 0,
+    elastic: bool = False,
+    incarnation: int = 0,
 ) -> None:
     """Join as learner number ``learner``, or as server ``shard`` (None). The first server is RPC rank 0, which
     hosts the rendezvous' TCP store: its port then closes when that server exits after the stage, and a new Trainer
     in learner 0's process can meet on the same port (torch keeps the store of a shut-down agent listening). A
     learner is rank ``learner + 1`` whatever the number of servers (those after the first come after the learners):
-    torch fixes a process's rank for good at its first init."""
+    torch fixes a process's rank for good at its first init. ``elastic``: a world that processes may join later
+    (:mod:`~lightning_rudra.transport.elastic`), where a learner's process number ``incarnation`` > 0 (one that
+    rejoins) has a name and rank of its own."""
     if learner is not None:
         name, rank = learner_name(learner), learner + 1
+        if incarnation:
+            name, rank = f"{name}_{incarnation}", num_learners + num_servers + incarnation
     else:
         name, rank = server_name(shard), 0 if shard == 0 else num_learners + shard
     # TensorPipe and the gloo group it makes at init advertise the address this machine's hostname resolves to,
@@ -160,7 +171,8 @@ def init_rpc(
     store = _rendezvous_store(host, int(port), timeout) if rank == 0 else None
     with environment(changes), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
-        rpc.init_rpc(name, rank=rank, world_size=num_learners + num_servers, rpc_backend_options=options)
+        world_size = None if elastic else num_learners + num_servers
+        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     del store  # needed only until the RPC agent's own store joined its listener, which that store now keeps
 
 

@@ -160,6 +160,11 @@ class SharedWeights(WeightsStore):
         self.header[1] = clock
         self.header[0] += 1
 
+    @property
+    def unlinked(self) -> bool:
+        """The files are gone (the mappings stay valid): no process can map them any more."""
+        return not self.paths
+
     def unlink(self) -> None:
         for path in self.paths:
             try:

@@ -123,6 +123,7 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
         "batches": {},
         "redealt": 0,
         "lost": {},
+        "events": [],
     }
 
 

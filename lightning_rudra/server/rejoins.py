@@ -1,0 +1,103 @@
+"""Lost learners that come back (``min_learners``): a new process for a lost learner asks to rejoin, and is admitted
+where it can take part without anyone waiting for what it missed: at the start of an epoch, once every learner
+training has started that epoch. There it takes the run's epoch, global step and count of collectives, which every
+learner reports as it starts an epoch (:meth:`Rejoins.report`). Plain Python: the server drives it under its lock.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class Admission:
+    """Where a rejoining learner starts: the epoch the others have just started, the furthest global step among
+    them, and how many collectives each has made (the next one is the first it takes part in)."""
+
+    epoch: int
+    global_step: int
+    collectives: int
+
+
+@dataclass
+class _Request:
+    reply: Any  # the future the rejoining process waits on
+    incarnation: int
+    after: int  # the newest epoch any learner had started when it asked: it starts in a later one
+
+
+def describe_module(parameters: list[tuple[str, tuple[int, ...]]], optimizers: list[str]) -> dict[str, Any]:
+    """What a process that rejoins must share with the run: its parameters' names and shapes, its optimizers'
+    classes."""
+    return {"parameters": [[name, list(shape)] for name, shape in parameters], "optimizers": list(optimizers)}
+
+
+def _differences(run: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    ours, theirs = dict((n, tuple(s)) for n, s in run["parameters"]), dict((n, tuple(s)) for n, s in new["parameters"])
+    found = [f"parameter {name!r} is missing" for name in ours if name not in theirs]
+    found += [f"parameter {name!r} is not in the run's module" for name in theirs if name not in ours]
+    found += [
+        f"parameter {name!r} has shape {theirs[name]}, the run's {shape}"
+        for name, shape in ours.items()
+        if name in theirs and theirs[name] != shape
+    ]
+    if run["optimizers"] != new["optimizers"]:
+        found.append(f"its optimizers are {new['optimizers']}, the run's {run['optimizers']}")
+    return found
+
+
+class Rejoins:
+    """Requests to rejoin, and what every learner reported at the start of its latest epoch."""
+
+    def __init__(self) -> None:
+        self.module: Optional[dict[str, Any]] = None  # learner 0's describe_module, from its register
+        self.progress: dict[int, Admission] = {}  # learner -> at the start of its latest epoch
+        self.requests: dict[int, _Request] = {}
+
+    def check(self, learner: int, module: dict[str, Any]) -> None:
+        """Refuses a process whose module or optimizers differ from the run's, saying how."""
+        if self.module is None:
+            raise RuntimeError(f"learner {learner} cannot rejoin yet: learner 0 has not registered the model")
+        found = _differences(self.module, module)
+        if found:
+            raise ValueError(
+                f"learner {learner} cannot rejoin: its module differs from the one this run trains: "
+                f"{'; '.join(found[:5])}{' ...' if len(found) > 5 else ''}. Start it with the same code and arguments."
+            )
+
+    def ask(self, learner: int, incarnation: int, reply: Any) -> None:
+        if learner in self.requests:
+            raise RuntimeError(
+                f"learner {learner} cannot rejoin: another new process for it is already waiting to be admitted"
+            )
+        newest = max((p.epoch for p in self.progress.values()), default=-1)
+        self.requests[learner] = _Request(reply, incarnation, newest)
+
+    def report(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
+        self.progress[learner] = Admission(epoch, global_step, collectives)
+
+    def due(self, members: set[int]) -> list[tuple[int, _Request, Admission]]:
+        """The requests to admit now: every member has started the same epoch, later than when the request came.
+        Removed from the waiting ones."""
+        if not self.requests or not members:
+            return []
+        reports = [self.progress.get(m) for m in members]
+        if any(r is None for r in reports) or len({r.epoch for r in reports if r is not None}) != 1:
+            return []
+        started = [r for r in reports if r is not None]
+        where = Admission(started[0].epoch, max(r.global_step for r in started), max(r.collectives for r in started))
+        due = [(learner, request) for learner, request in self.requests.items() if where.epoch > request.after]
+        for learner, _ in due:
+            del self.requests[learner]
+            self.progress[learner] = where
+        return [(learner, request, where) for learner, request in due]
+
+    def drop(self, learner: int) -> Optional[_Request]:
+        """The process waiting to rejoin as ``learner`` is gone."""
+        self.progress.pop(learner, None)
+        return self.requests.pop(learner, None)
+
+    def close(self) -> list[Any]:
+        """Training is over: nothing is left to rejoin. The replies still waiting."""
+        replies = [request.reply for request in self.requests.values()]
+        self.requests = {}
+        return replies

@@ -142,8 +142,9 @@ class LearnerClient:
         stats: Optional[Stats],
         shared_memory: bool,
         optimizer_states: Optional[list[dict[str, Any]]] = None,
+        module: Optional[dict[str, Any]] = None,
     ) -> None:
-        self._sync("register", config, params, buffers, specs, stats, shared_memory, optimizer_states)
+        self._sync("register", config, params, buffers, specs, stats, shared_memory, optimizer_states, module)
 
     def attach(self) -> tuple[Optional[SharedNames], Optional[str]]:
         """Once the model is registered: the server's shared memory (None without it) and why it is missing."""
@@ -281,7 +282,9 @@ def join(
         store = RunStore(host, port, timeout) if min_learners is not None else None
         if store is not None:
             incarnation = _incarnation(store, rank, f"{host}:{port}")
-        init_rpc(rank, num_learners, init_method, timeout, len(starters), store is not None, incarnation)
+        init_rpc(
+            rank, num_learners, init_method, timeout, len(starters), elastic=store is not None, incarnation=incarnation
+        )
         if store is not None and not incarnation:
             store.arrive(num_learners + len(starters))
     except BaseException:

@@ -216,9 +216,10 @@ class Learner:
         optimizers: Sequence[Optimizer],
         stats: Optional[Stats],
         optimizer_states: Optional[list[dict[str, Any]]] = None,
+        module: Optional[dict[str, Any]] = None,
     ) -> None:
         """Learner 0 only: give every server its part of the starting weights and of the optimizers to rebuild
-        (on resume, with their saved states and the statistics)."""
+        (on resume, with their saved states and the statistics), and what a rejoining learner must match."""
         specs = self._lay_out(optimizers)
         for shard in self.shards:
             shard_specs = [self.plan.spec(shard.index, spec) for spec in specs]
@@ -231,7 +232,7 @@ class Learner:
                 else None
             )
             copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers)]
-            shard.client.register(config, *copies, shard_specs, stats, self.shared_memory, states)
+            shard.client.register(config, *copies, shard_specs, stats, self.shared_memory, states, module)
 
     def snapshot(self) -> tuple[list[dict[str, Any]], Stats]:
         """Load the servers' weights, and return the optimizer states (merged over the servers) and the

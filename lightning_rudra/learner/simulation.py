@@ -49,6 +49,7 @@ class SimulatedClient:
         stats: Optional[Stats],
         shared_memory: bool = False,
         optimizer_states: Optional[list[dict[str, Any]]] = None,
+        module: Optional[dict[str, Any]] = None,  # no process rejoins a simulated run
     ) -> None:
         if config.num_learners != self.num_learners:
             raise ValueError(

@@ -93,6 +93,7 @@ class Membership:
     def lose(self, learner: int, why: str) -> Optional[str]:
         """Count ``learner`` as lost. Returns why training cannot go on without it, or None if it can."""
         self.lost[learner] = why
+        self.pids.pop(learner, None)  # a process that takes its place names its own
         if self.min_learners is None:
             return (
                 f"{self.where(learner)} {why}, and training cannot go on without it (with "
@@ -148,8 +149,8 @@ class Membership:
                 f"{method} from learner {learner} refused: it has asked to rejoin and waits to be admitted"
             )
         if learner in self.lost:
-            if method == "rejoin" and incarnation > self.incarnations.get(learner, 0):
-                return
+            if method in ("rejoin", "heartbeat", "leave", "stats") and incarnation > self.incarnations.get(learner, 0):
+                return  # a new process for it, about to ask
             raise RuntimeError(
                 f"{method} from learner {learner} refused: it was counted as lost (it {self.lost[learner]}); a new "
                 "process for it rejoins (RudraStrategy(min_learners=k, max_restarts=r)), this one cannot"

@@ -244,7 +244,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
     set_rpc_counters(args.rpc_counters)
     elastic = args.min_learners is not None
-    init_rpc(None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard, elastic)
+    init_rpc(
+        None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard, elastic=elastic
+    )
     if elastic:
         _open_to_rejoins(args)
     _server.membership.all_joined()

@@ -33,6 +33,7 @@ def check_arguments(
     overlap: bool,
     min_learners: Optional[int] = None,
     num_servers: Optional[int] = None,
+    max_restarts: int = 0,
 ) -> None:
     """RudraStrategy's own arguments, as it is built (the protocol's are :func:`protocol.validate_options`)."""
     if start_method not in START_METHODS:
@@ -61,6 +62,16 @@ def check_arguments(
         raise ValueError(
             f"min_learners={min_learners!r} is not valid: expected an integer >= 1 (train on while that "
             "many learners are left), or None (a lost learner ends training)."
+        )
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(
+            f"max_restarts={max_restarts!r} is not valid: expected an integer >= 0 (times each lost learner's "
+            "process is restarted)."
+        )
+    if max_restarts and min_learners is None:
+        raise ValueError(
+            f"max_restarts={max_restarts} needs min_learners: without it a lost learner ends the run, and there is "
+            "nothing to rejoin. Set RudraStrategy(min_learners=k, max_restarts=r)."
         )
     if num_servers is not None and (
         isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1

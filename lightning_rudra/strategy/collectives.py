@@ -39,6 +39,7 @@ class Collectives:
         self.in_batch = in_batch
         self.client: Optional[LearnerClient] = None
         self.device = torch.device("cpu")  # where received tensors go
+        self.joining = False  # a process rejoining a run: its collectives are its own until its first epoch
 
     def connect(self, client: LearnerClient, device: torch.device) -> None:
         self.client, self.device = client, device
@@ -48,7 +49,7 @@ class Collectives:
         self.client = None
 
     def _local_only(self) -> bool:
-        return self.client is None or self.in_batch()
+        return self.client is None or self.joining or self.in_batch()
 
     def _gather(self, obj: Any) -> dict[int, Any]:
         """learner -> its ``obj``, for every learner left."""
@@ -99,7 +100,7 @@ class Collectives:
                 "RudraStrategy.all_gather(sync_grads=True) is not supported: gathered "
                 "tensors travel through the server, without autograd."
             )
-        if self.client is None:
+        if self.client is None or self.joining:
             return tensor
         if self.in_batch():
             raise RuntimeError(

@@ -112,10 +112,13 @@ class SharedEpochLoop:
             fit_loop.epoch_loop.batch_progress.is_last_batch = False
         fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers
         # Lightning made the first epoch's iterator while the samplers had a length, so it would not look ahead
-        # for the last batch: make it again, for the epoch about to start
+        # for the last batch: make it again, for the epoch about to start, unless Lightning makes it again itself
+        # (a learner that rejoins in a later epoch): one made here would draw batches that nobody trains
         for sampler in self.samplers:
             sampler.set_epoch(fit_loop.epoch_progress.current.processed)
-        iter(fit_loop._data_fetcher)
+        epoch_loop = fit_loop.epoch_loop
+        if not (trainer.current_epoch > 0 and not fit_loop.is_resuming and not epoch_loop.restarting):
+            iter(fit_loop._data_fetcher)
         fit_loop.epoch_loop.max_steps = -1  # the budget ends the run, not each learner's own step count
         fit_loop.epoch_loop._should_check_val_fx = self._should_check_val
 
@@ -360,16 +363,33 @@ class SimulatedEpochLoop:
 
 
 class EndOfTraining(Callback):
-    """The first callback while training (:meth:`remove` at its end): ``end_epoch`` before the others'
-    ``on_train_epoch_end`` (the shared epoch's step schedulers reach the epoch's end), ``end_training`` before their
-    ``on_train_end`` (what they then do to the weights, SWA or EMA, is what ``fit`` returns)."""
+    """The first callback while training (:meth:`remove` at its end): ``start_epoch`` before the others'
+    ``on_train_epoch_start`` (an elastic run's learners say where they start it, before any collective there),
+    ``end_epoch`` before their ``on_train_epoch_end`` (the shared epoch's step schedulers reach the epoch's end),
+    ``end_training`` before their ``on_train_end`` (what they then do to the weights, SWA or EMA, is what ``fit``
+    returns)."""
 
-    def __init__(self, trainer: "pl.Trainer", end_epoch: Callable[[], None], end_training: Callable[[], None]) -> None:
-        self.trainer, self.end_epoch, self.end_training = trainer, end_epoch, end_training
+    def __init__(
+        self,
+        trainer: "pl.Trainer",
+        start_epoch: Callable[[], None],
+        end_epoch: Callable[[], None],
+        end_training: Callable[[], None],
+    ) -> None:
+        self.trainer, self.start_epoch, self.end_epoch, self.end_training = (
+            trainer,
+            start_epoch,
+            end_epoch,
+            end_training,
+        )
         trainer.callbacks.insert(0, self)
 
     def remove(self) -> None:
         self.trainer.callbacks = [cb for cb in self.trainer.callbacks if cb is not self]
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.start_epoch()
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -43,6 +43,7 @@ from lightning_rudra.strategy.fit_loop import EndOfTraining, SharedEpochLoop, Si
 from lightning_rudra.strategy.launchers import launcher_for
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.strategy.push_metrics import PushMetrics
+from lightning_rudra.strategy.rejoin import Rejoin, describe
 from lightning_rudra.strategy.shared_epoch import shared_dataloader, start_shared_epoch
 from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader, start_simulation
 from lightning_rudra.strategy.stage_servers import StageServers, server_starters
@@ -64,6 +65,7 @@ class RudraStrategy(ParallelStrategy):
         sampling: ``"shared"`` (softsync's and async's default: one pool of batches per epoch) or ``"static"``.
         rpc_timeout: seconds a call to the server may take, and a process's silence before it counts as lost.
         min_learners: None: a lost learner ends the run, as under DDP; ``k``: training goes on while k are left.
+        max_restarts: with ``min_learners``, times the launcher restarts each lost learner's process, which rejoins.
         start_method: ``"popen"`` (re-runs the script, like DDP), ``"spawn"`` or ``"forkserver"``.
         overlap: push and pull while the next step computes (Rudra-adv*). Not with hardsync.
         shared_memory: learners on the server's host exchange gradients and weights through ``/dev/shm``.
@@ -87,6 +89,7 @@ class RudraStrategy(ParallelStrategy):
         sampling: Optional[Literal["shared", "static"]] = None,
         rpc_timeout: float = 120.0,
         min_learners: Optional[int] = None,
+        max_restarts: int = 0,
         start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         overlap: bool = False,
         shared_memory: bool = True,
@@ -108,7 +111,7 @@ class RudraStrategy(ParallelStrategy):
         )
         lr_modulation, compensation = staleness_options(lr_modulation, compensation)
         validate_options(protocol, n, lr_modulation, max_staleness, nonfinite, compensation)
-        check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers)
+        check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts)
         check_simulation(simulate, timing, sampling, overlap)
         self.protocol = protocol
         self.n = n
@@ -118,6 +121,7 @@ class RudraStrategy(ParallelStrategy):
         self.nonfinite = nonfinite
         self.rpc_timeout = float(rpc_timeout)
         self.min_learners = min_learners
+        self.max_restarts = max_restarts
         self.start_method = start_method
         self.overlap = overlap
         self.shared_memory = shared_memory
@@ -131,6 +135,7 @@ class RudraStrategy(ParallelStrategy):
         self._checkpoints = Checkpoints()
         self._push_metrics = PushMetrics()
         self._collectives = Collectives(self._in_batch)  # through the server, once a stage has one
+        self._rejoin = Rejoin()  # this stage's, if this process takes a lost learner's place
         self._learner: Optional[Learner] = None
         self._resumed: Optional[Stats] = None  # the checkpoint's statistics, while fitting from one
         self._failed: Optional[str] = None  # this stage failed on this learner: why
@@ -217,6 +222,8 @@ class RudraStrategy(ParallelStrategy):
         )
         assert self._servers.client is not None
         self._collectives.connect(self._servers.client, self.root_device)
+        self._rejoin = Rejoin()
+        self._collectives.joining = self._servers.rejoining
 
     def _in_batch(self) -> bool:
         return self._loop is not None and self._loop.in_batch
@@ -252,7 +259,9 @@ class RudraStrategy(ParallelStrategy):
                     self.nonfinite,
                     self.compensation,
                 )
-                self._learner.register(config, stepping, *resumed)
+                self._learner.register(config, stepping, *resumed, module=describe(self.model, stepping))
+            elif self._servers.rejoining:
+                self._rejoin.ask(self._servers.clients, describe(self.model, stepping))
             self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
             if stepping:
                 self.optimizers = self._learner.wrap(stepping)
@@ -291,11 +300,12 @@ class RudraStrategy(ParallelStrategy):
             assert self._learner is not None
             self._loop = start_simulation(trainer, loaders, self.num_learners, self._learner.client)
         else:
+            self._rejoin.start(trainer)  # before the shared epoch's first draw, which asks for the run's epoch
             self._loop = start_shared_epoch(trainer, loaders, self.num_learners, self._resumed)
             if self._loop is None and self.protocol != "hardsync":
                 warn_of_meetings_per_batch(trainer)
         # before every other callback's on_train_end, which may still change the weights (weight averaging)
-        self._end_of_training = EndOfTraining(trainer, self._end_epoch, self._end_training)
+        self._end_of_training = EndOfTraining(trainer, self._start_epoch, self._end_epoch, self._end_training)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -327,7 +337,8 @@ class RudraStrategy(ParallelStrategy):
             self._loop.uninstall()
             self._loop = None
         if self._learner is not None:
-            self._learner.finish()
+            if not self._rejoin.over:  # a process admitted too late never joined training
+                self._learner.finish()
             if self.is_global_zero:
                 self.stats = keep_final_states(self._learner, self.optimizers)
             else:
@@ -335,6 +346,10 @@ class RudraStrategy(ParallelStrategy):
                 self.stats = self._servers.client.stats()
             self._learner.unwrap()
             self._learner = None
+
+    def _start_epoch(self) -> None:
+        if self.min_learners is not None and self._servers.clients:
+            self._rejoin.epoch_started(self.lightning_module.trainer, self._servers.clients, self._collectives)
 
     def _end_epoch(self) -> None:
         if self._loop is not None:

@@ -9,6 +9,7 @@ from typing import Optional
 from lightning_fabric.plugins import ClusterEnvironment
 
 from lightning_rudra.learner.client import LearnerClient, join, leave
+from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.transport.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
 
 # Where the learners meet for the next stage in these processes, agreed at the end of the last one. Of the process,
@@ -53,6 +54,11 @@ class StageServers:
             rank, num_learners, env.main_address, port, rpc_timeout, min_learners, starters
         )
         self.client = self.clients[0]
+
+    @property
+    def rejoining(self) -> bool:
+        """This process takes a lost learner's place (an elastic run's new process)."""
+        return self.client is not None and incarnation_of(self.client.rank) > 0
 
     def report_lost(self, learner: int, why: str) -> None:
         """The launcher (in this learner's process) saw ``learner``'s process end."""

@@ -23,6 +23,7 @@ import torch.distributed.rpc as rpc
 
 _TOKEN = "RpcGroupManagementToken"  # torch's key (torch.distributed.rpc._utils) for who may join or leave now
 _WORKERS = "names/_ALL_WORKER_INFOS"  # torch's list of the members, "name-rank," each, in the agent's store
+_CONNECT_S = 300.0
 _STUCK_S = 10.0  # a join takes 0.03-0.2 s here; one that holds the token this long has died or failed inside
 
 
@@ -50,7 +51,10 @@ class RunStore:
 
     def __init__(self, host: str, port: int, timeout: float) -> None:
         self.timeout = timeout
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        # the first server may take long to start (imports on a busy machine): wait for it as torch's own
+        # rendezvous does, then keep to the run's timeout
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, _CONNECT_S)))
+        self.store.set_timeout(timedelta(seconds=timeout))
 
     def _get(self, key: str) -> Optional[str]:
         full = f"lightning_rudra/{key}"
@@ -93,7 +97,8 @@ class RunStore:
         """The first members meet here once each has joined, so that no call goes to a member not yet there."""
         if self.store.add("lightning_rudra/joined", 1) == total:
             self._set("all_joined", "1")
-        self.store.wait(["lightning_rudra/all_joined"])
+        # as long as a static world's first members wait for each other: a process may start slowly
+        self.store.wait(["lightning_rudra/all_joined"], timedelta(seconds=max(self.timeout, _CONNECT_S)))
 
 
 def job_id() -> str:

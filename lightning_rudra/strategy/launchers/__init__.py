@@ -16,6 +16,11 @@ def launcher_for(strategy: Any, environment: ClusterEnvironment, report: Callabl
         return _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
     if strategy.start_method == "popen":
         return PopenLauncher(
-            environment, strategy.num_processes, strategy.num_nodes, min_learners=strategy.min_learners, report=report
+            environment,
+            strategy.num_processes,
+            strategy.num_nodes,
+            min_learners=strategy.min_learners,
+            report=report,
+            max_restarts=strategy.max_restarts,
         )
     return SpawnLauncher(strategy, strategy.start_method)

@@ -4,13 +4,16 @@ Lightning's launchers end every learner as soon as one fails (its popen launcher
 torch's process join for spawn terminates them), which is DDP's only choice. A parameter server's learners do not
 need each other: the server decides whether training can go on (:mod:`lightning_rudra.server.membership`). Here a
 learner other than 0 that ends is reported with its exit code or signal, the others train on, and once training
-is over a lost learner still running (a stalled process that woke up too late) is ended. Learner 0's process
-runs the server, so its loss still ends the run.
+is over a lost learner still running (a stalled process that woke up too late) is ended. With ``max_restarts``, a
+lost learner's process is started again (:class:`Restarts`), and rejoins the run. Learner 0's process runs the
+server, so its loss still ends the run.
 """
 
 import multiprocessing.connection
+import os
 import pickle
 import signal
+import subprocess
 import threading
 import time
 import warnings
@@ -30,14 +33,47 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def warn_lost(rank: int, code: int, min_learners: int, trace: str = "") -> None:
+def warn_lost(rank: int, code: int, min_learners: int, trace: str = "", then: str = "") -> None:
     error = f" Its error:\n{trace}" if trace else ""
     warnings.warn(
         f"lightning_rudra: learner {rank}'s process ended with {describe_exit(code)} (min_learners="
-        f"{min_learners}: training goes on while that many learners are left, without the data it had not "
-        f"trained on in this epoch).{error}",
+        f"{min_learners}: training goes on while that many learners are left; the batches it held are dealt to the "
+        f"others).{then}{error}",
         stacklevel=1,
     )
+
+
+class Restarts:
+    """Which lost learners to start again (``max_restarts`` per learner), and when: after 1 s, then twice as long
+    each time, at most 10 s. Once training is over (:attr:`closed`), none."""
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.counts: dict[int, int] = {}  # learner -> restarts so far
+        self.due: dict[int, float] = {}  # learner -> when to start it again
+        self.closed = False
+
+    def lost(self, rank: int) -> str:
+        """Learner ``rank``'s process ended badly: schedule its restart if it has restarts left. Says what
+        follows, for the warning."""
+        count = self.counts.get(rank, 0)
+        if self.closed or not self.max_restarts:
+            return ""
+        if count >= self.max_restarts:
+            return f" It was restarted {count} time(s) already (max_restarts={self.max_restarts}): not again."
+        self.counts[rank] = count + 1
+        delay = min(10.0, 2.0**count)
+        self.due[rank] = time.monotonic() + delay
+        return f" Restarting it in {delay:g} s (restart {count + 1} of {self.max_restarts}); it rejoins the run."
+
+    def now(self) -> list[int]:
+        """The learners to start again now."""
+        if self.closed:
+            self.due = {}
+        ready = [rank for rank, when in self.due.items() if time.monotonic() >= when]
+        for rank in ready:
+            del self.due[rank]
+        return ready
 
 
 def _trace(error_file: str) -> str:
@@ -53,10 +89,18 @@ class PopenLauncher(_SubprocessScriptLauncher):
     """Lightning's popen launcher (the script re-run per learner), whose observer reports a lost child instead of
     ending every learner."""
 
-    def __init__(self, *args: Any, min_learners: int, report: Callable[[int, str], None], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        min_learners: int,
+        report: Callable[[int, str], None],
+        max_restarts: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.min_learners = min_learners
         self.report = report  # tells the server (rank, why): on another machine it would only see silence
+        self.restarts = Restarts(max_restarts)
         self._reported: set[int] = set()  # children whose end was reported, or that were ended here
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
@@ -73,17 +117,27 @@ class PopenLauncher(_SubprocessScriptLauncher):
         return self.cluster_environment.node_rank() * self.num_processes + 1
 
     def _observe(self) -> None:
-        while len(self._reported) < len(self.procs):
+        while len(self._reported) < len(self.procs) or self.restarts.due:
             for index, proc in enumerate(self.procs):
                 if index not in self._reported and proc.poll() is not None:
                     self._reported.add(index)
                     if proc.returncode != 0:
-                        warn_lost(self._first_rank + index, proc.returncode, self.min_learners)
-                        self.report(self._first_rank + index, describe_exit(proc.returncode))
-            time.sleep(1.0)
+                        rank = self._first_rank + index
+                        self.report(rank, describe_exit(proc.returncode))  # before a restart asks to rejoin
+                        warn_lost(rank, proc.returncode, self.min_learners, then=self.restarts.lost(rank))
+            for rank in self.restarts.now():
+                self._restart(rank - self._first_rank)
+            time.sleep(0.2 if self.restarts.due else 1.0)
+
+    def _restart(self, index: int) -> None:
+        """The same command and environment as Lightning's launcher gave this child (its local rank)."""
+        env = {**os.environ, "LOCAL_RANK": str(index + 1)}
+        self.procs[index] = subprocess.Popen(self.procs[index].args, env=env)
+        self._reported.discard(index)
 
     def end_lost(self, lost: list[int]) -> None:
         """Training is over: end this node's learners that the server counted as lost and still run."""
+        self.restarts.closed = True
         for rank in lost:
             index = rank - self._first_rank
             if 0 <= index < len(self.procs) and self.procs[index].poll() is None:
@@ -93,17 +147,22 @@ class PopenLauncher(_SubprocessScriptLauncher):
 
 
 def join_survivors(
-    context: Any, min_learners: int, stats_ready: Callable[[], Optional[list[int]]], grace: float
+    context: Any,
+    min_learners: int,
+    stats_ready: Callable[[], Optional[list[int]]],
+    grace: float,
+    restarts: Restarts,
+    restart: Callable[[int], None],
 ) -> None:
     """``torch.multiprocessing``'s ``ProcessContext.join`` until every process has ended, except that a learner
     other than 0 that fails is reported and the others go on. Once learner 0 has ended well, ``stats_ready()``
     names the learners the server lost; those still running are ended, and so is any learner still running
     ``grace`` seconds later (one lost after learner 0 took the statistics). A failure of learner 0 raises as
-    torch's join does (ending the others)."""
+    torch's join does (ending the others). A lost learner with restarts left is started again (``restart``)."""
     ended: Optional[set[int]] = None  # the learners ended here, once learner 0 has ended well
     deadline = float("inf")
-    while context.sentinels:
-        ready = multiprocessing.connection.wait(list(context.sentinels), timeout=1.0)
+    while context.sentinels or restarts.due:
+        ready = multiprocessing.connection.wait(list(context.sentinels), timeout=0.2 if restarts.due else 1.0)
         for sentinel in ready:
             index = context.sentinels[sentinel]
             process = context.processes[index]
@@ -112,8 +171,12 @@ def join_survivors(
                 context.join()  # raises torch's error for learner 0, ending the others
             del context.sentinels[sentinel]
             if process.exitcode != 0 and index not in (ended or ()):
-                warn_lost(index, process.exitcode, min_learners, _trace(context.error_files[index]))
+                then = restarts.lost(index)
+                warn_lost(index, process.exitcode, min_learners, _trace(context.error_files[index]), then)
+        for index in restarts.now():
+            restart(index)
         if ended is None and context.processes[0].exitcode == 0:
+            restarts.closed = True
             ended = {rank for rank in stats_ready() or [] if context.processes[rank].is_alive()}
             deadline = time.monotonic() + grace
         elif ended is not None and time.monotonic() > deadline:

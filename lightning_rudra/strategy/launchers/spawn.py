@@ -3,11 +3,13 @@ process needs."""
 
 import multiprocessing
 import os
+import tempfile
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import _wrap
 from lightning_fabric.strategies.launchers.multiprocessing import _check_bad_cuda_fork, _check_missing_main_guard
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher
 from pytorch_lightning.strategies.launchers.multiprocessing import _GlobalStateSnapshot, _WorkerOutput
@@ -15,7 +17,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 from torchmetrics import Metric
 
-from lightning_rudra.strategy.launchers.popen import join_survivors
+from lightning_rudra.strategy.launchers.popen import Restarts, join_survivors
 from lightning_rudra.core.stats import Stats
 
 _COMPILED = "_orig_mod."  # what torch.compile's wrapper adds to the names of the module it compiles
@@ -96,7 +98,12 @@ class SpawnLauncher(_MultiProcessingLauncher):
                 pass
         else:
             join_survivors(
-                context, min_learners, lambda: _lost(outputs, return_queue), grace=self._strategy.rpc_timeout + 10
+                context,
+                min_learners,
+                lambda: _lost(outputs, return_queue),
+                grace=self._strategy.rpc_timeout + 10,
+                restarts=Restarts(self._strategy.max_restarts),
+                restart=lambda index: self._restart(context, index, (trainer, function, args, kwargs, return_queue)),
             )
         worker_output = outputs[0] if outputs else return_queue.get()
         if trainer is None:
@@ -104,6 +111,19 @@ class SpawnLauncher(_MultiProcessingLauncher):
         self._already_fit |= trainer.state.fn == TrainerFn.FITTING
         self._recover_results_in_main_process(worker_output, trainer)
         return worker_output.trainer_results
+
+    def _restart(self, context: Any, index: int, args: tuple) -> None:
+        """Start learner ``index`` again, as torch's ``start_processes`` started it (its error file included)."""
+        error_file = tempfile.NamedTemporaryFile(prefix="pytorch-errorfile-", suffix=".pickle", delete=False)
+        error_file.close()
+        os.unlink(error_file.name)
+        process = mp.get_context(self._start_method).Process(
+            target=_wrap, args=(self._wrapping_function, index, args, error_file.name), daemon=False
+        )
+        process.start()
+        context.processes[index] = process
+        context.error_files[index] = error_file.name
+        context.sentinels[process.sentinel] = index
 
     def _wrapping_function(
         self,

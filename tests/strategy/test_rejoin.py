@@ -1,0 +1,122 @@
+"""Lost learners that come back (``RudraStrategy(min_learners=k, max_restarts=r)``), with real processes:
+
+| fault, mid-run                           | protocol   | expected                                                  |
+| ---------------------------------------- | ---------- | --------------------------------------------------------- |
+| learner 1 killed (kill -9), restarted     | async      | it rejoins and trains again; every sample of every epoch  |
+|                                          |            | trained; stats.events: lost, then rejoined                |
+| the same                                 | 2-softsync | the same                                                  |
+| the same                                 | hardsync   | exactly SGD on the batches each round took                |
+| learner 1 killed, no restart; a process  | async      | it joins as learner 1 (popen: tests/test_rejoin_popen.py) |
+| started by hand for it                   |            |                                                           |
+
+Each learner appends ``<pid> <epoch> <clock> <sample ids>`` for every batch it trains on to ``<dir>/ids<rank>``.
+"""
+
+import os
+import signal
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from lightning_rudra import RudraStrategy
+from lightning_rudra.transport.rpc_world import free_port
+from tests.lightning_models import START, Regression, flat, quiet_trainer, regression_data
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+EPOCHS = 8
+
+
+class Recorded(Regression):
+    """Learner 1's first process kills itself at its fifth batch of epoch 1, before training on it; the process
+    that takes its place does not (``<dir>/killed`` exists by then)."""
+
+    def __init__(self, directory: str, lr: float = 0.01, momentum: float = 0.9) -> None:
+        super().__init__(lr=lr, momentum=momentum)
+        self.directory = directory
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        marker = os.path.join(self.directory, "killed")
+        if self.global_rank == 1 and self.trainer.current_epoch == 1 and batch_idx == 4 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.04 if self.global_rank == 0 else 0.02)
+        clock = self.trainer.strategy._learner.client.timestamp  # the weights this gradient comes from
+        with open(os.path.join(self.directory, f"ids{self.global_rank}"), "a") as file:
+            file.write(f"{os.getpid()} {self.trainer.current_epoch} {clock} {' '.join(map(str, ids.tolist()))}\n")
+        return super().training_step((x, y), batch_idx)
+
+
+def fit(tmp_path, monkeypatch, protocol: str, n: int = 1, momentum: float = 0.9):
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    x, y = regression_data().tensors
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, torch.arange(len(x))), batch_size=8)
+    strategy = RudraStrategy(
+        protocol=protocol, n=n, start_method=START, rpc_timeout=5.0, min_learners=1, max_restarts=1
+    )
+    model = Recorded(str(tmp_path), momentum=momentum)
+    with pytest.warns(UserWarning, match=r"learner 1's process ended with signal SIGKILL .*Restarting it in 1 s"):
+        quiet_trainer(strategy, 2, max_epochs=EPOCHS).fit(model, data)
+    records = []  # (rank, pid, epoch, clock, ids)
+    for rank in (0, 1):
+        for line in (tmp_path / f"ids{rank}").read_text().splitlines():
+            pid, epoch, clock, *ids = map(int, line.split())
+            records.append((rank, pid, epoch, clock, ids))
+    return strategy.stats, model, records, len(x)
+
+
+def check_rejoined(stats, records, num_samples, shared=True):
+    """Learner 1 was lost once and rejoined once; its new process trained after; every sample was trained in every
+    epoch (with static shards: in every epoch that both learners started); nobody is left lost."""
+    assert [(e["learner"], e["event"]) for e in stats.events] == [(1, "lost"), (1, "rejoined")], stats.events
+    assert stats.lost == {}
+    assert "ended before training did" in stats.events[0]["why"]
+    pids = sorted({pid for rank, pid, *_ in records if rank == 1})
+    assert len(pids) == 2, pids  # the first process and the one that took its place
+    first = min(pids, key=lambda pid: min(e for r, p, e, *_ in records if p == pid))
+    later = [epoch for rank, pid, epoch, *_ in records if rank == 1 and pid != first]
+    assert later and min(later) >= 2  # admitted at the start of an epoch after the loss, and trained there
+    trained = defaultdict(list)
+    for _, _, epoch, _, ids in records:
+        trained[epoch] += ids
+    # a static shard is not trained from the loss until the learner that takes its place starts an epoch
+    for epoch in range(EPOCHS) if shared else [0, *range(min(later), EPOCHS)]:
+        counts = torch.bincount(torch.tensor(trained[epoch]), minlength=num_samples)
+        assert counts.min().item() >= 1, f"epoch {epoch}: samples never trained"
+
+
+@pytest.mark.parametrize("protocol, n", [("async", 1), ("softsync", 2)])
+def test_a_killed_learner_is_restarted_and_rejoins(tmp_path, monkeypatch, protocol, n):
+    stats, model, records, num_samples = fit(tmp_path, monkeypatch, protocol, n)
+    check_rejoined(stats, records, num_samples)
+    # without a straggler's loss every epoch's batches are dealt once: at most those dealt again come twice
+    assert sum(stats.batches.values()) == EPOCHS * 32 + stats.redealt
+    assert torch.isfinite(flat(model.parameters())).all()
+
+
+def test_under_hardsync_a_rejoined_learner_counts_from_an_epochs_start_exactly(tmp_path, monkeypatch):
+    stats, model, records, num_samples = fit(tmp_path, monkeypatch, "hardsync", momentum=0.0)
+    check_rejoined(stats, records, num_samples, shared=False)
+    # SGD whose step at clock c averages the gradients of the batches computed from clock c's weights
+    rounds = defaultdict(list)
+    for _, _, _, clock, ids in records:
+        rounds[clock].append(ids)
+    assert stats.clock == len(rounds) == max(rounds) + 1
+    x, y = regression_data().tensors
+    expected = Regression(lr=0.01, momentum=0.0)
+    optimizer = torch.optim.SGD(expected.parameters(), lr=0.01)
+    for clock in range(len(rounds)):
+        optimizer.zero_grad()
+        grads = []
+        for ids in rounds[clock]:
+            expected.zero_grad()
+            expected.loss((x[ids], y[ids])).backward()
+            grads.append([p.grad.clone() for p in expected.parameters()])
+        for p, *gs in zip(expected.parameters(), *grads):
+            p.grad = torch.stack(gs).mean(0)
+        optimizer.step()
+    assert {len(batches) for batches in rounds.values()} == {1, 2}  # rounds alone and rounds with both
+    torch.testing.assert_close(flat(model.parameters()), flat(expected.parameters()), rtol=0, atol=1e-5)

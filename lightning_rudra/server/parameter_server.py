@@ -240,7 +240,15 @@ class ParameterServer:
             return []
         weights = self._weights(sorted(self.membership.members))
         waiters, self.finish_waiters = self.finish_waiters, []
-        return [(waiter, weights) for waiter in waiters] + [(reply, None) for reply in self.rejoins.close()]
+        return [(waiter, weights) for waiter in waiters] + self._turn_away()
+
+    def _turn_away(self) -> Outcomes:
+        """Training is over: the processes waiting to rejoin are told so (None); they only leave. Called under the
+        lock."""
+        replies = self.rejoins.close()
+        for learner in replies:
+            self.membership.joining.pop(learner, None)
+        return [(reply, None) for reply in replies.values()]
 
     def gather(self, sequence: int, learner: int, obj: Any) -> Future:
         """The ``sequence``-th collective of every learner: resolves with the objects of all learners left
@@ -317,11 +325,13 @@ class ParameterServer:
         with self.lock:
             outcomes = []
             training = self.core is not None and learner in self.core.active
-            if (training or error) and self.failure is None:  # an error in any stage: the others must not wait
+            if learner in self.membership.joining:
+                outcomes = self._join_failed(learner, f"it left before it was admitted ({error or 'no error'})")
+            elif learner in self.membership.lost:  # a new process for it that was refused: strike its RPC name
+                self._lost_queue.append((learner, self.membership.lost[learner]))
+            elif (training or error) and self.failure is None:  # an error in any stage: the others must not wait
                 why = f"stopped with an error ({error})" if error else "left before training ended"
                 outcomes = self._lose(learner, why)
-            if learner in self.membership.joining:
-                outcomes += self._join_failed(learner, f"it left before it was admitted ({error or 'no error'})")
             self.membership.left.add(learner)
             self._check_all_left()
         self._settle(outcomes)
@@ -348,7 +358,7 @@ class ParameterServer:
             self.membership.joining[learner] = incarnation_of(learner)
             self.membership.last_heard[learner] = time.monotonic()
             over = self.finish_waiters or (self.core is not None and not self.core.active)
-            outcomes = [(r, None) for r in self.rejoins.close()] if over else self._admit_due()
+            outcomes = self._turn_away() if over else self._admit_due()
         self._settle(outcomes)
         return reply
 

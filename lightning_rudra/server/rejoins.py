@@ -96,8 +96,8 @@ class Rejoins:
         self.progress.pop(learner, None)
         return self.requests.pop(learner, None)
 
-    def close(self) -> list[Any]:
-        """Training is over: nothing is left to rejoin. The replies still waiting."""
-        replies = [request.reply for request in self.requests.values()]
+    def close(self) -> dict[int, Any]:
+        """Training is over: nothing is left to rejoin. The replies still waiting, by learner."""
+        replies = {learner: request.reply for learner, request in self.requests.items()}
         self.requests = {}
         return replies

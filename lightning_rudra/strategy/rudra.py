@@ -262,7 +262,8 @@ class RudraStrategy(ParallelStrategy):
                 self._learner.register(config, stepping, *resumed, module=describe(self.model, stepping))
             elif self._servers.rejoining:
                 self._rejoin.ask(self._servers.clients, describe(self.model, stepping))
-            self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
+            if not self._rejoin.over:  # a process admitted too late only leaves
+                self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
             if stepping:
                 self.optimizers = self._learner.wrap(stepping)
         self._resumed = resumed[0] if fitting else None  # the shared epoch goes on from its statistics

@@ -6,16 +6,21 @@
 |                                          |            | trained; stats.events: lost, then rejoined                |
 | the same                                 | 2-softsync | the same                                                  |
 | the same                                 | hardsync   | exactly SGD on the batches each round took                |
-| learner 1 killed, no restart; a process  | async      | it joins as learner 1 (popen: tests/test_rejoin_popen.py) |
-| started by hand for it                   |            |                                                           |
+| popen: learner 1 killed, restarted       | async      | it rejoins; stats.events: lost, then rejoined             |
+| popen: learner 1 killed, no restart;     | async      | one with another module is refused, saying what differs;  |
+| processes started by hand for it         |            | the right one joins; one more, for a rank alive, refused  |
 
 Each learner appends ``<pid> <epoch> <clock> <sample ids>`` for every batch it trains on to ``<dir>/ids<rank>``.
 """
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +31,7 @@ from tests.lightning_models import START, Regression, flat, quiet_trainer, regre
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-EPOCHS = 8
+EPOCHS = 12  # learner 1 is lost in epoch 1 and rejoins some epochs later, more on a busy machine
 
 
 class Recorded(Regression):
@@ -120,3 +125,106 @@ def test_under_hardsync_a_rejoined_learner_counts_from_an_epochs_start_exactly(t
         optimizer.step()
     assert {len(batches) for batches in rounds.values()} == {1, 2}  # rounds alone and rounds with both
     torch.testing.assert_close(flat(model.parameters()), flat(expected.parameters()), rtol=0, atol=1e-5)
+
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+SCRIPT = str(ROOT / "tests" / "scripts" / "rejoin_fit.py")
+
+
+def popen_run(tmp_path, max_restarts: int, epochs: int, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with open(tmp_path / "run.out", "w") as out, open(tmp_path / "run.err", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, SCRIPT, str(tmp_path), str(max_restarts), str(epochs)],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=err,
+        )
+
+
+def result(tmp_path, run: subprocess.Popen) -> dict:
+    assert run.wait(timeout=200) == 0, (tmp_path / "run.err").read_text()[-3000:]
+    [line] = [line for line in (tmp_path / "run.out").read_text().splitlines() if line.startswith("RESULT ")]
+    found = json.loads(line[len("RESULT ") :])
+    assert [pid for pid in found["children"] if _alive(pid)] == []
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout:g} s for {what}"
+        time.sleep(0.2)
+
+
+def events(found: dict) -> list[tuple[int, str]]:
+    return [(e["learner"], e["event"]) for e in found["stats"]["events"]]
+
+
+def learner_1_pids(tmp_path) -> list[str]:
+    """Learner 1's processes that trained, in order, each once."""
+    path = tmp_path / "ids1"
+    pids = [line.split()[0] for line in path.read_text().splitlines()] if path.exists() else []
+    return list(dict.fromkeys(pids))
+
+
+def test_popen_restarts_a_killed_learner_which_rejoins(tmp_path):
+    run = popen_run(tmp_path, max_restarts=1, epochs=0, port=free_port())
+    try:
+        wait_for(lambda: len(learner_1_pids(tmp_path)) == 2, "learner 1's new process to train")
+    finally:
+        (tmp_path / "stop").touch()  # the run ends: learner 0 stops, and with it the shared epoch
+    found = result(tmp_path, run)
+    assert events(found) == [(1, "lost"), (1, "rejoined")] and found["stats"]["lost"] == {}
+    assert "Restarting it in 1 s (restart 1 of 1)" in (tmp_path / "run.err").read_text()
+
+
+def by_hand(tmp_path, port: int, width: int = 16) -> subprocess.CompletedProcess:
+    """Learner 1's command and environment, as Lightning's launcher gives them, started from outside."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "NODE_RANK": "0",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+    }
+    command = [sys.executable, SCRIPT, str(tmp_path), "0", "0", str(width)]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+
+
+def test_a_process_started_by_hand_for_a_lost_learner_joins_and_a_wrong_one_is_refused(tmp_path):
+    port = free_port()
+    run = popen_run(tmp_path, max_restarts=0, epochs=0, port=port)
+    try:
+        wait_for((tmp_path / "killed").exists, "learner 1 to kill itself")
+        wrong = by_hand(tmp_path, port, width=32)
+        assert wrong.returncode != 0
+        assert "learner 1 cannot rejoin: its module differs from the one this run trains: parameter " in wrong.stderr
+        assert "'net.0.weight' has shape (32, 6), the run's (16, 6)" in wrong.stderr
+        joined = subprocess.Popen  # the right process trains until the run stops: started, not waited for
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env |= {"NODE_RANK": "0", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+        with open(tmp_path / "joined.err", "w") as err:
+            learner = joined([sys.executable, SCRIPT, str(tmp_path), "0", "0"], cwd=tmp_path, env=env, stderr=err)
+        wait_for(lambda: str(learner.pid) in learner_1_pids(tmp_path), "the new learner 1 to train")
+        second = by_hand(tmp_path, port)
+        assert second.returncode != 0 and "learner 1 of the run at 127.0.0.1:" in second.stderr
+        assert "is alive (process " in second.stderr
+        (tmp_path / "stop").touch()
+        assert learner.wait(timeout=120) == 0, (tmp_path / "joined.err").read_text()[-3000:]
+        found = result(tmp_path, run)
+    finally:
+        (tmp_path / "stop").touch()
+        run.kill()
+    assert events(found) == [(1, "lost"), (1, "rejoined")] and found["stats"]["lost"] == {}

@@ -155,15 +155,18 @@ class Membership:
                 f"{method} from learner {learner} refused: it was counted as lost (it {self.lost[learner]}); a new "
                 "process for it rejoins (RudraStrategy(min_learners=k, max_restarts=r)), this one cannot"
             )
-        if incarnation != self.incarnations.get(learner, 0):
-            raise RuntimeError(
-                f"{method} from learner {learner} refused: this process of it was counted as lost, and another one "
-                "has taken its place"
-            )
         if method == "rejoin":
             raise RuntimeError(
                 f"learner {learner} cannot rejoin: {self.where(learner)} is alive (pid "
                 f"{self.pids.get(learner, 'unknown')}) and counted in this run; only a lost learner's place can be taken"
             )
+        current = self.incarnations.get(learner, 0)
+        if incarnation < current:
+            raise RuntimeError(
+                f"{method} from learner {learner} refused: this process of it was counted as lost, and another one "
+                "has taken its place"
+            )
+        if incarnation > current:
+            raise RuntimeError(f"{method} from learner {learner} refused: this process has not asked to rejoin")
         if learner in self.left:
             raise RuntimeError(f"{method} from learner {learner} refused: it has left this run")

@@ -1,0 +1,87 @@
+"""What the server does when a new process asks to take a lost learner's place (in-process, without RPC): it is
+checked, waits for every learner to start the same epoch, and is admitted there; an earlier process of the learner
+is refused from then on. (Real processes: tests/strategy/test_rejoin.py.)"""
+
+import pytest
+import torch
+
+from lightning_rudra.server import process as server
+from lightning_rudra.server.parameter_server import ParameterServer
+from lightning_rudra.server.rejoins import Admission, describe_module
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.transport.elastic import LearnerId
+from tests.server.test_lost_learners import lose, push
+
+MODULE = describe_module([("net.weight", (2,))], ["torch.optim.sgd.SGD"])
+
+
+def elastic_server(monkeypatch, protocol: str = "async", learners: int = 3) -> ParameterServer:
+    ps = ParameterServer(learners, timeout=5.0, min_learners=1)
+    monkeypatch.setattr(server, "_server", ps)
+    params = [torch.zeros(2)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.5), params)
+    server.call("register", ProtocolConfig(learners, protocol), params, [], [spec], None, False, None, MODULE)
+    return ps
+
+
+def test_a_new_process_is_admitted_when_every_learner_has_started_a_later_epoch(monkeypatch):
+    ps = elastic_server(monkeypatch)
+    for learner in range(3):
+        server.call("progress", learner, 0, 0, 0)
+    lose(ps, 2)
+    reply = server.call_async("rejoin", LearnerId(2, 1), MODULE)
+    server.call("heartbeat", LearnerId(2, 1), "127.0.0.1")  # it may beat while it waits
+    with pytest.raises(RuntimeError, match="push from learner 2 refused: it has asked to rejoin and waits"):
+        push(LearnerId(2, 1), 1.0)
+    server.call("progress", 0, 1, 40, 3)
+    assert not reply.done()  # learner 1 has not started epoch 1 yet
+    server.call("progress", 1, 1, 38, 3)
+    where, hparams = reply.wait()
+    assert where == Admission(epoch=1, global_step=40, collectives=3)
+    assert hparams[0][0]["lr"] == 0.5
+    assert ps.membership.members == {0, 1, 2} and ps.core.active == {0, 1, 2}
+    assert [(e["learner"], e["event"]) for e in ps.core.stats.events] == [(2, "lost"), (2, "rejoined")]
+    assert ps.core.stats.lost == {}
+    push(LearnerId(2, 1), 1.0).wait()  # the new process pushes
+    with pytest.raises(RuntimeError, match="push from learner 2 refused: this process of it was counted as lost"):
+        push(2, 1.0)  # the old one, woken up
+
+
+def test_under_hardsync_the_round_open_at_admission_waits_for_the_new_process(monkeypatch):
+    ps = elastic_server(monkeypatch, "hardsync", learners=2)
+    server.call("progress", 0, 0, 0, 0)
+    server.call("progress", 1, 0, 0, 0)
+    lose(ps, 1)
+    reply = server.call_async("rejoin", LearnerId(1, 1), MODULE)
+    server.call("progress", 0, 1, 16, 0)  # learner 0, alone, starts epoch 1: learner 1 is admitted
+    assert reply.done()
+    first = push(0, 1.0, timestamp=ps.core.clock)
+    assert not first.done()  # the round waits for the admitted learner
+    push(LearnerId(1, 1), 3.0, timestamp=ps.core.clock).wait()
+    assert first.done() and ps.core.pull()[0][0].tolist() == [-2.0, -2.0]  # the pushes' lr 1 × the mean gradient 2
+
+
+def test_a_process_with_another_module_or_for_a_live_learner_is_refused(monkeypatch):
+    ps = elastic_server(monkeypatch)
+    other = describe_module([("net.weight", (3,)), ("net.bias", (1,))], ["torch.optim.adam.Adam"])
+    with pytest.raises(RuntimeError, match=r"learner 1 cannot rejoin: learner 1 \(on .*\) is alive"):
+        server.call_async("rejoin", LearnerId(1, 1), MODULE)
+    lose(ps, 1)
+    with pytest.raises(ValueError, match="its module differs") as refused:
+        server.call_async("rejoin", LearnerId(1, 1), other)
+    message = str(refused.value)
+    assert "parameter 'net.weight' has shape (3,), the run's (2,)" in message
+    assert "parameter 'net.bias' is not in the run's module" in message
+    assert "its optimizers are ['torch.optim.adam.Adam'], the run's ['torch.optim.sgd.SGD']" in message
+    assert 1 not in ps.membership.joining and ps.core.stats.lost.keys() == {1}
+
+
+def test_a_process_waiting_when_training_ends_is_told_so(monkeypatch):
+    ps = elastic_server(monkeypatch, learners=2)
+    lose(ps, 1)
+    reply = server.call_async("rejoin", LearnerId(1, 1), MODULE)
+    server.call_async("finish", 0)
+    assert reply.wait() is None and ps.membership.joining == {}
+    late = server.call_async("rejoin", LearnerId(1, 2), MODULE)  # after the end: at once
+    assert late.wait() is None

@@ -28,6 +28,7 @@ import torch
 from lightning_rudra import RudraStrategy
 from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import START, Regression, flat, quiet_trainer, regression_data
+from tests.strategy.test_faults import _alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -149,14 +150,6 @@ def result(tmp_path, run: subprocess.Popen) -> dict:
     found = json.loads(line[len("RESULT ") :])
     assert [pid for pid in found["children"] if _alive(pid)] == []
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def wait_for(condition, what: str, timeout: float = 120.0) -> None:

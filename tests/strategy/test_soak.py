@@ -47,7 +47,7 @@ class Jittery(Regression):
         self.steps += 1
         path = os.path.join(self.directory, f"counts{self.global_rank}")
         with open(path + ".partial", "w") as file:
-            file.write(f"{self.steps} {self.trainer.strategy._accepted}")
+            file.write(f"{self.steps} {self.trainer.strategy._push_metrics.accepted}")
         os.replace(path + ".partial", path)  # a reader (or a kill) never sees half a line
 
 

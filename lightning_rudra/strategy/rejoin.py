@@ -47,10 +47,11 @@ class Rejoin:
     def admitted(self) -> bool:
         return self.admission is not None
 
-    def start(self, trainer: "pl.Trainer") -> None:
+    def start(self, trainer: "pl.Trainer", shared: bool) -> None:
         """At ``on_train_start``: the fit loop goes on from the run's epoch and global step, the LR schedulers from
-        their positions there; without a scheduler, the optimizers take the servers' hyper-parameters (the others'
-        last ones). A process admitted too late only stops."""
+        their positions there (``shared``: under the shared epoch, whose step-interval schedulers catch up by the
+        epoch's progress themselves); without a scheduler, the optimizers take the servers' hyper-parameters (the
+        others' last ones). A process admitted too late only stops."""
         if self.over:
             trainer.should_stop = True
             return
@@ -68,11 +69,9 @@ class Rejoin:
         steps.ready = steps.completed = step
         epoch_loop._batches_that_stepped = step
         configs = [c for c in trainer.lr_scheduler_configs if not c.reduce_on_plateau]
-        shared = trainer.strategy.sampling == "shared"  # type: ignore[attr-defined]
         with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()": on purpose here
             warnings.simplefilter("ignore", UserWarning)
             for config in configs:
-                # step-interval schedulers of the shared epoch catch up by the epoch's progress themselves
                 count = epoch if config.interval == "epoch" else 0 if shared else step
                 for _ in range(count // config.frequency):
                     trainer.lightning_module.lr_scheduler_step(config.scheduler, None)

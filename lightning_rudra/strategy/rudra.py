@@ -301,7 +301,7 @@ class RudraStrategy(ParallelStrategy):
             assert self._learner is not None
             self._loop = start_simulation(trainer, loaders, self.num_learners, self._learner.client)
         else:
-            self._rejoin.start(trainer)  # before the shared epoch's first draw, which asks for the run's epoch
+            self._rejoin.start(trainer, self.sampling == "shared")  # before the shared epoch's first draw
             self._loop = start_shared_epoch(trainer, loaders, self.num_learners, self._resumed)
             if self._loop is None and self.protocol != "hardsync":
                 warn_of_meetings_per_batch(trainer)

@@ -64,8 +64,10 @@ def fit(tmp_path, monkeypatch, protocol: str, n: int = 1, momentum: float = 0.9)
         protocol=protocol, n=n, start_method=START, rpc_timeout=5.0, min_learners=1, max_restarts=1
     )
     model = Recorded(str(tmp_path), momentum=momentum)
+    # validation every epoch: its collectives (a barrier, a value logged with sync_dist) meet after the rejoin too
+    validation = torch.utils.data.DataLoader(regression_data(32, seed=3), batch_size=8)
     with pytest.warns(UserWarning, match=r"learner 1's process ended with signal SIGKILL .*Restarting it in 1 s"):
-        quiet_trainer(strategy, 2, max_epochs=EPOCHS).fit(model, data)
+        quiet_trainer(strategy, 2, max_epochs=EPOCHS).fit(model, data, validation)
     records = []  # (rank, pid, epoch, clock, ids)
     for rank in (0, 1):
         for line in (tmp_path / f"ids{rank}").read_text().splitlines():

@@ -109,9 +109,9 @@ class ParameterServer:
         shared memory, or, if it cannot be allocated, in plain memory (the learners are told why). ``module``:
         what a learner that rejoins must match (:func:`~lightning_rudra.server.rejoins.describe_module`)."""
         with self.lock:
-            self.rejoins.module = module
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
+            self.rejoins.module = module
             if shared_memory:
                 try:
                     self.core = self._server_in_shared_memory(config, params, buffers, specs, stats)
@@ -185,7 +185,7 @@ class ParameterServer:
             else:
                 outcomes, weights = self._release_rounds([optimizer] if result.closed else [], learner)
                 lr_scale = self._lr_scale(optimizer)
-        self._settle(outcomes)
+        _settle(outcomes)
         if in_round:
             return reply
         return _done(PushReply(result.status, result.staleness, lr_scale, *weights))
@@ -232,7 +232,7 @@ class ParameterServer:
             future: Future = Future()
             self.finish_waiters.append(future)
             outcomes += self._complete_finish()
-        self._settle(outcomes)
+        _settle(outcomes)
         return future
 
     def _complete_finish(self) -> Outcomes:
@@ -260,7 +260,7 @@ class ParameterServer:
             outcomes = self._complete_gatherings()
             if not future.done() and sequence in self.gatherings:
                 outcomes += self._give_up_if_deadlocked()
-        self._settle(outcomes)
+        _settle(outcomes)
         return future
 
     def _complete_gatherings(self) -> Outcomes:
@@ -359,7 +359,7 @@ class ParameterServer:
             self.membership.last_heard[learner] = time.monotonic()
             over = self.finish_waiters or (self.core is not None and not self.core.active)
             outcomes = self._turn_away() if over else self._admit_due()
-        self._settle(outcomes)
+        _settle(outcomes)
         return reply
 
     def progress(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
@@ -368,7 +368,7 @@ class ParameterServer:
         with self.lock:
             self.rejoins.report(learner, epoch, global_step, collectives)
             outcomes = self._admit_due()
-        self._settle(outcomes)
+        _settle(outcomes)
 
     def _admit_due(self) -> Outcomes:
         """Admits the rejoining learners whose epoch has come. Called under the lock."""
@@ -398,7 +398,8 @@ class ParameterServer:
         return [] if request is None else [(request.reply, RuntimeError(f"learner {learner} could not rejoin: {why}"))]
 
     def _settle(self, outcomes: Outcomes) -> None:
-        """Resolve ``outcomes`` once the lock is released, then tell :attr:`on_lost` of the learners lost since."""
+        """Resolve ``outcomes`` once the lock is released, then tell :attr:`on_lost` of the learners lost since
+        (only calls that can lose a learner come here: never a push)."""
         _settle(outcomes)
         with self.lock:
             lost, self._lost_queue = self._lost_queue, []

@@ -41,7 +41,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.learner.sampler import SharedEpochSampler
-from lightning_rudra.learner.simulation import LearnerSchedules, SimulatedSampler
+from lightning_rudra.learner.simulation import LearnerSchedules, SimulatedClient, SimulatedSampler
 
 
 class SharedEpochLoop:
@@ -276,12 +276,15 @@ class SharedEpochLoop:
 
 class SimulatedEpochLoop:
     """Fits Lightning's fit loop to a simulated run for one ``fit``: :meth:`install` at the start of training,
-    :meth:`uninstall` at its end."""
+    :meth:`uninstall` at its end. ``client``: the learner's, which serves every simulated learner."""
 
-    def __init__(self, trainer: "pl.Trainer", sampler: SimulatedSampler, num_learners: int) -> None:
+    def __init__(
+        self, trainer: "pl.Trainer", sampler: SimulatedSampler, num_learners: int, client: SimulatedClient
+    ) -> None:
         self.trainer = trainer
         self.sampler = sampler
         self.num_learners = num_learners
+        self.client = client
         self._max_steps: Optional[int] = None
         self.schedules: Optional[LearnerSchedules] = None
 
@@ -329,7 +332,7 @@ class SimulatedEpochLoop:
         index = self.sampler.next_learner()
         if self.schedules is not None:
             self.schedules.switch(index)
-        weights = learner.client.switch(index)
+        weights = self.client.switch(index)
         if weights is not None:
             learner.load(*weights)
 

@@ -6,7 +6,7 @@ batches (``shared_epoch.py``); ``simulate=λ`` trains λ virtual learners in one
 both refit Lightning's fit loop (``fit_loop.py``). The strategy owns one object per concern: its stage's servers,
 collectives, checkpoints and push metrics."""
 
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import pytorch_lightning as pl
 import torch
@@ -25,6 +25,7 @@ from lightning_rudra.core.config import PROTOCOLS, ProtocolConfig, validate_n, v
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
 from lightning_rudra.learner.learner import Learner, LearnerOptimizer
+from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states, load_groups
 from lightning_rudra.strategy.checks import (
@@ -238,7 +239,10 @@ class RudraStrategy(ParallelStrategy):
             check_optimizers(self.optimizers, list(self.model.parameters()), self.compensation)
             # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
             stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
-            clients = [SimulatedClient(self.simulate)] if self.simulate else self._servers.clients
+            # the protocol's type: mypy checks both kinds of client against it
+            clients: Sequence[ServerClient] = (
+                [SimulatedClient(self.simulate)] if self.simulate else self._servers.clients
+            )
             self._learner = Learner(self.model, clients, self.overlap, self.shared_memory and not self.simulate)
             self._learner.on_push = self._push_metrics.record
             self._learner.check(stepping)
@@ -289,7 +293,9 @@ class RudraStrategy(ParallelStrategy):
         loaders = combined.flattened if combined is not None else []
         if self.simulate:
             assert self._learner is not None
-            self._loop = start_simulation(trainer, loaders, self.num_learners, self._learner.client)
+            client = self._learner.client
+            assert isinstance(client, SimulatedClient), "setup gives a simulated run's learner a SimulatedClient"
+            self._loop = start_simulation(trainer, loaders, self.num_learners, client)
         else:
             self._loop = start_shared_epoch(trainer, loaders, self.num_learners, self._resumed)
             if self._loop is None and self.protocol != "hardsync":

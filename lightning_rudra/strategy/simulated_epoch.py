@@ -95,6 +95,6 @@ def start_simulation(
             "them into one dataset, or run real learners (devices=λ)."
         )
     samplers[0].taken = client.stats().batches
-    loop = SimulatedEpochLoop(trainer, samplers[0], num_learners)
+    loop = SimulatedEpochLoop(trainer, samplers[0], num_learners, client)
     loop.install()
     return loop

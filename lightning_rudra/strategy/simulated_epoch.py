@@ -64,7 +64,7 @@ def simulated_dataloader(
             "sampler of your own keeps one stream per process: run real learners (devices=λ) instead."
         )
     # Lightning's one-replica sampler holds the shuffle and seed (the global seed) that real learners' would
-    shards = [
+    shards: list[DistributedSampler] = [
         DistributedSampler(
             sampler.dataset,
             num_replicas=num_learners,

@@ -3,7 +3,7 @@ process needs."""
 
 import multiprocessing
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -17,6 +17,9 @@ from torchmetrics import Metric
 
 from lightning_rudra.strategy.launchers.popen import join_survivors
 from lightning_rudra.core.stats import Stats
+
+if TYPE_CHECKING:  # rudra.py imports this module
+    from lightning_rudra.strategy.rudra import RudraStrategy
 
 _COMPILED = "_orig_mod."  # what torch.compile's wrapper adds to the names of the module it compiles
 
@@ -60,6 +63,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
     (:func:`~lightning_rudra.strategy.launchers.popen.join_survivors`).
     """
 
+    _strategy: "RudraStrategy"  # Lightning's launcher takes any ParallelStrategy; launcher_for passes ours
+
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         """Lightning's launch, but for what the fork server needs and, with ``min_learners``, for how the learners
         are joined (:func:`~lightning_rudra.strategy.launchers.popen.join_survivors`)."""
@@ -77,13 +82,13 @@ class SpawnLauncher(_MultiProcessingLauncher):
         assert self._strategy.cluster_environment is not None
         os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
         self._environ = dict(os.environ)
-        self._global_states = _GlobalStateSnapshot.capture()
+        global_states = _GlobalStateSnapshot.capture()  # forkserver's too: Lightning's launch captures spawn's only
         return_queue = mp.get_context(self._start_method).SimpleQueue()
         context = mp.start_processes(
             self._wrapping_function,
             nprocs=self._strategy.num_processes,
             join=False,
-            args=(trainer, function, args, kwargs, return_queue),
+            args=(trainer, function, args, kwargs, return_queue, global_states),
             start_method=self._start_method,
         )
         self.procs = context.processes
@@ -113,10 +118,10 @@ class SpawnLauncher(_MultiProcessingLauncher):
         args: Any,
         kwargs: Any,
         return_queue: Any,
+        global_states: Optional[_GlobalStateSnapshot] = None,
     ) -> None:
         os.environ.clear()  # a fork server's child has the environment of when the fork server started
         os.environ.update(self._environ)
-        global_states = self._global_states
         for module in (arg for arg in args if isinstance(arg, torch.nn.Module)):
             _own_copies(module)
         try:

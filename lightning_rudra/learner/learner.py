@@ -151,8 +151,9 @@ class Learner:
         # (optimizer, status, staleness, lr_scale) of every push: see ServerClient.receive
         self.on_push: Optional[Callable[[int, str, int, float], None]] = None
 
-    def wrap(self, optimizers: Sequence[Optimizer]) -> list["LearnerOptimizer"]:
-        """Wrap the learner's optimizers; their steps push from now on."""
+    def wrap(self, optimizers: Sequence[Optimizer]) -> list[Optimizer]:
+        """The learner's optimizers, each wrapped in a :class:`LearnerOptimizer` that stands in for it (in a
+        Trainer's ``optimizers``); their steps push from now on."""
         self._lay_out(optimizers)
         self.grad_timestamps = [None] * len(optimizers)
         for index, params in enumerate(self.optimizer_params):

@@ -107,13 +107,13 @@ class RudraStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        lr_modulation, compensation = staleness_options(lr_modulation, compensation)
-        validate_options(protocol, n, lr_modulation, max_staleness, nonfinite, compensation)
+        modulation, compensation = staleness_options(lr_modulation, compensation)
+        validate_options(protocol, n, modulation, max_staleness, nonfinite, compensation)
         check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers)
         check_simulation(simulate, timing, sampling, overlap)
         self.protocol = protocol
         self.n = n
-        self.lr_modulation = lr_modulation
+        self.lr_modulation = modulation
         self.compensation = compensation
         self.max_staleness = max_staleness
         self.nonfinite = nonfinite
@@ -271,8 +271,10 @@ class RudraStrategy(ParallelStrategy):
     # ---- training --------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        assert self.lightning_module is not None  # Lightning processes the dataloaders of the module it set up
         trainer = self.lightning_module.trainer
         if self.simulate and trainer.state.stage == RunningStage.TRAINING:
+            assert self.timing is not None  # set whenever simulate is
             # made before the learner exists: inside configure_optimizers, which reads one learner's counts
             return simulated_dataloader(
                 dataloader, self.simulate, self.protocol, self.timing, whole=self._learner is not None
@@ -288,6 +290,7 @@ class RudraStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self._push_metrics.reset()
+        assert self.lightning_module is not None  # set up before training
         trainer = self.lightning_module.trainer
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
@@ -307,6 +310,7 @@ class RudraStrategy(ParallelStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # A training batch starts when it is fetched: before the callbacks' and the module's on_train_batch_start,
         # which Lightning calls before the strategy's, and also for a None batch, which gets no such hook
+        assert self.lightning_module is not None  # set up before any batch
         if self.lightning_module.trainer.training:
             if self._loop is not None and self._learner is not None:
                 self._loop.on_batch_fetched(self._learner)
@@ -373,6 +377,7 @@ class RudraStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self._learner is not None:
+            assert self.lightning_module is not None  # the learner is made with it, in setup
             self._push_metrics.log(self.lightning_module, self._learner.client.timestamp, self.optimizers)
         return output
 

@@ -61,6 +61,7 @@ class _FlavourLoader(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module: types.ModuleType) -> None:
+        assert module.__file__ is not None  # find_spec gives every module a file
         with open(module.__file__, encoding="utf-8") as file:
             code = compile(_rewrite(file.read()), module.__file__, "exec")  # tracebacks show the real file
         exec(code, module.__dict__)

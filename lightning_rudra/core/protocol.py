@@ -365,6 +365,7 @@ class Server:
             pending.has_grad = has_grad
             pending.buffers = [_accumulator(b, 1.0) for b in buffers]
         else:
+            assert pending.has_grad is not None and pending.buffers is not None  # set with the first gradient summed
             for total, g in zip(pending.grads, grads):
                 total.add_(g, alpha=scale)
             pending.has_grad |= has_grad
@@ -389,6 +390,8 @@ class Server:
             )
         if pending.grads is None:
             return None
+        # set with the first gradient summed; hparams with every gradient received
+        assert pending.has_grad is not None and pending.buffers is not None and pending.hparams is not None
         count = len(pending.staleness)
         lr_factor = 1.0
         if self.config.lr_modulation == "mean":

@@ -44,7 +44,8 @@ _TIMED_OUT = re.compile(r"ran for more than set timeout", re.I)
 
 class LearnerClient:
     """One learner's calls to one server process (``shard``; the first also answers collectives and deals the
-    shared epoch). Holds the timestamp of the weights the learner last received from it.
+    shared epoch), over RPC: a :class:`~lightning_rudra.learner.server_client.ServerClient`. Holds the timestamp of
+    the weights the learner last received from it.
 
     A thread of its own sends a heartbeat every ``timeout / 4`` seconds (at most 5), with this learner's address
     and process: the server counts a learner silent for longer than ``timeout``, or whose process it sees end, as

@@ -16,6 +16,7 @@ from torch.futures import Future
 from torch.optim import Optimizer
 
 from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, all_finite
@@ -34,7 +35,7 @@ class _Shard:
     (:class:`~lightning_rudra.core.shards.ShardPlan`), and how they travel (shared memory on that server's host, RPC
     elsewhere)."""
 
-    def __init__(self, index: int, client: LearnerClient, params: list[Tensor], buffers: list[Tensor]) -> None:
+    def __init__(self, index: int, client: ServerClient, params: list[Tensor], buffers: list[Tensor]) -> None:
         self.index = index
         self.client = client
         self.params = params  # the module's parameters, or flat views of the slices this shard owns
@@ -53,11 +54,16 @@ class _Shard:
         if not shared_memory:
             self.client.attached(False)
             return
-        names, error = self.client.attach()
-        if error is not None and self.client.rank == 0:
+        client = self.client
+        if not isinstance(client, LearnerClient):
+            raise TypeError(
+                f"shared_memory=True maps a server process's shared memory, which a {type(client).__name__} has "
+                "none of: pass shared_memory=False."
+            )
+        names, error = client.attach()
+        if error is not None and client.rank == 0:
             warnings.warn(f"lightning_rudra: {error} Weights and gradients go through RPC instead (slower).")
         if names is not None and names.host == socket.gethostname():
-            client = self.client
             try:
                 self.shm = MappedWeights(
                     names,
@@ -84,7 +90,7 @@ class _Shard:
         """Load a reply's weights (None: read them from shared memory). ``sent``: the buffers pushed for this
         reply, under overlap: the reply's buffers predate the forward passes run since, whose changes (BatchNorm
         statistics) stay on top of them."""
-        load = self.load
+        load: Callable[[list[Tensor], list[Tensor]], None] = self.load
         if sent is not None and self.buffers:
             now = self.buffer_layout.pack(self.buffers, _CPU)
 
@@ -115,14 +121,15 @@ def _rebased(replied: Tensor, now: Tensor, sent: Tensor) -> Tensor:
 
 
 class Learner:
-    """Moves a module's gradients to the server and the server's weights into the module. With several
-    servers (one client each, ``clients[0]`` the one that also answers collectives), each owns a contiguous part
-    of the parameters; a push goes to all at once and its reply is complete when all have answered."""
+    """Moves a module's gradients to the server and the server's weights into the module, through a
+    :class:`~lightning_rudra.learner.server_client.ServerClient`. With several servers (one client each,
+    ``clients[0]`` the one that also answers collectives), each owns a contiguous part of the parameters; a push
+    goes to all at once and its reply is complete when all have answered."""
 
     def __init__(
         self,
         module: torch.nn.Module,
-        clients: Sequence[LearnerClient],
+        clients: Sequence[ServerClient],
         overlap: bool = False,
         shared_memory: bool = True,
     ) -> None:
@@ -141,11 +148,12 @@ class Learner:
         # contribution of (None: none yet)
         self.grad_timestamps: list[Optional[tuple[int, ...]]] = []
         self._hooks: list[Any] = []
-        # (optimizer, status, staleness, lr_scale) of every push: see LearnerClient.receive
+        # (optimizer, status, staleness, lr_scale) of every push: see ServerClient.receive
         self.on_push: Optional[Callable[[int, str, int, float], None]] = None
 
-    def wrap(self, optimizers: Sequence[Optimizer]) -> list["LearnerOptimizer"]:
-        """Wrap the learner's optimizers; their steps push from now on."""
+    def wrap(self, optimizers: Sequence[Optimizer]) -> list[Optimizer]:
+        """The learner's optimizers, each wrapped in a :class:`LearnerOptimizer` that stands in for it (in a
+        Trainer's ``optimizers``); their steps push from now on."""
         self._lay_out(optimizers)
         self.grad_timestamps = [None] * len(optimizers)
         for index, params in enumerate(self.optimizer_params):
@@ -231,8 +239,8 @@ class Learner:
                 if optimizer_states
                 else None
             )
-            copies = [[t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers)]
-            shard.client.register(config, *copies, shard_specs, stats, self.shared_memory, states, module)
+            params, buffers = ([t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers))
+            shard.client.register(config, params, buffers, shard_specs, stats, self.shared_memory, states, module)
 
     def snapshot(self) -> tuple[list[dict[str, Any]], Stats]:
         """Load the servers' weights, and return the optimizer states (merged over the servers) and the
@@ -369,7 +377,8 @@ class LearnerOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.learner.push(self.index, self.local)
-        self.local._opt_called = True  # what torch's LR schedulers check: the server stepped for this optimizer
+        # what torch's LR schedulers check (a flag torch's Optimizer sets but does not declare): the server stepped
+        self.local._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -25,8 +25,9 @@ from lightning_rudra.core.timing import TimingModel, push_order
 
 
 class SimulatedClient:
-    """The client calls a :class:`Learner` makes, answered for the virtual learner whose step runs now
-    (:meth:`switch`). Memory: at most one copy of the weights per distinct timestamp the learners hold (λ + 1)."""
+    """The calls a :class:`Learner` makes (:class:`~lightning_rudra.learner.server_client.ServerClient`), answered
+    for the virtual learner whose step runs now (:meth:`switch`). Memory: at most one copy of the weights per
+    distinct timestamp the learners hold (λ + 1)."""
 
     rank = 0  # the one process is Lightning's rank 0: it registers the model and restores checkpoints
 
@@ -84,7 +85,7 @@ class SimulatedClient:
     def push(
         self,
         optimizer: int,
-        grads: list[Tensor],
+        grads: Optional[list[Tensor]],
         has_grad: Tensor,
         hparams: list[dict[str, Any]],
         buffers: list[Tensor],
@@ -93,6 +94,7 @@ class SimulatedClient:
     ) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
         there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
+        assert grads is not None, "no shared memory to read a gradient from: a Learner sends it in the push"
         server = self._server()
         hardsync = server.config.protocol == "hardsync"
         if hardsync and any(self.learner in parked for parked in self._parked.values()):

@@ -158,7 +158,7 @@ class ParameterServer:
 
     def pull(self) -> Future:
         self._check_alive()
-        return self.registered.then(lambda registered: registered.wait() or self._locked(self.core.pull))
+        return self.registered.then(lambda registered: registered.wait() or self._locked(self._core().pull))
 
     def push(
         self,

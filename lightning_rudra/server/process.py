@@ -131,6 +131,7 @@ def _entry(method: str, args: tuple) -> Callable:
         raise ValueError(
             f"{method!r} is not a call the parameter server answers: expected one of {', '.join(sorted(ENTRY_POINTS))}"
         )
+    assert _server is not None  # main sets it before it joins the RPC world that brings calls
     position = ENTRY_POINTS[method]
     if position is not None:
         _server.check_caller(method, args[position] if position < len(args) else None)

@@ -112,7 +112,8 @@ def is_placeholder(optimizer: Optimizer) -> bool:
 
 
 def check_trainer(trainer: "pl.Trainer") -> None:
-    for callback in trainer.callbacks:
+    # trainer.callbacks: set by Lightning's callback connector, undeclared on the Trainer
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, LearningRateFinder):
             raise ValueError(
                 f"{type(callback).__name__} (what Tuner.lr_find adds) cannot run under RudraStrategy: its range test "
@@ -186,12 +187,12 @@ def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:
     learners in lock-step. (Under the shared epoch each learner decides for itself: no meeting.)"""
     timed = [
         f"Trainer(max_time={cb._duration:g} s)"
-        for cb in trainer.callbacks
+        for cb in trainer.callbacks  # type: ignore[attr-defined]
         if isinstance(cb, Timer) and cb._duration is not None
     ]
     timed += [
         f"ModelCheckpoint(train_time_interval={cb._train_time_interval})"
-        for cb in trainer.callbacks
+        for cb in trainer.callbacks  # type: ignore[attr-defined]
         if isinstance(cb, ModelCheckpoint) and cb._train_time_interval is not None
     ]
     if timed:

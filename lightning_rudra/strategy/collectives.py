@@ -19,7 +19,7 @@ from torchmetrics import Metric
 
 from lightning_rudra.learner.client import LearnerClient
 
-_REDUCTIONS = {
+_REDUCTIONS: dict[str, Callable[..., Tensor]] = {
     "sum": torch.sum,
     "mean": torch.mean,
     "avg": torch.mean,

@@ -41,7 +41,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.learner.sampler import SharedEpochSampler
-from lightning_rudra.learner.simulation import LearnerSchedules, SimulatedSampler
+from lightning_rudra.learner.simulation import LearnerSchedules, SimulatedClient, SimulatedSampler
 
 
 class SharedEpochLoop:
@@ -110,17 +110,20 @@ class SharedEpochLoop:
             # batches as learner 0 had left, or at once if it was its last): the pool ends the epoch
             fit_loop.epoch_loop.batch_progress.current.reset()
             fit_loop.epoch_loop.batch_progress.is_last_batch = False
-        fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers
+        # instance attributes over Lightning's methods, for this fit (uninstall pops them)
+        fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers  # type: ignore[method-assign]
         # Lightning made the first epoch's iterator while the samplers had a length, so it would not look ahead
         # for the last batch: make it again, for the epoch about to start, unless Lightning makes it again itself
         # (a learner that rejoins in a later epoch): one made here would draw batches that nobody trains
         for sampler in self.samplers:
-            sampler.set_epoch(fit_loop.epoch_progress.current.processed)
+            # a _ProcessedTracker, which Lightning declares as its base class
+            sampler.set_epoch(fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
         epoch_loop = fit_loop.epoch_loop
         if not (trainer.current_epoch > 0 and not fit_loop.is_resuming and not epoch_loop.restarting):
+            assert fit_loop._data_fetcher is not None  # made with the combined loader, before on_train_start
             iter(fit_loop._data_fetcher)
         fit_loop.epoch_loop.max_steps = -1  # the budget ends the run, not each learner's own step count
-        fit_loop.epoch_loop._should_check_val_fx = self._should_check_val
+        fit_loop.epoch_loop._should_check_val_fx = self._should_check_val  # type: ignore[method-assign]
 
     def uninstall(self) -> None:
         for sampler in self.samplers:
@@ -184,9 +187,11 @@ class SharedEpochLoop:
 
     def _refuse_per_learner_counts(self) -> None:
         trainer = self.trainer
-        if trainer.reload_dataloaders_every_n_epochs:
+        # this and trainer.callbacks: set by Lightning's connectors, undeclared on the Trainer
+        reload = trainer.reload_dataloaders_every_n_epochs  # type: ignore[attr-defined]
+        if reload:
             raise ValueError(
-                f"reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs} cannot be "
+                f"reload_dataloaders_every_n_epochs={reload} cannot be "
                 "used with RudraStrategy's shared epoch yet: the learners' pools are set up once, when "
                 "training starts. Use RudraStrategy(sampling='static')."
             )
@@ -197,7 +202,7 @@ class SharedEpochLoop:
                 "collectives in validation would not meet. Use a fraction or a number of batches, or "
                 "RudraStrategy(sampling='static')."
             )
-        for callback in trainer.callbacks:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, ModelCheckpoint) and callback._train_time_interval is not None:
                 raise ValueError(
                     f"ModelCheckpoint(train_time_interval={callback._train_time_interval}) cannot be used with "
@@ -267,7 +272,9 @@ class SharedEpochLoop:
             return end % interval == 0
         # A point counts only if every learner is sure to train on a batch past it: the others hold at most
         # the batch they train on, Lightning's prefetched one, the one asked for ahead, and the DataLoader's.
-        loader = trainer.fit_loop._combined_loader.flattened[0]
+        combined = trainer.fit_loop._combined_loader
+        assert combined is not None  # the fit loop's, while training
+        loader = combined.flattened[0]
         ahead = 3 + (loader.num_workers * (loader.prefetch_factor or 0) if loader.num_workers else 0)
         last_point = (end - ahead * self.num_learners) // interval
         passed = min((offset + self.position + 1) // interval, last_point)
@@ -279,12 +286,15 @@ class SharedEpochLoop:
 
 class SimulatedEpochLoop:
     """Fits Lightning's fit loop to a simulated run for one ``fit``: :meth:`install` at the start of training,
-    :meth:`uninstall` at its end."""
+    :meth:`uninstall` at its end. ``client``: the learner's, which serves every simulated learner."""
 
-    def __init__(self, trainer: "pl.Trainer", sampler: SimulatedSampler, num_learners: int) -> None:
+    def __init__(
+        self, trainer: "pl.Trainer", sampler: SimulatedSampler, num_learners: int, client: SimulatedClient
+    ) -> None:
         self.trainer = trainer
         self.sampler = sampler
         self.num_learners = num_learners
+        self.client = client
         self._max_steps: Optional[int] = None
         self.schedules: Optional[LearnerSchedules] = None
 
@@ -313,7 +323,8 @@ class SimulatedEpochLoop:
             self.sampler.budget = max_steps
             fit_loop.epoch_loop.max_steps = max_steps * self.num_learners
         # Lightning made the first epoch's iterator with its own limit and before the epoch was set: again
-        self.sampler.set_epoch(fit_loop.epoch_progress.current.processed)
+        self.sampler.set_epoch(fit_loop.epoch_progress.current.processed)  # type: ignore[attr-defined]
+        assert fit_loop._data_fetcher is not None  # made with the combined loader, before on_train_start
         iter(fit_loop._data_fetcher)
 
     def uninstall(self) -> None:
@@ -332,7 +343,7 @@ class SimulatedEpochLoop:
         index = self.sampler.next_learner()
         if self.schedules is not None:
             self.schedules.switch(index)
-        weights = learner.client.switch(index)
+        weights = self.client.switch(index)
         if weights is not None:
             learner.load(*weights)
 
@@ -350,7 +361,7 @@ class SimulatedEpochLoop:
                     "real learners (devices=λ)."
                 )
         self.schedules = LearnerSchedules(self.num_learners, [c.scheduler for c in configs], trainer.optimizers)
-        trainer.fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers
+        trainer.fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers  # type: ignore[method-assign]
 
     def _update_lr_schedulers(self, interval: str, update_plateau_schedulers: bool) -> None:
         """Lightning's, for the learner whose batch just ended (``interval="step"``), or for every learner (at the
@@ -382,10 +393,10 @@ class EndOfTraining(Callback):
             end_epoch,
             end_training,
         )
-        trainer.callbacks.insert(0, self)
+        trainer.callbacks.insert(0, self)  # type: ignore[attr-defined]
 
     def remove(self) -> None:
-        self.trainer.callbacks = [cb for cb in self.trainer.callbacks if cb is not self]
+        self.trainer.callbacks = [cb for cb in self.trainer.callbacks if cb is not self]  # type: ignore[attr-defined]
 
     @override
     def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:

@@ -60,7 +60,8 @@ class Rejoin:
         epoch, step = self.admission.epoch, self.admission.global_step
         fit_loop = trainer.fit_loop
         for tracker in (fit_loop.epoch_progress.total, fit_loop.epoch_progress.current):
-            tracker.ready = tracker.started = tracker.processed = tracker.completed = epoch
+            # _ProcessedTrackers, which Lightning declares as their base class
+            tracker.ready = tracker.started = tracker.processed = tracker.completed = epoch  # type: ignore[attr-defined]
         epoch_loop = fit_loop.epoch_loop
         if trainer.lightning_module.automatic_optimization:
             steps = epoch_loop.automatic_optimization.optim_progress.optimizer.step.total

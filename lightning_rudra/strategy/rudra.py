@@ -6,7 +6,7 @@ batches (``shared_epoch.py``); ``simulate=λ`` trains λ virtual learners in one
 both refit Lightning's fit loop (``fit_loop.py``). The strategy owns one object per concern: its stage's servers,
 collectives, checkpoints and push metrics."""
 
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import pytorch_lightning as pl
 import torch
@@ -25,6 +25,7 @@ from lightning_rudra.core.config import PROTOCOLS, ProtocolConfig, validate_n, v
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
 from lightning_rudra.learner.learner import Learner, LearnerOptimizer
+from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states, load_groups
 from lightning_rudra.strategy.checks import (
@@ -109,13 +110,13 @@ class RudraStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        lr_modulation, compensation = staleness_options(lr_modulation, compensation)
-        validate_options(protocol, n, lr_modulation, max_staleness, nonfinite, compensation)
+        modulation, compensation = staleness_options(lr_modulation, compensation)
+        validate_options(protocol, n, modulation, max_staleness, nonfinite, compensation)
         check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts)
         check_simulation(simulate, timing, sampling, overlap)
         self.protocol = protocol
         self.n = n
-        self.lr_modulation = lr_modulation
+        self.lr_modulation = modulation
         self.compensation = compensation
         self.max_staleness = max_staleness
         self.nonfinite = nonfinite
@@ -245,7 +246,10 @@ class RudraStrategy(ParallelStrategy):
             check_optimizers(self.optimizers, list(self.model.parameters()), self.compensation)
             # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
             stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
-            clients = [SimulatedClient(self.simulate)] if self.simulate else self._servers.clients
+            # the protocol's type: mypy checks both kinds of client against it
+            clients: Sequence[ServerClient] = (
+                [SimulatedClient(self.simulate)] if self.simulate else self._servers.clients
+            )
             self._learner = Learner(self.model, clients, self.overlap, self.shared_memory and not self.simulate)
             self._learner.on_push = self._push_metrics.record
             self._learner.check(stepping)
@@ -277,8 +281,10 @@ class RudraStrategy(ParallelStrategy):
     # ---- training --------------------------------------------------------------------------------------
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        assert self.lightning_module is not None  # Lightning processes the dataloaders of the module it set up
         trainer = self.lightning_module.trainer
         if self.simulate and trainer.state.stage == RunningStage.TRAINING:
+            assert self.timing is not None  # set whenever simulate is
             # made before the learner exists: inside configure_optimizers, which reads one learner's counts
             return simulated_dataloader(
                 dataloader, self.simulate, self.protocol, self.timing, whole=self._learner is not None
@@ -294,12 +300,15 @@ class RudraStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self._push_metrics.reset()
+        assert self.lightning_module is not None  # set up before training
         trainer = self.lightning_module.trainer
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
         if self.simulate:
             assert self._learner is not None
-            self._loop = start_simulation(trainer, loaders, self.num_learners, self._learner.client)
+            client = self._learner.client
+            assert isinstance(client, SimulatedClient), "setup gives a simulated run's learner a SimulatedClient"
+            self._loop = start_simulation(trainer, loaders, self.num_learners, client)
         else:
             self._rejoin.start(trainer, self.sampling == "shared")  # before the shared epoch's first draw
             self._loop = start_shared_epoch(trainer, loaders, self.num_learners, self._resumed)
@@ -312,6 +321,7 @@ class RudraStrategy(ParallelStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         # A training batch starts when it is fetched: before the callbacks' and the module's on_train_batch_start,
         # which Lightning calls before the strategy's, and also for a None batch, which gets no such hook
+        assert self.lightning_module is not None  # set up before any batch
         if self.lightning_module.trainer.training:
             if self._loop is not None and self._learner is not None:
                 self._loop.on_batch_fetched(self._learner)
@@ -350,6 +360,7 @@ class RudraStrategy(ParallelStrategy):
 
     def _start_epoch(self) -> None:
         if self.min_learners is not None and self._servers.clients:
+            assert self.lightning_module is not None  # training
             self._rejoin.epoch_started(self.lightning_module.trainer, self._servers.clients, self._collectives)
 
     def _end_epoch(self) -> None:
@@ -383,6 +394,7 @@ class RudraStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self._learner is not None:
+            assert self.lightning_module is not None  # the learner is made with it, in setup
             self._push_metrics.log(self.lightning_module, self._learner.client.timestamp, self.optimizers)
         return output
 

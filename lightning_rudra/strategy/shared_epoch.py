@@ -22,7 +22,9 @@ def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int, num_lea
     sampler = getattr(dataloader, "sampler", None)
     if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler or not dataloader.batch_size:
         return None
-    plan = EpochPlan(len(sampler.dataset), dataloader.batch_size, sampler.shuffle, sampler.seed, dataloader.drop_last)
+    # a DistributedSampler's dataset is sized: torch declares any Dataset
+    size = len(sampler.dataset)  # type: ignore[arg-type]
+    plan = EpochPlan(size, dataloader.batch_size, sampler.shuffle, sampler.seed, dataloader.drop_last)
     sampler = SharedEpochSampler(client, pool, plan, num_learners)
     return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
 

@@ -64,7 +64,7 @@ def simulated_dataloader(
             "sampler of your own keeps one stream per process: run real learners (devices=λ) instead."
         )
     # Lightning's one-replica sampler holds the shuffle and seed (the global seed) that real learners' would
-    shards = [
+    shards: list[DistributedSampler] = [
         DistributedSampler(
             sampler.dataset,
             num_replicas=num_learners,
@@ -95,6 +95,6 @@ def start_simulation(
             "them into one dataset, or run real learners (devices=λ)."
         )
     samplers[0].taken = client.stats().batches
-    loop = SimulatedEpochLoop(trainer, samplers[0], num_learners)
+    loop = SimulatedEpochLoop(trainer, samplers[0], num_learners, client)
     loop.install()
     return loop

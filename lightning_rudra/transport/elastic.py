@@ -107,7 +107,7 @@ def job_id() -> str:
 
 
 def _agent_store() -> Any:
-    return rpc.api._get_current_rpc_agent().store
+    return rpc.api._get_current_rpc_agent().store  # type: ignore[attr-defined]  # TensorPipeAgent's, undeclared
 
 
 def forget(learner: int) -> list[str]:

@@ -4,7 +4,7 @@ process needs."""
 import multiprocessing
 import os
 import tempfile
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -19,6 +19,9 @@ from torchmetrics import Metric
 
 from lightning_rudra.strategy.launchers.popen import Restarts, join_survivors
 from lightning_rudra.core.stats import Stats
+
+if TYPE_CHECKING:  # rudra.py imports this module
+    from lightning_rudra.strategy.rudra import RudraStrategy
 
 _COMPILED = "_orig_mod."  # what torch.compile's wrapper adds to the names of the module it compiles
 
@@ -62,6 +65,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
     (:func:`~lightning_rudra.strategy.launchers.popen.join_survivors`).
     """
 
+    _strategy: "RudraStrategy"  # Lightning's launcher takes any ParallelStrategy; launcher_for passes ours
+
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         """Lightning's launch, but for what the fork server needs and, with ``min_learners``, for how the learners
         are joined (:func:`~lightning_rudra.strategy.launchers.popen.join_survivors`)."""
@@ -79,13 +84,14 @@ class SpawnLauncher(_MultiProcessingLauncher):
         assert self._strategy.cluster_environment is not None
         os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
         self._environ = dict(os.environ)
-        self._global_states = _GlobalStateSnapshot.capture()
+        global_states = _GlobalStateSnapshot.capture()  # forkserver's too: Lightning's launch captures spawn's only
         return_queue = mp.get_context(self._start_method).SimpleQueue()
+        process_args = (trainer, function, args, kwargs, return_queue, global_states)
         context = mp.start_processes(
             self._wrapping_function,
             nprocs=self._strategy.num_processes,
             join=False,
-            args=(trainer, function, args, kwargs, return_queue),
+            args=process_args,
             start_method=self._start_method,
         )
         self.procs = context.processes
@@ -103,7 +109,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
                 lambda: _lost(outputs, return_queue),
                 grace=self._strategy.rpc_timeout + 10,
                 restarts=Restarts(self._strategy.max_restarts),
-                restart=lambda index: self._restart(context, index, (trainer, function, args, kwargs, return_queue)),
+                restart=lambda index: self._restart(context, index, process_args),
             )
         worker_output = outputs[0] if outputs else return_queue.get()
         if trainer is None:
@@ -117,7 +123,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
         error_file = tempfile.NamedTemporaryFile(prefix="pytorch-errorfile-", suffix=".pickle", delete=False)
         error_file.close()
         os.unlink(error_file.name)
-        process = mp.get_context(self._start_method).Process(
+        context_of_method: Any = mp.get_context(self._start_method)  # a spawn or forkserver context: it has Process
+        process = context_of_method.Process(
             target=_wrap, args=(self._wrapping_function, index, args, error_file.name), daemon=False
         )
         process.start()
@@ -133,10 +140,10 @@ class SpawnLauncher(_MultiProcessingLauncher):
         args: Any,
         kwargs: Any,
         return_queue: Any,
+        global_states: Optional[_GlobalStateSnapshot] = None,
     ) -> None:
         os.environ.clear()  # a fork server's child has the environment of when the fork server started
         os.environ.update(self._environ)
-        global_states = self._global_states
         for module in (arg for arg in args if isinstance(arg, torch.nn.Module)):
             _own_copies(module)
         try:

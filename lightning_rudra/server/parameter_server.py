@@ -9,7 +9,6 @@ or that is silent for longer than the timeout, is lost: every wait fails at once
 with ``min_learners``, completes with the learners left.
 """
 
-import socket
 import sys
 import threading
 import time
@@ -19,11 +18,11 @@ from torch.futures import Future
 
 from lightning_rudra.core.epoch import EpochPlan, EpochPool
 from lightning_rudra.server.membership import Membership
-from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, PushReply, Server
 from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.transport.elastic import incarnation_of
-from lightning_rudra.transport.shm import SharedNames, SharedWeights
+from lightning_rudra.server.shared_side import SharedSide
 from lightning_rudra.core.stats import Stats
 
 
@@ -79,13 +78,8 @@ class ParameterServer:
         self.all_left = threading.Event()
         self.pools: dict[int, EpochPool] = {}  # per train dataloader
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
-        self.shared: Optional[SharedWeights] = None
-        self.shared_names: Optional[SharedNames] = None
-        self.shared_grads: dict[tuple[int, int], list[Any]] = {}
-        self.shared_error: Optional[str] = None  # why shared memory could not be set up
-        self.mapped: set[int] = set()  # learners that read and write the shared memory
-        self.answered: set[int] = set()  # learners that said whether they could map it
-        self.rejoins = Rejoins()
+        self.shared = SharedSide(num_learners)
+        self.rejoins = Rejoins(self.membership)
         # told, outside the lock, of each learner lost (its RPC names are struck: see transport.elastic), and of
         # each process first heard from
         self.on_lost: Optional[Callable[[int, str], None]] = None
@@ -113,10 +107,7 @@ class ParameterServer:
                 raise RuntimeError("the parameter server was registered twice")
             self.rejoins.module = module
             if shared_memory:
-                try:
-                    self.core = self._server_in_shared_memory(config, params, buffers, specs, stats)
-                except OSError as error:
-                    self.shared_error = str(error)
+                self.core = self.shared.server(config, params, buffers, specs, stats)
             if self.core is None:
                 self.core = Server(config, params, buffers, specs, stats)
             self.core.load_optimizer_states(optimizer_states or [])
@@ -125,36 +116,15 @@ class ParameterServer:
                 self.core.remove(learner)
         self.registered.set_result(None)
 
-    def _server_in_shared_memory(
-        self, config: ProtocolConfig, params, buffers, specs: list[OptimizerSpec], stats: Optional[Stats]
-    ) -> Server:
-        shared = SharedWeights(socket.gethostname())  # allocation failures unlink what was made and raise
-        core = Server(config, params, buffers, specs, stats, shared)
-        self.shared_grads = shared.allocate_grads(self.num_learners, core.grad_layouts)
-        self.shared_names = shared.names(core.flat_params, core.flat_buffers, self.shared_grads)
-        self.shared = shared
-        return core
-
     def attach(self, learner: int) -> Future:
         """Once registered: the shared memory's names (None without it), and why it is missing, if it failed."""
         self._check_alive()
-
-        def names(registered: Future) -> tuple[Optional[SharedNames], Optional[str]]:
-            registered.wait()
-            # once every learner mapped it the files are gone: a learner that rejoins later uses RPC
-            return (None if self.shared is not None and self.shared.unlinked else self.shared_names), self.shared_error
-
-        return self.registered.then(names)
+        return self.registered.then(lambda registered: registered.wait() or self._locked(self.shared.offer))
 
     def attached(self, learner: int, mapped: bool) -> None:
-        """A learner says whether it mapped the shared memory. Once all have, the files go: nothing is left
-        in /dev/shm even if a process is killed later, and the mappings stay valid."""
+        """A learner says whether it mapped the shared memory (:meth:`SharedSide.attached`)."""
         with self.lock:
-            if mapped:
-                self.mapped.add(learner)
-            self.answered.add(learner)
-            if self.shared is not None and not self.shared.unlinked and self.answered >= self.membership.members:
-                self.shared.unlink()
+            self.shared.attached(learner, mapped, self.membership.members)
 
     def pull(self) -> Future:
         self._check_alive()
@@ -175,7 +145,7 @@ class ParameterServer:
             self._check_alive()
             core = self._core()
             if grads is None:
-                grads = self._shared_gradient(learner, optimizer)
+                grads = self.shared.gradient(learner, optimizer, core)
             result = core.push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite)
             in_round = core.config.protocol == "hardsync" and not result.closed
             if in_round:
@@ -204,24 +174,8 @@ class ParameterServer:
         update = self._core().last_updates[optimizer]
         return update.lr_scale if update is not None else 1.0
 
-    def _shared_gradient(self, learner: int, optimizer: int) -> list[Any]:
-        if learner not in self.mapped or (learner, optimizer) not in self.shared_grads:
-            raise ValueError(
-                f"learner {learner} pushed its gradient for optimizer {optimizer} through shared "
-                "memory, but it has not mapped the server's shared memory."
-            )
-        grads = self.shared_grads[(learner, optimizer)]
-        core = self._core()
-        if core.config.protocol == "softsync" and core.gradients_per_update > 1:
-            return [g.clone() for g in grads]  # it waits for the next update, after this learner's next push
-        return grads  # applied before the learner gets its reply, and so before it writes the buffer again
-
     def _weights(self, learners: list[int]) -> tuple:
-        """What to send back with a reply: nothing but the clock if every learner reads shared memory."""
-        core = self._core()
-        if set(learners) <= self.mapped:
-            return None, None, core.clock
-        return core.pull()
+        return self.shared.reply(learners, self._core())
 
     def finish(self, learner: int) -> Future:
         """A learner is done training; resolves, once all learners left are, with the final weights."""
@@ -243,12 +197,8 @@ class ParameterServer:
         return [(waiter, weights) for waiter in waiters] + self._turn_away()
 
     def _turn_away(self) -> Outcomes:
-        """Training is over: the processes waiting to rejoin are told so (None); they only leave. Called under the
-        lock."""
-        replies = self.rejoins.close()
-        for learner in replies:
-            self.membership.joining.pop(learner, None)
-        return [(reply, None) for reply in replies.values()]
+        """Training is over: the processes waiting to rejoin are told so (None); they only leave. Under the lock."""
+        return [(reply, None) for reply in self.rejoins.close()]
 
     def gather(self, sequence: int, learner: int, obj: Any) -> Future:
         """The ``sequence``-th collective of every learner: resolves with the objects of all learners left
@@ -355,8 +305,6 @@ class ParameterServer:
             self.rejoins.check(learner, module)
             reply: Future = Future()
             self.rejoins.ask(learner, incarnation_of(learner), reply)
-            self.membership.joining[learner] = incarnation_of(learner)
-            self.membership.last_heard[learner] = time.monotonic()
             over = self.finish_waiters or (self.core is not None and not self.core.active)
             outcomes = self._turn_away() if over else self._admit_due()
         _settle(outcomes)
@@ -373,18 +321,12 @@ class ParameterServer:
     def _admit_due(self) -> Outcomes:
         """Admits the rejoining learners whose epoch has come. Called under the lock."""
         outcomes: Outcomes = []
-        for learner, request, where in self.rejoins.due(self.membership.members):
-            self.membership.rejoin(learner, request.incarnation)
-            core = self._core()
-            core.add(learner)
-            core.stats.lost.pop(learner, None)
-            core.stats.record(learner, "rejoined", f"a new process, admitted at the start of epoch {where.epoch}")
-            hparams = [[hyperparameters(group) for group in opt.param_groups] for opt in core.optimizers]
-            outcomes.append((request.reply, (where, hparams)))
+        for learner, reply, admission in self.rejoins.admit(self._core()):
+            outcomes.append((reply, admission))
             if self.announce:
                 print(
-                    f"lightning_rudra: {self.membership.where(learner)} rejoined at the start of epoch {where.epoch}; "
-                    f"training goes on with learners {sorted(self.membership.members)}.",
+                    f"lightning_rudra: {self.membership.where(learner)} rejoined at the start of epoch "
+                    f"{admission[0].epoch}; training goes on with learners {sorted(self.membership.members)}.",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -392,10 +334,9 @@ class ParameterServer:
 
     def _join_failed(self, learner: int, why: str) -> Outcomes:
         """The process waiting to rejoin as ``learner`` is gone. Called under the lock."""
-        self.membership.joining.pop(learner, None)
-        request = self.rejoins.drop(learner)
+        reply = self.rejoins.drop(learner)
         self._lost_queue.append((learner, f"a process rejoining for it failed: {why}"))
-        return [] if request is None else [(request.reply, RuntimeError(f"learner {learner} could not rejoin: {why}"))]
+        return [] if reply is None else [(reply, RuntimeError(f"learner {learner} could not rejoin: {why}"))]
 
     def _settle(self, outcomes: Outcomes) -> None:
         """Resolve ``outcomes`` once the lock is released, then tell :attr:`on_lost` of the learners lost since
@@ -414,7 +355,7 @@ class ParameterServer:
             return []
         failure = self.membership.lose(learner, why)
         self._check_all_left()
-        self.mapped.discard(learner)  # a process that rejoins for it has not mapped the shared memory
+        self.shared.mapped.discard(learner)  # a process that rejoins for it has not mapped the shared memory
         self.rejoins.progress.pop(learner, None)
         self._lost_queue.append((learner, why))
         if self.core is not None:

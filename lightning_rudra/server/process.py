@@ -202,8 +202,8 @@ def _free_stuck_tokens() -> None:
 
 
 def _release_shared_memory() -> None:
-    if _server is not None and _server.shared is not None:
-        _server.shared.unlink()
+    if _server is not None:
+        _server.shared.release()
 
 
 def main(argv: Optional[list[str]] = None) -> None:

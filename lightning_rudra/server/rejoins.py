@@ -1,11 +1,16 @@
 """Lost learners that come back (``min_learners``): a new process for a lost learner asks to rejoin, and is admitted
 where it can take part without anyone waiting for what it missed: at the start of an epoch, once every learner
 training has started that epoch. There it takes the run's epoch, global step and count of collectives, which every
-learner reports as it starts an epoch (:meth:`Rejoins.report`). Plain Python: the server drives it under its lock.
+learner reports as it starts an epoch (:meth:`Rejoins.report`). No RPC: the server drives it under its lock.
 """
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from lightning_rudra.core.optimizers import hyperparameters
+from lightning_rudra.core.protocol import Server
+from lightning_rudra.server.membership import Membership
 
 
 @dataclass
@@ -46,9 +51,11 @@ def _differences(run: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 class Rejoins:
-    """Requests to rejoin, and what every learner reported at the start of its latest epoch."""
+    """Requests to rejoin, and what every learner reported at the start of its latest epoch, for the learners of
+    ``membership``."""
 
-    def __init__(self) -> None:
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
         self.module: Optional[dict[str, Any]] = None  # learner 0's describe_module, from its register
         self.progress: dict[int, Admission] = {}  # learner -> at the start of its latest epoch
         self.requests: dict[int, _Request] = {}
@@ -71,11 +78,26 @@ class Rejoins:
             )
         newest = max((p.epoch for p in self.progress.values()), default=-1)
         self.requests[learner] = _Request(reply, incarnation, newest)
+        self.membership.joining[learner] = incarnation
+        self.membership.last_heard[learner] = time.monotonic()
 
     def report(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
         self.progress[learner] = Admission(epoch, global_step, collectives)
 
-    def due(self, members: set[int]) -> list[tuple[int, _Request, Admission]]:
+    def admit(self, core: Server) -> list[tuple[int, Any, Any]]:
+        """Admits the learners whose epoch has come: ``(learner, reply, (Admission, hyper-parameters per optimizer
+        and group))`` each. From here on they count: in the membership, the protocol and the statistics."""
+        admitted = []
+        for learner, request, where in self._due(self.membership.members):
+            self.membership.rejoin(learner, request.incarnation)
+            core.add(learner)
+            core.stats.lost.pop(learner, None)
+            core.stats.record(learner, "rejoined", f"a new process, admitted at the start of epoch {where.epoch}")
+            hparams = [[hyperparameters(group) for group in opt.param_groups] for opt in core.optimizers]
+            admitted.append((learner, request.reply, (where, hparams)))
+        return admitted
+
+    def _due(self, members: set[int]) -> list[tuple[int, _Request, Admission]]:
         """The requests to admit now: every member has started the same epoch, later than when the request came.
         Removed from the waiting ones."""
         if not self.requests or not members:
@@ -91,13 +113,17 @@ class Rejoins:
             self.progress[learner] = where
         return [(learner, request, where) for learner, request in due]
 
-    def drop(self, learner: int) -> Optional[_Request]:
-        """The process waiting to rejoin as ``learner`` is gone."""
+    def drop(self, learner: int) -> Optional[Any]:
+        """The process waiting to rejoin as ``learner`` is gone: its reply, if it still waited for one."""
+        self.membership.joining.pop(learner, None)
         self.progress.pop(learner, None)
-        return self.requests.pop(learner, None)
+        request = self.requests.pop(learner, None)
+        return None if request is None else request.reply
 
-    def close(self) -> dict[int, Any]:
-        """Training is over: nothing is left to rejoin. The replies still waiting, by learner."""
-        replies = {learner: request.reply for learner, request in self.requests.items()}
+    def close(self) -> list[Any]:
+        """Training is over: nothing is left to rejoin. The replies still waiting."""
+        for learner in self.requests:
+            self.membership.joining.pop(learner, None)
+        replies = [request.reply for request in self.requests.values()]
         self.requests = {}
         return replies

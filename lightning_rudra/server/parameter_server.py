@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 from torch.futures import Future
 
 from lightning_rudra.core.epoch import EpochPlan, EpochPool
+from lightning_rudra.server.gatherings import Gatherings
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, PushReply, Server
@@ -72,7 +73,7 @@ class ParameterServer:
         self.lock = threading.Lock()
         self.registered: Future = Future()
         self.round_waiters: dict[int, list[tuple[Future, int, str, int]]] = {}  # (reply, learner, status, σ)
-        self.gatherings: dict[int, tuple[Future, dict[int, Any]]] = {}  # sequence -> (reply, learner -> object)
+        self.gatherings = Gatherings()
         self.finished: set[int] = set()
         self.finish_waiters: list[Future] = []
         self.all_left = threading.Event()
@@ -205,22 +206,12 @@ class ParameterServer:
         (learner -> object, in rank order)."""
         with self.lock:
             self._check_alive()
-            future, objs = self.gatherings.setdefault(sequence, (Future(), {}))
-            objs[learner] = obj
-            outcomes = self._complete_gatherings()
-            if not future.done() and sequence in self.gatherings:
-                outcomes += self._give_up_if_deadlocked()
+            future = self.gatherings.add(sequence, learner, obj)
+            outcomes = self.gatherings.complete(self.membership.members)
+            if not outcomes:
+                outcomes = self._give_up_if_deadlocked()
         _settle(outcomes)
         return future
-
-    def _complete_gatherings(self) -> Outcomes:
-        members = self.membership.members
-        complete = [sequence for sequence, (_, objs) in self.gatherings.items() if members <= set(objs)]
-        outcomes = []
-        for sequence in complete:
-            future, objs = self.gatherings.pop(sequence)
-            outcomes.append((future, {learner: objs[learner] for learner in sorted(objs) if learner in members}))
-        return outcomes
 
     def draw(
         self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int, trained: Optional[int] = None
@@ -376,7 +367,7 @@ class ParameterServer:
         if self.core is None:
             return []
         outcomes, _ = self._release_rounds(self.core.remove(learner))
-        return outcomes + self._complete_gatherings() + self._complete_finish()
+        return outcomes + self.gatherings.complete(self.membership.members) + self._complete_finish()
 
     def _check_all_left(self) -> None:
         if self.membership.all_gone():
@@ -387,8 +378,8 @@ class ParameterServer:
         caller settles the returned outcomes once it has released it (:func:`_settle`)."""
         self.failure = reason
         waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
-        waiters += [f for f, _ in self.gatherings.values()] + self.finish_waiters
-        self.round_waiters, self.gatherings, self.finish_waiters = {}, {}, []
+        waiters += self.gatherings.close() + self.finish_waiters
+        self.round_waiters, self.finish_waiters = {}, []
         waiters += [self.registered] if not self.registered.done() else []
         return [(waiter, RuntimeError(reason)) for waiter in waiters]
 
@@ -396,10 +387,7 @@ class ParameterServer:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
         the learner waiting in the round can never join the collective. Called under the lock."""
         in_round = sorted({w[1] for ws in self.round_waiters.values() for w in ws})
-        at_collective = sorted(
-            {learner for _, objs in self.gatherings.values() for learner in objs}
-            & (self.core.active if self.core is not None else set())
-        )
+        at_collective = sorted(self.gatherings.waiting() & (self.core.active if self.core is not None else set()))
         if not (in_round and at_collective):
             return []
         return self._give_up(

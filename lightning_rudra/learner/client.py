@@ -301,7 +301,8 @@ def join(
 def _incarnation(store: RunStore, rank: int, where: str) -> int:
     """0 for one of the run's first processes; a new number for a process that takes lost learner ``rank``'s place.
     Refuses one whose learner is alive, and one that belongs to another run."""
-    deadline = time.monotonic() + store.timeout
+    # the server counts a process of its machine lost within about a second, one elsewhere within rpc_timeout
+    deadline = time.monotonic() + store.timeout + 10
     while True:
         state, value = store.status(rank)
         if state == "lost":

@@ -1,6 +1,7 @@
 """The parameter server's state over futures: :class:`~lightning_rudra.core.protocol.Server` shared by concurrent
-learners, plus the shared epoch's pools (:mod:`lightning_rudra.core.epoch`), the learners' rendezvous for collectives
-and who is in the run (:mod:`lightning_rudra.server.membership`). No RPC here: :mod:`lightning_rudra.server.process` serves it.
+learners, plus the shared epoch's pools (``shared_epochs.py``), its shared memory (``shared_side.py``), the learners'
+rendezvous for collectives (``gatherings.py``), who is in the run (``membership.py``) and who comes back
+(``rejoins.py``). No RPC here: :mod:`lightning_rudra.server.process` serves it.
 
 Nothing blocks: whatever must wait (a hardsync round, a collective, the end of training) gets a
 ``torch.futures.Future`` that the call completing the wait resolves. Such waits have no time limit, since waiting
@@ -16,12 +17,13 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch.futures import Future
 
-from lightning_rudra.core.epoch import EpochPlan, EpochPool
+from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.gatherings import Gatherings
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, PushReply, Server
 from lightning_rudra.server.rejoins import Rejoins
+from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.server.shared_side import SharedSide
 from lightning_rudra.core.stats import Stats
@@ -40,20 +42,10 @@ def _settle(outcomes: Outcomes) -> None:
             future.set_result(value)
 
 
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
 class ParameterServer:
-    """A :class:`Server` shared by concurrent learners, plus a rendezvous for the strategy's collectives.
-
-    A push's reply is a :class:`~lightning_rudra.core.protocol.PushReply`; hardsync replies wait for the end of
-    the round. Learners that
-    mapped the server's shared memory (:mod:`lightning_rudra.transport.shm`) push ``grads=None`` (the gradient is in
-    their buffer) and get ``None`` for the weights, which they read themselves.
-    """
+    """A :class:`Server` shared by concurrent learners. A push's reply is a :class:`PushReply`; hardsync replies
+    wait for the end of the round. Learners that mapped the server's shared memory push ``grads=None`` (the gradient
+    is in their buffer) and get ``None`` for the weights, which they read themselves."""
 
     def __init__(
         self,
@@ -64,7 +56,7 @@ class ParameterServer:
         server_hosts: Sequence[int] = (0,),
     ) -> None:
         """``server_hosts``: the learners whose processes started a server (they cannot be lost); ``announce``:
-        print each loss (with several servers, the first does)."""
+        print each loss and rejoin (with several servers, the first does)."""
         self.num_learners = num_learners
         self.announce = announce
         self.address: Optional[str] = None  # where the learners reach this process, for their messages
@@ -77,16 +69,14 @@ class ParameterServer:
         self.finished: set[int] = set()
         self.finish_waiters: list[Future] = []
         self.all_left = threading.Event()
-        self.pools: dict[int, EpochPool] = {}  # per train dataloader
+        self.epochs = SharedEpochs(num_learners)
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
         self.shared = SharedSide(num_learners)
-        self.rejoins = Rejoins(self.membership)
-        # told, outside the lock, of each learner lost (its RPC names are struck: see transport.elastic), and of
-        # each process first heard from
-        self.on_lost: Optional[Callable[[int, str], None]] = None
-        self.on_heard: Optional[Callable[[int, Any], None]] = None
+        self.rejoins = Rejoins(self.membership, announce)
+        self.on_lost: Optional[Callable[[int, str], None]] = None  # told of each loss, outside the lock
+        self.on_heard: Optional[Callable[[int, Any], None]] = None  # and of each process first heard from
         self._lost_queue: list[tuple[int, str]] = []
-        self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) already told of
+        self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) told of
 
     def register(
         self,
@@ -157,9 +147,10 @@ class ParameterServer:
                 outcomes, weights = self._release_rounds([optimizer] if result.closed else [], learner)
                 lr_scale = self._lr_scale(optimizer)
         _settle(outcomes)
-        if in_round:
-            return reply
-        return _done(PushReply(result.status, result.staleness, lr_scale, *weights))
+        if not in_round:
+            reply = Future()
+            reply.set_result(PushReply(result.status, result.staleness, lr_scale, *weights))
+        return reply
 
     def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> tuple[Outcomes, tuple]:
         """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
@@ -195,11 +186,7 @@ class ParameterServer:
             return []
         weights = self._weights(sorted(self.membership.members))
         waiters, self.finish_waiters = self.finish_waiters, []
-        return [(waiter, weights) for waiter in waiters] + self._turn_away()
-
-    def _turn_away(self) -> Outcomes:
-        """Training is over: the processes waiting to rejoin are told so (None); they only leave. Under the lock."""
-        return [(reply, None) for reply in self.rejoins.close()]
+        return [(waiter, weights) for waiter in waiters] + self.rejoins.turn_away()
 
     def gather(self, sequence: int, learner: int, obj: Any) -> Future:
         """The ``sequence``-th collective of every learner: resolves with the objects of all learners left
@@ -218,21 +205,12 @@ class ParameterServer:
     ) -> tuple[Optional[Any], int, str]:
         """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
         with self.lock:
-            core = self._core()
-            if pool not in self.pools:
-                self.pools[pool] = EpochPool(plan, self.num_learners)
-            indices, position, what = self.pools[pool].draw(epoch, learner, plan, want, trained)
-            if indices is not None and pool == 0:
-                count = -(-len(indices) // plan.batch_size)
-                core.stats.batches[learner] = core.stats.batches.get(learner, 0) + count
-                core.stats.redealt = self.pools[pool].redealt
-            return indices, position, what
+            return self.epochs.draw(self._core().stats, pool, epoch, learner, plan, want, trained)
 
     def stop_drawing(self, learner: int) -> None:
         """``learner`` stops training: every pool of the shared epoch is spent (:meth:`EpochPool.stop`)."""
         with self.lock:
-            for pool in self.pools.values():
-                pool.stop()
+            self.epochs.stop()
 
     def check_caller(self, method: str, learner: Any) -> None:
         """Refuses, before anything changes, a call from a learner this run does not know or no longer counts."""
@@ -297,7 +275,7 @@ class ParameterServer:
             reply: Future = Future()
             self.rejoins.ask(learner, incarnation_of(learner), reply)
             over = self.finish_waiters or (self.core is not None and not self.core.active)
-            outcomes = self._turn_away() if over else self._admit_due()
+            outcomes = self.rejoins.turn_away() if over else self.rejoins.admit(self._core())
         _settle(outcomes)
         return reply
 
@@ -306,28 +284,13 @@ class ParameterServer:
         waiting to rejoin may be admitted now."""
         with self.lock:
             self.rejoins.report(learner, epoch, global_step, collectives)
-            outcomes = self._admit_due()
+            outcomes = self.rejoins.admit(self._core())
         _settle(outcomes)
 
-    def _admit_due(self) -> Outcomes:
-        """Admits the rejoining learners whose epoch has come. Called under the lock."""
-        outcomes: Outcomes = []
-        for learner, reply, admission in self.rejoins.admit(self._core()):
-            outcomes.append((reply, admission))
-            if self.announce:
-                print(
-                    f"lightning_rudra: {self.membership.where(learner)} rejoined at the start of epoch "
-                    f"{admission[0].epoch}; training goes on with learners {sorted(self.membership.members)}.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        return outcomes
-
     def _join_failed(self, learner: int, why: str) -> Outcomes:
-        """The process waiting to rejoin as ``learner`` is gone. Called under the lock."""
-        reply = self.rejoins.drop(learner)
+        """The process waiting to rejoin as ``learner`` is gone (its RPC name is struck). Called under the lock."""
         self._lost_queue.append((learner, f"a process rejoining for it failed: {why}"))
-        return [] if reply is None else [(reply, RuntimeError(f"learner {learner} could not rejoin: {why}"))]
+        return self.rejoins.fail(learner, why)
 
     def _settle(self, outcomes: Outcomes) -> None:
         """Resolve ``outcomes`` once the lock is released, then tell :attr:`on_lost` of the learners lost since
@@ -354,8 +317,7 @@ class ParameterServer:
             self.core.stats.record(learner, "lost", why)
         if failure is not None:
             return self._give_up(failure)
-        for pool in self.pools.values():
-            pool.lose(learner)
+        self.epochs.lose(learner)
         left = sorted(self.membership.members)
         if self.announce:
             print(

@@ -4,6 +4,7 @@ training has started that epoch. There it takes the run's epoch, global step and
 learner reports as it starts an epoch (:meth:`Rejoins.report`). No RPC: the server drives it under its lock.
 """
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -54,8 +55,9 @@ class Rejoins:
     """Requests to rejoin, and what every learner reported at the start of its latest epoch, for the learners of
     ``membership``."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, announce: bool = True) -> None:
         self.membership = membership
+        self.announce = announce  # print each rejoin (with several servers, the first does)
         self.module: Optional[dict[str, Any]] = None  # learner 0's describe_module, from its register
         self.progress: dict[int, Admission] = {}  # learner -> at the start of its latest epoch
         self.requests: dict[int, _Request] = {}
@@ -84,9 +86,9 @@ class Rejoins:
     def report(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
         self.progress[learner] = Admission(epoch, global_step, collectives)
 
-    def admit(self, core: Server) -> list[tuple[int, Any, Any]]:
-        """Admits the learners whose epoch has come: ``(learner, reply, (Admission, hyper-parameters per optimizer
-        and group))`` each. From here on they count: in the membership, the protocol and the statistics."""
+    def admit(self, core: Server) -> list[tuple[Any, Any]]:
+        """Admits the learners whose epoch has come: from here on they count, in the membership, the protocol and
+        the statistics. Their replies, to settle: ``(Admission, hyper-parameters per optimizer and group)``."""
         admitted = []
         for learner, request, where in self._due(self.membership.members):
             self.membership.rejoin(learner, request.incarnation)
@@ -94,7 +96,14 @@ class Rejoins:
             core.stats.lost.pop(learner, None)
             core.stats.record(learner, "rejoined", f"a new process, admitted at the start of epoch {where.epoch}")
             hparams = [[hyperparameters(group) for group in opt.param_groups] for opt in core.optimizers]
-            admitted.append((learner, request.reply, (where, hparams)))
+            admitted.append((request.reply, (where, hparams)))
+            if self.announce:
+                print(
+                    f"lightning_rudra: {self.membership.where(learner)} rejoined at the start of epoch {where.epoch}; "
+                    f"training goes on with learners {sorted(self.membership.members)}.",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return admitted
 
     def _due(self, members: set[int]) -> list[tuple[int, _Request, Admission]]:
@@ -113,17 +122,17 @@ class Rejoins:
             self.progress[learner] = where
         return [(learner, request, where) for learner, request in due]
 
-    def drop(self, learner: int) -> Optional[Any]:
-        """The process waiting to rejoin as ``learner`` is gone: its reply, if it still waited for one."""
+    def fail(self, learner: int, why: str) -> list[tuple[Any, Any]]:
+        """The process waiting to rejoin as ``learner`` is gone: its reply fails, if it still waited for one."""
         self.membership.joining.pop(learner, None)
         self.progress.pop(learner, None)
         request = self.requests.pop(learner, None)
-        return None if request is None else request.reply
+        return [] if request is None else [(request.reply, RuntimeError(f"learner {learner} could not rejoin: {why}"))]
 
-    def close(self) -> list[Any]:
-        """Training is over: nothing is left to rejoin. The replies still waiting."""
+    def turn_away(self) -> list[tuple[Any, Any]]:
+        """Training is over: the processes waiting to rejoin are told so (None); they only leave."""
         for learner in self.requests:
             self.membership.joining.pop(learner, None)
-        replies = [request.reply for request in self.requests.values()]
+        replies = [(request.reply, None) for request in self.requests.values()]
         self.requests = {}
         return replies

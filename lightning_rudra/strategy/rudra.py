@@ -24,7 +24,7 @@ from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.config import PROTOCOLS, ProtocolConfig, validate_n, validate_options
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
-from lightning_rudra.learner.learner import Learner, LearnerOptimizer
+from lightning_rudra.learner.learner import LearnerOptimizer
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states, load_groups
@@ -36,18 +36,16 @@ from lightning_rudra.strategy.checks import (
     check_optimizers,
     check_simulated_devices,
     check_trainer,
-    is_placeholder,
-    warn_of_meetings_per_batch,
 )
 from lightning_rudra.strategy.collectives import Collectives
-from lightning_rudra.strategy.fit_loop import EndOfTraining, SharedEpochLoop, SimulatedEpochLoop
+from lightning_rudra.strategy.fit_loop import SharedEpochLoop
 from lightning_rudra.strategy.launchers import launcher_for
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.strategy.push_metrics import PushMetrics
-from lightning_rudra.strategy.rejoin import Rejoin, describe
-from lightning_rudra.strategy.shared_epoch import shared_dataloader, start_shared_epoch
-from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader, start_simulation
+from lightning_rudra.strategy.shared_epoch import shared_dataloader
+from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader
 from lightning_rudra.strategy.stage_servers import StageServers, server_starters
+from lightning_rudra.strategy.training import Training
 
 
 class RudraStrategy(ParallelStrategy):
@@ -135,14 +133,10 @@ class RudraStrategy(ParallelStrategy):
         self._servers = StageServers()  # the RPC world of a stage (empty outside one: spawn pickles the strategy)
         self._checkpoints = Checkpoints()
         self._push_metrics = PushMetrics()
+        self._training = Training()  # one fit's learner, loop and rejoining
         self._collectives = Collectives(self._in_batch)  # through the server, once a stage has one
-        self._rejoin = Rejoin()  # this stage's, if this process takes a lost learner's place
-        self._learner: Optional[Learner] = None
-        self._resumed: Optional[Stats] = None  # the checkpoint's statistics, while fitting from one
         self._failed: Optional[str] = None  # this stage failed on this learner: why
         self._pools = 0  # train dataloaders drawing from the server in this stage
-        self._loop: Optional[Union[SharedEpochLoop, SimulatedEpochLoop]] = None  # Lightning's fit loop, refitted
-        self._end_of_training: Optional[EndOfTraining] = None  # the callback, while training
 
     def __repr__(self) -> str:
         # Lightning quotes this repr when the other flavour's Trainer refuses the strategy.
@@ -210,6 +204,7 @@ class RudraStrategy(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         self._failed = None
+        self._training = Training()
         if self.simulate:
             return
         assert self.cluster_environment is not None
@@ -223,11 +218,10 @@ class RudraStrategy(ParallelStrategy):
         )
         assert self._servers.client is not None
         self._collectives.connect(self._servers.client, self.root_device)
-        self._rejoin = Rejoin()
         self._collectives.joining = self._servers.rejoining
 
     def _in_batch(self) -> bool:
-        return self._loop is not None and self._loop.in_batch
+        return self._training.in_batch
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -244,15 +238,11 @@ class RudraStrategy(ParallelStrategy):
             check_module(self.model)
             self.setup_optimizers(trainer)
             check_optimizers(self.optimizers, list(self.model.parameters()), self.compensation)
-            # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
-            stepping = [] if any(map(is_placeholder, self.optimizers)) else self.optimizers
             # the protocol's type: mypy checks both kinds of client against it
             clients: Sequence[ServerClient] = (
                 [SimulatedClient(self.simulate)] if self.simulate else self._servers.clients
             )
-            self._learner = Learner(self.model, clients, self.overlap, self.shared_memory and not self.simulate)
-            self._learner.on_push = self._push_metrics.record
-            self._learner.check(stepping)
+            config = None
             if self.is_global_zero:
                 config = ProtocolConfig(
                     self.num_learners,
@@ -263,14 +253,17 @@ class RudraStrategy(ParallelStrategy):
                     self.nonfinite,
                     self.compensation,
                 )
-                self._learner.register(config, stepping, *resumed, module=describe(self.model, stepping))
-            elif self._servers.rejoining:
-                self._rejoin.ask(self._servers.clients, describe(self.model, stepping))
-            if not self._rejoin.over:  # a process admitted too late only leaves
-                self._learner.pull()  # every learner starts from learner 0's (possibly restored) weights
-            if stepping:
-                self.optimizers = self._learner.wrap(stepping)
-        self._resumed = resumed[0] if fitting else None  # the shared epoch goes on from its statistics
+            self.optimizers = self._training.setup(
+                self.model,
+                self.optimizers,
+                clients,
+                self.overlap,
+                self.shared_memory and not self.simulate,
+                self._push_metrics.record,
+                config,
+                resumed,
+                self._servers.clients if self._servers.rejoining else [],
+            )
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
 
     @override
@@ -287,7 +280,7 @@ class RudraStrategy(ParallelStrategy):
             assert self.timing is not None  # set whenever simulate is
             # made before the learner exists: inside configure_optimizers, which reads one learner's counts
             return simulated_dataloader(
-                dataloader, self.simulate, self.protocol, self.timing, whole=self._learner is not None
+                dataloader, self.simulate, self.protocol, self.timing, whole=self._training.learner is not None
             )
         client = self._servers.client
         if self.sampling == "shared" and client is not None and trainer.state.stage == RunningStage.TRAINING:
@@ -302,20 +295,10 @@ class RudraStrategy(ParallelStrategy):
         self._push_metrics.reset()
         assert self.lightning_module is not None  # set up before training
         trainer = self.lightning_module.trainer
-        combined = trainer.fit_loop._combined_loader
-        loaders = combined.flattened if combined is not None else []
-        if self.simulate:
-            assert self._learner is not None
-            client = self._learner.client
-            assert isinstance(client, SimulatedClient), "setup gives a simulated run's learner a SimulatedClient"
-            self._loop = start_simulation(trainer, loaders, self.num_learners, client)
-        else:
-            self._rejoin.start(trainer, self.sampling == "shared")  # before the shared epoch's first draw
-            self._loop = start_shared_epoch(trainer, loaders, self.num_learners, self._resumed)
-            if self._loop is None and self.protocol != "hardsync":
-                warn_of_meetings_per_batch(trainer)
-        # before every other callback's on_train_end, which may still change the weights (weight averaging)
-        self._end_of_training = EndOfTraining(trainer, self._start_epoch, self._end_epoch, self._end_training)
+        simulated, shared, hardsync = bool(self.simulate), self.sampling == "shared", self.protocol == "hardsync"
+        self._training.start(
+            trainer, self.num_learners, simulated, shared, hardsync, self._start_epoch, self._end_training
+        )
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -323,16 +306,15 @@ class RudraStrategy(ParallelStrategy):
         # which Lightning calls before the strategy's, and also for a None batch, which gets no such hook
         assert self.lightning_module is not None  # set up before any batch
         if self.lightning_module.trainer.training:
-            if self._loop is not None and self._learner is not None:
-                self._loop.on_batch_fetched(self._learner)
+            self._training.batch_fetched()
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def on_validation_start(self) -> None:
-        if isinstance(self._loop, SharedEpochLoop):
+        if isinstance(self._training.loop, SharedEpochLoop):
             self.barrier("shared epoch: validate together")
-        if self._learner is not None:
-            self._learner.pull()
+        if self._training.learner is not None:
+            self._training.learner.pull()
 
     @override
     def on_train_end(self) -> None:
@@ -342,30 +324,19 @@ class RudraStrategy(ParallelStrategy):
         """Every learner stops pushing; pending softsync gradients are applied; all take the final weights.
         Learner 0 also keeps the final optimizer states, for ``trainer.save_checkpoint`` after ``fit``. Runs
         before the callbacks' ``on_train_end``: what they do to the weights (SWA, EMA) is what fit returns."""
-        if self._end_of_training is not None:
-            self._end_of_training.remove()
-        if self._loop is not None:
-            self._loop.uninstall()
-            self._loop = None
-        if self._learner is not None:
-            if not self._rejoin.over:  # a process admitted too late never joined training
-                self._learner.finish()
+        learner = self._training.end()
+        if learner is not None:
             if self.is_global_zero:
-                self.stats = keep_final_states(self._learner, self.optimizers)
+                self.stats = keep_final_states(learner, self.optimizers)
             else:
                 assert self._servers.client is not None
                 self.stats = self._servers.client.stats()
-            self._learner.unwrap()
-            self._learner = None
+            learner.unwrap()
 
     def _start_epoch(self) -> None:
         if self.min_learners is not None and self._servers.clients:
             assert self.lightning_module is not None  # training
-            self._rejoin.epoch_started(self.lightning_module.trainer, self._servers.clients, self._collectives)
-
-    def _end_epoch(self) -> None:
-        if self._loop is not None:
-            self._loop.on_train_epoch_end()
+            self._training.rejoin.epoch_started(self.lightning_module.trainer, self._servers.clients, self._collectives)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -378,13 +349,7 @@ class RudraStrategy(ParallelStrategy):
             if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
                 self._launcher.end_lost(sorted(self.stats.lost))  # those lost and still running
         self._collectives.close()
-        if self._loop is not None:  # training failed: give the Trainer its own loop back
-            self._loop.uninstall()
-        if self._learner is not None:
-            self._learner.unwrap()
-        if self._end_of_training is not None:
-            self._end_of_training.remove()
-        self._learner = self._loop = self._end_of_training = None
+        self._training.close()  # training failed: give the Trainer its own loop back
         self._checkpoints.snapshot = None
         self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
@@ -393,9 +358,9 @@ class RudraStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self._learner is not None:
+        if self._training.learner is not None:
             assert self.lightning_module is not None  # the learner is made with it, in setup
-            self._push_metrics.log(self.lightning_module, self._learner.client.timestamp, self.optimizers)
+            self._push_metrics.log(self.lightning_module, self._training.learner.client.timestamp, self.optimizers)
         return output
 
     # ---- collectives, through the server (lightning_rudra.strategy.collectives) -----------------------
@@ -420,7 +385,7 @@ class RudraStrategy(ParallelStrategy):
     # ---- checkpoints: the optimizer states live on the server (lightning_rudra.strategy.checkpoints) ----
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._checkpoints.take_snapshot(self._learner if self.is_global_zero else None)
+        self._checkpoints.take_snapshot(self._training.learner if self.is_global_zero else None)
         return super().lightning_module_state_dict()
 
     @override

@@ -57,7 +57,7 @@ def test_one_implementation_the_lightning_free_layers_shared():
     strategy_module = sys.modules[unified.RudraStrategy.__module__]
     assert strategy_module.__name__ == "lightning_rudra.lightning.strategy.rudra"
     assert strategy_module.__file__ == sys.modules["lightning_rudra.strategy.rudra"].__file__  # the same source file
-    assert strategy_module.Learner is lightning_rudra.strategy.rudra.Learner  # layers 1 and 2: the same objects
+    assert strategy_module.LearnerOptimizer is lightning_rudra.strategy.rudra.LearnerOptimizer  # layers 1, 2: shared
     assert unified.Stats is lightning_rudra.Stats
     assert "pytorch_lightning" not in str(strategy_module.ParallelStrategy.__module__)
 

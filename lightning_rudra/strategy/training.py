@@ -1,0 +1,124 @@
+"""One ``fit`` on a learner, as :class:`~lightning_rudra.RudraStrategy`'s hooks drive it: the
+:class:`~lightning_rudra.learner.learner.Learner` (its optimizers' steps push and pull), Lightning's fit loop refitted
+for the shared epoch or for simulated learners (``fit_loop.py``), the callback that runs first at each epoch's start
+and end and at the end of training, and in an elastic run this process's rejoining (``rejoin.py``). Made in
+``setup`` and ``on_train_start``; undone at the end of training, or at teardown when training failed."""
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_rudra.core.config import ProtocolConfig
+from lightning_rudra.core.stats import Stats
+from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.learner.learner import Learner
+from lightning_rudra.learner.server_client import ServerClient
+from lightning_rudra.learner.simulation import SimulatedClient
+from lightning_rudra.strategy.checks import is_placeholder, warn_of_meetings_per_batch
+from lightning_rudra.strategy.fit_loop import EndOfTraining, SharedEpochLoop, SimulatedEpochLoop
+from lightning_rudra.strategy.rejoin import Rejoin, describe
+from lightning_rudra.strategy.shared_epoch import start_shared_epoch
+from lightning_rudra.strategy.simulated_epoch import start_simulation
+
+
+class Training:
+    def __init__(self) -> None:
+        self.learner: Optional[Learner] = None
+        self.loop: Optional[Union[SharedEpochLoop, SimulatedEpochLoop]] = None  # Lightning's fit loop, refitted
+        self.end_of_training: Optional[EndOfTraining] = None  # the callback, while training
+        self.rejoin = Rejoin()  # if this process takes a lost learner's place
+        self.resumed: Optional[Stats] = None  # the checkpoint's statistics, while fitting from one
+
+    @property
+    def in_batch(self) -> bool:
+        """Inside a training batch of the shared epoch, where the learners are not in step."""
+        return self.loop is not None and self.loop.in_batch
+
+    def setup(
+        self,
+        module: torch.nn.Module,
+        optimizers: list[Any],
+        clients: Sequence[ServerClient],
+        overlap: bool,
+        shared_memory: bool,
+        on_push: Callable[[int, str, int, float], None],
+        config: Optional[ProtocolConfig],
+        resumed: tuple[Optional[Stats], Optional[list[dict[str, Any]]]],
+        rejoining: Sequence[LearnerClient],
+    ) -> list[Any]:
+        """This fit's learner over ``clients``: learner 0 (given the protocol's ``config``) registers the model, on
+        resume with the checkpoint's statistics and optimizer states; a process that takes a lost learner's place
+        asks its servers (``rejoining``) to rejoin; every learner then pulls the weights. Returns the optimizers
+        Lightning steps: wrapped, so that their steps push."""
+        # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
+        stepping = [] if any(map(is_placeholder, optimizers)) else optimizers
+        self.learner = Learner(module, clients, overlap, shared_memory)
+        self.learner.on_push = on_push
+        self.learner.check(stepping)
+        if config is not None:
+            self.learner.register(config, stepping, *resumed, module=describe(module, stepping))
+        elif rejoining:
+            self.rejoin.ask(rejoining, describe(module, stepping))
+        if not self.rejoin.over:  # a process admitted too late only leaves
+            self.learner.pull()  # every learner starts from learner 0's (possibly restored) weights
+        self.resumed = resumed[0]  # the shared epoch goes on from its statistics
+        return list(self.learner.wrap(stepping)) if stepping else optimizers
+
+    def start(
+        self,
+        trainer: "pl.Trainer",
+        num_learners: int,
+        simulated: bool,
+        shared: bool,
+        hardsync: bool,
+        start_epoch: Callable[[], None],
+        end_training: Callable[[], None],
+    ) -> None:
+        """At ``on_train_start``: Lightning's fit loop refitted, and the callback that runs first (``start_epoch``
+        and ``end_training`` are the strategy's)."""
+        combined = trainer.fit_loop._combined_loader
+        loaders = combined.flattened if combined is not None else []
+        if simulated:
+            assert self.learner is not None
+            client = self.learner.client
+            assert isinstance(client, SimulatedClient), "setup gives a simulated run's learner a SimulatedClient"
+            self.loop = start_simulation(trainer, loaders, num_learners, client)
+        else:
+            self.rejoin.start(trainer, shared)  # before the shared epoch's first draw
+            self.loop = start_shared_epoch(trainer, loaders, num_learners, self.resumed)
+            if self.loop is None and not hardsync:
+                warn_of_meetings_per_batch(trainer)
+        # before every other callback's on_train_end, which may still change the weights (weight averaging)
+        self.end_of_training = EndOfTraining(trainer, start_epoch, self.end_epoch, end_training)
+
+    def batch_fetched(self) -> None:
+        if self.loop is not None and self.learner is not None:
+            self.loop.on_batch_fetched(self.learner)
+
+    def end_epoch(self) -> None:
+        if self.loop is not None:
+            self.loop.on_train_epoch_end()
+
+    def end(self) -> Optional[Learner]:
+        """Training is over: Lightning's loop and callbacks are its own again, and the learner (returned, if there
+        is one) has stopped pushing and holds the final weights."""
+        self._restore()
+        learner, self.learner = self.learner, None
+        if learner is not None and not self.rejoin.over:  # a process admitted too late never joined training
+            learner.finish()
+        return learner
+
+    def close(self) -> None:
+        """The stage is over (training may have failed): nothing of it is left in Lightning or the module."""
+        self._restore()
+        if self.learner is not None:
+            self.learner.unwrap()
+        self.learner = None
+
+    def _restore(self) -> None:
+        if self.end_of_training is not None:
+            self.end_of_training.remove()
+        if self.loop is not None:
+            self.loop.uninstall()
+        self.loop = self.end_of_training = None

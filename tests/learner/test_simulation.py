@@ -151,7 +151,10 @@ class TwoSchedules(Regression):
         return [opt], [{"scheduler": steps, "interval": "step"}, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)]
 
     def training_step(self, batch, batch_idx):
-        learner, lr = self.trainer.strategy._learner.client.learner, self.trainer.optimizers[0].param_groups[0]["lr"]
+        learner, lr = (
+            self.trainer.strategy._training.learner.client.learner,
+            self.trainer.optimizers[0].param_groups[0]["lr"],
+        )
         self.rates.append((learner, lr))
         return super().training_step(batch, batch_idx)
 
@@ -231,7 +234,7 @@ def test_each_simulated_learner_reads_the_shard_a_real_learner_of_its_rank_reads
         def training_step(self, batch, batch_idx):
             x, y, index = batch
             # the simulated learner whose step this is (what a real learner knows as its global_rank)
-            self.seen[self.trainer.strategy._learner.client.learner].append(index.tolist())
+            self.seen[self.trainer.strategy._training.learner.client.learner].append(index.tolist())
             return self.loss((x, y))
 
     # Lightning seeds its DistributedSampler with the global seed, which it keeps in the environment: set it for

@@ -50,7 +50,7 @@ class Recorded(Regression):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.04 if self.global_rank == 0 else 0.02)
-        clock = self.trainer.strategy._learner.client.timestamp  # the weights this gradient comes from
+        clock = self.trainer.strategy._training.learner.client.timestamp  # the weights this gradient comes from
         with open(os.path.join(self.directory, f"ids{self.global_rank}"), "a") as file:
             file.write(f"{os.getpid()} {self.trainer.current_epoch} {clock} {' '.join(map(str, ids.tolist()))}\n")
         return super().training_step((x, y), batch_idx)

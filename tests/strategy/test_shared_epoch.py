@@ -109,7 +109,7 @@ class MeetsAtBatchStart(Recording):
         self.log("batch_start", 1.0 + self.global_rank, sync_dist=True, on_step=True, on_epoch=True)
 
     def training_step(self, batch, batch_idx):
-        self.positions.append(self.trainer.strategy._loop.position)
+        self.positions.append(self.trainer.strategy._training.loop.position)
         return super().training_step(batch, batch_idx)
 
     def on_train_end(self) -> None:
@@ -176,7 +176,7 @@ class OneCycle(Recording):
 
     def training_step(self, batch, batch_idx):
         lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-        self.rates.append((self.current_epoch, self.trainer.strategy._loop.position, lr))
+        self.rates.append((self.current_epoch, self.trainer.strategy._training.loop.position, lr))
         return super().training_step(batch, batch_idx)
 
     def on_train_end(self) -> None:

@@ -15,6 +15,7 @@ import argparse
 import importlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,11 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:
+    from benchmarks.hosts import Host
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLL_S = 0.02
@@ -49,9 +54,13 @@ class Pool:
         env: Optional[dict[str, str]] = None,
         preload: tuple[str, ...] = (),
         start_timeout: float = 180.0,
+        hosts: Sequence["Host"] = (),
     ) -> None:
+        """``hosts`` (:func:`benchmarks.hosts.two_hosts`): the workers run on these hosts, ``size / len(hosts)``
+        on each, rank by rank (the first ones on the first host), as a launcher started on each machine would."""
         self.name = name
         self.size = size
+        self.hosts = list(hosts)
         self.env = dict(env or {})
         self.preload = preload
         self.start_timeout = start_timeout
@@ -83,22 +92,15 @@ class Pool:
             }
         )
         env.update(self.env)
+        if self.hosts:
+            self._start_on_hosts(env)
+            return
         for rank in range(self.size):
             log = open(os.path.join(self.dir, f"worker{rank}.log"), "w")
             self.logs.append(log)
             self.procs.append(
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "benchmarks.pool",
-                        "--dir",
-                        self.dir,
-                        "--rank",
-                        str(rank),
-                        "--preload",
-                        ",".join(self.preload),
-                    ],
+                    self._worker(rank),
                     env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
                     cwd=REPO_ROOT,
                     stdout=log,
@@ -106,6 +108,41 @@ class Pool:
                     start_new_session=True,
                 )
             )
+
+    def _worker(self, rank: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "benchmarks.pool",
+            "--dir",
+            str(self.dir),
+            "--rank",
+            str(rank),
+            "--preload",
+            ",".join(self.preload),
+        ]
+
+    def _start_on_hosts(self, env: dict[str, str]) -> None:
+        """One process per host, its first (:meth:`benchmarks.hosts.Host.start`), running that host's workers: they
+        share its host name and ``/dev/shm``, as the processes of one machine do, and meet the others at the first
+        host's address, through the host's end of the link (``RUDRA_BENCH_LINK``: where they read its counters)."""
+        per_host = self.size // len(self.hosts)
+        for index, host in enumerate(self.hosts):
+            workers = [
+                shlex.join(["env", f"LOCAL_RANK={rank - index * per_host}", f"RANK={rank}", *self._worker(rank)])
+                + f" > {shlex.quote(os.path.join(str(self.dir), f'worker{rank}.log'))} 2>&1 &"
+                for rank in range(index * per_host, (index + 1) * per_host)
+            ]
+            host_env = {
+                **env,
+                "MASTER_ADDR": self.hosts[0].address,
+                "NODE_RANK": str(index),
+                "TP_SOCKET_IFNAME": host.interface,
+                "GLOO_SOCKET_IFNAME": host.interface,
+                "RUDRA_BENCH_LINK": host.interface,
+            }
+            log = Path(str(self.dir), f"host{index}.log")
+            self.procs.append(host.start(["sh", "-c", " ".join(workers) + " wait"], host_env, log))
 
     def wait_ready(self) -> None:
         self.start()
@@ -131,7 +168,9 @@ class Pool:
 
     def _kill(self) -> None:
         for proc in self.procs:
-            try:  # the worker's session: the worker and any server process it started, even if it has exited
+            # the worker's session: the worker and any server process it started, even if it has exited (on a
+            # host: its first process, and with it, by the kernel, every process of the host)
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
@@ -171,13 +210,14 @@ class Pool:
         return [results[r]["result"] for r in range(self.size)]
 
     def _check_alive(self, what: str) -> None:
-        for rank, proc in enumerate(self.procs):
+        for index, proc in enumerate(self.procs):
             if proc.poll() is not None:
-                self._fail(f"worker {rank} exited with code {proc.returncode} during {what}")
+                where = f"host {index}" if self.hosts else f"worker {index}"
+                self._fail(f"{where} exited with code {proc.returncode} during {what}")
 
     def _fail(self, message: str) -> None:
         tails = []
-        for rank in range(len(self.procs)):
+        for rank in range(self.size):
             try:
                 with open(os.path.join(self.dir, f"worker{rank}.log")) as f:
                     tails.append(f"--- worker {rank} log tail ---\n" + f.read()[-2000:])

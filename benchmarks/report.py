@@ -103,6 +103,25 @@ def epoch_times(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     return out
 
 
+def link_per_step(ranks: list[dict[str, Any]], per_host: int, warmup: int) -> Optional[list[dict[str, float]]]:
+    """Bytes each host's end of the link sent and received per step (λ batches: one per learner), from the
+    counters its first learner read at its batch ends (``link``), over its batches once every learner is past
+    ``warmup`` (the rendezvous and the first weights left out); the steps are every learner's batches in that
+    time over λ. None without counters."""
+    if any(len(r["times"]) < warmup for r in ranks) or not all(r.get("link") for r in ranks[::per_host]):
+        return None
+    start = max(r["times"][warmup - 1] for r in ranks)
+    hosts = []
+    for first in ranks[::per_host]:
+        read = [(t, counters) for t, counters in zip(first["times"], first["link"]) if t >= start]
+        if len(read) < 2:
+            return None
+        (t0, (sent0, received0)), (t1, (sent1, received1)) = read[0], read[-1]
+        steps = sum(t0 < t <= t1 for r in ranks for t in r["times"]) / len(ranks)
+        hosts.append({"sent": (sent1 - sent0) / steps, "received": (received1 - received0) / steps})
+    return hosts
+
+
 def straggler_share(batches: dict[str, int], straggler: int) -> Optional[float]:
     """The straggler's share of all batches taken (``batches``: the server's learner -> count, JSON keys)."""
     total = sum(batches.values())
@@ -405,6 +424,33 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
     return lines
 
 
+def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "## 8. Across two hosts, the link shaped",
+        "",
+        info.get("text", ""),
+        "",
+        "| link | learners per host (μ) | strategy | samples/s | vs DDP (runs) | epoch s | host 1 MB per step, "
+        "sent / received | × model |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in configs:
+        model_mb = 4 * c["parameters"] / 1e6
+        for key, e in c["runs"].items():
+            link = e.get("link_per_step") or [{}, {}]
+            sent, received = (link[1].get(way) for way in ("sent", "received"))
+            mb = [None if x is None else x / 1e6 for x in (sent, received)]
+            lines.append(
+                f"| {c['rate']} | {c['learners_per_host']} ({c['batch_size']}) | {STRATEGY_LABELS.get(key, key)} | "
+                f"{_f(e['samples_per_s'], '{:.0f}')} | {_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | "
+                f"{_f(e.get('epoch_s'))} | {_f(mb[0], '{:.1f}')} / {_f(mb[1], '{:.1f}')} | "
+                f"{_f(None if mb[0] is None else mb[0] / model_mb)} / "
+                f"{_f(None if mb[1] is None else mb[1] / model_mb)} |"
+            )
+    return lines
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     meta = result["meta"]
@@ -565,6 +611,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         lines += _models_table(s["models"], s.get("models_info", {}))
     if s.get("accuracy"):
         lines += _accuracy_table(s["accuracy"], s.get("accuracy_info", {}))
+    if s.get("network"):
+        lines += _network_table(s["network"], s.get("network_info", {}))
     if result.get("failures"):
         lines += ["", "## Failures", ""] + [f"- {f}" for f in result["failures"]]
     return "\n".join(lines) + "\n"

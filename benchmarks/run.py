@@ -14,6 +14,9 @@
    epochs of hardsync, async and async without shared memory against DDP, and of async with one 3x straggler.
 7. Time to DDP's accuracy (``benchmarks.accuracy``): momentum SGD at DDP's rate, 2 and 4 learners, one 3x
    straggler and none: the time async with its default options takes to reach DDP's final test accuracy.
+8. Across hosts (``benchmarks.network``, needs root): two hosts as network namespaces, the link shaped to 1 and
+   10 Gbit/s, the 10 M MLP with 1 and 2 learners per host: samples/s and bytes on the link per step of DDP, Rudra
+   hardsync and async, with and without compressed pushes.
 
 Everything runs in long-lived worker processes (``benchmarks.pool``) so that process start-up is paid once;
 each comparison is measured in the same run, repeated, and reported as the median of per-round ratios.
@@ -33,7 +36,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from benchmarks import accuracy, report
+from benchmarks import accuracy, network, report
 from benchmarks.pool import JobFailed, Pool
 
 M = 1_000_000
@@ -69,6 +72,8 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "async+quiet_log": ("async", 1, ["quiet_log"], {}),
     "async+overlap+quiet_log": ("async", 1, ["quiet_log"], {"overlap": True}),
     "hardsync+quiet_log": ("hardsync", 1, ["quiet_log"], {}),
+    "hardsync+bf16": ("hardsync", 1, [], {"compression": "bf16"}),
+    "async+bf16": ("async", 1, [], {"compression": "bf16"}),
 }
 report.STRATEGY_LABELS.update(
     {
@@ -79,6 +84,8 @@ report.STRATEGY_LABELS.update(
         "async+quiet_log": "Rudra async, staleness logged every 50 steps (prototype)",
         "async+overlap+quiet_log": "Rudra async, overlap=True, staleness logged every 50 steps (prototype)",
         "hardsync+quiet_log": "Rudra hardsync, staleness logged every 50 steps (prototype)",
+        "hardsync+bf16": 'Rudra hardsync, compression="bf16"',
+        "async+bf16": 'Rudra async, compression="bf16"',
     }
 )
 
@@ -125,6 +132,15 @@ DEFAULT = {
     "accuracy_epochs": 10,
     "accuracy_reps": 2,
     "accuracy_samples": 6000,
+    "network": [
+        {"rate": "1gbit", "learners_per_host": 1, "reps": 2},
+        {"rate": "1gbit", "learners_per_host": 2, "reps": 2},
+        {"rate": "10gbit", "learners_per_host": 1, "reps": 1},
+    ],
+    "network_params": 10 * M,
+    "network_steps": 6,
+    "network_epochs": 3,
+    "network_strategies": ["ddp", "hardsync", "async", "hardsync+bf16", "async+bf16"],
 }
 QUICK = {
     "sizes": [10 * M],
@@ -157,8 +173,13 @@ QUICK = {
     "accuracy_epochs": 2,
     "accuracy_reps": 1,
     "accuracy_samples": 3000,
+    "network": [{"rate": "1gbit", "learners_per_host": 1, "reps": 1}],
+    "network_params": 10 * M,
+    "network_steps": 4,
+    "network_epochs": 2,
+    "network_strategies": ["ddp", "hardsync", "async+bf16"],
 }
-PHASES = ("transport", "variants", "prototypes", "e2e", "straggler", "epochs", "models", "accuracy")
+PHASES = ("transport", "variants", "prototypes", "e2e", "straggler", "epochs", "models", "accuracy", "network")
 TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_samples": 4000, "warmup": 10}
 # models phase: μ per learner, whatever λ; samples/s and step times after 2 warm-up batches (the first
 # allocations, DDP's buckets, the server's first reply), as the runs are short
@@ -227,6 +248,8 @@ class Suite:
 
     # ---- phases ------------------------------------------------------------------------------------------
     def start_pools(self, phases: list[str]) -> None:
+        if set(phases) <= {"network"}:  # it starts its workers on its hosts
+            return
         self.pools["main"] = Pool("main", preload=TRAINING_PRELOAD + ("benchmarks.transport",))
         # idle workers would share the cores (and the memory) with every phase until prototypes closes them
         if "prototypes" in phases and any(p[1] == "thp" for p in PROTOTYPES if p[0] in self.cfg["prototypes"]):
@@ -399,6 +422,8 @@ class Suite:
         }
         if kwargs.get("max_epochs"):  # whole epochs: samples/s to the end replaces the window's
             run.update(report.epoch_times(result, t["warmup"]))
+        if t.get("num_nodes", 1) > 1:  # across hosts: the bytes on the link
+            run["link_per_step"] = report.link_per_step(result, t["num_learners"] // t["num_nodes"], t["warmup"])
         if target is not None:
             run["tta_target"] = target
             run["tta_s"], run["best_accuracy"] = report.time_to_accuracy(result[0], target)
@@ -705,6 +730,9 @@ class Suite:
 
     def accuracy(self) -> None:
         accuracy.phase(self)
+
+    def network(self) -> None:
+        network.phase(self)
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -8,7 +8,8 @@ which every learner is past its warm-up and none has stopped, so process start, 
 and teardown are all excluded. It also records the end of every epoch, for runs of whole epochs. Rank 0 also
 keeps a copy of its weights every few batches (the weights it continues from: after a push, the server's) and of
 its final ones (Rudra: the server's, pulled after every learner finished); they are evaluated on the test split
-after training, so measuring accuracy costs the run nothing.
+after training, so measuring accuracy costs the run nothing. On a host of ``benchmarks.hosts`` (``RUDRA_BENCH_LINK``
+names its end of the link), each host's first learner also records the link's byte counters at every batch's end.
 """
 
 import gc
@@ -55,14 +56,19 @@ def _model(mlp_params: Optional[int], **hparams: Any):
     return MLPClassifier(mlp_params, **hparams)
 
 
-def _callback(rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_after_s: Optional[float]):
+def _callback(
+    rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_after_s: Optional[float], link: Optional[str]
+):
     import pytorch_lightning as pl
+
+    from benchmarks.hosts import link_counters
 
     class Recorder(pl.Callback):
         def __init__(self) -> None:
             self.start: Optional[float] = None
             self.end: Optional[float] = None
             self.times: list[float] = []
+            self.link: list[tuple[int, int]] = []  # (sent, received) bytes at each time of ``times``
             self.epoch_ends: list[float] = []
             self.snapshots: list[tuple[float, list[torch.Tensor]]] = []
             self.final: Optional[tuple[float, list[torch.Tensor]]] = None
@@ -77,6 +83,8 @@ def _callback(rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             now = time.monotonic()
             self.times.append(now)
+            if link is not None:
+                self.link.append(link_counters(link))
             if snapshot_every and rank == 0 and len(self.times) % snapshot_every == 0:
                 self.snapshots.append((now - self.start, [p.detach().clone() for p in pl_module.parameters()]))
             if stop_after_s is not None and len(self.times) > warmup and now - self.times[warmup - 1] >= stop_after_s:
@@ -135,6 +143,7 @@ def train(
     max_steps: Optional[list[int]] = None,
     max_epochs: int = -1,
     num_learners: int = 2,
+    num_nodes: int = 1,
     n: int = 1,
     batch_size: int = 32,
     lr: float = 0.05,
@@ -153,7 +162,8 @@ def train(
     ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank (``num_learners`` of them; no ``max_steps``: no
     step limit, ``max_epochs`` ends the run); ``protos``: prototype changes to RudraStrategy; ``options``: more
     keyword arguments of RudraStrategy (``overlap``, ``shared_memory``); ``mlp_params``: train an MLP of about
-    this many parameters on synthetic data instead of the MNIST-1D example."""
+    this many parameters on synthetic data instead of the MNIST-1D example; ``num_nodes``: the pool's hosts
+    (``num_learners`` over all of them)."""
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
@@ -166,10 +176,15 @@ def train(
         strat: Any = DDPStrategy(process_group_backend="gloo")
     else:
         strat = _rudra_class(protos or [])(protocol=strategy, n=n, rpc_timeout=rpc_timeout, **(options or {}))
-    recorder = _callback(rank, sleep_s[rank], snapshot_every, warmup, (stop_after_s or [None] * num_learners)[rank])
+    # one reader of the link per host: its first learner
+    link = os.environ.get("RUDRA_BENCH_LINK") if os.environ.get("LOCAL_RANK") == "0" else None
+    recorder = _callback(
+        rank, sleep_s[rank], snapshot_every, warmup, (stop_after_s or [None] * num_learners)[rank], link
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=num_learners,
+        devices=num_learners // num_nodes,
+        num_nodes=num_nodes,
         strategy=strat,
         max_steps=max_steps[rank] if max_steps else -1,
         max_epochs=max_epochs,
@@ -189,6 +204,7 @@ def train(
             torch.distributed.destroy_process_group()
     result: dict[str, Any] = {
         "times": recorder.times,
+        "link": recorder.link,
         "epoch_ends": recorder.epoch_ends,
         "start": recorder.start,
         "end": recorder.end,

@@ -1,13 +1,16 @@
 """The benchmarks are code too: the transport job (a push+pull through the real server, with every measure and
 the breakdown of one push into its pieces, then through two servers with the learner-side prototype) runs end to end at a small size, so that a
 renamed internal breaks a test, not the next benchmark run; the accuracy phase's target, times and ratios are
-computed on recorded snapshots (its runs take minutes)."""
+computed on recorded snapshots (its runs take minutes); the network phase's hosts leave nothing behind, and its
+bytes per step are counted over the right steps."""
 
 import multiprocessing
+import subprocess
 
 import pytest
 
 from benchmarks import accuracy, report
+from benchmarks.hosts import two_hosts, why_no_hosts
 from lightning_rudra.transport.rpc_world import free_port
 
 
@@ -121,3 +124,60 @@ def test_an_async_run_that_never_reaches_the_target_is_reported_as_never():
     target = {t["key"]: t for t in report.check_targets({"accuracy": [config]})}["accuracy_2x3"]
     assert target["met"] is False and target["by"] == "missed: async never reached it"
     assert "| never (–) | never |" in "\n".join(report._accuracy_table([config], {}))
+
+
+def _left(hosts) -> list[str]:
+    """What ``two_hosts`` made that is still here: a namespace, or an end of the link in this (the root) namespace,
+    where the link is made before its ends move into the hosts."""
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout.split()
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
+    return [host.namespace for host in hosts if host.namespace in namespaces] + [
+        host.interface for host in hosts if f" {host.interface}@" in links or f" {host.interface}:" in links
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(why_no_hosts(shaped=True) is not None, reason=str(why_no_hosts(shaped=True)))
+def test_shaped_hosts_leave_no_namespace_link_queue_or_process_behind_when_the_run_fails(tmp_path):
+    """What the network phase runs in: the link shaped on both ends, a process running on a host; an error inside
+    (as a failed run, or Ctrl-C) still removes the namespaces, with their ends of the link and queueing disciplines,
+    and every process on the hosts."""
+    with pytest.raises(RuntimeError, match="the run failed"):
+        with two_hosts("1gbit") as hosts:
+            assert _left(hosts) == [host.namespace for host in hosts]
+            for host in hosts:  # each end of the link, in its host
+                assert "tbf" in host.qdisc() and "rate 1Gbit" in host.qdisc()
+            started = hosts[1].start(["sleep", "600"], {"PATH": "/usr/bin:/bin"}, tmp_path / "host1.log")
+            for _ in range(100):  # bounded: 10 s for the host's first process to start its command
+                if len(hosts[1].pids()) >= 3:  # unshare, the host's init, sleep
+                    break
+                subprocess.run(["sleep", "0.1"], timeout=5)
+            assert len(hosts[1].pids()) >= 3
+            raise RuntimeError("the run failed")
+    assert _left(hosts) == []
+    assert started.wait(timeout=10) is not None  # killed with its host
+    assert subprocess.run(["pgrep", "-f", f"benchmarks.hosts {hosts[1].namespace}"], timeout=10).returncode == 1
+
+
+def test_a_shaped_rate_in_tcs_units_or_a_clear_error():
+    from benchmarks.hosts import _bits
+
+    assert _bits("1gbit") == 10**9 and _bits("10gbit") == 10**10 and _bits("500mbit") == 5 * 10**8
+    with pytest.raises(ValueError, match="rate '1gbps': expected a number of gbit"):
+        _bits("1gbps")
+
+
+def test_bytes_per_step_count_each_hosts_link_over_every_learners_steps_past_warm_up():
+    """Two hosts, two learners each, in step (times 1, 2, ...): host 0's first learner read its link at its batch
+    ends; past warm-up (2 batches: every learner's second batch ends at 2.0x) it sent 30 and received 10 per batch."""
+    ranks = [
+        {"times": [1.0 + k + rank / 100 for k in range(6)], "link": [(30 * k, 10 * k) for k in range(6)]}
+        if rank % 2 == 0
+        else {"times": [1.0 + k + rank / 100 for k in range(6)], "link": []}
+        for rank in range(4)
+    ]
+    hosts = report.link_per_step(ranks, 2, warmup=2)
+    # host 0's reads past 2.03 s: at 3.00 ... 6.00 (3 steps in between: every learner's batches at 4, 5, 6 / 4)
+    assert hosts[0] == {"sent": 30.0, "received": 10.0} and hosts[1] == hosts[0]
+    assert report.link_per_step([{**r, "link": []} for r in ranks], 2, warmup=2) is None

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tests.hosts import LEFT, host_env, two_hosts, why_no_hosts
+from benchmarks.hosts import LEFT, host_env, two_hosts, why_no_hosts
 from tests.lightning_models import single_process_sgd
 from tests.scripts.hosts_fit import Wide
 

@@ -5,9 +5,13 @@ mount namespaces of its own, with their own host name and ``/dev/shm``: a networ
 machine (one host name and one ``/dev/shm`` let the other host map the server's shared memory, one pid namespace
 lets TensorPipe move tensors by cross-memory attach), and nothing would cross the link. The addresses exist only
 inside the namespaces a test creates, and the namespaces, with any process still in them, are removed afterwards,
-also when the test fails.
+also when the test fails. With ``rate``, each end of the link is shaped by a token bucket (``tc qdisc ... tbf``) to
+that bandwidth; latency cannot be added: this kernel has no ``netem``.
 
-Run as ``python -m tests.hosts NAME COMMAND...``, this module is a host's first process (:func:`init`).
+Here rather than under ``tests/`` because the benchmark's network phase (``benchmarks/network.py``) runs its hosts
+with it too, and the benchmarks import nothing from the tests; the tests of several hosts import it from here.
+
+Run as ``python -m benchmarks.hosts NAME COMMAND...``, this module is a host's first process (:func:`init`).
 """
 
 import os
@@ -27,14 +31,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @lru_cache(maxsize=None)
-def why_no_hosts() -> Optional[str]:
-    """None where namespaces can be made here, else the reason (for pytest's skip)."""
+def why_no_hosts(shaped: bool = False) -> Optional[str]:
+    """None where namespaces (``shaped``: and a shaped link) can be made here, else the reason (for pytest's skip)."""
     if sys.platform != "linux":
         return "network namespaces are Linux's"
     if os.geteuid() != 0:
         return "making network namespaces needs root"
     if shutil.which("ip") is None:
         return "the ip command (iproute2) is not installed"
+    if shaped and shutil.which("tc") is None:
+        return "the tc command (iproute2) is not installed: the link cannot be shaped"
     probe = f"rudra{os.getpid()}probe"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
     if made.returncode != 0:
@@ -76,7 +82,7 @@ class Host:
                     "--mount-proc",
                     sys.executable,
                     "-m",
-                    "tests.hosts",
+                    "benchmarks.hosts",
                     self.namespace,
                     *args,
                 ],
@@ -104,12 +110,54 @@ class Host:
         )
         return sum(int(count) for count in read.stdout.split())
 
+    def qdisc(self) -> str:
+        """The queueing discipline on this host's end of the link, as ``tc qdisc show`` prints it."""
+        return subprocess.run(
+            ["tc", "-n", self.namespace, "qdisc", "show", "dev", self.interface],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+
     def cut_link(self) -> None:
         _ip("-n", self.namespace, "link", "set", self.interface, "down")
 
 
+def link_counters(interface: str) -> tuple[int, int]:
+    """Bytes sent and received so far by ``interface`` of this process's network namespace (a process on a host
+    reads its own end of the link)."""
+    stats = Path("/sys/class/net", interface, "statistics")
+    return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+
+
+def _shape(host: Host, rate: str) -> None:
+    """A token bucket on the host's end of the link: ``rate`` (tc's units: ``1gbit``) out of it, a burst of 4 ms at
+    that rate (at least 64 KiB, a TSO segment: a smaller bucket drops every large packet) and up to 20 ms queued."""
+    burst = max(64 * 1024, _bits(rate) // 8 * 4 // 1000)
+    subprocess.run(
+        ["tc", "-n", host.namespace, "qdisc", "add", "dev", host.interface, "root", "tbf", "rate", rate]
+        + ["burst", str(burst), "latency", "20ms"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+
+
+def _bits(rate: str) -> int:
+    """Bits per second of a rate in tc's units (``10gbit``, ``500mbit``)."""
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
+        if rate.endswith(unit):
+            return int(float(rate[: -len(unit)]) * scale)
+    raise ValueError(f"rate {rate!r}: expected a number of gbit, mbit, kbit or bit (tc's units), e.g. '1gbit'")
+
+
 @contextmanager
-def two_hosts() -> Iterator[list[Host]]:
+def two_hosts(rate: Optional[str] = None) -> Iterator[list[Host]]:
+    """Two hosts joined by a link, shaped to ``rate`` each way if given (tc's units: ``1gbit``). Everything made
+    here goes on the way out, also on an error or Ctrl-C: the processes, then the namespaces, which take their ends
+    of the link and its queueing disciplines with them."""
     tag = os.getpid() % 100000
     subnet = f"10.{200 + tag % 50}.{tag // 50 % 250}"  # private, and only inside the two namespaces below
     hosts = [Host(f"rudra{tag}h{i}", f"rv{tag}h{i}", f"{subnet}.{i + 1}") for i in range(2)]
@@ -122,6 +170,8 @@ def two_hosts() -> Iterator[list[Host]]:
             _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.interface)
             _ip("-n", host.namespace, "link", "set", host.interface, "up")
             _ip("-n", host.namespace, "link", "set", "lo", "up")
+            if rate is not None:
+                _shape(host, rate)
         yield hosts
     finally:
         for host in hosts:

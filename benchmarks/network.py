@@ -1,0 +1,104 @@
+"""Across hosts at real link speeds (``python -m benchmarks.run --only network``): two hosts on this machine
+(``benchmarks.hosts``: network namespaces joined by a veth pair, each host with its own host name, pid namespace and
+``/dev/shm``, so that every tensor between the hosts crosses the link), each end of the link shaped by tc's token
+bucket (``tbf``) to 1 or 10 Gbit/s. No latency is added: this kernel has no ``netem``.
+
+The 10 M-parameter MLP of the models phase, 1 or 2 learners per host, whole epochs: DDP (gloo) against Rudra
+hardsync and async with their default options (one server per host, each owning half of the parameters; a
+learner reaches its own host's server through shared memory, the other's through RPC), with and without
+``compression="bf16"``, alternated as ``Suite._schedule`` orders them. Besides samples/s, the bytes each host's end
+of the link sent and received per step, read from its interface's counters inside its namespace: they do not
+depend on the CPU the hosts share.
+"""
+
+from typing import Any
+
+from benchmarks import report
+from benchmarks.hosts import two_hosts, why_no_hosts
+from benchmarks.pool import Pool
+
+
+def phase(suite: Any) -> None:
+    """The benchmark phase (``suite``: ``benchmarks.run.Suite``): per link rate and learners per host, two hosts
+    and a pool of workers on them, made for its runs and removed after them, also when one fails."""
+    from benchmarks.run import MODEL_TRAINING, TRAINING, TRAINING_PRELOAD
+
+    cfg = suite.cfg
+    why = why_no_hosts(shaped=True)
+    if why is not None:
+        suite.failures.append(f"network: {why}")
+        return
+    raw: list[dict[str, Any]] = []
+    configs: list[dict[str, Any]] = []
+    suite.raw["network"], suite.summary["network"] = raw, configs  # filled in as measured, as in epochs
+    params, steps, epochs = cfg["network_params"], cfg["network_steps"], cfg["network_epochs"]
+    suite.summary["network_info"] = {
+        "text": (
+            f"Two hosts as Linux network namespaces on this machine, each with its own host name, pid namespace and "
+            f"`/dev/shm` (so tensors between them cross the link), joined by a veth pair whose ends are shaped by "
+            f"`tc qdisc ... tbf` to the rate given (no latency added: this kernel has no netem). The MLP of section 6 "
+            f"({report._size_label(params)} parameters), μ = {MODEL_TRAINING['batch_size']} per learner, SGD lr "
+            f"{TRAINING['lr']} momentum {TRAINING['momentum']}, {steps} steps per learner and epoch, {epochs} epochs, "
+            f"no straggler. Rudra with its default options (one server per host, each owning half of the "
+            f"parameters, reached through shared memory on its host and through RPC from the other; async with the "
+            f'shared epoch, hardsync with DistributedSampler as DDP), and with `compression="bf16"` (gradients '
+            f"pushed through RPC in bfloat16, with error feedback). *samples/s* as in section 6; *vs DDP*: each run "
+            f"against the mean of the DDP (gloo) runs just before and after it, median (lowest–highest) over runs. "
+            f"*MB per step*: what host 1's end of the link sent / received between two of its first learner's "
+            f"batch ends (past warm-up), over the steps taken meanwhile (every learner's batches / λ); median over "
+            f"runs; *× model*: the same in units of the model's float32 size. Counted by the interface, so headers "
+            f"and control messages are in."
+        )
+    }
+    for spec in cfg["network"]:
+        per_host, rate = spec["learners_per_host"], spec["rate"]
+        learners = 2 * per_host
+        setup = {
+            **MODEL_TRAINING,
+            "mlp_params": params,
+            "num_learners": learners,
+            "num_nodes": 2,
+            "num_samples": steps * MODEL_TRAINING["batch_size"] * learners,
+            "max_epochs": epochs,
+        }
+        runs: list[dict[str, Any]] = []
+        raw.append({"rate": rate, "learners_per_host": per_host, "runs": runs})
+        name = f"network-{rate}-{per_host}"
+        # DDP moved 4 bytes per parameter each way per step in 1.05 s at 1 Gbit/s, 10 M parameters: 3x that
+        timeout = 120 + 3 * epochs * steps * 0.3 * params / 1e6
+        with two_hosts(rate) as hosts:
+            suite.pools[name] = Pool(name, size=learners, preload=TRAINING_PRELOAD, hosts=hosts)
+            try:
+                suite.pools[name].wait_ready()
+                suite.log(f"workers ready: {name}")
+                for seq, (key, rep) in enumerate(suite._schedule(cfg["network_strategies"], spec["reps"])):
+                    run = suite._train(key, rep, seq, pool=name, timeout=timeout, sleep_s=[0.0] * learners, **setup)
+                    if run is None:
+                        continue
+                    runs.append(run)
+                    link = run.get("link_per_step") or [{}, {}]
+                    suite.log(
+                        f"network {rate}, {per_host} per host, rep {rep} {key}: "
+                        f"{report._f(run.get('samples_per_s'), '{:.0f}')} samples/s, host 1 sent / received "
+                        f"{report._f(link[1].get('sent', 0) / 1e6, '{:.1f}')} / "
+                        f"{report._f(link[1].get('received', 0) / 1e6, '{:.1f}')} MB per step "
+                        f"(job {run['job_wall_s']:.1f} s)"
+                    )
+            finally:
+                suite.pools.pop(name).close()
+        summary = report.summarize_runs(runs)
+        for key, entry in summary.items():
+            links = [r["link_per_step"] for r in runs if r["strategy"] == key and r.get("link_per_step")]
+            entry["link_per_step"] = [
+                {way: report.median([link[host][way] for link in links]) for way in ("sent", "received")}
+                for host in range(2)
+            ]
+        configs.append(
+            {
+                "rate": rate,
+                "learners_per_host": per_host,
+                "batch_size": MODEL_TRAINING["batch_size"],
+                "parameters": runs[0]["parameters"] if runs else params,
+                "runs": summary,
+            }
+        )

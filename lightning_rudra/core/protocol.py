@@ -19,6 +19,7 @@ from lightning_rudra.core.compensation import (
     parse_compensation,
     record_steps,
 )
+from lightning_rudra.core.compression import decompress
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
@@ -193,7 +194,10 @@ class Server:
         server holds only part of the model); None: checked here.
 
         Everything is checked before anything changes: a bad push raises and leaves the server as it was.
+        A compressed gradient (:mod:`lightning_rudra.core.compression`) is widened first.
         """
+        if optimizer in range(len(self.grad_layouts)) and isinstance(grads, (list, tuple)):
+            grads = decompress(grads, list(self.grad_layouts[optimizer].groups))
         self._check_push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
         pending = self._pending[optimizer]
         if self.config.protocol == "hardsync" and learner in pending.learners:

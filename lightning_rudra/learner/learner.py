@@ -1,7 +1,8 @@
 """A learner: a module whose optimizer steps go through the parameter server (push, then pull).
 
 On the server's host, gradients and weights move through shared memory (:mod:`lightning_rudra.transport.shm`) and RPC
-carries only control; elsewhere, or with ``shared_memory=False``, they travel in the RPC messages.
+carries only control; elsewhere, or with ``shared_memory=False``, they travel in the RPC messages (the gradients in
+bfloat16 with ``compression``: :mod:`lightning_rudra.core.compression`).
 Lightning-free: :class:`LearnerOptimizer` wraps any torch optimizer, so a plain training loop can use it
 as well as the strategy.
 """
@@ -17,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.learner.server_client import ServerClient
+from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, all_finite
@@ -132,11 +134,14 @@ class Learner:
         clients: Sequence[ServerClient],
         overlap: bool = False,
         shared_memory: bool = True,
+        compression: Optional[str] = None,
     ) -> None:
         self.clients = list(clients)
         self.client = self.clients[0]
         self.overlap = overlap
         self.shared_memory = shared_memory
+        # gradients pushed in RPC messages, with their rounding errors (None: in full precision)
+        self.feedback = ErrorFeedback(compression) if compression is not None else None
         # (pushes in flight: shard, future and the buffers sent; their optimizer) not yet settled
         self._in_flight: Optional[tuple[list[tuple[_Shard, Future, list[Tensor]]], int]] = None
         self.params = list(module.parameters())
@@ -307,6 +312,10 @@ class Learner:
                 packed = None
             else:
                 packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
+                if self.feedback is not None:
+                    # simulated learners share this Learner: each keeps its own error (its client says whose step)
+                    whose = getattr(shard.client, "learner", shard.client.rank)
+                    packed = self.feedback.compress((shard.index, index, whose), packed)
             positions = [position for position, _ in owned]
             pushed.append(
                 (

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_rudra.core.compensation import staleness_options
+from lightning_rudra.core.compression import compression_option
 from lightning_rudra.core.config import PROTOCOLS, ProtocolConfig, validate_n, validate_options
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
@@ -68,6 +69,8 @@ class RudraStrategy(ParallelStrategy):
         start_method: ``"popen"`` (re-runs the script, like DDP), ``"spawn"`` or ``"forkserver"``.
         overlap: push and pull while the next step computes (Rudra-adv*). Not with hardsync.
         shared_memory: learners on the server's host exchange gradients and weights through ``/dev/shm``.
+        compression: ``"bf16"``: gradients pushed through RPC (to another host's server) travel in bfloat16, with
+            error feedback (:mod:`lightning_rudra.core.compression`); None: in full precision.
         num_servers: server processes, each owning a contiguous part of the parameters; None: one per node.
         simulate: λ learners simulated in this one process (``Trainer(devices=1)``); None: real learners.
         timing: with ``simulate``, the learners' step times (:mod:`lightning_rudra.core.timing`).
@@ -92,6 +95,7 @@ class RudraStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "forkserver"] = "popen",
         overlap: bool = False,
         shared_memory: bool = True,
+        compression: Optional[Literal["bf16", "none"]] = None,
         num_servers: Optional[int] = None,
         simulate: Optional[int] = None,
         timing: Optional[TimingModel] = None,
@@ -124,6 +128,7 @@ class RudraStrategy(ParallelStrategy):
         self.start_method = start_method
         self.overlap = overlap
         self.shared_memory = shared_memory
+        self.compression = compression_option(compression)
         self.num_servers = num_servers
         self.sampling = sampling or ("static" if protocol == "hardsync" or simulate else "shared")
         self.simulate = simulate
@@ -259,6 +264,7 @@ class RudraStrategy(ParallelStrategy):
                 clients,
                 self.overlap,
                 self.shared_memory and not self.simulate,
+                self.compression,
                 self._push_metrics.record,
                 config,
                 resumed,

@@ -42,6 +42,7 @@ class Training:
         clients: Sequence[ServerClient],
         overlap: bool,
         shared_memory: bool,
+        compression: Optional[str],
         on_push: Callable[[int, str, int, float], None],
         config: Optional[ProtocolConfig],
         resumed: tuple[Optional[Stats], Optional[list[dict[str, Any]]]],
@@ -53,7 +54,7 @@ class Training:
         Lightning steps: wrapped, so that their steps push."""
         # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
         stepping = [] if any(map(is_placeholder, optimizers)) else optimizers
-        self.learner = Learner(module, clients, overlap, shared_memory)
+        self.learner = Learner(module, clients, overlap, shared_memory, compression)
         self.learner.on_push = on_push
         self.learner.check(stepping)
         if config is not None:

@@ -3,7 +3,8 @@
 the end, one JSON line with the weights it returns and the server's statistics.
 
 Arguments: num_nodes, devices (learners per host), max_epochs, then optionally the protocol (hardsync), seconds
-each training step sleeps (0), rpc_timeout (20) and the hidden layer's width (16, the regression module's).
+each training step sleeps (0), rpc_timeout (20), the hidden layer's width (16, the regression module's) and the
+compression (none).
 """
 
 import json
@@ -42,10 +43,11 @@ class Sleepy(Wide):
 
 if __name__ == "__main__":
     num_nodes, devices, epochs = (int(arg) for arg in sys.argv[1:4])
-    protocol, sleep, timeout, width = (sys.argv[4:] + ["hardsync", "0", "20", "16"][len(sys.argv[4:]) :])[:4]
-    trainer = quiet_trainer(
-        RudraStrategy(protocol=protocol, rpc_timeout=float(timeout)), devices, num_nodes=num_nodes, max_epochs=epochs
-    )
+    protocol, sleep, timeout, width, compression = (
+        sys.argv[4:] + ["hardsync", "0", "20", "16", "none"][len(sys.argv[4:]) :]
+    )[:5]
+    strategy = RudraStrategy(protocol=protocol, rpc_timeout=float(timeout), compression=compression)
+    trainer = quiet_trainer(strategy, devices, num_nodes=num_nodes, max_epochs=epochs)
     model = Sleepy(float(sleep), int(width))
     trainer.fit(model, loader(8))
     if trainer.is_global_zero:

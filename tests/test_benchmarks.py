@@ -5,6 +5,7 @@ computed on recorded snapshots (its runs take minutes); the network phase's host
 bytes per step are counted over the right steps."""
 
 import multiprocessing
+import os
 import subprocess
 
 import pytest
@@ -181,3 +182,27 @@ def test_bytes_per_step_count_each_hosts_link_over_every_learners_steps_past_war
     # host 0's reads past 2.03 s: at 3.00 ... 6.00 (3 steps in between: every learner's batches at 4, 5, 6 / 4)
     assert hosts[0] == {"sent": 30.0, "received": 10.0} and hosts[1] == hosts[0]
     assert report.link_per_step([{**r, "link": []} for r in ranks], 2, warmup=2) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(why_no_hosts(shaped=True) is not None, reason=str(why_no_hosts(shaped=True)))
+def test_the_network_phase_runs_on_two_shaped_hosts_and_counts_the_bytes_on_the_link(tmp_path, monkeypatch):
+    """At a small size: the pool's workers on the two hosts, DDP and compressed hardsync each train, every run has
+    each host's bytes per step, and no namespace is left."""
+    from benchmarks import run
+
+    monkeypatch.setitem(run.QUICK, "network", [{"rate": "1gbit", "learners_per_host": 1, "reps": 1}])
+    monkeypatch.setitem(run.QUICK, "network_params", 100_000)
+    monkeypatch.setitem(run.QUICK, "network_strategies", ["ddp", "hardsync+bf16"])
+    result = run.main(["--quick", "--only", "network", "--out", str(tmp_path)])
+    assert result["failures"] == []
+    [config] = result["summary"]["network"]
+    assert set(config["runs"]) == {"ddp", "hardsync+bf16"} and config["learners_per_host"] == 1
+    for entry in config["runs"].values():
+        assert entry["samples_per_s"] > 0
+        assert all(host["sent"] > 0 and host["received"] > 0 for host in entry["link_per_step"])
+    assert '| 1gbit | 1 (32) | Rudra hardsync, compression="bf16" |' in (tmp_path / "latest.md").read_text()
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    ours = f"rudra{os.getpid() % 100000}h"  # how two_hosts names this process's namespaces (others may run tests)
+    assert ours not in namespaces, namespaces

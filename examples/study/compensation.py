@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from examples.mnist1d import MNIST1DClassifier, generate_mnist1d
 from lightning_rudra import ProtocolConfig, Server
+from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.timing import Jittered, push_order
 
@@ -69,9 +70,18 @@ def sweep() -> list[dict[str, Any]]:
 
 
 def train(
-    optimizer: str, protocol: str, learners: int, n: int, rule: str, seed: int, epochs: int, lr: float
+    optimizer: str,
+    protocol: str,
+    learners: int,
+    n: int,
+    rule: str,
+    seed: int,
+    epochs: int,
+    lr: float,
+    compression: Optional[str] = None,
 ) -> dict[str, Any]:
-    """One run; returns its test error after every epoch."""
+    """One run; returns its test error after every epoch. ``compression``: every push compressed as a learner on
+    another host sends it (``RudraStrategy(compression=...)``), each learner keeping its own rounding errors."""
     torch.manual_seed(seed)
     data = generate_mnist1d(NUM_SAMPLES, 42, 0.2)
     x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"])
@@ -88,6 +98,7 @@ def train(
     held = [server.pull() for _ in range(learners)]  # per learner: (weights, buffers, timestamp)
     done = [0] * learners
     order_rng = torch.Generator().manual_seed(seed)
+    feedback = ErrorFeedback(compression) if compression is not None else None
     errors = []
     for _ in range(epochs):
         shards = torch.randperm(len(y), generator=order_rng).chunk(learners)
@@ -101,6 +112,8 @@ def train(
             model.zero_grad(set_to_none=False)
             F.cross_entropy(model(x[batch]), y[batch]).backward()
             grad = torch.cat([p.grad.reshape(-1) for p in params])
+            if feedback is not None:
+                [grad] = feedback.compress(r, [grad])
             result = server.push(r, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, [])
             if protocol != "hardsync":
                 held[r] = server.pull()
@@ -119,7 +132,9 @@ def train(
 
 
 def key(run: dict[str, Any]) -> tuple:
-    return tuple(run[k] for k in ("optimizer", "protocol", "learners", "n", "rule", "seed", "epochs", "lr"))
+    """What tells runs apart (``compression``: only the compression study's runs have it)."""
+    fields = ("optimizer", "protocol", "learners", "n", "rule", "seed", "epochs", "lr", "compression")
+    return tuple(run.get(k) for k in fields)
 
 
 def run_all(runs: Iterable[dict[str, Any]], out: Path, resume: bool) -> list[dict[str, Any]]:

@@ -1,0 +1,108 @@
+"""What compressed pushes (``RudraStrategy(compression="bf16")``) do to test error: simulated learners at λ = 4.
+
+    python -m examples.study.compression --out docs/study/compression
+
+The compensation study's runs (:mod:`examples.study.compensation`: MNIST-1D, the example CNN, μλ = 128, the
+package's own server, pushes in the order ``Jittered(0.3)`` gives), at λ = 4, each twice: gradients in float32, and
+rounded to bfloat16 with each learner's own error feedback (``lightning_rudra.core.compression``, what a learner does
+for a server on another host), the server widening them as it does. Every push is compressed, as if each learner were
+on another host than the server: the most a run can be. SGD with momentum 0.9 at rate 0.1 and Adam at 0.01 (the
+rates the compensation study chose on hardsync); hardsync, async and 1-softsync with the default compensation;
+hardsync trains ``EPOCHS`` epochs, the others twice as many; 3 seeds. A pair of runs differs only in the
+compression (same data order, same push order), so the report gives each pair's difference of final test error.
+One JSON line per run in ``<out>/runs.jsonl``; ``--resume`` skips runs already there.
+"""
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from examples.study import compensation
+
+LEARNERS = 4
+RATES = {"sgd": 0.1, "adam": 0.01}
+PROTOCOLS = ("hardsync", "async", "softsync")
+COMPRESSIONS = (None, "bf16")
+
+
+def grid() -> list[dict[str, Any]]:
+    return [
+        dict(
+            optimizer=optimizer,
+            protocol=protocol,
+            learners=LEARNERS,
+            n=1,
+            rule="none" if protocol == "hardsync" else compensation.DEFAULT,
+            seed=seed,
+            epochs=compensation.EPOCHS * (1 if protocol == "hardsync" else 2),
+            lr=lr,
+            compression=compression,
+        )
+        for seed in compensation.SEEDS
+        for optimizer, lr in RATES.items()
+        for protocol in PROTOCOLS
+        for compression in COMPRESSIONS
+    ]
+
+
+def write_report(rows: list[dict[str, Any]], out: Path) -> None:
+    lines = [
+        "# Compressed pushes: test error with gradients in bfloat16 (simulated learners, MNIST-1D, λ = 4)",
+        "",
+        "Made by `python -m examples.study.compression --out docs/study/compression` (the method: the module's "
+        "docstring). Final test error, mean ± standard deviation over the seeds; *bf16 − float32*: per seed, the "
+        "compressed run's final error minus that of the same run in float32, in points: their mean, and the "
+        "largest in size.",
+        "",
+        "| optimizer | protocol | epochs | float32 | bf16 | bf16 − float32, mean (largest) | per seed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for optimizer in RATES:
+        for protocol in PROTOCOLS:
+            at = {
+                (r["seed"], r.get("compression")): r
+                for r in rows
+                if (r["optimizer"], r["protocol"], r["learners"]) == (optimizer, protocol, LEARNERS)
+            }
+            seeds = sorted({seed for seed, c in at if c == "bf16" and (seed, None) in at})
+            if not seeds:
+                continue
+            full = [at[(s, None)]["errors"][-1] for s in seeds]
+            bf16 = [at[(s, "bf16")]["errors"][-1] for s in seeds]
+            diffs = [100 * (b - f) for b, f in zip(bf16, full)]
+            name = protocol if protocol != "softsync" else "1-softsync"
+            lines.append(
+                f"| {optimizer} | {name} | {at[(seeds[0], None)]['epochs']} | {compensation._mean(full)} | "
+                f"{compensation._mean(bf16)} | {statistics.mean(diffs):+.2f} ({max(diffs, key=abs):+.2f}) | "
+                + ", ".join(f"{d:+.2f}" for d in diffs)
+                + " |"
+            )
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m examples.study.compression",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default="study_compression", help="output folder (default: study_compression)")
+    p.add_argument("--resume", action="store_true", help="skip the runs already in <out>/runs.jsonl")
+    p.add_argument("--report-only", action="store_true", help="write the report from <out>/runs.jsonl, train nothing")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    path = out / "runs.jsonl"
+    rows = compensation.read_rows(path) if args.report_only else compensation.run_all(grid(), out, args.resume)
+    if not rows:
+        print(f"no runs in {path}: nothing to report")
+        return
+    write_report(rows, out)
+
+
+if __name__ == "__main__":
+    main()

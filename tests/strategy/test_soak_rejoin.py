@@ -4,8 +4,8 @@
 Async, 4 learners, ``min_learners=2``, ``max_restarts`` without limit in practice: every 20-40 s one of learners 1-3
 is killed (kill -9) and restarted by the launcher, and rejoins. Afterwards: the server received what the learners
 pushed (plus at most one push in flight per kill) and applied what it received minus what it dropped; every sample of
-every whole epoch was trained; the weights are finite; and the test accuracy is within 1 point of an undisturbed run
-of the same length.
+every whole epoch was trained, in it or, dealt again after the others had drained it, in the next; the weights are
+finite; and the test accuracy is within 1 point of an undisturbed run of the same length.
 """
 
 import os
@@ -133,7 +133,10 @@ def test_four_learners_killed_and_restarted_for_minutes(tmp_path, monkeypatch):
             trained[epoch] += ids
     whole = sorted(trained)[:-1]  # the last epoch was cut by max_time
     assert len(whole) >= 3
-    for epoch in whole:
-        assert torch.bincount(torch.tensor(trained[epoch]), minlength=2048).min().item() >= 1, epoch
+    counts = {epoch: torch.bincount(torch.tensor(ids), minlength=2048) for epoch, ids in trained.items()}
+    for epoch in whole[:-1]:
+        # a lost learner's batches are dealt again in their epoch, or, if the others had drained it, in the next
+        missing = counts[epoch] == 0
+        assert (counts[epoch + 1][missing] >= 2).all(), f"epoch {epoch}: samples never trained"
     assert torch.isfinite(flat(model.parameters())).all()
     assert abs(accuracy(model) - accuracy(quiet)) <= 0.01

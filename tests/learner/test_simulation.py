@@ -14,6 +14,7 @@ from pytorch_lightning.cli import LightningCLI
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_rudra import RudraStrategy
+from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.step_times import StepTimes
 from lightning_rudra.timing import Homogeneous, Jittered, Measured, Stragglers, push_order
 from tests.lightning_models import (
@@ -157,6 +158,25 @@ class TwoSchedules(Regression):
         )
         self.rates.append((learner, lr))
         return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_compressed_simulated_learners_each_keep_their_own_error_and_hardsync_stays_near_sgd(monkeypatch):
+    """With ``compression``, every simulated learner's push is compressed as a real learner on another host's would
+    be, its rounding errors kept apart from the other learners' (the key's last part: the learner)."""
+    keys = set()
+    compress = ErrorFeedback.compress
+
+    def recorded(self, key, flats):
+        keys.add(key)
+        return compress(self, key, flats)
+
+    monkeypatch.setattr(ErrorFeedback, "compress", recorded)
+    model, _ = fit(RudraStrategy(protocol="hardsync", simulate=4, compression="bf16"), max_epochs=2)
+    assert keys == {(0, 0, learner) for learner in range(4)}  # server 0, optimizer 0, each learner
+    difference = (flat(model.parameters()) - single_process_sgd(2, 32)).abs().max().item()
+    assert 0 < difference < 1e-3  # rounded, and nothing lost but the last roundings' errors
 
 
 @pytest.mark.slow

@@ -43,10 +43,6 @@ class Rejoin:
         self.admission, self.hparams = replies[0]
         self.first_epoch = True
 
-    @property
-    def admitted(self) -> bool:
-        return self.admission is not None
-
     def start(self, trainer: "pl.Trainer", shared: bool) -> None:
         """At ``on_train_start``: the fit loop goes on from the run's epoch and global step, the LR schedulers from
         their positions there (``shared``: under the shared epoch, whose step-interval schedulers catch up by the

@@ -110,9 +110,9 @@ def _agent_store() -> Any:
     return rpc.api._get_current_rpc_agent().store  # type: ignore[attr-defined]  # TensorPipeAgent's, undeclared
 
 
-def forget(learner: int) -> list[str]:
+def forget(learner: int) -> None:
     """Strike every process of ``learner`` (``learner<r>``, ``learner<r>_<k>``) from the world's list of members,
-    under the group token, so that a process joining later does not call them. Returns the names struck."""
+    under the group token, so that a process joining later does not call them."""
     store = _agent_store()
     mine = f"Token_for_forget_{learner}_{time.monotonic_ns()}"
     deadline = time.monotonic() + _STUCK_S * 2
@@ -125,12 +125,11 @@ def forget(learner: int) -> list[str]:
     try:
         entries = [e for e in store.get(_WORKERS).decode().split(",") if e]
         base = f"learner{learner}"
-        struck = [e for e in entries if e.rpartition("-")[0] == base or e.startswith(base + "_")]
-        store.set(_WORKERS, "".join(f"{e}," for e in entries if e not in struck))
+        kept = [e for e in entries if e.rpartition("-")[0] != base and not e.startswith(base + "_")]
+        store.set(_WORKERS, "".join(f"{e}," for e in kept))
     finally:
         store.set(_TOKEN, "")
         store.set(mine, "Done")  # a process that found the token held waits for this key, as for torch's own
-    return [e.rpartition("-")[0] for e in struck]
 
 
 class TokenWatch:

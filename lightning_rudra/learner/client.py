@@ -85,7 +85,7 @@ class LearnerClient:
                 )
             except Exception as error:
                 if not self._stop_heartbeat.is_set():
-                    self._server_lost = (
+                    self._server_lost = self._lost(error) or (
                         f"{self.what} (on {self.server_host}) did not answer a heartbeat "
                         f"within {self.timeout:g} s (rpc_timeout): {error}"
                     )
@@ -105,18 +105,26 @@ class LearnerClient:
         try:
             yield
         except RuntimeError as error:
-            if _CONNECTION_LOST.search(str(error)):
-                raise RuntimeError(
-                    f"{self.what} (on {self.server_host}) is gone: its connection closed "
-                    f"({error}). Its process died or was killed; its own output may say why."
-                ) from error
-            if _TIMED_OUT.search(str(error)):
-                raise RuntimeError(
-                    f"{self.what} (on {self.server_host}) did not answer within "
-                    f"{self.timeout:g} s (rpc_timeout): {error}. Its host may be unreachable, or the "
-                    "server stopped; its own output may say why."
-                ) from error
+            lost = self._lost(error)
+            if lost is not None:
+                raise RuntimeError(lost) from error
             raise
+
+    def _lost(self, error: Exception) -> Optional[str]:
+        """What a failed call says about the server, or None if it says nothing (the heartbeat and every
+        call name a lost server the same way)."""
+        if _CONNECTION_LOST.search(str(error)):
+            return (
+                f"{self.what} (on {self.server_host}) is gone: its connection closed "
+                f"({error}). Its process died or was killed; its own output may say why."
+            )
+        if _TIMED_OUT.search(str(error)):
+            return (
+                f"{self.what} (on {self.server_host}) did not answer within "
+                f"{self.timeout:g} s (rpc_timeout): {error}. Its host may be unreachable, or the "
+                "server stopped; its own output may say why."
+            )
+        return None
 
     def _wait(self, method: str, *args: Any) -> Any:
         return self.result(rpc.rpc_async(self.server, _server.call_async, args=(method, *args), timeout=_NO_TIME_LIMIT))

@@ -2,6 +2,7 @@
 learner's words for a server that does not answer; and, with real processes, where a single-host run listens."""
 
 import os
+import re
 import socket
 
 import pytest
@@ -47,6 +48,10 @@ def test_only_tensorpipes_peer_left_lines_are_dropped_while_leaving(capfd):
             "EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)",
             r"parameter server 1 \(on 10.0.0.2\) is gone: its connection closed \(EOF",
         ),
+        (  # what the heartbeat saw in a CI run where a killed server's socket broke mid-write
+            "EPIPE: broken pipe (this error originated at tensorpipe/transport/uv/connection_impl.cc:157)",
+            r"parameter server 1 \(on 10.0.0.2\) is gone: its connection closed \(EPIPE",
+        ),
     ],
 )
 def test_a_call_the_server_does_not_answer_names_it_and_its_host(error, message):
@@ -57,6 +62,7 @@ def test_a_call_the_server_does_not_answer_names_it_and_its_host(error, message)
     with pytest.raises(RuntimeError, match=message):
         with client._naming_a_lost_server():
             raise RuntimeError(error)
+    assert re.search(message, client._lost(RuntimeError(error)) or ""), "the heartbeat says the same"
 
 
 def listening(pid):

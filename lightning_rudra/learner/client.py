@@ -20,7 +20,7 @@ from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import ended, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, PushReply
-from lightning_rudra.transport.elastic import LearnerId, RunStore, job_id
+from lightning_rudra.transport.elastic import LearnerId, RunStore, job_id, run_at
 from lightning_rudra.transport.rpc_world import (
     address_towards,
     check_port_free,
@@ -274,23 +274,27 @@ def join(
     learner that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the
     port). Returns a client per server and the server processes this learner started. With ``min_learners`` the
     world is elastic: a process for a learner that was lost takes its place (its clients' ``rank`` carries a
-    nonzero incarnation) and must then ask each server to rejoin."""
+    nonzero incarnation), finds the servers it would start running (they outlive the learner that started them),
+    and must then ask each server to rejoin."""
     init_method = f"tcp://{host}:{port}"
     processes = []
     incarnation = 0
     try:
+        store: Optional[RunStore] = None
         if rank == 0:
-            check_port_free(host, port)
+            store, incarnation = _port_or_run(host, port, timeout, elastic=min_learners is not None)
+        elif min_learners is not None:
+            store = RunStore(host, port, timeout)
+            incarnation = _incarnation(store, rank, f"{host}:{port}")
         for shard, starter in enumerate(starters):
-            if starter == rank:
+            if starter == rank and not incarnation:
                 processes.append(
                     _server.start_server(
                         init_method, num_learners, timeout, min_learners, shard=shard, starters=starters
                     )
                 )
-        store = RunStore(host, port, timeout) if min_learners is not None else None
-        if store is not None:
-            incarnation = _incarnation(store, rank, f"{host}:{port}")
+        if min_learners is not None and store is None:  # learner 0 of a new run: its first server hosts the store
+            store = RunStore(host, port, timeout)
         init_rpc(
             rank, num_learners, init_method, timeout, len(starters), elastic=store is not None, incarnation=incarnation
         )
@@ -304,6 +308,19 @@ def join(
     hosts = [host if starter == 0 else f"the host of learner {starter}" for starter in starters]
     learner = LearnerId(rank, incarnation)
     return [LearnerClient(learner, timeout, where, shard, host) for shard, where in enumerate(hosts)], processes
+
+
+def _port_or_run(host: str, port: int, timeout: float, elastic: bool) -> tuple[Optional[RunStore], int]:
+    """Learner 0 checks that the rendezvous' port is free. In an elastic run a process that takes lost learner 0's
+    place finds it held by the run's first server: returns that run's store and this process's incarnation."""
+    try:
+        check_port_free(host, port)
+        return None, 0
+    except RuntimeError:
+        store = run_at(host, port, timeout) if elastic else None
+        if store is None or store.status(0)[0] == "new":  # not a run, or one that learner 0 never joined
+            raise
+        return store, _incarnation(store, 0, f"{host}:{port}")
 
 
 def _incarnation(store: RunStore, rank: int, where: str) -> int:

@@ -23,6 +23,7 @@ from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, all_finite
 from lightning_rudra.core.shards import Piece, ShardPlan, cuts_parameters, parts
+from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.transport.shm import MappedWeights
 from lightning_rudra.core.stats import Stats
 
@@ -400,9 +401,11 @@ class LearnerOptimizer(Optimizer):
         return with_groups(self.learner.optimizer_state(self.index), self.local)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore this learner's parameter groups and the server's state (learner 0 sends it)."""
+        """Restore this learner's parameter groups and the server's state (learner 0's first process sends it: a
+        new one that takes its place, resuming from the same checkpoint, must not reset the running server's)."""
         self.load_groups(state_dict)
-        if self.learner.client.rank == 0:
+        rank = self.learner.client.rank
+        if rank == 0 and not incarnation_of(rank):
             self.learner.load_optimizer_state(self.index, state_dict)
 
     def load_groups(self, state_dict: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ No RPC, no torch: the server drives it under its lock.
 
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lightning_rudra.transport.elastic import incarnation_of
 
@@ -40,13 +40,10 @@ def ended(pid: int) -> bool:
 class Membership:
     """The learners of one run. ``min_learners=None``: every learner is needed."""
 
-    def __init__(
-        self, num_learners: int, timeout: float, min_learners: Optional[int] = None, server_hosts: Sequence[int] = (0,)
-    ) -> None:
+    def __init__(self, num_learners: int, timeout: float, min_learners: Optional[int] = None) -> None:
         self.num_learners = num_learners
         self.timeout = timeout
         self.min_learners = min_learners
-        self.server_hosts = set(server_hosts)  # learners whose processes started a server: they cannot be lost
         self.machine = this_process()[0]
         self.last_heard = {learner: time.monotonic() for learner in range(num_learners)}
         self.addresses: dict[int, str] = {}  # learner -> the address it reaches the server from
@@ -98,11 +95,6 @@ class Membership:
             return (
                 f"{self.where(learner)} {why}, and training cannot go on without it (with "
                 "RudraStrategy(min_learners=k), training goes on while k learners are left)"
-            )
-        if learner in self.server_hosts:
-            return (
-                f"{self.where(learner)} {why}, and training cannot go on without learner {learner}: its process "
-                "runs a parameter server"
             )
         left = len(self.members)
         if left < self.min_learners:

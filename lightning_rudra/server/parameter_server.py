@@ -13,7 +13,7 @@ with ``min_learners``, completes with the learners left.
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from torch.futures import Future
 
@@ -53,14 +53,12 @@ class ParameterServer:
         timeout: float = 60.0,
         min_learners: Optional[int] = None,
         announce: bool = True,
-        server_hosts: Sequence[int] = (0,),
     ) -> None:
-        """``server_hosts``: the learners whose processes started a server (they cannot be lost); ``announce``:
-        print each loss and rejoin (with several servers, the first does)."""
+        """``announce``: print each loss and rejoin (with several servers, the first does)."""
         self.num_learners = num_learners
         self.announce = announce
         self.address: Optional[str] = None  # where the learners reach this process, for their messages
-        self.membership = Membership(num_learners, timeout, min_learners, server_hosts)
+        self.membership = Membership(num_learners, timeout, min_learners)
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
@@ -230,7 +228,7 @@ class ParameterServer:
     def watch(self) -> None:
         """Runs in its own thread: finds the learners lost (a process that ended, a learner silent for longer
         than the timeout) and applies :meth:`_lose`."""
-        while self.failure is None and not self.all_left.is_set():
+        while not self.all_left.is_set():
             time.sleep(min(1.0, self.membership.timeout / 4))
             with self.lock:
                 outcomes = [o for learner, why in self.membership.newly_lost() for o in self._lose(learner, why)]
@@ -305,7 +303,9 @@ class ParameterServer:
     def _lose(self, learner: int, why: str) -> Outcomes:
         """``learner`` is lost: without ``min_learners`` (or too few left) training ends; otherwise hardsync
         rounds, collectives and the end of training go on with the learners left. Called under the lock."""
-        if self.failure is not None:  # training is over already, for the reason every learner was given
+        if self.failure is not None:  # training is over already, for the reason every learner was given; the
+            self.membership.lose(learner, why)  # server still ends once none is left (it may have no parent)
+            self._check_all_left()
             return []
         failure = self.membership.lose(learner, why)
         self._check_all_left()

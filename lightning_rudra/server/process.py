@@ -61,8 +61,10 @@ def start_server(
     starters: Sequence[int] = (0,),
 ) -> subprocess.Popen:
     """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
-    Python it runs, if not the server's own entry). It exits when every learner has left, or at once if this
-    process dies."""
+    Python it runs, if not the server's own entry). It exits when every learner has left or is lost. Without
+    ``min_learners`` it also exits at once if this process dies; with it, it outlives this process (in a session of
+    its own, so that what ends this learner's process group, a terminal's Ctrl-C or torchrun restarting its workers,
+    does not end it): a new process for this learner rejoins it."""
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
@@ -87,7 +89,7 @@ def start_server(
     ]
     if min_learners is not None:
         command += ["--min-learners", str(min_learners)]
-    return subprocess.Popen(command, env=env)
+    return subprocess.Popen(command, env=env, start_new_session=min_learners is not None)
 
 
 def stop_server(process: subprocess.Popen, timeout: float) -> None:
@@ -230,21 +232,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         "--server-learners",
         type=json.loads,
         default=[0],
-        help="per server, the learner whose process started it (those cannot be lost)",
+        help="per server, the learner whose process started it",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     # torch imports its compiler stack (some 800 modules: seconds, over 10 s on a busy machine) when it builds its
     # first optimizer: here, before the learners can call, not in learner 0's register call, which has rpc_timeout
     torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-    threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
+    elastic = args.min_learners is not None
+    if not elastic:  # an elastic run's servers outlive the learners that started them
+        threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
-    _server = ParameterServer(
-        args.learners, args.timeout, args.min_learners, announce=args.shard == 0, server_hosts=args.server_learners
-    )
+    _server = ParameterServer(args.learners, args.timeout, args.min_learners, announce=args.shard == 0)
     _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
     set_rpc_counters(args.rpc_counters)
-    elastic = args.min_learners is not None
     init_rpc(
         None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard, elastic=elastic
     )
@@ -252,7 +253,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         _open_to_rejoins(args)
     _server.membership.all_joined()
     threading.Thread(target=_server.watch, daemon=True).start()
-    # Learners leave at the end of every Trainer stage; if learner 0 dies instead, _exit_when_orphaned ends us.
+    # Learners leave at the end of every Trainer stage, or are lost; without min_learners, if the learner that
+    # started this server dies, _exit_when_orphaned ends it.
     with quiet_peers_leaving():
         try:
             _server.all_left.wait()

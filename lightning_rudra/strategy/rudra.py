@@ -248,7 +248,7 @@ class RudraStrategy(ParallelStrategy):
                 [SimulatedClient(self.simulate)] if self.simulate else self._servers.clients
             )
             config = None
-            if self.is_global_zero:
+            if self.is_global_zero and not self._servers.rejoining:
                 config = ProtocolConfig(
                     self.num_learners,
                     self.protocol,

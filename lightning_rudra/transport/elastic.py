@@ -14,6 +14,7 @@ joins, whether its rank is lost (it rejoins), alive (it is refused) or neither (
 
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Optional
@@ -24,6 +25,7 @@ import torch.distributed.rpc as rpc
 _TOKEN = "RpcGroupManagementToken"  # torch's key (torch.distributed.rpc._utils) for who may join or leave now
 _WORKERS = "names/_ALL_WORKER_INFOS"  # torch's list of the members, "name-rank," each, in the agent's store
 _CONNECT_S = 300.0
+_PROBE_S = 10.0  # for an answer from what holds the rendezvous' port
 _STUCK_S = 10.0  # a join takes 0.03-0.2 s here; one that holds the token this long has died or failed inside
 
 
@@ -49,11 +51,11 @@ def incarnation_of(learner: Any) -> int:
 class RunStore:
     """The run's keys in the rendezvous' TCP store at host:port (a client connection)."""
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, timeout: float, connect: float = _CONNECT_S) -> None:
         self.timeout = timeout
         # the first server may take long to start (imports on a busy machine): wait for it as torch's own
         # rendezvous does, then keep to the run's timeout
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, _CONNECT_S)))
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, connect)))
         self.store.set_timeout(timedelta(seconds=timeout))
 
     def _get(self, key: str) -> Optional[str]:
@@ -99,6 +101,26 @@ class RunStore:
             self._set("all_joined", "1")
         # as long as a static world's first members wait for each other: a process may start slowly
         self.store.wait(["lightning_rudra/all_joined"], timedelta(seconds=max(self.timeout, _CONNECT_S)))
+
+
+def run_at(host: str, port: int, timeout: float) -> Optional[RunStore]:
+    """The store of the elastic run whose first server listens on host:port, or None if what listens there is not
+    one. Bounded: torch's store client waits forever on a listener that never answers, so it connects in a thread
+    that is left behind (blocked, a daemon) if it does not."""
+    found: list[RunStore] = []
+
+    def connect() -> None:
+        try:
+            store = RunStore(host, port, timeout, connect=_PROBE_S)
+            if store._get("job") is not None:  # the first server publishes it before any learner joins
+                found.append(store)
+        except Exception:  # not a store, or not one that answers
+            pass
+
+    thread = threading.Thread(target=connect, name="rudra-run-probe", daemon=True)
+    thread.start()
+    thread.join(_PROBE_S)
+    return found[0] if found else None
 
 
 def job_id() -> str:

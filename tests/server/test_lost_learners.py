@@ -118,13 +118,6 @@ def test_a_lost_learner_that_comes_back_is_refused(monkeypatch):
             r"learner 2 \(on a host it never named\) stopped with an error \(ValueError: broke\): 2 learners left, "
             r"fewer than min_learners=3, so training cannot go on",
         ),
-        (
-            2,
-            1,
-            0,
-            r"learner 0 \(on 10.0.0.1\) stopped with an error \(ValueError: broke\), and training cannot go on "
-            r"without learner 0: its process runs a parameter server",
-        ),
     ],
 )
 def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(
@@ -141,12 +134,14 @@ def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(
         server.call_async("gather", 1, 1 if lost == 0 else 0, None)
 
 
-def test_with_several_servers_no_learner_that_started_one_can_be_lost():
-    membership = Membership(4, timeout=60.0, min_learners=1, server_hosts=[0, 2])  # one server per node, 2 nodes
-    assert membership.lose(1, "left before training ended") is None
-    assert membership.lose(2, "left before training ended") == (
-        "learner 2 (on a host it never named) left before training ended, and training cannot go on without learner "
-        "2: its process runs a parameter server"
+def test_with_min_learners_the_learners_that_started_the_servers_can_be_lost_too():
+    """The servers outlive the learners that started them (one server per node, 2 nodes: learners 0 and 2)."""
+    membership = Membership(4, timeout=60.0, min_learners=2)
+    assert membership.lose(0, "left before training ended") is None
+    assert membership.lose(2, "left before training ended") is None
+    assert membership.lose(1, "left before training ended") == (
+        "learner 1 (on a host it never named) left before training ended: 1 learner left, fewer than "
+        "min_learners=2, so training cannot go on"
     )
 
 
@@ -176,3 +171,12 @@ def test_after_training_failed_a_second_loss_does_not_change_the_reason(monkeypa
     lose(ps, 2, "stopped with an error (ValueError: second)")
     with pytest.raises(RuntimeError, match=r"learner 1 .* \(ValueError: first\), and training cannot go on"):
         server.call_async("gather", 1, 0, None)
+
+
+def test_after_training_failed_the_server_ends_once_every_learner_is_lost(monkeypatch):
+    """With ``min_learners`` the server has no parent to end with: learners killed together (torchrun restarting
+    its workers) must still end it."""
+    ps = parameter_server(monkeypatch, "async", 3, min_learners=2)
+    for learner in range(3):
+        lose(ps, learner)
+    assert ps.failure is not None and ps.all_left.is_set()

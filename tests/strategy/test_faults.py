@@ -70,6 +70,10 @@ class Marked(Regression):
         time.sleep(0.02)
         return super().training_step(batch, batch_idx)
 
+    def on_train_end(self) -> None:
+        with open(os.path.join(self.directory, f"finished{self.global_rank}"), "w") as file:
+            file.write(str(self.trainer.current_epoch))
+
 
 def server_pids(port: int, shard: Optional[int] = None) -> list[int]:
     """The server processes of the run on ``port`` (``shard``: that one only) still there (read from /proc: ps may
@@ -194,15 +198,24 @@ def test_a_killed_second_server_ends_every_learner_with_an_error_that_names_it(t
     assert alive == []
 
 
-def test_a_killed_learner_0_ends_the_run_and_its_server_even_with_min_learners(tmp_path, monkeypatch):
-    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner0", signal.SIGKILL, min_learners=1)
-    assert error is not None and "process 0 terminated with signal SIGKILL" in error, error
+def test_with_min_learners_a_killed_learner_0_leaves_the_others_training_to_the_end(tmp_path, monkeypatch):
+    """The server outlives learner 0's process (its parent) and ends when learner 1 leaves; without a restart
+    the results cannot come back to the calling process, and fit says so."""
+    with pytest.warns(UserWarning, match=r"learner 0's process ended with signal SIGKILL \(min_learners=1"):
+        error, alive, _, _ = run_with_fault(
+            tmp_path, monkeypatch, "learner0", signal.SIGKILL, min_learners=1, max_epochs=20
+        )
+    assert error is not None and "learner 0's process ended with signal SIGKILL and was not restarted" in error, error
+    assert (tmp_path / "finished1").read_text() == "20"  # learner 1 trained every epoch (the loop counts past the last)
+    assert not (tmp_path / "finished0").exists()
     assert alive == []
 
 
-def test_a_killed_learner_ends_the_run_without_min_learners(tmp_path, monkeypatch):
-    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGKILL)
-    assert error is not None and "process 1 terminated with signal SIGKILL" in error, error
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_killed_learner_ends_the_run_without_min_learners(tmp_path, monkeypatch, rank):
+    """Learner 0 too: its server, orphaned, exits."""
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, f"learner{rank}", signal.SIGKILL)
+    assert error is not None and f"process {rank} terminated with signal SIGKILL" in error, error
     assert alive == []
 
 
@@ -290,7 +303,10 @@ def test_with_min_learners_a_killed_learners_batches_are_dealt_again_and_every_s
 
 
 def test_with_too_few_learners_left_the_run_ends_saying_so(tmp_path, monkeypatch):
-    with pytest.warns(UserWarning, match="learner 1's process ended with signal SIGKILL"):
+    with (
+        pytest.warns(UserWarning, match="learner 1's process ended with signal SIGKILL"),
+        pytest.warns(UserWarning, match="learner 0's process ended with exit code 1"),  # it raised the server's error
+    ):
         error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGKILL, min_learners=2)
     assert error is not None and "1 learner left, fewer than min_learners=2, so training cannot go on" in error, error
     assert alive == []

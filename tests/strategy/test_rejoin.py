@@ -36,17 +36,23 @@ EPOCHS = 12  # learner 1 is lost in epoch 1 and rejoins some epochs later, more 
 
 
 class Recorded(Regression):
-    """Learner 1's first process kills itself at its fifth batch of epoch 1, before training on it; the process
-    that takes its place does not (``<dir>/killed`` exists by then)."""
+    """Learner ``killed``'s first process kills itself at its fifth batch of epoch 1, before training on it; the
+    process that takes its place does not (``<dir>/killed`` exists by then)."""
 
-    def __init__(self, directory: str, lr: float = 0.01, momentum: float = 0.9) -> None:
+    def __init__(self, directory: str, lr: float = 0.01, momentum: float = 0.9, killed: int = 1) -> None:
         super().__init__(lr=lr, momentum=momentum)
         self.directory = directory
+        self.killed = killed
 
     def training_step(self, batch, batch_idx):
         x, y, ids = batch
         marker = os.path.join(self.directory, "killed")
-        if self.global_rank == 1 and self.trainer.current_epoch == 1 and batch_idx == 4 and not os.path.exists(marker):
+        if (
+            self.global_rank == self.killed
+            and self.trainer.current_epoch == 1
+            and batch_idx == 4
+            and not os.path.exists(marker)
+        ):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.04 if self.global_rank == 0 else 0.02)
@@ -56,17 +62,19 @@ class Recorded(Regression):
         return super().training_step((x, y), batch_idx)
 
 
-def fit(tmp_path, monkeypatch, protocol: str, n: int = 1, momentum: float = 0.9):
+def fit(tmp_path, monkeypatch, protocol: str, n: int = 1, momentum: float = 0.9, killed: int = 1):
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     x, y = regression_data().tensors
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, torch.arange(len(x))), batch_size=8)
     strategy = RudraStrategy(
         protocol=protocol, n=n, start_method=START, rpc_timeout=5.0, min_learners=1, max_restarts=1
     )
-    model = Recorded(str(tmp_path), momentum=momentum)
+    model = Recorded(str(tmp_path), momentum=momentum, killed=killed)
     # validation every epoch: its collectives (a barrier, a value logged with sync_dist) meet after the rejoin too
     validation = torch.utils.data.DataLoader(regression_data(32, seed=3), batch_size=8)
-    with pytest.warns(UserWarning, match=r"learner 1's process ended with signal SIGKILL .*Restarting it in 1 s"):
+    with pytest.warns(
+        UserWarning, match=rf"learner {killed}'s process ended with signal SIGKILL .*Restarting it in 1 s"
+    ):
         quiet_trainer(strategy, 2, max_epochs=EPOCHS).fit(model, data, validation)
     records = []  # (rank, pid, epoch, clock, ids)
     for rank in (0, 1):
@@ -76,16 +84,17 @@ def fit(tmp_path, monkeypatch, protocol: str, n: int = 1, momentum: float = 0.9)
     return strategy.stats, model, records, len(x)
 
 
-def check_rejoined(stats, records, num_samples, shared=True):
-    """Learner 1 was lost once and rejoined once; its new process trained after; every sample was trained in every
-    epoch (with static shards: in every epoch that both learners started); nobody is left lost."""
-    assert [(e["learner"], e["event"]) for e in stats.events] == [(1, "lost"), (1, "rejoined")], stats.events
+def check_rejoined(stats, records, num_samples, shared=True, killed=1):
+    """Learner ``killed`` was lost once and rejoined once; its new process trained after; every sample was trained
+    in every epoch (with static shards: in every epoch that both learners started); nobody is left lost."""
+    events = [(killed, "lost"), (killed, "rejoined")]
+    assert [(e["learner"], e["event"]) for e in stats.events] == events, stats.events
     assert stats.lost == {}
     assert "ended before training did" in stats.events[0]["why"]
-    pids = sorted({pid for rank, pid, *_ in records if rank == 1})
+    pids = sorted({pid for rank, pid, *_ in records if rank == killed})
     assert len(pids) == 2, pids  # the first process and the one that took its place
     first = min(pids, key=lambda pid: min(e for r, p, e, *_ in records if p == pid))
-    later = [epoch for rank, pid, epoch, *_ in records if rank == 1 and pid != first]
+    later = [epoch for rank, pid, epoch, *_ in records if rank == killed and pid != first]
     assert later and min(later) >= 2  # admitted at the start of an epoch after the loss, and trained there
     trained = defaultdict(list)
     for _, _, epoch, _, ids in records:
@@ -96,10 +105,12 @@ def check_rejoined(stats, records, num_samples, shared=True):
         assert counts.min().item() >= 1, f"epoch {epoch}: samples never trained"
 
 
-@pytest.mark.parametrize("protocol, n", [("async", 1), ("softsync", 2)])
-def test_a_killed_learner_is_restarted_and_rejoins(tmp_path, monkeypatch, protocol, n):
-    stats, model, records, num_samples = fit(tmp_path, monkeypatch, protocol, n)
-    check_rejoined(stats, records, num_samples)
+@pytest.mark.parametrize("protocol, n, killed", [("async", 1, 1), ("softsync", 2, 1), ("async", 1, 0)])
+def test_a_killed_learner_is_restarted_and_rejoins(tmp_path, monkeypatch, protocol, n, killed):
+    """Learner 0 too: the server outlives the process that started it, and learner 0's new process brings the
+    results back."""
+    stats, model, records, num_samples = fit(tmp_path, monkeypatch, protocol, n, killed=killed)
+    check_rejoined(stats, records, num_samples, killed=killed)
     # without a straggler's loss every epoch's batches are dealt once: at most those dealt again come twice
     assert sum(stats.batches.values()) == EPOCHS * 32 + stats.redealt
     assert torch.isfinite(flat(model.parameters())).all()

@@ -3,10 +3,11 @@
 Lightning's launchers end every learner as soon as one fails (its popen launcher's observer SIGKILLs them all;
 torch's process join for spawn terminates them), which is DDP's only choice. A parameter server's learners do not
 need each other: the server decides whether training can go on (:mod:`lightning_rudra.server.membership`). Here a
-learner other than 0 that ends is reported with its exit code or signal, the others train on, and once training
-is over a lost learner still running (a stalled process that woke up too late) is ended. With ``max_restarts``, a
-lost learner's process is started again (:class:`Restarts`), and rejoins the run. Learner 0's process runs the
-server, so its loss still ends the run.
+learner that ends is reported with its exit code or signal, the others train on, and once training is over a lost
+learner still running (a stalled process that woke up too late) is ended. With ``max_restarts``, a lost learner's
+process is started again (:class:`Restarts`), and rejoins the run. The servers outlive the learners that started
+them, so under spawn and forkserver learner 0 can be lost and restarted too; under popen learner 0's process is the
+user's script, which started the others: if it is lost, the others finish training, but nothing restarts it.
 """
 
 import multiprocessing.connection
@@ -121,7 +122,9 @@ class PopenLauncher(_SubprocessScriptLauncher):
             for index, proc in enumerate(self.procs):
                 if index not in self._reported and proc.poll() is not None:
                     self._reported.add(index)
-                    if proc.returncode != 0:
+                    if proc.returncode == 0:  # training is over: none is restarted
+                        self.restarts.closed = True
+                    else:
                         rank = self._first_rank + index
                         self.report(rank, describe_exit(proc.returncode))  # before a restart asks to rejoin
                         warn_lost(rank, proc.returncode, self.min_learners, then=self.restarts.lost(rank))
@@ -155,11 +158,14 @@ def join_survivors(
     restart: Callable[[int], None],
 ) -> None:
     """``torch.multiprocessing``'s ``ProcessContext.join`` until every process has ended, except that a learner
-    other than 0 that fails is reported and the others go on. Once learner 0 has ended well, ``stats_ready()``
-    names the learners the server lost; those still running are ended, and so is any learner still running
-    ``grace`` seconds later (one lost after learner 0 took the statistics). A failure of learner 0 raises as
-    torch's join does (ending the others). A lost learner with restarts left is started again (``restart``)."""
-    ended: Optional[set[int]] = None  # the learners ended here, once learner 0 has ended well
+    that fails (learner 0 too: the servers outlive it) is reported and the others go on; one with restarts left is
+    started again (``restart``). Once a learner has ended well, training is over: none is restarted. Once learner 0
+    has ended well, ``stats_ready()`` names the learners the server lost; those still running are ended, and so is
+    any learner still running ``grace`` seconds after the first ended well (one lost after learner 0 took the
+    statistics, or any if learner 0 was lost). Raises if learner 0's last process did not end well: only it brings
+    the results back."""
+    ended: Optional[set[int]] = None  # the learners ended here, once one has ended well
+    asked = False  # for the learners the server lost
     deadline = float("inf")
     while context.sentinels or restarts.due:
         ready = multiprocessing.connection.wait(list(context.sentinels), timeout=0.2 if restarts.due else 1.0)
@@ -167,23 +173,23 @@ def join_survivors(
             index = context.sentinels[sentinel]
             process = context.processes[index]
             process.join()
-            if index == 0 and process.exitcode != 0:
-                context.join()  # raises torch's error for learner 0, ending the others
             del context.sentinels[sentinel]
-            if process.exitcode != 0 and index not in (ended or ()):
+            if process.exitcode == 0:
+                restarts.closed = True
+            elif index not in (ended or ()):
                 then = restarts.lost(index)
                 warn_lost(index, process.exitcode, min_learners, _trace(context.error_files[index]), then)
         for index in restarts.now():
             restart(index)
-        if ended is None and context.processes[0].exitcode == 0:
-            restarts.closed = True
-            ended = {rank for rank in stats_ready() or [] if context.processes[rank].is_alive()}
-            deadline = time.monotonic() + grace
-        elif ended is not None and time.monotonic() > deadline:
+        if ended is None and restarts.closed:
+            ended, deadline = set(), time.monotonic() + grace
+        if ended is not None and not asked and context.processes[0].exitcode == 0:
+            asked = True
+            ended |= {rank for rank in stats_ready() or [] if context.processes[rank].is_alive()}
+        if ended is not None and time.monotonic() > deadline:
             late = {rank for rank in context.sentinels.values() if context.processes[rank].is_alive()}
             warnings.warn(
-                f"lightning_rudra: learners {sorted(late)} were still running {grace:g} s after learner 0 "
-                "finished training: ended.",
+                f"lightning_rudra: learners {sorted(late)} were still running {grace:g} s after training ended: ended.",
                 stacklevel=1,
             )
             ended |= late
@@ -191,3 +197,15 @@ def join_survivors(
         for rank in ended or ():
             if context.processes[rank].is_alive():
                 context.processes[rank].kill()
+    code = context.processes[0].exitcode
+    if code != 0:
+        trace = _trace(context.error_files[0])
+        error = f"\n\n-- learner 0's error:\n{trace}" if trace else ""
+        if not restarts.closed:  # no learner finished training: learner 0's error is the run's
+            raise RuntimeError(f"learner 0's process ended with {describe_exit(code)}.{error}")
+        raise RuntimeError(
+            f"learner 0's process ended with {describe_exit(code)} and was not restarted (max_restarts="
+            f"{restarts.max_restarts}): the other learners trained to the end, but only learner 0 brings the trained "
+            "weights and the results back to this process, so they are lost. Set max_restarts so that learner 0 "
+            f"comes back, or save what you need from the module in every learner.{error}"
+        )

@@ -61,7 +61,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
     this package once, and every learner of every later ``fit`` is forked from it: seconds saved per learner.
     Lightning hands spawned processes the caller's random and deterministic state but not forked ones, and a
     fork server's children have the environment of when it started: both are brought here as spawn has them.
-    With ``min_learners``, a learner other than 0 that fails does not end the others
+    With ``min_learners``, a learner that fails (learner 0 too) does not end the others
     (:func:`~lightning_rudra.strategy.launchers.popen.join_survivors`).
     """
 

@@ -269,13 +269,15 @@ def join(
     timeout: float,
     min_learners: Optional[int] = None,
     starters: Sequence[int] = (0,),
+    comeback: float = 0.0,
 ) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
     """Join the RPC world of ``num_learners`` learners and one server process per entry of ``starters`` (the
     learner that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the
     port). Returns a client per server and the server processes this learner started. With ``min_learners`` the
     world is elastic: a process for a learner that was lost takes its place (its clients' ``rank`` carries a
     nonzero incarnation), finds the servers it would start running (they outlive the learner that started them),
-    and must then ask each server to rejoin."""
+    and must then ask each server to rejoin; ``comeback``: seconds the servers wait for lost learners to come back
+    when fewer than ``min_learners`` are left."""
     init_method = f"tcp://{host}:{port}"
     processes = []
     incarnation = 0
@@ -290,7 +292,13 @@ def join(
             if starter == rank and not incarnation:
                 processes.append(
                     _server.start_server(
-                        init_method, num_learners, timeout, min_learners, shard=shard, starters=starters
+                        init_method,
+                        num_learners,
+                        timeout,
+                        min_learners,
+                        shard=shard,
+                        starters=starters,
+                        comeback=comeback,
                     )
                 )
         if min_learners is not None and store is None:  # learner 0 of a new run: its first server hosts the store

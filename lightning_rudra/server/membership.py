@@ -40,10 +40,18 @@ def ended(pid: int) -> bool:
 class Membership:
     """The learners of one run. ``min_learners=None``: every learner is needed."""
 
-    def __init__(self, num_learners: int, timeout: float, min_learners: Optional[int] = None) -> None:
+    def __init__(
+        self, num_learners: int, timeout: float, min_learners: Optional[int] = None, comeback: float = 0.0
+    ) -> None:
+        """``comeback``: seconds that lost learners have to come back, when fewer than ``min_learners`` are left,
+        before training ends (0: it ends at once); set when lost learners are restarted, so that a run survives
+        losing them all at once (torchrun restarting every worker)."""
         self.num_learners = num_learners
         self.timeout = timeout
         self.min_learners = min_learners
+        self.comeback = comeback
+        self.short_since: Optional[float] = None  # since when fewer than min_learners are left, waiting for them
+        self._short = ""  # the loss that left too few
         self.machine = this_process()[0]
         self.last_heard = {learner: time.monotonic() for learner in range(num_learners)}
         self.addresses: dict[int, str] = {}  # learner -> the address it reaches the server from
@@ -98,11 +106,30 @@ class Membership:
             )
         left = len(self.members)
         if left < self.min_learners:
+            if self.comeback:
+                self.short_since = self.short_since or time.monotonic()
+                self._short = f"{self.where(learner)} {why}: {left} learner{'s' if left != 1 else ''} left"
+                return None
             return (
                 f"{self.where(learner)} {why}: {left} learner{'s' if left != 1 else ''} left, fewer than "
                 f"min_learners={self.min_learners}, so training cannot go on"
             )
         return None
+
+    @property
+    def awaiting_comeback(self) -> bool:
+        """Fewer than ``min_learners`` are left, and the lost ones still have time to come back."""
+        return self.short_since is not None
+
+    def comeback_over(self) -> Optional[str]:
+        """Why training cannot go on, once lost learners have not come back in time; None until then."""
+        if self.short_since is None or time.monotonic() - self.short_since <= self.comeback:
+            return None
+        self.short_since = None
+        return (
+            f"{self._short}, fewer than min_learners={self.min_learners}, and no lost learner came back within "
+            f"{self.comeback:g} s, so training cannot go on"
+        )
 
     def newly_failed_joins(self) -> list[int]:
         """Lost learners whose new process, waiting to rejoin, has ended or gone silent."""
@@ -120,10 +147,12 @@ class Membership:
         self.left.discard(learner)
         self.incarnations[learner] = incarnation
         self.last_heard[learner] = time.monotonic()
+        if self.min_learners is not None and len(self.members) >= self.min_learners:
+            self.short_since = None
 
     def all_gone(self) -> bool:
-        """Every learner has left or is lost: the server's work is over."""
-        return len(self.left | set(self.lost)) == self.num_learners
+        """Every learner has left or is lost, and none is awaited back: the server's work is over."""
+        return len(self.left | set(self.lost)) == self.num_learners and not self.awaiting_comeback
 
     def check_caller(self, method: str, learner: Any) -> None:
         """A call from a learner this run does not know, or no longer counts, is refused before it changes

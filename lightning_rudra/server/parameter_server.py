@@ -53,12 +53,14 @@ class ParameterServer:
         timeout: float = 60.0,
         min_learners: Optional[int] = None,
         announce: bool = True,
+        comeback: float = 0.0,
     ) -> None:
-        """``announce``: print each loss and rejoin (with several servers, the first does)."""
+        """``announce``: print each loss and rejoin (with several servers, the first does); ``comeback``: see
+        :class:`~lightning_rudra.server.membership.Membership`."""
         self.num_learners = num_learners
         self.announce = announce
         self.address: Optional[str] = None  # where the learners reach this process, for their messages
-        self.membership = Membership(num_learners, timeout, min_learners)
+        self.membership = Membership(num_learners, timeout, min_learners, comeback)
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
@@ -184,6 +186,7 @@ class ParameterServer:
             return []
         weights = self._weights(sorted(self.membership.members))
         waiters, self.finish_waiters = self.finish_waiters, []
+        self.membership.short_since = None  # training is over: nobody is awaited back
         return [(waiter, weights) for waiter in waiters] + self.rejoins.turn_away()
 
     def gather(self, sequence: int, learner: int, obj: Any) -> Future:
@@ -234,6 +237,10 @@ class ParameterServer:
                 outcomes = [o for learner, why in self.membership.newly_lost() for o in self._lose(learner, why)]
                 for learner in self.membership.newly_failed_joins():
                     outcomes += self._join_failed(learner, "its process ended or went silent while it waited")
+                too_few = self.membership.comeback_over()
+                if too_few is not None and self.failure is None:
+                    outcomes += self._give_up(too_few)
+                self._check_all_left()
             self._settle(outcomes)
 
     def leave(self, learner: int, error: Optional[str] = None) -> None:
@@ -272,7 +279,10 @@ class ParameterServer:
             self.rejoins.check(learner, module)
             reply: Future = Future()
             self.rejoins.ask(learner, incarnation_of(learner), reply)
-            over = self.finish_waiters or (self.core is not None and not self.core.active)
+            # every learner finished, or none is left and none is awaited back
+            over = self.finish_waiters or (
+                self.core is not None and not self.core.active and not self.membership.awaiting_comeback
+            )
             outcomes = self.rejoins.turn_away() if over else self.rejoins.admit(self._core())
         _settle(outcomes)
         return reply
@@ -320,9 +330,14 @@ class ParameterServer:
         self.epochs.lose(learner)
         left = sorted(self.membership.members)
         if self.announce:
+            then = (
+                f"waiting up to {self.membership.comeback:g} s for lost learners to come back"
+                if self.membership.awaiting_comeback
+                else "training goes on"
+            )
             print(
-                f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Training goes on with "
-                f"learners {left} (min_learners={self.membership.min_learners}).",
+                f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Learners left: {left} "
+                f"(min_learners={self.membership.min_learners}): {then}.",
                 file=sys.stderr,
                 flush=True,
             )

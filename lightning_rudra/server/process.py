@@ -59,6 +59,7 @@ def start_server(
     code: Optional[str] = None,
     shard: int = 0,
     starters: Sequence[int] = (0,),
+    comeback: float = 0.0,
 ) -> subprocess.Popen:
     """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
     Python it runs, if not the server's own entry). It exits when every learner has left or is lost. Without
@@ -88,7 +89,7 @@ def start_server(
         json.dumps(list(starters)),
     ]
     if min_learners is not None:
-        command += ["--min-learners", str(min_learners)]
+        command += ["--min-learners", str(min_learners), "--comeback", str(comeback)]
     return subprocess.Popen(command, env=env, start_new_session=min_learners is not None)
 
 
@@ -226,6 +227,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         default=None,
         help="train on while this many learners are left (default: a lost learner ends training)",
     )
+    parser.add_argument(
+        "--comeback",
+        type=float,
+        default=0.0,
+        help="seconds lost learners have to come back when fewer than min_learners are left (0: training ends)",
+    )
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--shard", type=int, default=0, help="which of the server processes this is")
     parser.add_argument(
@@ -243,7 +250,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not elastic:  # an elastic run's servers outlive the learners that started them
         threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
-    _server = ParameterServer(args.learners, args.timeout, args.min_learners, announce=args.shard == 0)
+    _server = ParameterServer(
+        args.learners, args.timeout, args.min_learners, announce=args.shard == 0, comeback=args.comeback
+    )
     _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
     set_rpc_counters(args.rpc_counters)
     init_rpc(

@@ -60,6 +60,7 @@ class Rejoins:
         self.announce = announce  # print each rejoin (with several servers, the first does)
         self.module: Optional[dict[str, Any]] = None  # learner 0's describe_module, from its register
         self.progress: dict[int, Admission] = {}  # learner -> at the start of its latest epoch
+        self.furthest = Admission(0, 0, 0)  # the latest epoch start any learner reported, even one lost since
         self.requests: dict[int, _Request] = {}
 
     def check(self, learner: int, module: dict[str, Any]) -> None:
@@ -85,6 +86,8 @@ class Rejoins:
 
     def report(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
         self.progress[learner] = Admission(epoch, global_step, collectives)
+        if (epoch, global_step) >= (self.furthest.epoch, self.furthest.global_step):
+            self.furthest = self.progress[learner]
 
     def admit(self, core: Server) -> list[tuple[Any, Any]]:
         """Admits the learners whose epoch has come: from here on they count, in the membership, the protocol and
@@ -107,16 +110,22 @@ class Rejoins:
         return admitted
 
     def _due(self, members: set[int]) -> list[tuple[int, _Request, Admission]]:
-        """The requests to admit now: every member has started the same epoch, later than when the request came.
-        Removed from the waiting ones."""
-        if not self.requests or not members:
+        """The requests to admit now: every member has started the same epoch, later than when the request came; or,
+        with no member left (all lost, awaited back), at once, at the start of the latest epoch any learner started
+        (what the lost ones held of it is dealt again). Removed from the waiting ones."""
+        if not self.requests:
             return []
-        reports = [self.progress.get(m) for m in members]
-        if any(r is None for r in reports) or len({r.epoch for r in reports if r is not None}) != 1:
-            return []
-        started = [r for r in reports if r is not None]
-        where = Admission(started[0].epoch, max(r.global_step for r in started), max(r.collectives for r in started))
-        due = [(learner, request) for learner, request in self.requests.items() if where.epoch > request.after]
+        if members:
+            reports = [self.progress.get(m) for m in members]
+            if any(r is None for r in reports) or len({r.epoch for r in reports if r is not None}) != 1:
+                return []
+            started = [r for r in reports if r is not None]
+            where = Admission(
+                started[0].epoch, max(r.global_step for r in started), max(r.collectives for r in started)
+            )
+            due = [(learner, request) for learner, request in self.requests.items() if where.epoch > request.after]
+        else:
+            where, due = self.furthest, list(self.requests.items())
         for learner, _ in due:
             del self.requests[learner]
             self.progress[learner] = where

@@ -220,6 +220,7 @@ class RudraStrategy(ParallelStrategy):
             server_starters(self.num_servers, self.num_nodes, self.num_processes),
             self.rpc_timeout,
             self.min_learners,
+            self.max_restarts,
         )
         assert self._servers.client is not None
         self._collectives.connect(self._servers.client, self.root_device)

@@ -16,6 +16,7 @@ from lightning_rudra.transport.rpc_world import free_port, port_from_agent_store
 # not of a strategy: a second Trainer in a popen script is a later stage in the same processes, and on the first
 # stage's port a fast learner would join that stage's rendezvous while its server process is still closing it.
 _next_port: Optional[int] = None
+COMEBACK_S = 60.0  # a restarted process's back-off (<= 10 s), start and imports (seconds, more when busy)
 
 
 class StageServers:
@@ -40,18 +41,25 @@ class StageServers:
         starters: list[int],
         rpc_timeout: float,
         min_learners: Optional[int],
+        max_restarts: int = 0,
     ) -> None:
         """Meet the other learners and the servers; the learners that start a server (``starters``, per server
-        process) start it first."""
+        process) start it first. Lost learners that will be restarted (``max_restarts``, or torchrun's
+        ``--max-restarts``, which restarts every worker at once) are awaited back for ``COMEBACK_S`` more than
+        ``rpc_timeout`` when fewer than ``min_learners`` are left."""
         global _next_port
         agreed, _next_port = _next_port, None  # a stage that fails agrees on none: the next meets on main_port
         port = agreed or env.main_port
+        torchrun_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         if agreed is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             self.rendezvous += 1
-            key = f"lightning_rudra/port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self.rendezvous}"
+            # an elastic run's workers that torchrun restarted meet their servers again on the same port
+            restart = "" if min_learners is not None else f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+            key = f"lightning_rudra/port/{restart}{self.rendezvous}"
             port = port_from_agent_store(rank, env.main_address, port, rpc_timeout, key)
+        comeback = rpc_timeout + COMEBACK_S if min_learners is not None and (max_restarts or torchrun_restarts) else 0.0
         self.clients, self.processes = join(
-            rank, num_learners, env.main_address, port, rpc_timeout, min_learners, starters
+            rank, num_learners, env.main_address, port, rpc_timeout, min_learners, starters, comeback
         )
         self.client = self.clients[0]
 

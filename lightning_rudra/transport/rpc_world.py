@@ -39,12 +39,11 @@ def free_port() -> int:
 def port_from_agent_store(rank: int, host: str, port: int, timeout: float, key: str) -> int:
     """Under torchrun, its agent's TCP store already listens on host:port (MASTER_ADDR:MASTER_PORT), so the
     learners cannot meet there: learner 0 picks a free port on its host and publishes it in that store under
-    ``key``, and the others read it from there (waiting up to ``timeout`` seconds for learner 0)."""
+    ``key``, unless a port is published there already (a restarted learner 0 of an elastic run, whose servers
+    outlived it), and the others read it from there (waiting up to ``timeout`` seconds for learner 0)."""
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
     if rank == 0:
-        chosen = free_port()
-        store.set(key, str(chosen))
-        return chosen
+        return int(store.compare_set(key, "", str(free_port())))
     return int(store.get(key))
 
 

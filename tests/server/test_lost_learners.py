@@ -5,6 +5,7 @@ fails with a message that names the learner and why. (Real processes: test_fault
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from lightning_rudra.server.parameter_server import ParameterServer, _settle
 from lightning_rudra.server.membership import Membership, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.transport.elastic import LearnerId
 
 
 def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n: int = 1) -> ParameterServer:
@@ -180,3 +182,41 @@ def test_after_training_failed_the_server_ends_once_every_learner_is_lost(monkey
     for learner in range(3):
         lose(ps, learner)
     assert ps.failure is not None and ps.all_left.is_set()
+
+
+def test_with_comeback_a_run_that_lost_every_learner_waits_and_takes_them_back(monkeypatch):
+    """Lost learners that will be restarted (torchrun restarts every worker at once) are awaited: with none left,
+    the first new process is admitted at once at the start of the latest epoch any learner started."""
+    ps = ParameterServer(2, timeout=5.0, min_learners=1, comeback=30.0)
+    monkeypatch.setattr(server, "_server", ps)
+    params = [torch.zeros(2)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
+    module = {"parameters": [["w", [2]]], "optimizers": ["SGD"]}
+    server.call("register", ProtocolConfig(2, "async"), params, [], [spec], None, False, None, module)
+    for learner in (0, 1):
+        server.call("progress", learner, 3, 40 + learner, 7)
+    push(0, 1.0).wait()
+    lose(ps, 1)
+    lose(ps, 0)
+    assert ps.failure is None and not ps.all_left.is_set() and ps.membership.awaiting_comeback
+    admission, _ = server.call_async("rejoin", LearnerId(1, 1), module).wait()
+    assert (admission.epoch, admission.global_step, admission.collectives) == (3, 41, 7)
+    assert ps.membership.members == {1} and not ps.membership.awaiting_comeback
+    assert [e["event"] for e in ps.core.stats.events] == ["lost", "lost", "rejoined"]
+
+
+def test_with_comeback_a_run_whose_learners_do_not_come_back_in_time_ends_saying_so(monkeypatch):
+    ps = parameter_server(monkeypatch, "async", 2, min_learners=2)
+    ps.membership.comeback = 0.2
+    lose(ps, 1)
+    assert ps.failure is None and ps.membership.awaiting_comeback
+    time.sleep(0.3)
+    watch = threading.Thread(target=ps.watch, daemon=True)
+    watch.start()
+    watch.join(10)
+    assert ps.failure is not None and ps.failure.startswith(
+        "learner 1 (on a host it never named) ended before training"
+    )
+    assert "1 learner left, fewer than min_learners=2, and no lost learner came back within 0.2 s" in ps.failure
+    lose(ps, 0)
+    assert ps.all_left.is_set()

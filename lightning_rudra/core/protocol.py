@@ -6,8 +6,7 @@ with timestamp ``j``; the server's clock ``i`` counts weight updates; a gradient
 has staleness σ = i - j.
 """
 
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -23,91 +22,15 @@ from lightning_rudra.core.compression import decompress
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.stats import Stats
-
-
-@dataclass(frozen=True)
-class Update:
-    """One weight update: which optimizer, the clock it produced, σ of each gradient averaged into it, and the
-    factor its learning rate was multiplied by (``mean``) or each gradient was scaled by (``per_gradient``)."""
-
-    optimizer: int
-    clock: int
-    staleness: tuple[int, ...]
-    lr_factor: float
-    gradient_scales: tuple[float, ...]
-
-    @property
-    def lr_scale(self) -> float:
-        """The learning rate applied, as a fraction of the learners' rate (either modulation rule)."""
-        return self.lr_factor * sum(self.gradient_scales) / len(self.gradient_scales)
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """What became of one pushed gradient. ``status`` is ``accepted``, ``dropped`` (staler than the bound),
-    ``rejected`` (non-finite) or ``queued`` (several optimizers: its σ, and so whether it is dropped, is decided
-    when its update applies; ``staleness`` is then σ so far). ``closed`` says this push completed its
-    optimizer's wait (a hardsync round, or c softsync gradients); ``update`` is the update that applied, None
-    if every gradient in it was refused."""
-
-    status: str
-    staleness: int
-    closed: bool = False
-    update: Optional[Update] = None
-
-
-class PushReply(NamedTuple):
-    """What a learner gets back for a push, over RPC: what became of its gradient (``status``, ``staleness``, as
-    in :class:`PushResult`), the rate its optimizer's newest update applied as a fraction of the learner's
-    (``lr_scale``), and the weights to go on from, flat (``params``, ``buffers``; None: read them from shared
-    memory), with their timestamp (``clock``). A hardsync reply comes at the end of the round."""
-
-    status: str
-    staleness: int
-    lr_scale: float
-    params: Optional[list[Tensor]]
-    buffers: Optional[list[Tensor]]
-    clock: int
-
-
-@dataclass
-class _Gradient:
-    """A pushed gradient waiting for its update with its σ still open (see ``Server.push``)."""
-
-    grads: Sequence[Tensor]
-    has_grad: Tensor
-    buffers: Sequence[Tensor]
-    timestamp: int
-
-
-@dataclass
-class _Pending:
-    """Gradients of one optimizer received since its last update: summed as they arrive, or kept whole
-    (``waiting``) until the update if another optimizer's update may still change their σ."""
-
-    grads: Optional[list[Tensor]] = None
-    has_grad: Optional[Tensor] = None
-    buffers: Optional[list[Tensor]] = None
-    waiting: list[_Gradient] = field(default_factory=list)
-    received: int = 0  # gradients towards the next update (not the rejected ones)
-    staleness: list[int] = field(default_factory=list)  # of the gradients summed
-    scales: list[float] = field(default_factory=list)
-    learners: set[int] = field(default_factory=set)  # who pushed (hardsync: one gradient each)
-    hparams: Optional[list[dict[str, Any]]] = None
+from lightning_rudra.core.update import PushResult, Update
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:
     """No NaN or Inf: a finite sum means every element is finite (NaN and Inf propagate); only check each element
     if not."""
     return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _accumulator(t: Tensor, scale: float) -> Tensor:
-    """The running sum starts as the first tensor itself; half precision sums in float32."""
-    if t.dtype in (torch.float16, torch.bfloat16):
-        t = t.float()
-    return t.mul_(scale) if scale != 1.0 else t
 
 
 class Server:
@@ -153,7 +76,7 @@ class Server:
         self.grad_layouts = [FlatLayout([params[i] for i in idx]) for idx in self.optimizer_params]
         self.active = set(range(config.num_learners))  # learners still pushing
         self.members = set(range(config.num_learners))  # learners not lost: c counts them
-        self._pending = [_Pending() for _ in optimizers]
+        self._pending = [Pending() for _ in optimizers]
         self._defer = len(optimizers) > 1  # σ may change between a gradient's arrival and its update
         self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
         # hardsync has no stale gradient: no rule (it stays SGD with batch μλ)
@@ -220,7 +143,7 @@ class Server:
             pending.received += 1
             pending.hparams = list(hparams)
             if self._defer:
-                pending.waiting.append(_Gradient(grads, has_grad, buffers, timestamp))
+                pending.waiting.append(Gradient(grads, has_grad, buffers, timestamp))
                 status = "queued"
             else:
                 status = self._admit(pending, optimizer, grads, has_grad, buffers, sigma)
@@ -283,7 +206,7 @@ class Server:
         for i, state in enumerate(states):
             self.load_optimizer_state(i, state)
 
-    def _ready(self, pending: _Pending) -> bool:
+    def _ready(self, pending: Pending) -> bool:
         if self.config.protocol == "hardsync":
             return self.active <= pending.learners
         return pending.received >= self.gradients_per_update
@@ -347,7 +270,7 @@ class Server:
     def _too_stale(self, sigma: int) -> bool:
         return self.config.max_staleness is not None and sigma > self.config.max_staleness
 
-    def _admit(self, pending: _Pending, optimizer: int, grads, has_grad, buffers, sigma: int) -> str:
+    def _admit(self, pending: Pending, optimizer: int, grads, has_grad, buffers, sigma: int) -> str:
         """Drop a gradient staler than the bound, or compensate it and add it to the sum; count its σ. Returns
         its status."""
         if self._too_stale(sigma):
@@ -364,25 +287,13 @@ class Server:
                 self._states(optimizer),
             )
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
-        if pending.grads is None:
-            pending.grads = [_accumulator(g, scale) for g in grads]
-            pending.has_grad = has_grad
-            pending.buffers = [_accumulator(b, 1.0) for b in buffers]
-        else:
-            assert pending.has_grad is not None and pending.buffers is not None  # set with the first gradient summed
-            for total, g in zip(pending.grads, grads):
-                total.add_(g, alpha=scale)
-            pending.has_grad |= has_grad
-            for total, b in zip(pending.buffers, buffers):
-                total.add_(b) if total.is_floating_point() else total.copy_(b)
-        pending.staleness.append(sigma)
-        pending.scales.append(scale)
+        pending.add(grads, has_grad, buffers, sigma, scale)
         self.stats.staleness[sigma] = self.stats.staleness.get(sigma, 0) + 1
         return "accepted"
 
     def _close(self, optimizer: int) -> Optional[Update]:
         """Average the pending gradients of ``optimizer`` into one update; None if every one was refused."""
-        pending, self._pending[optimizer] = self._pending[optimizer], _Pending()
+        pending, self._pending[optimizer] = self._pending[optimizer], Pending()
         for gradient in pending.waiting:  # σ counted now, as the update applies
             self._admit(
                 pending,

@@ -19,7 +19,8 @@ from lightning_rudra.server import process as _server
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import ended, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, PushReply
+from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.update import PushReply
 from lightning_rudra.transport.elastic import LearnerId, RunStore, job_id, run_at
 from lightning_rudra.transport.rpc_world import (
     address_towards,

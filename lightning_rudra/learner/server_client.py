@@ -14,7 +14,8 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, PushReply
+from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.update import PushReply
 from lightning_rudra.core.stats import Stats
 
 

@@ -19,7 +19,8 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, PushReply, Server
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.update import PushReply
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import TimingModel, push_order
 

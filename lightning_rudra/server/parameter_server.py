@@ -21,7 +21,8 @@ from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.gatherings import Gatherings
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, PushReply, Server
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.transport.elastic import incarnation_of

@@ -6,10 +6,11 @@ import warnings
 
 from pytorch_lightning.strategies import StrategyRegistry
 
+from lightning_rudra.strategy.registry import register_strategies
 from lightning_rudra.strategy.rudra import RudraStrategy
 from lightning_rudra.strategy.step_times import StepTimes
 
-RudraStrategy.register_strategies(StrategyRegistry)
+register_strategies(StrategyRegistry, RudraStrategy)
 
 # pytorch_lightning 2.6 makes torch's LeafSpec, which torch 2.13 deprecates, for every batch it moves to a device:
 # a warning in every learner and stage that no user can act on

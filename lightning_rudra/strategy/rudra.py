@@ -1,28 +1,25 @@
 """RudraStrategy: any LightningModule trains through a parameter server instead of DDP. Every optimizer step pushes
 the learner's gradient to the server and goes on from the weights the protocol gives back. There is on purpose no
-torch.distributed process group (with one, Lightning 2.6 makes every training batch a collective: lock-step);
-collectives go through the server (``collectives.py``). Under softsync and async the learners share each epoch's
-batches (``shared_epoch.py``); ``simulate=λ`` trains λ virtual learners in one process (``simulated_epoch.py``);
-both refit Lightning's fit loop (``fit_loop.py``). The strategy owns one object per concern: its stage's servers,
-collectives, checkpoints and push metrics."""
+torch.distributed process group (with one, Lightning 2.6 makes every training batch a collective: lock-step); ranks
+and collectives do without one (``server_parallel.py``, ``collectives.py``). Under softsync and async the learners
+share each epoch's batches (``shared_epoch.py``); ``simulate=λ`` trains λ virtual learners in one process
+(``simulated_epoch.py``); both refit Lightning's fit loop (``fit_loop/``). The strategy owns one object per concern:
+its stage's servers, collectives, checkpoints and push metrics."""
 
-from typing import Any, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.utilities.types import ReduceOp
 from pytorch_lightning.accelerators import Accelerator
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.trainer.states import RunningStage, TrainerFn
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.compression import compression_option
-from lightning_rudra.core.config import PROTOCOLS, ProtocolConfig, validate_n, validate_options
+from lightning_rudra.core.config import ProtocolConfig, validate_n, validate_options
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
 from lightning_rudra.learner.learner import LearnerOptimizer
@@ -38,18 +35,18 @@ from lightning_rudra.strategy.checks import (
     check_simulated_devices,
     check_trainer,
 )
-from lightning_rudra.strategy.collectives import Collectives
-from lightning_rudra.strategy.fit_loop import SharedEpochLoop
+from lightning_rudra.strategy.fit_loop.shared import SharedEpochLoop
 from lightning_rudra.strategy.launchers import launcher_for
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.strategy.push_metrics import PushMetrics
+from lightning_rudra.strategy.server_parallel import ServerParallelStrategy
 from lightning_rudra.strategy.shared_epoch import shared_dataloader
 from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader
 from lightning_rudra.strategy.stage_servers import StageServers, server_starters
 from lightning_rudra.strategy.training import Training
 
 
-class RudraStrategy(ParallelStrategy):
+class RudraStrategy(ServerParallelStrategy):
     """Parameter-server training with the protocols of Rudra (Gupta, Zhang, Wang, ICDM 2016). Every argument in
     full, with what it costs and what it refuses: ``docs/options.md``.
 
@@ -106,6 +103,7 @@ class RudraStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
     ) -> None:
         super().__init__(
+            self._in_batch,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -134,12 +132,10 @@ class RudraStrategy(ParallelStrategy):
         self.simulate = simulate
         self.timing = (timing or Homogeneous()) if simulate else timing
         self.stats: Optional[Stats] = None
-        self._num_nodes = 1
         self._servers = StageServers()  # the RPC world of a stage (empty outside one: spawn pickles the strategy)
         self._checkpoints = Checkpoints()
         self._push_metrics = PushMetrics()
         self._training = Training()  # one fit's learner, loop and rejoining
-        self._collectives = Collectives(self._in_batch)  # through the server, once a stage has one
         self._failed: Optional[str] = None  # this stage failed on this learner: why
         self._pools = 0  # train dataloaders drawing from the server in this stage
 
@@ -154,44 +150,11 @@ class RudraStrategy(ParallelStrategy):
             f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]"
         )
 
-    # ---- ranks, devices and launch -------------------------------------------------------------------
-    @override
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
+    # ---- ranks, devices and launch (ServerParallelStrategy has the rest) ------------------------------
     @property
     def num_learners(self) -> int:
         """λ: one learner per process, on every node, or the number of simulated learners."""
         return self.simulate or self.num_nodes * self.num_processes
-
-    @property
-    def is_distributed(self) -> bool:
-        """Makes Lightning shard the data with a DistributedSampler and sync ``self.log(..., sync_dist=True)``."""
-        return True
-
-    @override
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
 
     @override
     def _configure_launcher(self) -> None:
@@ -370,25 +333,6 @@ class RudraStrategy(ParallelStrategy):
             self._push_metrics.log(self.lightning_module, self._training.learner.client.timestamp, self.optimizers)
         return output
 
-    # ---- collectives, through the server (lightning_rudra.strategy.collectives) -----------------------
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        self._collectives.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self._collectives.broadcast(obj, src, self.global_rank)
-
-    @override
-    def reduce(
-        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Any:
-        return self._collectives.reduce(tensor, reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        return self._collectives.all_gather(tensor, sync_grads)
-
     # ---- checkpoints: the optimizer states live on the server (lightning_rudra.strategy.checkpoints) ----
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -418,18 +362,3 @@ class RudraStrategy(ParallelStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         load_groups(self.optimizers, checkpoint)
-
-    @override
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "rudra", cls, description="Rudra parameter server (default: 1-softsync)", override=True
-        )
-        for protocol in PROTOCOLS:
-            strategy_registry.register(
-                f"rudra_{protocol}",
-                cls,
-                description=f"Rudra parameter server, {protocol}",
-                override=True,
-                protocol=protocol,
-            )

@@ -1,7 +1,7 @@
 """A simulated run's train DataLoader (``RudraStrategy(simulate=λ)``): the one train DataLoader is rebuilt around
 a :class:`~lightning_rudra.learner.simulation.SimulatedSampler`, which deals the batches of λ virtual learners in
-the order of their pushes, and :class:`~lightning_rudra.strategy.fit_loop.SimulatedEpochLoop` fits Lightning's fit
-loop to it. Before each batch the module takes the weights of the learner whose batch it is."""
+the order of their pushes, and :class:`~lightning_rudra.strategy.fit_loop.simulated.SimulatedEpochLoop` fits
+Lightning's fit loop to it. Before each batch the module takes the weights of the learner whose batch it is."""
 
 from typing import Any, Optional
 
@@ -11,7 +11,7 @@ from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwarg
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_rudra.learner.simulation import SimulatedClient, SimulatedSampler
-from lightning_rudra.strategy.fit_loop import SimulatedEpochLoop
+from lightning_rudra.strategy.fit_loop.simulated import SimulatedEpochLoop
 from lightning_rudra.core.timing import TimingModel
 
 

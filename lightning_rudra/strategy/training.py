@@ -1,6 +1,6 @@
 """One ``fit`` on a learner, as :class:`~lightning_rudra.RudraStrategy`'s hooks drive it: the
 :class:`~lightning_rudra.learner.learner.Learner` (its optimizers' steps push and pull), Lightning's fit loop refitted
-for the shared epoch or for simulated learners (``fit_loop.py``), the callback that runs first at each epoch's start
+for the shared epoch or for simulated learners (``fit_loop/``), the callback that runs first at each epoch's start
 and end and at the end of training, and in an elastic run this process's rejoining (``rejoin.py``). Made in
 ``setup`` and ``on_train_start``; undone at the end of training, or at teardown when training failed."""
 
@@ -8,6 +8,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import Callback
+from typing_extensions import override
 
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.stats import Stats
@@ -16,7 +18,8 @@ from lightning_rudra.learner.learner import Learner
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checks import is_placeholder, warn_of_meetings_per_batch
-from lightning_rudra.strategy.fit_loop import EndOfTraining, SharedEpochLoop, SimulatedEpochLoop
+from lightning_rudra.strategy.fit_loop.shared import SharedEpochLoop
+from lightning_rudra.strategy.fit_loop.simulated import SimulatedEpochLoop
 from lightning_rudra.strategy.rejoin import Rejoin, describe
 from lightning_rudra.strategy.shared_epoch import start_shared_epoch
 from lightning_rudra.strategy.simulated_epoch import start_simulation
@@ -123,3 +126,41 @@ class Training:
         if self.loop is not None:
             self.loop.uninstall()
         self.loop = self.end_of_training = None
+
+
+class EndOfTraining(Callback):
+    """The first callback while training (:meth:`remove` at its end): ``start_epoch`` before the others'
+    ``on_train_epoch_start`` (an elastic run's learners say where they start it, before any collective there),
+    ``end_epoch`` before their ``on_train_epoch_end`` (the shared epoch's step schedulers reach the epoch's end),
+    ``end_training`` before their ``on_train_end`` (what they then do to the weights, SWA or EMA, is what ``fit``
+    returns)."""
+
+    def __init__(
+        self,
+        trainer: "pl.Trainer",
+        start_epoch: Callable[[], None],
+        end_epoch: Callable[[], None],
+        end_training: Callable[[], None],
+    ) -> None:
+        self.trainer, self.start_epoch, self.end_epoch, self.end_training = (
+            trainer,
+            start_epoch,
+            end_epoch,
+            end_training,
+        )
+        trainer.callbacks.insert(0, self)  # type: ignore[attr-defined]
+
+    def remove(self) -> None:
+        self.trainer.callbacks = [cb for cb in self.trainer.callbacks if cb is not self]  # type: ignore[attr-defined]
+
+    @override
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.start_epoch()
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.end_epoch()
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self.end_training()

@@ -1,0 +1,53 @@
+"""What became of a push, as plain data: the weight update it closed (:class:`Update`), the server's account of it
+(:class:`PushResult`) and the learner's reply over RPC (:class:`PushReply`). Words as in
+:mod:`lightning_rudra.core.protocol`."""
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Update:
+    """One weight update: which optimizer, the clock it produced, σ of each gradient averaged into it, and the
+    factor its learning rate was multiplied by (``mean``) or each gradient was scaled by (``per_gradient``)."""
+
+    optimizer: int
+    clock: int
+    staleness: tuple[int, ...]
+    lr_factor: float
+    gradient_scales: tuple[float, ...]
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning rate applied, as a fraction of the learners' rate (either modulation rule)."""
+        return self.lr_factor * sum(self.gradient_scales) / len(self.gradient_scales)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What became of one pushed gradient. ``status`` is ``accepted``, ``dropped`` (staler than the bound),
+    ``rejected`` (non-finite) or ``queued`` (several optimizers: its σ, and so whether it is dropped, is decided
+    when its update applies; ``staleness`` is then σ so far). ``closed`` says this push completed its
+    optimizer's wait (a hardsync round, or c softsync gradients); ``update`` is the update that applied, None
+    if every gradient in it was refused."""
+
+    status: str
+    staleness: int
+    closed: bool = False
+    update: Optional[Update] = None
+
+
+class PushReply(NamedTuple):
+    """What a learner gets back for a push, over RPC: what became of its gradient (``status``, ``staleness``, as
+    in :class:`PushResult`), the rate its optimizer's newest update applied as a fraction of the learner's
+    (``lr_scale``), and the weights to go on from, flat (``params``, ``buffers``; None: read them from shared
+    memory), with their timestamp (``clock``). A hardsync reply comes at the end of the round."""
+
+    status: str
+    staleness: int
+    lr_scale: float
+    params: Optional[list[Tensor]]
+    buffers: Optional[list[Tensor]]
+    clock: int

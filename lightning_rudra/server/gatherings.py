@@ -36,3 +36,15 @@ class Gatherings:
         futures = [future for future, _ in self.open.values()]
         self.open = {}
         return futures
+
+
+def deadlock(at_collective: int, in_round: int) -> str:
+    """Why hardsync cannot go on when a learner waits at a collective while another waits in a round."""
+    return (
+        f"learner {at_collective} waits for the others at a collective (validation, a value logged with "
+        f"sync_dist, a checkpoint, the end of an epoch) while learner {in_round} waits in a hardsync round for "
+        "its gradient, so neither can go on. Under hardsync every learner must train on the same number of "
+        "batches per epoch, and theirs differ: an IterableDataset, or a sampler of your own, that yields a "
+        "different number of batches on each learner? Make every learner's stream yield the same number of "
+        "batches, or use protocol='softsync' or 'async', whose learners do not wait for each other."
+    )

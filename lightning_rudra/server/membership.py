@@ -116,6 +116,18 @@ class Membership:
             )
         return None
 
+    def loss_told(self, learner: int, why: str) -> str:
+        """What the server prints when ``learner`` is lost and training goes on."""
+        then = (
+            f"waiting up to {self.comeback:g} s for lost learners to come back"
+            if self.short_since
+            else "training goes on"
+        )
+        return (
+            f"{self.where(learner)} was lost: it {why}. Learners left: {sorted(self.members)} "
+            f"(min_learners={self.min_learners}): {then}."
+        )
+
     @property
     def awaiting_comeback(self) -> bool:
         """Fewer than ``min_learners`` are left, and the lost ones still have time to come back."""

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 from torch.futures import Future
 
 from lightning_rudra.core.epoch import EpochPlan
-from lightning_rudra.server.gatherings import Gatherings
+from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
@@ -329,19 +329,8 @@ class ParameterServer:
         if failure is not None:
             return self._give_up(failure)
         self.epochs.lose(learner)
-        left = sorted(self.membership.members)
         if self.announce:
-            then = (
-                f"waiting up to {self.membership.comeback:g} s for lost learners to come back"
-                if self.membership.awaiting_comeback
-                else "training goes on"
-            )
-            print(
-                f"lightning_rudra: {self.membership.where(learner)} was lost: it {why}. Learners left: {left} "
-                f"(min_learners={self.membership.min_learners}): {then}.",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"lightning_rudra: {self.membership.loss_told(learner, why)}", file=sys.stderr, flush=True)
         if self.core is None:
             return []
         outcomes, _ = self._release_rounds(self.core.remove(learner))
@@ -368,14 +357,7 @@ class ParameterServer:
         at_collective = sorted(self.gatherings.waiting() & (self.core.active if self.core is not None else set()))
         if not (in_round and at_collective):
             return []
-        return self._give_up(
-            f"learner {at_collective[0]} waits for the others at a collective (validation, a value logged with "
-            f"sync_dist, a checkpoint, the end of an epoch) while learner {in_round[0]} waits in a hardsync round for "
-            "its gradient, so neither can go on. Under hardsync every learner must train on the same number of "
-            "batches per epoch, and theirs differ: an IterableDataset, or a sampler of your own, that yields a "
-            "different number of batches on each learner? Make every learner's stream yield the same number of "
-            "batches, or use protocol='softsync' or 'async', whose learners do not wait for each other."
-        )
+        return self._give_up(deadlock(at_collective[0], in_round[0]))
 
     def stats(self) -> dict[str, Any]:
         return self._locked(lambda: self._core().stats.to_dict())

@@ -186,8 +186,8 @@ class RudraStrategy(ServerParallelStrategy):
             self.max_restarts,
         )
         assert self._servers.client is not None
-        self._collectives.connect(self._servers.client, self.root_device)
-        self._collectives.joining = self._servers.rejoining
+        self.collectives.connect(self._servers.client, self.root_device)
+        self.collectives.joining = self._servers.rejoining
 
     def _in_batch(self) -> bool:
         return self._training.in_batch
@@ -198,7 +198,7 @@ class RudraStrategy(ServerParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._collectives.sync_metrics(self.model)
+        self.collectives.sync_metrics(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         resumed = self._checkpoints.take_resumed()  # a checkpoint given to this stage only
         if fitting:
@@ -306,7 +306,7 @@ class RudraStrategy(ServerParallelStrategy):
     def _start_epoch(self) -> None:
         if self.min_learners is not None and self._servers.clients:
             assert self.lightning_module is not None  # training
-            self._training.rejoin.epoch_started(self.lightning_module.trainer, self._servers.clients, self._collectives)
+            self._training.rejoin.epoch_started(self.lightning_module.trainer, self._servers.clients, self.collectives)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -318,7 +318,7 @@ class RudraStrategy(ServerParallelStrategy):
             self._servers.leave(self._failed, self.is_global_zero, self.rpc_timeout)
             if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
                 self._launcher.end_lost(sorted(self.stats.lost))  # those lost and still running
-        self._collectives.close()
+        self.collectives.close()
         self._training.close()  # training failed: give the Trainer its own loop back
         self._checkpoints.snapshot = None
         self._pools = 0

@@ -365,14 +365,19 @@ def _incarnation(store: RunStore, rank: int, where: str) -> int:
 
 
 def leave(
-    clients: Sequence[LearnerClient], processes: Sequence[subprocess.Popen], timeout: float, error: Optional[str] = None
+    clients: Sequence[LearnerClient],
+    processes: Sequence[subprocess.Popen],
+    timeout: float,
+    error: Optional[str] = None,
+    elastic: bool = False,
 ) -> None:
-    """Leave the RPC world; a learner that started server processes then waits (bounded) for them to exit."""
+    """Leave the RPC world; a learner that started server processes then waits (bounded) for them to exit, unless
+    it failed in an ``elastic`` run: there the servers outlive it, for the others and for its new process."""
     for client in clients:
         try:
             client.leave(error)
         except Exception:
             pass  # the server is gone, or went as this learner left last: nothing is left to say to it
     shutdown_rpc()
-    for process in processes:
+    for process in processes if error is None or not elastic else []:
         _server.stop_server(process, timeout)

@@ -32,6 +32,7 @@ class StageServers:
         self.clients: list[LearnerClient] = []  # one per server process
         self.client: Optional[LearnerClient] = None  # the first server's: collectives, the shared epoch
         self.processes: list[Popen] = []  # the server processes this learner started
+        self.elastic = False  # min_learners: the servers outlive the learners that started them
 
     def join(
         self,
@@ -62,6 +63,7 @@ class StageServers:
             rank, num_learners, env.main_address, port, rpc_timeout, min_learners, starters, comeback
         )
         self.client = self.clients[0]
+        self.elastic = min_learners is not None
 
     @property
     def rejoining(self) -> bool:
@@ -81,7 +83,7 @@ class StageServers:
         with quiet_peers_leaving():
             if failed is None:
                 self._agree_on_next_port(is_global_zero)
-            leave(self.clients, self.processes, min(rpc_timeout, 30.0), failed)
+            leave(self.clients, self.processes, min(rpc_timeout, 30.0), failed, self.elastic)
         self.reset()
 
     def _agree_on_next_port(self, is_global_zero: bool) -> None:

@@ -2,13 +2,16 @@
 
 | fault, mid-run                           | protocol   | expected                                                  |
 | ---------------------------------------- | ---------- | --------------------------------------------------------- |
-| learner 1 killed (kill -9), restarted     | async      | it rejoins and trains again; every sample of every epoch  |
+| learner 1 killed (kill -9), restarted    | async      | it rejoins and trains again; every sample of every epoch  |
 |                                          |            | trained; stats.events: lost, then rejoined                |
 | the same                                 | 2-softsync | the same                                                  |
 | the same                                 | hardsync   | exactly SGD on the batches each round took                |
 | popen: learner 1 killed, restarted       | async      | it rejoins; stats.events: lost, then rejoined             |
 | popen: learner 1 killed, no restart;     | async      | one with another module is refused, saying what differs;  |
 | processes started by hand for it         |            | the right one joins; one more, for a rank alive, refused  |
+| learner 0 killed, restarted (spawn)      | async      | it rejoins the server that outlived it; results come back |
+| torchrun: learner 1 killed; the agent    | async      | the server awaits both; both new processes rejoin; every  |
+| ends learner 0 and restarts both         |            | sample of every epoch trained; the server ends after      |
 
 Each learner appends ``<pid> <epoch> <clock> <sample ids>`` for every batch it trains on to ``<dir>/ids<rank>``.
 """
@@ -234,3 +237,43 @@ def test_a_process_started_by_hand_for_a_lost_learner_joins_and_a_wrong_one_is_r
         (tmp_path / "stop").touch()
         run.kill()
     assert events(found) == [(1, "lost"), (1, "rejoined")] and found["stats"]["lost"] == {}
+
+
+def test_torchrun_restarting_every_worker_rejoins_the_running_server(tmp_path):
+    """torchrun's agent answers learner 1's death by ending learner 0 (SIGTERM) and starting both again: the
+    server, in a session of its own, outlives them, awaits them back (torchrun's ``--max-restarts`` says they will
+    come), and takes both new processes in where the run was. Every sample of every epoch is trained."""
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    command += ["--max-restarts", "1", "--monitor-interval", "0.5", "--master-addr", "127.0.0.1"]
+    command += ["--master-port", str(port), SCRIPT, str(tmp_path), "0", "6"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(tmp_path / "run.out", "w") as out, open(tmp_path / "run.err", "w") as err:
+        run = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=err)
+    wait_for(lambda: servers_in(tmp_path), "the server to start")  # so that its end below means something
+    found = result(tmp_path, run)
+    assert sorted(events(found)) == [(0, "lost"), (0, "rejoined"), (1, "lost"), (1, "rejoined")], events(found)
+    assert found["stats"]["lost"] == {}
+    assert "(SIGTERMException" in next(e["why"] for e in found["stats"]["events"] if e["learner"] == 0)
+    trained = defaultdict(list)
+    for rank in (0, 1):
+        for line in (tmp_path / f"ids{rank}").read_text().splitlines():
+            _, epoch, *ids = map(int, line.split())
+            trained[epoch] += ids
+    assert sorted(trained) == list(range(6))
+    for epoch, ids in trained.items():
+        assert torch.bincount(torch.tensor(ids), minlength=256).min().item() >= 1, f"epoch {epoch}"
+    wait_for(lambda: not servers_in(tmp_path), "the server to end")
+
+
+def servers_in(directory: Path) -> list[int]:
+    """Server processes started from ``directory`` (under torchrun they meet on a port of their own)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            command = Path(f"/proc/{entry}/cmdline").read_bytes()
+            if b"lightning_rudra.server.process" in command and os.readlink(f"/proc/{entry}/cwd") == str(directory):
+                found.append(int(entry))
+        except OSError:  # ended meanwhile
+            pass
+    return found

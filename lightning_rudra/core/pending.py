@@ -17,6 +17,7 @@ class Gradient:
     has_grad: Tensor
     buffers: Sequence[Tensor]
     timestamp: int
+    count: int = 1  # learners whose gradients it sums (a node's push)
 
 
 @dataclass
@@ -35,9 +36,16 @@ class Pending:
     hparams: Optional[list[dict[str, Any]]] = None
 
     def add(
-        self, grads: Sequence[Tensor], has_grad: Tensor, buffers: Sequence[Tensor], sigma: int, scale: float
+        self,
+        grads: Sequence[Tensor],
+        has_grad: Tensor,
+        buffers: Sequence[Tensor],
+        sigma: int,
+        scale: float,
+        count: int = 1,
     ) -> None:
-        """Sum an admitted gradient (scaled by ``scale``) and its buffers in place, and count its σ."""
+        """Sum an admitted gradient (scaled by ``scale``) and its buffers in place, and count its σ; ``count``: the
+        learners whose gradients (and floating-point buffers) it already sums, each counted in the average."""
         if self.grads is None:
             self.grads = [_accumulator(g, scale) for g in grads]
             self.has_grad = has_grad
@@ -49,8 +57,8 @@ class Pending:
             self.has_grad |= has_grad
             for total, b in zip(self.buffers, buffers):
                 total.add_(b) if total.is_floating_point() else total.copy_(b)
-        self.staleness.append(sigma)
-        self.scales.append(scale)
+        self.staleness += [sigma] * count
+        self.scales += [scale] * count
 
 
 def _accumulator(t: Tensor, scale: float) -> Tensor:

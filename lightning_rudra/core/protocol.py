@@ -21,6 +21,7 @@ from lightning_rudra.core.compensation import (
 from lightning_rudra.core.compression import decompress
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
+from lightning_rudra.core.node import check_node_push
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.stats import Stats
@@ -109,6 +110,8 @@ class Server:
         hparams: Sequence[dict[str, Any]],
         buffers: Sequence[Tensor],
         finite: Optional[bool] = None,
+        members: Sequence[int] = (),
+        refused: Sequence[int] = (),
     ) -> PushResult:
         """Take one gradient. ``grads`` is packed with the gradient layout of ``optimizer`` (zeros where
         ``has_grad`` is False), computed from weights with ``timestamp``; ``hparams`` are the learner's
@@ -118,37 +121,49 @@ class Server:
 
         Everything is checked before anything changes: a bad push raises and leaves the server as it was.
         A compressed gradient (:mod:`lightning_rudra.core.compression`) is widened first.
+
+        A node's push (hardsync, :mod:`lightning_rudra.core.node`): ``grads`` is the sum of the gradients of
+        ``learner`` and ``members`` but those in ``refused`` (not finite, left out by the learner that summed), and
+        ``buffers`` the sum of their floating-point buffers; it counts as the gradient of each of them, so that the
+        update is still the mean over every learner's gradient.
         """
         if optimizer in range(len(self.grad_layouts)) and isinstance(grads, (list, tuple)):
             grads = decompress(grads, list(self.grad_layouts[optimizer].groups))
         self._check_push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
         pending = self._pending[optimizer]
-        if self.config.protocol == "hardsync" and learner in pending.learners:
-            raise RuntimeError(
-                f"learner {learner} pushed twice for optimizer {optimizer} in one hardsync round "
-                f"(clock {self.clock}): hardsync takes one gradient from every learner per update."
-            )
+        group = [learner, *members]
+        check_node_push(self.config.protocol, group, refused, self._check_learner)
+        for who in group:
+            if self.config.protocol == "hardsync" and who in pending.learners:
+                raise RuntimeError(
+                    f"learner {who} pushed twice for optimizer {optimizer} in one hardsync round "
+                    f"(clock {self.clock}): hardsync takes one gradient from every learner per update."
+                )
+        if refused and self.config.nonfinite == "raise":
+            finite = False
         sigma = self._staleness(timestamp)
+        count = len(group) - len(refused)  # the gradients summed in grads
         if finite is None:
             finite = all_finite(grads)
-        if not finite:
+        if not finite or not count:
             if self.config.nonfinite == "raise":
                 raise FloatingPointError(
-                    f"learner {learner} pushed a gradient with NaN or Inf for optimizer "
+                    f"learner {refused[0] if refused else learner} pushed a gradient with NaN or Inf for optimizer "
                     f"{optimizer}; the weights were left unchanged (nonfinite='raise')."
                 )
-            self.stats.rejected += 1
+            self.stats.rejected += len(group)
             status = "rejected"
         else:
-            pending.received += 1
+            self.stats.rejected += len(refused)
+            pending.received += count
             pending.hparams = list(hparams)
             if self._defer:
-                pending.waiting.append(Gradient(grads, has_grad, buffers, timestamp))
+                pending.waiting.append(Gradient(grads, has_grad, buffers, timestamp, count))
                 status = "queued"
             else:
-                status = self._admit(pending, optimizer, grads, has_grad, buffers, sigma)
-        self.stats.gradients += 1
-        pending.learners.add(learner)
+                status = self._admit(pending, optimizer, grads, has_grad, buffers, sigma, count)
+        self.stats.gradients += len(group)
+        pending.learners.update(group)
         if self.history is not None:
             self.history.last_push[learner] = timestamp
         if not self._ready(pending):
@@ -270,9 +285,9 @@ class Server:
     def _too_stale(self, sigma: int) -> bool:
         return self.config.max_staleness is not None and sigma > self.config.max_staleness
 
-    def _admit(self, pending: Pending, optimizer: int, grads, has_grad, buffers, sigma: int) -> str:
+    def _admit(self, pending: Pending, optimizer: int, grads, has_grad, buffers, sigma: int, count: int = 1) -> str:
         """Drop a gradient staler than the bound, or compensate it and add it to the sum; count its σ. Returns
-        its status."""
+        its status. ``count``: how many learners' gradients ``grads`` sums (a node's push)."""
         if self._too_stale(sigma):
             self.stats.dropped += 1
             return "dropped"
@@ -287,8 +302,8 @@ class Server:
                 self._states(optimizer),
             )
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
-        pending.add(grads, has_grad, buffers, sigma, scale)
-        self.stats.staleness[sigma] = self.stats.staleness.get(sigma, 0) + 1
+        pending.add(grads, has_grad, buffers, sigma, scale, count)
+        self.stats.staleness[sigma] = self.stats.staleness.get(sigma, 0) + count
         return "accepted"
 
     def _close(self, optimizer: int) -> Optional[Update]:
@@ -302,6 +317,7 @@ class Server:
                 gradient.has_grad,
                 gradient.buffers,
                 self._staleness(gradient.timestamp),
+                gradient.count,
             )
         if pending.grads is None:
             return None

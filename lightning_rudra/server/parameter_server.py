@@ -13,7 +13,7 @@ with ``min_learners``, completes with the learners left.
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from torch.futures import Future
 
@@ -132,13 +132,19 @@ class ParameterServer:
         hparams,
         buffers,
         finite: Optional[bool] = None,
+        members: Sequence[int] = (),
+        refused: Sequence[int] = (),
     ) -> Future:
+        """``members``, ``refused``: a node's push, counted as the gradients of ``learner`` and ``members``
+        (:meth:`Server.push`); its reply goes to ``learner``, which shares it with them."""
         with self.lock:
             self._check_alive()
             core = self._core()
             if grads is None:
                 grads = self.shared.gradient(learner, optimizer, core)
-            result = core.push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite)
+            result = core.push(
+                learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, members, refused
+            )
             in_round = core.config.protocol == "hardsync" and not result.closed
             if in_round:
                 reply: Future = Future()

@@ -176,16 +176,20 @@ class LearnerClient:
         buffers: list[Tensor],
         timestamp: int,
         finite: Optional[bool] = None,
+        members: Sequence[int] = (),
+        refused: Sequence[int] = (),
     ) -> Future:
         """Send a gradient computed from the weights of ``timestamp``; hand the future to :meth:`receive`.
         The tensors must not change until it resolves (RPC reads them when it sends them). ``grads=None``: the
         gradient is in this learner's shared-memory buffer. ``finite``: whether the whole gradient is (None: the
-        server checks its part)."""
+        server checks its part). ``members``, ``refused``: a node's push (:meth:`Server.push
+        <lightning_rudra.core.protocol.Server.push>`)."""
+        node = (list(members), list(refused)) if members or refused else ()
         return rpc.rpc_async(
             self.server,
             _server.call_async,
             timeout=_NO_TIME_LIMIT,
-            args=("push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite),
+            args=("push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, *node),
         )
 
     def receive(self, pushed: Future) -> PushReply:

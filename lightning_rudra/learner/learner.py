@@ -14,7 +14,9 @@ from torch import Tensor
 from torch.futures import Future
 from torch.optim import Optimizer
 
+from lightning_rudra.core.update import PushReply
 from lightning_rudra.learner.server_client import ServerClient
+from lightning_rudra.learner.node import check_in_flight
 from lightning_rudra.learner.shard import Shard
 from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.flat import FlatLayout
@@ -49,7 +51,7 @@ class Learner:
         # gradients pushed in RPC messages, with their rounding errors (None: in full precision)
         self.feedback = ErrorFeedback(compression) if compression is not None else None
         # (pushes in flight: shard, future and the buffers sent; their optimizer) not yet settled
-        self._in_flight: Optional[tuple[list[tuple[Shard, Future, list[Tensor]]], int]] = None
+        self._in_flight: Optional[tuple[list[tuple[Shard, Optional[Future], list[Tensor]]], int]] = None
         self.params = list(module.parameters())
         self.buffers = list(module.buffers())
         self._cut(whole=False)
@@ -124,7 +126,11 @@ class Learner:
         return tuple(client.timestamp for client in self.clients)
 
     def unwrap(self) -> None:
-        """Training is over: the module's parameters no longer report their gradients to this learner."""
+        """Training is over: the module's parameters no longer report their gradients to this learner (nor do
+        its node's peers wait for its pushes)."""
+        for shard in self.shards:
+            if shard.link is not None:
+                shard.link.close(failed=True)  # after finish, nothing: it is DONE already
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -209,20 +215,24 @@ class Learner:
         all_buffers = [shard.buffer_layout.pack(shard.buffers, _CPU) for shard in self.shards]
         if any(shard.shm is not None for shard in self.shards):
             self.settle()  # a server may still read this buffer for the push in flight
-        pushed = []
-        for shard, buffers in zip(self.shards, all_buffers):
+        pushed: list[tuple[Shard, Optional[Future], list[Tensor]]] = []
+        # a node's leader waits for its members' gradients (node-local aggregation): the other pushes go first
+        for shard, buffers in sorted(zip(self.shards, all_buffers), key=lambda sb: sb[0].link is not None):
             owned = shard.owned[index]
             grad_parts = parts(grads, owned)
+            positions = [position for position, _ in owned]
+            if shard.link is not None:
+                check = lambda: check_in_flight(pushed)  # noqa: E731  (the list as it grows)
+                future = self._push_node(
+                    shard, index, grad_parts, has_grad[positions], hparams, buffers, timestamps, check
+                )
+                pushed.append((shard, future, buffers))
+                continue
             if shard.shm is not None:
                 shard.grad_layouts[index].pack_into(grad_parts, shard.shm.grads[index])
                 packed = None
             else:
-                packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
-                if self.feedback is not None:
-                    # simulated learners share this Learner: each keeps its own error (its client says whose step)
-                    whose = getattr(shard.client, "learner", shard.client.rank)
-                    packed = self.feedback.compress((shard.index, index, whose), packed)
-            positions = [position for position, _ in owned]
+                packed = self._compressed(shard, index, shard.grad_layouts[index].pack(grad_parts, _CPU))
             pushed.append(
                 (
                     shard,
@@ -237,12 +247,47 @@ class Learner:
         if not self.overlap:
             self.settle()
 
+    def _compressed(self, shard: Shard, index: int, packed: list[Tensor]) -> list[Tensor]:
+        if self.feedback is None:
+            return packed
+        # simulated learners share this Learner: each keeps its own error (its client says whose step)
+        whose = getattr(shard.client, "learner", shard.client.rank)
+        return self.feedback.compress((shard.index, index, whose), packed)
+
+    def _push_node(
+        self, shard: Shard, index: int, grad_parts, has_grad, hparams, buffers, timestamps, check
+    ) -> Optional[Future]:
+        """This learner's part of its node's push to ``shard``'s server (:mod:`lightning_rudra.learner.node`)."""
+        assert shard.link is not None
+        packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
+
+        def send(grads, has, summed, members, refused) -> Future:
+            grads = self._compressed(shard, index, grads)
+            stamp = timestamps[shard.index]
+            return shard.client.push(index, grads, has, hparams, summed, stamp, True, members, refused)
+
+        return self._failing_node(
+            lambda: shard.link.push(  # type: ignore[union-attr]
+                index, packed, has_grad, buffers, all_finite(packed), send, check
+            )
+        )
+
+    def _failing_node(self, step: Callable[[], Any]) -> Any:
+        """Run a step of node-local aggregation; if anything fails, this learner's node peers stop waiting."""
+        try:
+            return step()
+        except BaseException:
+            for shard in self.shards:
+                if shard.link is not None:
+                    shard.link.close(failed=True)
+            raise
+
     def settle(self) -> None:
         """Wait for the pushes in flight, if any, and load the weights they brought."""
         if self._in_flight is None:
             return
         (pushed, index), self._in_flight = self._in_flight, None
-        replies = [(shard, shard.client.receive(future), sent) for shard, future, sent in pushed]
+        replies = [(shard, self._receive(shard, future, pushed), sent) for shard, future, sent in pushed]
         for shard, reply, sent in replies:
             shard.take(reply.params, reply.buffers, sent if self.overlap else None)
         if self.on_push is not None:
@@ -253,11 +298,21 @@ class Learner:
                 min(reply.lr_scale for _, reply, _ in replies),
             )
 
+    def _receive(self, shard: Shard, future: Optional[Future], pushed: list) -> PushReply:
+        if shard.link is None:
+            assert future is not None
+            return shard.client.receive(future)
+        link = shard.link
+        return self._failing_node(lambda: link.receive(shard.client, future, lambda: check_in_flight(pushed)))
+
     def finish(self) -> None:
         """Stop pushing and take the final weights, once every learner has stopped. Every server hears it at
         once: a learner still training waits in a hardsync round on one server only until this one is done
         there too."""
         self.settle()
+        for shard in self.shards:
+            if shard.link is not None:
+                shard.link.close(failed=False)
         finishing = [(shard, shard.client.finish()) for shard in self.shards]
         for shard, future in finishing:
             shard.take(*shard.client.final_weights(future))

@@ -8,7 +8,7 @@ mini-batch from weights with timestamp ``j`` and pushes it; the server's clock `
 gradient applied at clock ``i`` has staleness σ = i - j.
 """
 
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 from torch import Tensor
 from torch.futures import Future
@@ -64,10 +64,13 @@ class ServerClient(Protocol):
         buffers: list[Tensor],
         timestamp: int,
         finite: Optional[bool] = None,
+        members: Sequence[int] = (),
+        refused: Sequence[int] = (),
     ) -> Future:
         """Push a gradient of ``optimizer`` computed from the weights of ``timestamp``, with the learner's
         hyper-parameters (its LR schedule) and buffers; ``grads=None``: it is in the server's shared memory.
-        ``finite``: whether the whole gradient is (None: the server checks). Hand the future to :meth:`receive`."""
+        ``finite``: whether the whole gradient is (None: the server checks); ``members``, ``refused``: a node's
+        push (node-local aggregation). Hand the future to :meth:`receive`."""
         ...
 
     def receive(self, pushed: Future) -> PushReply:

@@ -12,6 +12,7 @@ from torch import Tensor
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.shards import Piece
 from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.learner.node import NodeLink
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.transport.shm import MappedWeights
 
@@ -35,6 +36,8 @@ class Shard:
         self.owned: list[list[tuple[int, Piece]]] = []
         self.shm: Optional[MappedWeights] = None
         self.attached = False
+        # a server on another host that this node's learners push to together (node-local aggregation)
+        self.link: Optional[NodeLink] = None
 
     def attach(self, shared_memory: bool) -> None:
         """Map the server's shared memory if it has some and runs on this host; tell it either way."""

@@ -92,10 +92,13 @@ class SimulatedClient:
         buffers: list[Tensor],
         timestamp: int,
         finite: Optional[bool] = None,
+        members: Sequence[int] = (),
+        refused: Sequence[int] = (),
     ) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
         there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
         assert grads is not None, "no shared memory to read a gradient from: a Learner sends it in the push"
+        assert not members and not refused, "simulated learners push alone: no node-local aggregation"
         server = self._server()
         hardsync = server.config.protocol == "hardsync"
         if hardsync and any(self.learner in parked for parked in self._parked.values()):

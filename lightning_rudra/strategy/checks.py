@@ -18,6 +18,7 @@ from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
+from lightning_rudra.core.node import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
 
 
@@ -103,6 +104,21 @@ def check_num_servers(num_servers: Optional[int], simulate: Optional[int]) -> No
         raise ValueError(
             f"num_servers={num_servers} has no meaning with simulate={simulate}: simulated learners "
             "share one in-process server. Leave num_servers unset."
+        )
+
+
+def check_node_aggregation(
+    node_aggregation: Optional[bool], protocol: str, min_learners: Optional[int], simulate: Optional[int]
+) -> None:
+    if node_aggregation not in (None, True, False):
+        raise ValueError(
+            f"node_aggregation={node_aggregation!r} is not valid: expected None (on where it applies), True or False."
+        )
+    why = refusal(protocol, min_learners, simulate) if node_aggregation else None
+    if why is not None:
+        raise ValueError(
+            f"node_aggregation=True cannot be used with {why}. Leave node_aggregation unset (None: on only where it "
+            "applies) or set it to False."
         )
 
 

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.compression import compression_option
 from lightning_rudra.core.config import ProtocolConfig, validate_n, validate_options
+from lightning_rudra.core.node import refusal as node_refusal
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
 from lightning_rudra.learner.learner import LearnerOptimizer
@@ -30,6 +31,7 @@ from lightning_rudra.strategy.checks import (
     check_arguments,
     check_min_learners,
     check_module,
+    check_node_aggregation,
     check_num_servers,
     check_optimizers,
     check_simulated_devices,
@@ -69,6 +71,9 @@ class RudraStrategy(ServerParallelStrategy):
         compression: ``"bf16"``: gradients pushed through RPC (to another host's server) travel in bfloat16, with
             error feedback (:mod:`lightning_rudra.core.compression`); None: in full precision.
         num_servers: server processes, each owning a contiguous part of the parameters; None: one per node.
+        node_aggregation: hardsync, several learners per node: they sum their gradients in the node's shared memory
+            and make one push per round to each server on another host, whose weights they share (Rudra-adv).
+            None: on wherever that applies; False: every learner pushes alone.
         simulate: λ learners simulated in this one process (``Trainer(devices=1)``); None: real learners.
         timing: with ``simulate``, the learners' step times (:mod:`lightning_rudra.core.timing`).
 
@@ -94,6 +99,7 @@ class RudraStrategy(ServerParallelStrategy):
         shared_memory: bool = True,
         compression: Optional[Literal["bf16", "none"]] = None,
         num_servers: Optional[int] = None,
+        node_aggregation: Optional[bool] = None,
         simulate: Optional[int] = None,
         timing: Optional[TimingModel] = None,
         accelerator: Optional[Accelerator] = None,
@@ -114,6 +120,7 @@ class RudraStrategy(ServerParallelStrategy):
         validate_options(protocol, n, modulation, max_staleness, nonfinite, compensation)
         check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts)
         check_simulation(simulate, timing, sampling, overlap)
+        check_node_aggregation(node_aggregation, protocol, min_learners, simulate)
         self.protocol = protocol
         self.n = n
         self.lr_modulation = modulation
@@ -128,6 +135,7 @@ class RudraStrategy(ServerParallelStrategy):
         self.shared_memory = shared_memory
         self.compression = compression_option(compression)
         self.num_servers = num_servers
+        self.node_aggregation = node_aggregation
         self.sampling = sampling or ("static" if protocol == "hardsync" or simulate else "shared")
         self.simulate = simulate
         self.timing = (timing or Homogeneous()) if simulate else timing
@@ -155,6 +163,16 @@ class RudraStrategy(ServerParallelStrategy):
     def num_learners(self) -> int:
         """λ: one learner per process, on every node, or the number of simulated learners."""
         return self.simulate or self.num_nodes * self.num_processes
+
+    @property
+    def _aggregating(self) -> bool:
+        """Whether the learners decide on node-local aggregation at setup (every learner alike): asked for, or, by
+        default, under hardsync with several nodes of several learners each (where it applies to a server is decided
+        then: all of a node's learners must reach it through RPC)."""
+        if self.node_aggregation is not None:
+            return self.node_aggregation
+        auto = self.num_nodes > 1 and self.num_processes > 1 and not self.simulate
+        return auto and node_refusal(self.protocol, self.min_learners, self.simulate) is None
 
     @override
     def _configure_launcher(self) -> None:
@@ -233,6 +251,7 @@ class RudraStrategy(ServerParallelStrategy):
                 config,
                 resumed,
                 self._servers.clients if self._servers.rejoining else [],
+                (self.node_rank, self.rpc_timeout, self.is_global_zero) if self._aggregating else None,
             )
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
 

@@ -15,6 +15,7 @@ from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.learner.learner import Learner
+from lightning_rudra.learner.node import aggregate
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checks import is_placeholder, warn_of_meetings_per_batch
@@ -50,11 +51,14 @@ class Training:
         config: Optional[ProtocolConfig],
         resumed: tuple[Optional[Stats], Optional[list[dict[str, Any]]]],
         rejoining: Sequence[LearnerClient],
+        aggregation: Optional[tuple[int, float, bool]] = None,
     ) -> list[Any]:
         """This fit's learner over ``clients``: learner 0 (given the protocol's ``config``) registers the model, on
         resume with the checkpoint's statistics and optimizer states; a process that takes a lost learner's place
         asks its servers (``rejoining``) to rejoin; every learner then pulls the weights. Returns the optimizers
-        Lightning steps: wrapped, so that their steps push."""
+        Lightning steps: wrapped, so that their steps push. ``aggregation``: (node rank, rpc_timeout, whether this is
+        learner 0) where the learners decide on node-local aggregation (:func:`~lightning_rudra.learner.node.aggregate`,
+        after the optimizers are laid out)."""
         # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
         stepping = [] if any(map(is_placeholder, optimizers)) else optimizers
         self.learner = Learner(module, clients, overlap, shared_memory, compression)
@@ -67,7 +71,15 @@ class Training:
         if not self.rejoin.over:  # a process admitted too late only leaves
             self.learner.pull()  # every learner starts from learner 0's (possibly restored) weights
         self.resumed = resumed[0]  # the shared epoch goes on from its statistics
-        return list(self.learner.wrap(stepping)) if stepping else optimizers
+        if not stepping:
+            return optimizers
+        wrapped = list(self.learner.wrap(stepping))
+        if aggregation is not None:
+            node, timeout, announce = aggregation
+            client = self.learner.clients[0]
+            assert isinstance(client, LearnerClient), "simulated learners do not aggregate (refused at __init__)"
+            aggregate(self.learner, client.gather, node, timeout, announce)
+        return wrapped
 
     def start(
         self,

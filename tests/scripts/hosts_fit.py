@@ -3,11 +3,13 @@
 the end, one JSON line with the weights it returns and the server's statistics.
 
 Arguments: num_nodes, devices (learners per host), max_epochs, then optionally the protocol (hardsync), seconds
-each training step sleeps (0), rpc_timeout (20), the hidden layer's width (16, the regression module's) and the
-compression (none).
+each training step sleeps (0), rpc_timeout (20), the hidden layer's width (16, the regression module's), the
+compression (none), node-local aggregation (auto, on or off) and a learner that kills itself (RANK:STEP, none).
 """
 
 import json
+import os
+import signal
 import sys
 import time
 
@@ -28,27 +30,34 @@ class Wide(Regression):
 
 
 class Sleepy(Wide):
-    def __init__(self, sleep: float, width: int) -> None:
+    def __init__(self, sleep: float, width: int, die: str = "none") -> None:
         super().__init__(width)
         self.sleep = sleep
+        self.die = None if die == "none" else tuple(int(x) for x in die.split(":"))
 
     def on_train_start(self) -> None:
         if self.trainer.is_global_zero:
             print("TRAINING", flush=True)
 
     def training_step(self, batch, batch_idx):
+        if self.die is not None and (self.global_rank, self.global_step) == self.die:
+            print(f"KILLING learner {self.global_rank}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.sleep)
         return super().training_step(batch, batch_idx)
 
 
 if __name__ == "__main__":
     num_nodes, devices, epochs = (int(arg) for arg in sys.argv[1:4])
-    protocol, sleep, timeout, width, compression = (
-        sys.argv[4:] + ["hardsync", "0", "20", "16", "none"][len(sys.argv[4:]) :]
-    )[:5]
-    strategy = RudraStrategy(protocol=protocol, rpc_timeout=float(timeout), compression=compression)
+    protocol, sleep, timeout, width, compression, aggregation, die = (
+        sys.argv[4:] + ["hardsync", "0", "20", "16", "none", "auto", "none"][len(sys.argv[4:]) :]
+    )[:7]
+    node_aggregation = {"auto": None, "on": True, "off": False}[aggregation]
+    strategy = RudraStrategy(
+        protocol=protocol, rpc_timeout=float(timeout), compression=compression, node_aggregation=node_aggregation
+    )
     trainer = quiet_trainer(strategy, devices, num_nodes=num_nodes, max_epochs=epochs)
-    model = Sleepy(float(sleep), int(width))
+    model = Sleepy(float(sleep), int(width), die)
     trainer.fit(model, loader(8))
     if trainer.is_global_zero:
         print(

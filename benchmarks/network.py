@@ -41,7 +41,9 @@ def phase(suite: Any) -> None:
             f"{TRAINING['lr']} momentum {TRAINING['momentum']}, {steps} steps per learner and epoch, {epochs} epochs, "
             f"no straggler. Rudra with its default options (one server per host, each owning half of the "
             f"parameters, reached through shared memory on its host and through RPC from the other; async with the "
-            f'shared epoch, hardsync with DistributedSampler as DDP), and with `compression="bf16"` (gradients '
+            f"shared epoch, hardsync with DistributedSampler as DDP; with 2 learners per host hardsync aggregates "
+            f"on the node: one push per host and round to the other host's server), with `node_aggregation=False` "
+            f'(every learner pushes alone), and with `compression="bf16"` (gradients '
             f"pushed through RPC in bfloat16, with error feedback). *samples/s* as in section 6; *vs DDP*: each run "
             f"against the mean of the DDP (gloo) runs just before and after it, median (lowest–highest) over runs. "
             f"*MB per step*: what host 1's end of the link sent / received between two of its first learner's "
@@ -71,7 +73,8 @@ def phase(suite: Any) -> None:
             try:
                 suite.pools[name].wait_ready()
                 suite.log(f"workers ready: {name}")
-                for seq, (key, rep) in enumerate(suite._schedule(cfg["network_strategies"], spec["reps"])):
+                strategies = spec.get("strategies", cfg["network_strategies"])
+                for seq, (key, rep) in enumerate(suite._schedule(strategies, spec["reps"])):
                     run = suite._train(key, rep, seq, pool=name, timeout=timeout, sleep_s=[0.0] * learners, **setup)
                     if run is None:
                         continue

@@ -26,6 +26,18 @@ TARGETS = [
     ("models_10M_2_straggler_async", "10 M MLP, 2 learners, one 3x straggler: async samples/s / DDP", 2.0, ">="),
     ("accuracy_4x3", "4 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
     ("accuracy_2x3", "2 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
+    (
+        "network_aggregation_bytes",
+        "2 hosts x 2 learners, 1 Gbit/s: hardsync link bytes per step, node aggregation / without",
+        0.55,
+        "<=",
+    ),
+    (
+        "network_aggregation_vs_ddp",
+        "2 hosts x 2 learners, 1 Gbit/s: hardsync (node aggregation) samples/s / DDP",
+        1.3,
+        ">=",
+    ),
 ]
 
 STRATEGY_LABELS = {
@@ -255,6 +267,13 @@ def model_key(config: dict[str, Any]) -> str:
     return f"models_{config['target_params'] // 1_000_000}M_{config['learners']}"
 
 
+def _link_total(entry: dict[str, Any]) -> Optional[float]:
+    """Host 1's end of the link: bytes sent and received per step (median over runs)."""
+    link = entry.get("link_per_step") or [{}, {}]
+    ways = [link[1].get(way) for way in ("sent", "received")]
+    return None if None in ways else sum(ways)
+
+
 def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     values: dict[str, Optional[float]] = {}
     tr = summary.get("transport", {}).get("rudra", {}).get(str(10_000_000), {})
@@ -277,6 +296,14 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             values[f"{name}_{key}"] = entry.get("vs_ddp")
         for key, entry in config.get("straggler", {}).items():
             values[f"{name}_straggler_{key}"] = entry.get("vs_ddp")
+    for config in summary.get("network", []):
+        if config["rate"] != "1gbit" or config["learners_per_host"] != 2:
+            continue
+        runs = config["runs"]
+        values["network_aggregation_vs_ddp"] = runs.get("hardsync", {}).get("vs_ddp")
+        with_, without = (_link_total(runs.get(key, {})) for key in ("hardsync", "hardsync+no_aggregation"))
+        if with_ and without:
+            values["network_aggregation_bytes"] = with_ / without
     never = set()  # measured, but the target accuracy never reached
     for config in summary.get("accuracy", []):
         name = f"accuracy_{config['learners']}x{config['slowdown']:g}"

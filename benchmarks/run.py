@@ -74,6 +74,7 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "hardsync+quiet_log": ("hardsync", 1, ["quiet_log"], {}),
     "hardsync+bf16": ("hardsync", 1, [], {"compression": "bf16"}),
     "async+bf16": ("async", 1, [], {"compression": "bf16"}),
+    "hardsync+no_aggregation": ("hardsync", 1, [], {"node_aggregation": False}),
 }
 report.STRATEGY_LABELS.update(
     {
@@ -86,6 +87,7 @@ report.STRATEGY_LABELS.update(
         "hardsync+quiet_log": "Rudra hardsync, staleness logged every 50 steps (prototype)",
         "hardsync+bf16": 'Rudra hardsync, compression="bf16"',
         "async+bf16": 'Rudra async, compression="bf16"',
+        "hardsync+no_aggregation": "Rudra hardsync, node_aggregation=False",
     }
 )
 
@@ -134,7 +136,13 @@ DEFAULT = {
     "accuracy_samples": 6000,
     "network": [
         {"rate": "1gbit", "learners_per_host": 1, "reps": 2},
-        {"rate": "1gbit", "learners_per_host": 2, "reps": 2},
+        # hardsync there aggregates on the node by default: against the same without it
+        {
+            "rate": "1gbit",
+            "learners_per_host": 2,
+            "reps": 2,
+            "strategies": ["ddp", "hardsync", "hardsync+no_aggregation", "async", "hardsync+bf16", "async+bf16"],
+        },
         {"rate": "10gbit", "learners_per_host": 1, "reps": 1},
     ],
     "network_params": 10 * M,
@@ -783,6 +791,15 @@ def _meta(quick: bool) -> dict[str, Any]:
     }
 
 
+def _network_spec(text: str) -> dict[str, Any]:
+    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...]."""
+    rate, per_host, reps, *strategies = text.split(":")
+    spec: dict[str, Any] = {"rate": rate, "learners_per_host": int(per_host), "reps": int(reps)}
+    if strategies:
+        spec["strategies"] = strategies[0].split("/")
+    return spec
+
+
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sizes, settings and repeats: about 2 minutes")
@@ -797,8 +814,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         help="comma-separated phases to run (straggler needs e2e for its calibration; epochs, "
         "models and accuracy calibrate themselves)",
     )
+    parser.add_argument(
+        "--network",
+        help="the network phase's configurations instead of the mode's, comma-separated: "
+        "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation",
+    )
     args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else DEFAULT
+    cfg = dict(QUICK if args.quick else DEFAULT)
+    if args.network:
+        cfg["network"] = [_network_spec(spec) for spec in args.network.split(",")]
     phases = [p for p in args.only.split(",") if p]
     meta = _meta(args.quick)
     suite = Suite(cfg, args.quick)

@@ -62,10 +62,11 @@ def assert_hardsync_over(learners, codes, logs, left, width=16):
 def test_lightnings_launcher_two_hosts_two_learners_each(tmp_path):
     """The weights cross the link, as between machines (no shared memory, no cross-memory attach): every step,
     each learner pushes its gradient's part of the other host's server (one per node) and pulls that part's
-    weights, so that the 4 learners together move 4 models' worth over the link per step."""
+    weights, so that the 4 learners together move 4 models' worth over the link per step. With
+    ``node_aggregation=False``: the path without node-local aggregation (with it: test_node_aggregation.py)."""
     with two_hosts() as hosts:
         envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
-        command = [sys.executable, SCRIPT, "2", "2", str(EPOCHS), "hardsync", "0", "20", str(WIDTH)]
+        command = [sys.executable, SCRIPT, "2", "2", str(EPOCHS), "hardsync", "0", "20", str(WIDTH), "none", "off"]
         before = hosts[1].link_bytes()
         codes, logs, left = run_on_hosts(hosts, [command, command], envs, tmp_path)
         crossed = hosts[1].link_bytes() - before

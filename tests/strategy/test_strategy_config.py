@@ -91,11 +91,35 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         (dict(protocol="hardsync", overlap=True), "overlap=True is not available with protocol='hardsync'"),
         (dict(sampling="dynamic"), "sampling='dynamic' is not supported: expected 'shared', 'static' or None"),
         (dict(protocol="hardsync", sampling="shared"), "sampling='shared' is not available with protocol='hardsync'"),
+        (dict(node_aggregation=True), "node_aggregation=True cannot be used with protocol='softsync'"),
+        (dict(protocol="hardsync", node_aggregation=True, min_learners=1), "cannot be used with min_learners=1"),
+        (dict(protocol="hardsync", node_aggregation=True, simulate=2), "cannot be used with simulate=2"),
+        (dict(node_aggregation="yes"), "node_aggregation='yes' is not valid"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RudraStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, nodes, devices, expected",
+    [
+        (dict(protocol="hardsync"), 2, 2, True),  # where the learners then decide, server by server
+        (dict(protocol="hardsync"), 1, 2, False),  # one host: shared memory already
+        (dict(protocol="hardsync"), 2, 1, False),  # one learner per node: nothing to sum
+        (dict(protocol="async"), 2, 2, False),
+        (dict(protocol="hardsync", min_learners=2), 2, 2, False),
+        (dict(protocol="hardsync", node_aggregation=False), 2, 2, False),
+        (dict(protocol="hardsync", node_aggregation=True), 1, 2, True),
+    ],
+)
+def test_node_aggregation_is_on_by_default_only_under_hardsync_with_several_nodes_of_several_learners(
+    kwargs, nodes, devices, expected
+):
+    strategy = RudraStrategy(**kwargs)
+    trainer(strategy, devices=devices, num_nodes=nodes)
+    assert strategy._aggregating is expected
 
 
 def test_n_larger_than_the_learners_is_refused_when_the_trainer_is_built():

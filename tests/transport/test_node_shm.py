@@ -1,0 +1,134 @@
+"""The node's board (node-local aggregation) in one process: a member maps the leader's files (and only those), the
+files go once mapped, and a round through :class:`~lightning_rudra.learner.node.NodeLink`: the leader sums, sends once
+and writes the reply's weights, which the member reads. Every wait ends with an error naming the learner waited for
+when it ended, stopped pushing or went silent."""
+
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from lightning_rudra.core.node import NodeGroup
+from lightning_rudra.core.update import PushReply
+from lightning_rudra.learner.node import NodeLink
+from lightning_rudra.transport.node_shm import BEAT, PID, NodeBoard, board_layout
+from torch.futures import Future
+
+
+def layout(members=(0, 1)):
+    return board_layout(members, [{torch.float32: 3}], [2], {torch.float32: 3}, {torch.float32: 1})
+
+
+def test_a_member_maps_the_leaders_files_which_then_go(tmp_path):
+    board = NodeBoard.create(layout(), str(tmp_path))
+    mapped = NodeBoard.open(layout(), board.names)
+    mapped.params[0][:] = 5.0
+    assert board.params[0].tolist() == [5.0] * 3  # the same memory
+    board.unlink()
+    assert list(tmp_path.iterdir()) == []
+    assert mapped.params[0].tolist() == [5.0] * 3  # the mapping stays valid
+
+
+def test_a_file_that_is_not_the_leaders_is_refused(tmp_path):
+    board = NodeBoard.create(layout(), str(tmp_path))
+    names = board.names
+    board.header[0] += 1  # another board in its place
+    with pytest.raises(OSError, match="token differs"):
+        NodeBoard.open(layout(), names)
+    board.unlink()
+
+
+class Client:
+    timestamp = 0
+
+    def receive(self, future):
+        return future.wait()
+
+
+def links(tmp_path, timeout=5.0):
+    leader_board = NodeBoard.create(layout(), str(tmp_path))
+    member_board = NodeBoard.open(layout(), leader_board.names)
+    leader_board.unlink()
+    group = NodeGroup(0, 1, (0, 1))
+    return NodeLink(group, 0, leader_board, timeout, "parameter server 1"), NodeLink(
+        group, 1, member_board, timeout, "parameter server 1"
+    )
+
+
+def test_a_round_the_leader_sums_and_sends_once_the_member_reads_the_weights(tmp_path):
+    leader, member = links(tmp_path)
+    sent = []
+
+    def send(grads, has, buffers, members, refused):
+        sent.append((grads[0].tolist(), has.tolist(), buffers[0].tolist(), members, refused))
+        future = Future()
+        future.set_result(PushReply("accepted", 0, 1.0, [torch.tensor([9.0, 8.0, 7.0])], [torch.tensor([0.5])], 3))
+        return future
+
+    def member_round():
+        member.push(
+            0,
+            [torch.tensor([1.0, 1.0, 1.0])],
+            torch.tensor([False, True]),
+            [torch.tensor([2.0])],
+            True,
+            send,
+            lambda: None,
+        )
+        replies.append(member.receive(Client(), None, lambda: None))
+
+    replies = []
+    thread = threading.Thread(target=member_round)
+    thread.start()
+    future = leader.push(
+        0, [torch.tensor([1.0, 2.0, 3.0])], torch.tensor([True, False]), [torch.tensor([1.0])], True, send, lambda: None
+    )
+    leader_reply = leader.receive(Client(), future, lambda: None)
+    thread.join(10)
+    assert sent == [([2.0, 3.0, 4.0], [True, True], [3.0], [1], [])]
+    [reply] = replies
+    assert reply.params[0].tolist() == [9.0, 8.0, 7.0] and reply.buffers[0].tolist() == [0.5]
+    assert (reply.status, reply.clock, leader_reply.clock) == ("accepted", 3, 3)
+    leader.close(False)
+    member.close(False)
+
+
+def test_the_leader_names_a_member_that_ended_or_stopped_pushing(tmp_path):
+    leader, member = links(tmp_path)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    member.slot.control[PID] = ended.pid
+    push = (0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)], True, None, lambda: None)
+    with pytest.raises(RuntimeError, match=r"learner 1 \(on this node, process \d+\) ended while learner 0 waited"):
+        leader.push(*push)
+    member.slot.control[PID] = 0
+    member.close(False)
+    with pytest.raises(RuntimeError, match="learner 1 .* stopped pushing"):
+        leader.push(*push)
+    leader.close(True)
+
+
+def test_a_member_names_a_leader_that_failed_or_went_silent(tmp_path):
+    leader, member = links(tmp_path, timeout=0.6)
+    leader._stop.set()  # its heartbeat stops, as a stopped process's would
+    leader.slot.control[BEAT] += 1
+    member.push(0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)], True, None, lambda: None)
+    with pytest.raises(RuntimeError, match=r"learner 0 .* no sign of life for more than 0.6 s \(rpc_timeout\)"):
+        member.receive(Client(), None, lambda: None)
+    leader.close(True)
+    with pytest.raises(RuntimeError, match="learner 0 .* failed while learner 1 waited for the weights"):
+        member.receive(Client(), None, lambda: None)
+    member.close(True)
+
+
+def test_a_wait_ends_with_what_another_servers_reply_failed_with(tmp_path):
+    leader, member = links(tmp_path)
+
+    def check():
+        raise RuntimeError("learner 3 (on 10.0.0.2) has not been heard from")
+
+    with pytest.raises(RuntimeError, match="learner 3"):
+        leader.push(0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)], True, None, check)
+    leader.close(True)
+    member.close(True)

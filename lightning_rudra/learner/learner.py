@@ -224,7 +224,7 @@ class Learner:
             if shard.link is not None:
                 check = lambda: check_in_flight(pushed)  # noqa: E731  (the list as it grows)
                 future = self._push_node(
-                    shard, index, grad_parts, has_grad[positions], hparams, buffers, timestamps, check
+                    shard, index, grad_parts, has_grad[positions], hparams, buffers, timestamps, finite, check
                 )
                 pushed.append((shard, future, buffers))
                 continue
@@ -255,11 +255,13 @@ class Learner:
         return self.feedback.compress((shard.index, index, whose), packed)
 
     def _push_node(
-        self, shard: Shard, index: int, grad_parts, has_grad, hparams, buffers, timestamps, check
+        self, shard: Shard, index: int, grad_parts, has_grad, hparams, buffers, timestamps, finite, check
     ) -> Optional[Future]:
-        """This learner's part of its node's push to ``shard``'s server (:mod:`lightning_rudra.learner.node`)."""
+        """This learner's part of its node's push to ``shard``'s server (:mod:`lightning_rudra.learner.node`).
+        ``finite``: of the whole gradient (None: one server, this part is the whole)."""
         assert shard.link is not None
         packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
+        finite = all_finite(packed) if finite is None else finite
 
         def send(grads, has, summed, members, refused) -> Future:
             grads = self._compressed(shard, index, grads)
@@ -268,7 +270,7 @@ class Learner:
 
         return self._failing_node(
             lambda: shard.link.push(  # type: ignore[union-attr]
-                index, packed, has_grad, buffers, all_finite(packed), send, check
+                index, packed, has_grad, buffers, finite, send, check
             )
         )
 

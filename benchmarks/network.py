@@ -105,3 +105,12 @@ def phase(suite: Any) -> None:
                 "runs": summary,
             }
         )
+
+
+def parse_spec(text: str) -> dict[str, Any]:
+    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...]."""
+    rate, per_host, reps, *strategies = text.split(":")
+    spec: dict[str, Any] = {"rate": rate, "learners_per_host": int(per_host), "reps": int(reps)}
+    if strategies:
+        spec["strategies"] = strategies[0].split("/")
+    return spec

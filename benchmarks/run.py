@@ -791,15 +791,6 @@ def _meta(quick: bool) -> dict[str, Any]:
     }
 
 
-def _network_spec(text: str) -> dict[str, Any]:
-    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...]."""
-    rate, per_host, reps, *strategies = text.split(":")
-    spec: dict[str, Any] = {"rate": rate, "learners_per_host": int(per_host), "reps": int(reps)}
-    if strategies:
-        spec["strategies"] = strategies[0].split("/")
-    return spec
-
-
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sizes, settings and repeats: about 2 minutes")
@@ -822,7 +813,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     cfg = dict(QUICK if args.quick else DEFAULT)
     if args.network:
-        cfg["network"] = [_network_spec(spec) for spec in args.network.split(",")]
+        cfg["network"] = [network.parse_spec(spec) for spec in args.network.split(",")]
     phases = [p for p in args.only.split(",") if p]
     meta = _meta(args.quick)
     suite = Suite(cfg, args.quick)

@@ -211,6 +211,26 @@ def aggregate(
     places = gather(LearnerPlace(rank, node, socket.gethostname(), remote))
     groups = [g for g in plan_nodes(list(places.values())) if rank in g.members]
     boards: dict[int, NodeBoard] = {}
+    try:
+        errors = _make_boards(learner, gather, rank, groups, boards)
+    finally:
+        for board in boards.values():
+            board.unlink()  # every member has mapped it, or none will (also if a collective failed)
+    if errors:
+        if announce:
+            warnings.warn(f"lightning_rudra: node-local aggregation is off: {errors[0]}. Each learner pushes alone.")
+        return []
+    for group in groups:
+        shard = learner.shards[group.shard]
+        server = getattr(shard.client, "what", f"parameter server {shard.index}")
+        shard.link = NodeLink(group, rank, boards[group.shard], timeout, server)
+    return groups
+
+
+def _make_boards(
+    learner: "Learner", gather: Callable[[Any], dict[int, Any]], rank: int, groups: list[NodeGroup], boards: dict
+) -> list[str]:
+    """The leaders make their boards, the others map them (into ``boards``); returns every learner's error."""
     error: Optional[str] = None
     try:
         for group in groups:
@@ -226,18 +246,7 @@ def aggregate(
                 boards[group.shard] = NodeBoard.open(_layout(learner, group), made[group.shard])
     except OSError as why:
         error = f"learner {rank} could not map the shared memory of learner {group.leader} on its node: {why}"
-    errors = [e for e in gather(error).values() if e is not None]
-    for board in boards.values():
-        board.unlink()  # every member has mapped it (or none will): nothing stays in /dev/shm
-    if errors:
-        if announce:
-            warnings.warn(f"lightning_rudra: node-local aggregation is off: {errors[0]}. Each learner pushes alone.")
-        return []
-    for group in groups:
-        shard = learner.shards[group.shard]
-        server = getattr(shard.client, "what", f"parameter server {shard.index}")
-        shard.link = NodeLink(group, rank, boards[group.shard], timeout, server)
-    return groups
+    return [e for e in gather(error).values() if e is not None]
 
 
 def _layout(learner: "Learner", group: NodeGroup):

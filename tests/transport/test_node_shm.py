@@ -1,5 +1,6 @@
 """The node's board (node-local aggregation) in one process: a member maps the leader's files (and only those), the
-files go once mapped, and a round through :class:`~lightning_rudra.learner.node.NodeLink`: the leader sums, sends once
+files go once mapped, two learners (threads) link their shards to the server they reach through RPC (or, when one
+cannot map the board, turn aggregation off with a warning), and a round through :class:`~lightning_rudra.learner.node.NodeLink`: the leader sums, sends once
 and writes the reply's weights, which the member reads. Every wait ends with an error naming the learner waited for
 when it ended, stopped pushing or went silent."""
 
@@ -132,3 +133,98 @@ def test_a_wait_ends_with_what_another_servers_reply_failed_with(tmp_path):
         leader.push(0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)], True, None, check)
     leader.close(True)
     member.close(True)
+
+
+class Gathering:
+    """The collectives of two learners in two threads (what the server's gather gives each)."""
+
+    def __init__(self, learners):
+        self.barrier = threading.Barrier(learners)
+        self.objects = {}
+        self.lock = threading.Lock()
+
+    def client(self, rank):
+        def gather(obj):
+            self.barrier.wait(10)
+            with self.lock:
+                self.objects[rank] = obj
+            self.barrier.wait(10)
+            out = dict(sorted(self.objects.items()))
+            self.barrier.wait(10)
+            return out
+
+        return gather
+
+
+class Stub:
+    def __init__(self, rank):
+        self.rank = rank
+        self.timestamp = 0
+        self.what = "parameter server 1"
+
+
+def learners_of_one_node():
+    from lightning_rudra.learner.learner import Learner
+
+    made = []
+    for rank in range(2):
+        module = torch.nn.Linear(3, 2)
+        learner = Learner(module, [Stub(rank), Stub(rank)])
+        learner.shards[0].shm = object()  # server 0 is on this host; server 1 is reached through RPC
+        learner.wrap([torch.optim.SGD(module.parameters(), lr=0.1)])
+        made.append(learner)
+    return made
+
+
+def test_the_learners_of_a_node_link_their_shards_to_the_servers_they_reach_through_rpc(tmp_path, monkeypatch):
+    from lightning_rudra.learner.node import aggregate
+
+    monkeypatch.setenv("LIGHTNING_RUDRA_SHM_DIR", str(tmp_path))
+    learners = learners_of_one_node()
+    gathering, groups = Gathering(2), {}
+
+    def run(rank):
+        groups[rank] = aggregate(learners[rank], gathering.client(rank), 0, 5.0, rank == 0)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert groups[0] == groups[1] == [NodeGroup(0, 1, (0, 1))]
+    assert [learner.shards[1].link.leader for learner in learners] == [True, False]
+    assert all(learner.shards[0].link is None for learner in learners)
+    assert list(tmp_path.iterdir()) == []  # every file went once mapped
+    for learner in learners:
+        learner.shards[1].link.close(False)
+
+
+def test_a_member_that_cannot_map_the_board_turns_aggregation_off_with_a_warning(tmp_path, monkeypatch):
+    from lightning_rudra.learner import node
+
+    monkeypatch.setenv("LIGHTNING_RUDRA_SHM_DIR", str(tmp_path))
+
+    def refuse(layout, names):
+        raise OSError("another /dev/shm")
+
+    monkeypatch.setattr(node.NodeBoard, "open", refuse)
+    learners = learners_of_one_node()
+    gathering, groups, warned = Gathering(2), {}, []
+
+    monkeypatch.setattr(node.warnings, "warn", lambda message, *args, **kwargs: warned.append(message))
+
+    def run(rank):
+        groups[rank] = node.aggregate(learners[rank], gathering.client(rank), 0, 5.0, rank == 0)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert groups == {0: [], 1: []}
+    assert warned == [
+        "lightning_rudra: node-local aggregation is off: learner 1 could not map the shared memory of learner 0 on "
+        "its node: another /dev/shm. Each learner pushes alone."
+    ]
+    assert all(learner.shards[1].link is None for learner in learners)
+    assert list(tmp_path.iterdir()) == []

@@ -66,9 +66,10 @@ def test_a_node_member_killed_mid_run_ends_both_hosts_with_an_error_naming_it(tm
     codes, logs, left, _ = fit_on_two_hosts(tmp_path, *args, timeout=120.0)
     assert None not in codes and 0 not in codes, (codes, [log[-2000:] for log in logs])
     assert f"KILLING learner {victim}" in "".join(logs)
-    # its node's first learner names it; Lightning's launcher on the victim's host may then end that host's
+    # named by its node's first learner, which waited for it ("learner 1 (on this node, process 6) ended while
+    # learner 0 waited ...") or by the server of its host, which saw its process end first ("learner 1 (on
+    # 10.x.y.1) ended before training did"); Lightning's launcher on the victim's host may end that host's
     # processes (SIGKILL) before they print, but the other host hears it through the servers
-    assert f"learner {victim} (on this node, process" in "".join(logs), [log[-3000:] for log in logs]
     other = logs[1 - victim // 2]
-    assert f"learner {victim} (on this node" in other or f"learner {victim} (on " in other, other[-3000:]
+    assert f"learner {victim} (on " in other, other[-3000:]
     assert left == [[], []]

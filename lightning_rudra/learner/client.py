@@ -21,7 +21,7 @@ from lightning_rudra.server.membership import ended, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.update import PushReply
-from lightning_rudra.transport.elastic import LearnerId, RunStore, job_id, run_at
+from lightning_rudra.transport.elastic import LearnerId, RunStore, forget_before_joining, job_id, run_at
 from lightning_rudra.transport.rpc_world import (
     address_towards,
     check_port_free,
@@ -304,6 +304,8 @@ def join(
                 )
         if min_learners is not None and store is None:  # learner 0 of a new run: its first server hosts the store
             store = RunStore(host, port, timeout)
+        if store is not None and incarnation:
+            forget_before_joining(store, rank)
         init_rpc(
             rank, num_learners, init_method, timeout, len(starters), elastic=store is not None, incarnation=incarnation
         )

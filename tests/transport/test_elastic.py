@@ -7,10 +7,11 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+import torch.distributed.rpc as rpc
 
 from lightning_rudra.learner.client import _incarnation
 from lightning_rudra.server.membership import this_process
-from lightning_rudra.transport.elastic import LearnerId, RunStore, incarnation_of
+from lightning_rudra.transport.elastic import LearnerId, RunStore, forget_before_joining, incarnation_of
 from lightning_rudra.transport.rpc_world import free_port, rpc_counters
 
 
@@ -60,3 +61,13 @@ def test_a_learner_id_carries_its_incarnation_through_pickling():
     learner = pickle.loads(pickle.dumps(LearnerId(3, 2)))
     assert learner == 3 and incarnation_of(learner) == 2 and incarnation_of(3) == 0
     assert {learner: "x"}[3] == "x"  # a key like the int
+
+
+def test_a_new_process_strikes_its_learners_earlier_processes_before_it_joins(store):
+    """One that died after joining the world, before any server knew of it, is still listed: a join would call it."""
+    world = dist.PrefixStore(f"rpc_prefix_{rpc._init_counter}", store.store)
+    world.set("RpcGroupManagementToken", "")
+    world.set("names/_ALL_WORKER_INFOS", "server-0,learner0-1,learner1-2,learner10-11,learner1_3-5,")
+    forget_before_joining(store, 1)
+    assert world.get("names/_ALL_WORKER_INFOS").decode() == "server-0,learner0-1,learner10-11,"
+    assert world.get("RpcGroupManagementToken").decode() == ""  # handed back

@@ -12,6 +12,8 @@
 | learner 0 killed, restarted (spawn)      | async      | it rejoins the server that outlived it; results come back |
 | torchrun: learner 1 killed; the agent    | async      | the server awaits both; both new processes rejoin; every  |
 | ends learner 0 and restarts both         |            | sample of every epoch trained; the server ends after      |
+| SLURM's variables: learner 1 dies; the   | async      | it joins and trains                                       |
+| same script started again for its rank   |            |                                                           |
 
 Each learner appends ``<pid> <epoch> <clock> <sample ids>`` for every batch it trains on to ``<dir>/ids<rank>``.
 """
@@ -277,3 +279,38 @@ def servers_in(directory: Path) -> list[int]:
         except OSError:  # ended meanwhile
             pass
     return found
+
+
+def test_under_slurm_a_task_started_again_for_a_lost_learner_joins(tmp_path):
+    """docs/faults.md's SLURM recipe on one host: srun's variables for two tasks; learner 1 dies; the same script
+    with learner 1's SLURM_PROCID and SLURM_LOCALID (as ``srun --overlap`` would start it) joins the run."""
+    base = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("SLURM_") and key not in ("MASTER_ADDR", "NODE_RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    base |= {"PYTHONPATH": str(ROOT), "MASTER_PORT": str(free_port()), "SLURM_NTASKS": "2", "SLURM_NNODES": "1"}
+    base |= {"SLURM_NTASKS_PER_NODE": "2", "SLURM_NODEID": "0", "SLURM_JOB_ID": "4243", "SLURM_NODELIST": "127.0.0.1"}
+    base |= {"SLURM_JOB_NAME": "rudra-test"}
+
+    def task(rank: int, name: str) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+            env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}
+            return subprocess.Popen(
+                [sys.executable, SCRIPT, str(tmp_path), "0", "0"], cwd=tmp_path, env=env, stdout=out, stderr=err
+            )
+
+    tasks = [task(0, "run"), task(1, "first")]
+    try:
+        wait_for((tmp_path / "killed").exists, "learner 1 to kill itself")
+        assert tasks[1].wait(timeout=60) == -signal.SIGKILL
+        tasks.append(task(1, "again"))
+        wait_for(lambda: str(tasks[2].pid) in learner_1_pids(tmp_path), "the new learner 1 to train")
+        (tmp_path / "stop").touch()
+        assert tasks[2].wait(timeout=120) == 0, (tmp_path / "again.err").read_text()[-3000:]
+        found = result(tmp_path, tasks[0])
+    finally:
+        (tmp_path / "stop").touch()
+        for process in tasks:
+            process.kill()
+    assert events(found) == [(1, "lost"), (1, "rejoined")] and found["stats"]["lost"] == {}

@@ -60,8 +60,8 @@ class Recorded(Regression):
         ):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
-        # the survivor is the slower: it must not drain the epoch before the server sees the loss (about 1 s), or
-        # what the lost learner held is dealt again only in the next epoch (docs/faults.md)
+        # the survivor is the slower: it seldom drains the epoch before the server sees the loss (about 1 s), so
+        # what the lost learner held is mostly dealt again in its own epoch, not the next (both are checked)
         time.sleep(0.02 if self.global_rank == self.killed else 0.04)
         clock = self.trainer.strategy._training.learner.client.timestamp  # the weights this gradient comes from
         with open(os.path.join(self.directory, f"ids{self.global_rank}"), "a") as file:
@@ -106,10 +106,23 @@ def check_rejoined(stats, records, num_samples, shared=True, killed=1):
     trained = defaultdict(list)
     for _, _, epoch, _, ids in records:
         trained[epoch] += ids
-    # a static shard is not trained from the loss until the learner that takes its place starts an epoch
-    for epoch in range(EPOCHS) if shared else [0, *range(min(later), EPOCHS)]:
-        counts = torch.bincount(torch.tensor(trained[epoch]), minlength=num_samples)
-        assert counts.min().item() >= 1, f"epoch {epoch}: samples never trained"
+    if shared:
+        assert_every_sample_trained(trained, num_samples, EPOCHS)
+    else:  # a static shard is not trained from the loss until the learner that takes its place starts an epoch
+        for epoch in [0, *range(min(later), EPOCHS)]:
+            counts = torch.bincount(torch.tensor(trained[epoch]), minlength=num_samples)
+            assert counts.min().item() >= 1, f"epoch {epoch}: samples never trained"
+
+
+def assert_every_sample_trained(trained: dict, num_samples: int, epochs: int) -> None:
+    """Under the shared epoch every sample of every epoch is trained: in its epoch, or, held by a learner lost after
+    the others had drained that epoch (docs/faults.md), dealt again in the next one, where it is trained twice."""
+    assert sorted(trained) == list(range(epochs))
+    counts = [torch.bincount(torch.tensor(trained[epoch]), minlength=num_samples) for epoch in range(epochs)]
+    for epoch in range(epochs):
+        missing = counts[epoch] == 0
+        assert epoch + 1 < epochs or not missing.any(), f"epoch {epoch}: samples never trained"
+        assert (counts[min(epoch + 1, epochs - 1)][missing] >= 2).all(), f"epoch {epoch}: samples never trained"
 
 
 @pytest.mark.parametrize("protocol, n, killed", [("async", 1, 1), ("softsync", 2, 1), ("async", 1, 0)])
@@ -264,9 +277,7 @@ def test_torchrun_restarting_every_worker_rejoins_the_running_server(tmp_path):
         for line in (tmp_path / f"ids{rank}").read_text().splitlines():
             _, epoch, *ids = map(int, line.split())
             trained[epoch] += ids
-    assert sorted(trained) == list(range(6))
-    for epoch, ids in trained.items():
-        assert torch.bincount(torch.tensor(ids), minlength=256).min().item() >= 1, f"epoch {epoch}"
+    assert_every_sample_trained(trained, 256, 6)
     wait_for(lambda: not servers_in(tmp_path), "the server to end")
 
 

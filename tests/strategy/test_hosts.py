@@ -190,17 +190,18 @@ def test_a_learner_started_again_on_its_host_joins_across_the_link(tmp_path):
     with two_hosts() as hosts:
         envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
         command = [sys.executable, rejoin, str(tmp_path), "0", "0", "16", "2"]
-        again = []
+        again: list = []  # the new process, and the batches learner 1 had trained before it
+
+        def trained() -> int:
+            return len((tmp_path / "ids1").read_text().splitlines())
 
         def replace_learner_1(logs):
             deadline = time.monotonic() + 120
             while not (tmp_path / "killed").exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
-            again.append(hosts[1].start(command, envs[1], tmp_path / "again.log"))
-            while time.monotonic() < deadline:  # until the new process trains
-                pids = {line.split()[0] for line in (tmp_path / "ids1").read_text().splitlines()}
-                if len(pids) == 2:
-                    break
+            # each host has a pid namespace of its own: both processes may have the same pid, so count batches
+            again.extend([hosts[1].start(command, envs[1], tmp_path / "again.log"), trained()])
+            while trained() == again[1] and time.monotonic() < deadline:  # until the new process trains
                 time.sleep(0.2)
             (tmp_path / "stop").touch()
 
@@ -210,6 +211,7 @@ def test_a_learner_started_again_on_its_host_joins_across_the_link(tmp_path):
         code = again[0].wait(timeout=60) if again else None
     assert codes[0] == 0 and left[0] == [], logs[0][-3000:]
     assert code == 0, (tmp_path / "again.log").read_text()[-3000:]
+    assert trained() > again[1], "the new learner 1 never trained"
     assert LEFT not in (tmp_path / "again.log").read_text(), "processes left on host 1"
     [line] = [line for line in logs[0].splitlines() if line.startswith("RESULT ")]
     found = json.loads(line[len("RESULT ") :])

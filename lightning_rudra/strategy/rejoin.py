@@ -2,7 +2,8 @@
 starts each epoch, and a process that takes a lost learner's place (restarted by the launcher, or started by hand
 with the lost learner's environment) asks to rejoin, waits to be admitted at the start of an epoch
 (:mod:`lightning_rudra.server.rejoins`), and takes the run's place there: Lightning's epoch and global step, the LR
-schedulers' positions, the count of collectives, the run's elapsed time (``max_time``). Until then its collectives stay its own."""
+schedulers' positions, the count of collectives, the run's elapsed time (``max_time``). Until then its
+collectives stay its own."""
 
 import warnings
 from typing import Any, Optional, Sequence

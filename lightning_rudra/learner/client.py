@@ -21,7 +21,7 @@ from lightning_rudra.server.membership import ended, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.update import PushReply
-from lightning_rudra.transport.elastic import LearnerId, RunStore, job_id, run_at
+from lightning_rudra.transport.elastic import LearnerId, RunStore, forget_before_joining, job_id, run_at
 from lightning_rudra.transport.rpc_world import (
     address_towards,
     check_port_free,
@@ -41,6 +41,7 @@ _CONNECTION_LOST = re.compile(
     r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe", re.I
 )
 _TIMED_OUT = re.compile(r"ran for more than set timeout", re.I)
+_COUNTING_S = 10.0  # beyond rpc_timeout, for a busy server to count a silent learner lost
 
 
 class LearnerClient:
@@ -308,6 +309,8 @@ def join(
                 )
         if min_learners is not None and store is None:  # learner 0 of a new run: its first server hosts the store
             store = RunStore(host, port, timeout)
+        if store is not None and incarnation:
+            forget_before_joining(store, rank)
         init_rpc(
             rank, num_learners, init_method, timeout, len(starters), elastic=store is not None, incarnation=incarnation
         )
@@ -340,7 +343,7 @@ def _incarnation(store: RunStore, rank: int, where: str) -> int:
     """0 for one of the run's first processes; a new number for a process that takes lost learner ``rank``'s place.
     Refuses one whose learner is alive, and one that belongs to another run."""
     # the server counts a process of its machine lost within about a second, one elsewhere within rpc_timeout
-    deadline = time.monotonic() + store.timeout + 10
+    deadline = time.monotonic() + store.timeout + _COUNTING_S
     while True:
         state, value = store.status(rank)
         if state == "lost":
@@ -359,8 +362,10 @@ def _incarnation(store: RunStore, rank: int, where: str) -> int:
                 )
             return 0
         process = json.loads(value) or ["", 0]
-        # the server may not have seen yet that the process it knows ended (a restart right after a crash)
-        if process[0] != this_process()[0] or not ended(int(process[1])) or time.monotonic() > deadline:
+        # the server may not have seen yet that the process it knows ended (a restart right after a crash): one of
+        # this machine is refused at once if it runs; one elsewhere once the server had time to count it lost
+        here = process[0] == this_process()[0]
+        if (here and not ended(int(process[1]))) or time.monotonic() > deadline:
             raise RuntimeError(
                 f"learner {rank} of the run at {where} is alive (process {process[1]}), so this process cannot take its "
                 "place: start one only for a learner that was lost (see docs/faults.md)."

@@ -133,6 +133,10 @@ class Membership:
         """Fewer than ``min_learners`` are left, and the lost ones still have time to come back."""
         return self.short_since is not None
 
+    def stop_awaiting(self) -> None:
+        """From now on a loss that leaves too few ends training at once."""
+        self.comeback, self.short_since = 0.0, None
+
     def comeback_over(self) -> Optional[str]:
         """Why training cannot go on, once lost learners have not come back in time; None until then."""
         if self.short_since is None or time.monotonic() - self.short_since <= self.comeback:

@@ -256,6 +256,8 @@ class ParameterServer:
         with self.lock:
             outcomes = []
             training = self.core is not None and learner in self.core.active
+            if error is not None and error.startswith("KeyboardInterrupt"):
+                self.membership.stop_awaiting()  # the user stopped the run: nobody comes back
             if learner in self.membership.joining:
                 outcomes = self._join_failed(learner, f"it left before it was admitted ({error or 'no error'})")
             elif learner in self.membership.lost:  # a new process for it that was refused: strike its RPC name

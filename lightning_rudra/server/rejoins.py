@@ -6,7 +6,7 @@ learner reports as it starts an epoch (:meth:`Rejoins.report`). No RPC: the serv
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_rudra.core.optimizers import hyperparameters
@@ -17,11 +17,13 @@ from lightning_rudra.server.membership import Membership
 @dataclass
 class Admission:
     """Where a rejoining learner starts: the epoch the others have just started, the furthest global step among
-    them, and how many collectives each has made (the next one is the first it takes part in)."""
+    them, how many collectives each has made (the next one is the first it takes part in), and, at its admission,
+    the seconds since the run's first epoch started (``max_time`` counts them)."""
 
     epoch: int
     global_step: int
     collectives: int
+    elapsed: float = field(default=0.0, compare=False)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Rejoins:
         self.module: Optional[dict[str, Any]] = None  # learner 0's describe_module, from its register
         self.progress: dict[int, Admission] = {}  # learner -> at the start of its latest epoch
         self.furthest = Admission(0, 0, 0)  # the latest epoch start any learner reported, even one lost since
+        self.started: Optional[float] = None  # when the first epoch start was reported
         self.requests: dict[int, _Request] = {}
 
     def check(self, learner: int, module: dict[str, Any]) -> None:
@@ -85,6 +88,7 @@ class Rejoins:
         self.membership.last_heard[learner] = time.monotonic()
 
     def report(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
+        self.started = self.started or time.monotonic()
         self.progress[learner] = Admission(epoch, global_step, collectives)
         if (epoch, global_step) >= (self.furthest.epoch, self.furthest.global_step):
             self.furthest = self.progress[learner]
@@ -125,7 +129,8 @@ class Rejoins:
             )
             due = [(learner, request) for learner, request in self.requests.items() if where.epoch > request.after]
         else:
-            where, due = self.furthest, list(self.requests.items())
+            where, due = replace(self.furthest), list(self.requests.items())
+        where.elapsed = time.monotonic() - self.started if self.started is not None else 0.0
         for learner, _ in due:
             del self.requests[learner]
             self.progress[learner] = where

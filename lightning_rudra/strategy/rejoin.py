@@ -2,13 +2,15 @@
 starts each epoch, and a process that takes a lost learner's place (restarted by the launcher, or started by hand
 with the lost learner's environment) asks to rejoin, waits to be admitted at the start of an epoch
 (:mod:`lightning_rudra.server.rejoins`), and takes the run's place there: Lightning's epoch and global step, the LR
-schedulers' positions, the count of collectives. Until then its collectives stay its own."""
+schedulers' positions, the count of collectives, the run's elapsed time (``max_time``). Until then its
+collectives stay its own."""
 
 import warnings
 from typing import Any, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import Timer
 
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.server.rejoins import Admission, describe_module
@@ -54,6 +56,9 @@ class Rejoin:
         if self.admission is None:
             return
         epoch, step = self.admission.epoch, self.admission.global_step
+        for timer in (cb for cb in trainer.callbacks if isinstance(cb, Timer)):  # type: ignore[attr-defined]
+            # max_time counts the run's time, not this process's (Lightning types the offset int, restores a float)
+            timer._offset = self.admission.elapsed  # type: ignore[assignment]
         fit_loop = trainer.fit_loop
         for tracker in (fit_loop.epoch_progress.total, fit_loop.epoch_progress.current):
             # _ProcessedTrackers, which Lightning declares as their base class

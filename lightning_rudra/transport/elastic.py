@@ -132,10 +132,11 @@ def _agent_store() -> Any:
     return rpc.api._get_current_rpc_agent().store  # type: ignore[attr-defined]  # TensorPipeAgent's, undeclared
 
 
-def forget(learner: int) -> None:
+def forget(learner: int, store: Any = None) -> None:
     """Strike every process of ``learner`` (``learner<r>``, ``learner<r>_<k>``) from the world's list of members,
-    under the group token, so that a process joining later does not call them."""
-    store = _agent_store()
+    under the group token, so that a process joining later does not call them. ``store``: the RPC world's (default:
+    this process's agent's)."""
+    store = store if store is not None else _agent_store()
     mine = f"Token_for_forget_{learner}_{time.monotonic_ns()}"
     deadline = time.monotonic() + _STUCK_S * 2
     while store.compare_set(_TOKEN, "", mine).decode() != mine:
@@ -152,6 +153,14 @@ def forget(learner: int) -> None:
     finally:
         store.set(_TOKEN, "")
         store.set(mine, "Done")  # a process that found the token held waits for this key, as for torch's own
+
+
+def forget_before_joining(run: RunStore, learner: int) -> None:
+    """A new process for lost ``learner`` strikes its earlier ones itself, before it joins: one that died after it
+    joined the world but before any server knew of it is still listed, and would be called by this join. Needs
+    the run's RPC counters (:func:`~lightning_rudra.transport.rpc_world.set_rpc_counters`): torch keeps the world's
+    keys under a prefix per init."""
+    forget(learner, dist.PrefixStore(f"rpc_prefix_{rpc._init_counter}", run.store))  # type: ignore[attr-defined]
 
 
 class TokenWatch:

@@ -3,10 +3,10 @@ itself (kill -9) at its third batch of epoch 1 (it writes ``<dir>/killed`` first
 trains on. Each learner appends ``<pid> <epoch> <sample ids>`` per batch to ``<dir>/ids<rank>``. Learner 0 prints
 one JSON line: the server's statistics and the pids of the learners it launched.
 
-    python rejoin_fit.py DIR MAX_RESTARTS EPOCHS [WIDTH]
+    python rejoin_fit.py DIR MAX_RESTARTS EPOCHS [WIDTH] [NODES]
 
 ``EPOCHS`` 0: train until ``<dir>/stop`` exists. ``WIDTH`` (default 16) changes the module: a process started with
-another one is refused when it asks to rejoin.
+another one is refused when it asks to rejoin. ``NODES`` 2: one learner on each of two nodes, one server (on node 0).
 """
 
 import json
@@ -44,10 +44,13 @@ class Recorded(Regression):
 if __name__ == "__main__":
     directory, max_restarts, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     width = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+    nodes = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     x, y = regression_data().tensors
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, torch.arange(len(x))), batch_size=8)
-    strategy = RudraStrategy(protocol="async", rpc_timeout=5, min_learners=1, max_restarts=max_restarts)
-    trainer = quiet_trainer(strategy, 2, max_epochs=epochs or 10_000)
+    strategy = RudraStrategy(
+        protocol="async", rpc_timeout=5, min_learners=1, max_restarts=max_restarts, num_servers=1 if nodes > 1 else None
+    )
+    trainer = quiet_trainer(strategy, 2 // nodes, num_nodes=nodes, max_epochs=epochs or 10_000)
     trainer.fit(Recorded(directory, width), data)
     if trainer.is_global_zero:
         children = [p.pid for p in getattr(strategy.launcher, "procs", [])]

@@ -220,3 +220,13 @@ def test_with_comeback_a_run_whose_learners_do_not_come_back_in_time_ends_saying
     assert "1 learner left, fewer than min_learners=2, and no lost learner came back within 0.2 s" in ps.failure
     lose(ps, 0)
     assert ps.all_left.is_set()
+
+
+def test_a_learner_stopped_by_the_user_ends_the_run_even_with_comeback(monkeypatch):
+    """Ctrl-C: every learner leaves with a KeyboardInterrupt; nobody will come back, so the server ends at once."""
+    ps = parameter_server(monkeypatch, "async", 2, min_learners=1)
+    ps.membership.comeback = 60.0
+    lose(ps, 1)
+    server.call("leave", 0, "KeyboardInterrupt: ")
+    assert ps.failure is not None and "fewer than min_learners=1, so training cannot go on" in ps.failure
+    assert ps.all_left.is_set()

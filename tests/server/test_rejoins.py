@@ -2,6 +2,8 @@
 checked, waits for every learner to start the same epoch, and is admitted there; an earlier process of the learner
 is refused from then on. (Real processes: tests/strategy/test_rejoin.py.)"""
 
+import time
+
 import pytest
 import torch
 
@@ -85,3 +87,15 @@ def test_a_process_waiting_when_training_ends_is_told_so(monkeypatch):
     assert reply.wait() is None and ps.membership.joining == {}
     late = server.call_async("rejoin", LearnerId(1, 2), MODULE)  # after the end: at once
     assert late.wait() is None
+
+
+def test_an_admission_carries_the_runs_elapsed_time(monkeypatch):
+    ps = elastic_server(monkeypatch, learners=2)
+    server.call("progress", 0, 0, 0, 0)
+    server.call("progress", 1, 0, 0, 0)
+    lose(ps, 1)
+    time.sleep(0.2)
+    reply = server.call_async("rejoin", LearnerId(1, 1), MODULE)
+    server.call("progress", 0, 1, 16, 0)
+    where, _ = reply.wait()
+    assert 0.2 <= where.elapsed < 60

@@ -180,3 +180,41 @@ def test_a_cut_link_ends_both_hosts_with_an_error_that_names_the_unreachable_hos
     ), logs[0][-3000:]
     assert f"(on {hosts[0].address})" in logs[1], logs[1][-3000:]
     assert left == [[], []]
+
+
+@pytest.mark.timeout(400)  # two starts of host 1's learner, and rpc_timeout of silence between them
+def test_a_learner_started_again_on_its_host_joins_across_the_link(tmp_path):
+    """Two hosts, a learner on each, the server on host 0: learner 1 dies (kill -9; its host's processes end with
+    it), the server counts it lost after rpc_timeout of silence, and the same command started again on host 1
+    joins the run across the link and trains."""
+    rejoin = "tests/scripts/rejoin_fit.py"
+    with two_hosts() as hosts:
+        envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
+        command = [sys.executable, rejoin, str(tmp_path), "0", "0", "16", "2"]
+        again: list = []  # the new process, and the batches learner 1 had trained before it
+
+        def trained() -> int:
+            return len((tmp_path / "ids1").read_text().splitlines())
+
+        def replace_learner_1(logs):
+            deadline = time.monotonic() + 120
+            while not (tmp_path / "killed").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            # each host has a pid namespace of its own: both processes may have the same pid, so count batches
+            again.extend([hosts[1].start(command, envs[1], tmp_path / "again.log"), trained()])
+            while trained() == again[1] and time.monotonic() < deadline:  # until the new process trains
+                time.sleep(0.2)
+            (tmp_path / "stop").touch()
+
+        codes, logs, left = run_on_hosts(
+            hosts, [command, command], envs, tmp_path, timeout=300, during=replace_learner_1
+        )
+        code = again[0].wait(timeout=60) if again else None
+    assert codes[0] == 0 and left[0] == [], logs[0][-3000:]
+    assert code == 0, (tmp_path / "again.log").read_text()[-3000:]
+    assert trained() > again[1], "the new learner 1 never trained"
+    assert LEFT not in (tmp_path / "again.log").read_text(), "processes left on host 1"
+    [line] = [line for line in logs[0].splitlines() if line.startswith("RESULT ")]
+    found = json.loads(line[len("RESULT ") :])
+    assert [(e["learner"], e["event"]) for e in found["stats"]["events"]] == [(1, "lost"), (1, "rejoined")]
+    assert "has not been heard from for more than 5 s" in found["stats"]["events"][0]["why"]

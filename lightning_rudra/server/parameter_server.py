@@ -135,16 +135,14 @@ class ParameterServer:
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
     ) -> Future:
-        """``members``, ``refused``: a node's push, counted as the gradients of ``learner`` and ``members``
-        (:meth:`Server.push`); its reply goes to ``learner``, which shares it with them."""
+        """``members``, ``refused``: a node's push (:meth:`Server.push`); ``learner`` shares the reply with them."""
         with self.lock:
             self._check_alive()
             core = self._core()
             if grads is None:
                 grads = self.shared.gradient(learner, optimizer, core)
-            result = core.push(
-                learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, members, refused
-            )
+            args = (grads, has_grad, timestamp, hparams, buffers, finite, members, refused)
+            result = core.push(learner, optimizer, *args)
             in_round = core.config.protocol == "hardsync" and not result.closed
             if in_round:
                 reply: Future = Future()

@@ -174,9 +174,9 @@ def _open_to_rejoins(args: argparse.Namespace) -> None:
         store.publish("job", job_id())
 
         def lost(learner: int, why: str) -> None:
-            try:
-                forget(learner)
+            try:  # marked first: striking its names may wait for the group token (a new process strikes them too)
                 store.mark(learner, "lost", why)
+                forget(learner)
             except Exception as error:  # the store closes as the run ends
                 print(
                     f"lightning_rudra: learner {learner} could not be struck from the RPC world: {error}",

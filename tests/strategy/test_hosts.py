@@ -4,6 +4,7 @@ every learner of both hosts equals SGD with batch μλ, as on one host; with com
 bytes on the link."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -185,8 +186,8 @@ def test_a_cut_link_ends_both_hosts_with_an_error_that_names_the_unreachable_hos
 @pytest.mark.timeout(400)  # two starts of host 1's learner, and rpc_timeout of silence between them
 def test_a_learner_started_again_on_its_host_joins_across_the_link(tmp_path):
     """Two hosts, a learner on each, the server on host 0: learner 1 dies (kill -9; its host's processes end with
-    it), the server counts it lost after rpc_timeout of silence, and the same command started again on host 1
-    joins the run across the link and trains."""
+    it), the server counts it lost after rpc_timeout of silence, and the same command, started again on host 1
+    then, joins the run across the link and trains."""
     rejoin = "tests/scripts/rejoin_fit.py"
     with two_hosts() as hosts:
         envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
@@ -198,7 +199,8 @@ def test_a_learner_started_again_on_its_host_joins_across_the_link(tmp_path):
 
         def replace_learner_1(logs):
             deadline = time.monotonic() + 120
-            while not (tmp_path / "killed").exists() and time.monotonic() < deadline:
+            # started once the server has counted it lost (rpc_timeout of silence), as docs/faults.md says to
+            while not re.search(r"learner 1 \(on \S+\) was lost", logs[0].read_text()) and time.monotonic() < deadline:
                 time.sleep(0.2)
             # each host has a pid namespace of its own: both processes may have the same pid, so count batches
             again.extend([hosts[1].start(command, envs[1], tmp_path / "again.log"), trained()])
@@ -211,7 +213,7 @@ def test_a_learner_started_again_on_its_host_joins_across_the_link(tmp_path):
         )
         code = again[0].wait(timeout=60) if again else None
     assert codes[0] == 0 and left[0] == [], logs[0][-3000:]
-    assert code == 0, (tmp_path / "again.log").read_text()[-3000:]
+    assert code == 0, (tmp_path / "again.log").read_text()[-3000:] + "\n--- host 0:\n" + logs[0][-3000:]
     assert trained() > again[1], "the new learner 1 never trained"
     assert LEFT not in (tmp_path / "again.log").read_text(), "processes left on host 1"
     [line] = [line for line in logs[0].splitlines() if line.startswith("RESULT ")]

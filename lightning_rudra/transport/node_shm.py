@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_rudra.transport.shm import SHM_DIR, Files, _create, _open
+from lightning_rudra.transport.shm import SHM_DIR, Files, _create, _open, remove
 
 # Control words of a slot
 POSTED = 0  # the round whose gradient the slot holds (0: none yet)
@@ -115,8 +115,7 @@ class NodeBoard:
                 paths.append(path)
                 files.append((path, numel, dtype))
         except OSError:
-            for path in paths:
-                os.unlink(path)
+            remove(paths)
             raise
         board = cls(layout, tensors, paths)
         board.files = files
@@ -137,12 +136,7 @@ class NodeBoard:
 
     def unlink(self) -> None:
         """Every member has mapped the files (their mappings stay valid): remove them."""
-        for path in self.paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.paths = []
+        self.paths = remove(self.paths)
 
 
 def board_layout(

@@ -77,6 +77,16 @@ def _open(path: str, numel: int, dtype: torch.dtype) -> Tensor:
         os.close(fd)
 
 
+def remove(paths: Sequence[str]) -> list[str]:
+    """Remove the files (mappings of them stay valid); returns the paths left: none."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return []
+
+
 def _map(fd: int, numel: int, dtype: torch.dtype) -> Tensor:
     """A 1-D tensor backed by the file ``fd``: every process that maps the file sees the same memory."""
     return torch.frombuffer(mmap.mmap(fd, numel * dtype.itemsize), dtype=dtype, count=numel)
@@ -166,12 +176,7 @@ class SharedWeights(WeightsStore):
         return not self.paths
 
     def unlink(self) -> None:
-        for path in self.paths:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.paths = []
+        self.paths = remove(self.paths)
 
 
 class MappedWeights:

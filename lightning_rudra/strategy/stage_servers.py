@@ -8,7 +8,8 @@ from typing import Optional
 
 from lightning_fabric.plugins import ClusterEnvironment
 
-from lightning_rudra.learner.client import LearnerClient, join, leave
+from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.learner.world import join, leave
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.transport.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
 

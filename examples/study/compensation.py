@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from examples.mnist1d import MNIST1DClassifier, generate_mnist1d
 from lightning_rudra import ProtocolConfig, Server
-from lightning_rudra.core.compression import ErrorFeedback
+from lightning_rudra.core.compression import ErrorFeedback, WeightDeltas
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.timing import Jittered, push_order
 
@@ -81,7 +81,8 @@ def train(
     compression: Optional[str] = None,
 ) -> dict[str, Any]:
     """One run; returns its test error after every epoch. ``compression``: every push compressed as a learner on
-    another host sends it (``RudraStrategy(compression=...)``), each learner keeping its own rounding errors."""
+    another host sends it (``RudraStrategy(compression=...)``), each learner keeping its own rounding errors, and
+    the weights it gets back as differences from those it holds."""
     torch.manual_seed(seed)
     data = generate_mnist1d(NUM_SAMPLES, 42, 0.2)
     x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"])
@@ -99,6 +100,19 @@ def train(
     done = [0] * learners
     order_rng = torch.Generator().manual_seed(seed)
     feedback = ErrorFeedback(compression) if compression is not None else None
+    # the weights back as differences from what each learner holds: (the server's record, the learners')
+    deltas = (WeightDeltas(compression), WeightDeltas(compression)) if compression is not None else None
+
+    def receive(learner: int, pulled: tuple) -> tuple:
+        if deltas is None:
+            return pulled
+        weights, buffers, timestamp = pulled
+        return (
+            deltas[1].decode(deltas[0].encode(learner, deltas[1].count(learner), weights), learner),
+            buffers,
+            timestamp,
+        )
+
     errors = []
     for _ in range(epochs):
         shards = torch.randperm(len(y), generator=order_rng).chunk(learners)
@@ -116,9 +130,10 @@ def train(
                 [grad] = feedback.compress(r, [grad])
             result = server.push(r, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, [])
             if protocol != "hardsync":
-                held[r] = server.pull()
+                held[r] = receive(r, server.pull())
             elif result.closed:  # hardsync: every learner gets the round's weights
-                held = [server.pull()] * learners
+                pulled = server.pull()
+                held = [receive(learner, pulled) for learner in range(learners)]
         done = [d + s for d, s in zip(done, steps)]
         weights = server.pull()[0][0]
         torch.nn.utils.vector_to_parameters(weights, params)

@@ -90,6 +90,7 @@ class WeightDeltas:
     request and a sender whose count differs (or that has no copy: a new process) sends the whole weights again."""
 
     def __init__(self, compression: str) -> None:
+        self.compression = compression
         self.dtype = COMPRESSIONS[compression]
         self.held: dict[Hashable, tuple[int, list[Tensor]]] = {}  # key -> (count, the copy the receiver holds)
 

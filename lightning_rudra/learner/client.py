@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_rudra.server import process as _server
+from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
@@ -59,6 +60,8 @@ class LearnerClient:
         # named by the server if this learner is lost
         self.address = address_towards(rendezvous or server_host) or "an unknown address"
         self.timestamp = 0
+        # the server's weights sent back as bfloat16 differences (compression, see weights_as_deltas); None: whole
+        self.deltas: Optional[WeightDeltas] = None
         self._collectives = 0
         self._interval = min(5.0, timeout / 4)
         self._server_lost: Optional[str] = None
@@ -177,17 +180,25 @@ class LearnerClient:
         server checks its part). ``members``, ``refused``: a node's push (:meth:`Server.push
         <lightning_rudra.core.protocol.Server.push>`)."""
         node = (list(members), list(refused)) if members or refused else ()
-        return rpc.rpc_async(
-            self.server,
-            _server.call_async,
-            timeout=_NO_TIME_LIMIT,
-            args=("push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, *node),
-        )
+        args = (self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, *node)
+        if self.deltas is not None:
+            args = ("push_deltas", self.deltas.compression, self.deltas.count(), *args)
+        else:
+            args = ("push", *args)
+        return rpc.rpc_async(self.server, _server.call_async, timeout=_NO_TIME_LIMIT, args=args)
+
+    def weights_as_deltas(self, compression: str) -> None:
+        """From now on the weights that come back with a push travel as differences from those this learner holds,
+        in the wire dtype of ``compression`` (:class:`~lightning_rudra.core.compression.WeightDeltas`). One push
+        in flight at a time: the server knows which weights the learner holds from the replies it has applied."""
+        self.deltas = WeightDeltas(compression)
 
     def receive(self, pushed: Future) -> PushReply:
         """The server's reply to a push; its clock is the timestamp of this learner's next push."""
         reply: PushReply = self.result(pushed)
         self.timestamp = reply.clock
+        if self.deltas is not None:
+            reply = reply._replace(params=self.deltas.decode(reply.params))  # type: ignore[arg-type]
         return reply
 
     def finish(self) -> Future:

@@ -79,8 +79,8 @@ def test_lightnings_launcher_two_hosts_two_learners_each(tmp_path):
 
 def test_compressed_pushes_cross_the_link_in_fewer_bytes_and_hardsync_without_them_stays_exact(tmp_path):
     """One learner per host, each host's server owning half of the weights: per step each host sends and receives
-    half of a gradient and half of the weights, the gradient in bfloat16 with ``compression="bf16"``: 3/4 of the
-    bytes. Hardsync then trains close to SGD with batch μλ (error feedback: nothing lost but the last rounding's
+    half of a gradient and half of the weights, with ``compression="bf16"`` the gradient in bfloat16 and the weights
+    as bfloat16 differences: about half the bytes. Hardsync then trains close to SGD with batch μλ (error feedback: nothing lost but the last rounding's
     error); without compression, exactly."""
     crossed = {}
     for compression in ("none", "bf16"):
@@ -100,7 +100,7 @@ def test_compressed_pushes_cross_the_link_in_fewer_bytes_and_hardsync_without_th
         assert result["stats"]["clock"] == EPOCHS * 256 // 16 and result["stats"]["rejected"] == 0
         expected = single_process_sgd(EPOCHS, 16, Wide(WIDTH))
         torch.testing.assert_close(torch.tensor(result["params"]), expected, rtol=0, atol=1e-5)
-    assert crossed["bf16"] < 0.85 * crossed["none"], crossed
+    assert crossed["bf16"] < 0.6 * crossed["none"], crossed
 
 
 def test_torchrun_on_two_hosts(tmp_path):

@@ -39,6 +39,7 @@ class ErrorFeedback:
     learner). Gradients of other dtypes travel as they are."""
 
     def __init__(self, compression: str) -> None:
+        self.compression = compression
         self.dtype = COMPRESSIONS[compression]
         self.residuals: dict[Hashable, list[Optional[Tensor]]] = {}
 

@@ -50,7 +50,6 @@ class Learner:
         self.shared_memory = shared_memory
         # gradients pushed in RPC messages, with their rounding errors (None: in full precision)
         self.feedback = ErrorFeedback(compression) if compression is not None else None
-        self._deltas = None if overlap else compression  # weights back as differences: one push in flight at a time
         # (pushes in flight: shard, future and the buffers sent; their optimizer) not yet settled
         self._in_flight: Optional[tuple[list[tuple[Shard, Optional[Future], list[Tensor]]], int]] = None
         self.params = list(module.parameters())
@@ -190,7 +189,7 @@ class Learner:
         self.settle()
         for shard in self.shards:
             if not shard.attached:
-                shard.attach(self.shared_memory, self._deltas)
+                shard.attach(self.shared_memory, self.feedback.compression if self.feedback else None)
             if shard.shm is not None:
                 shard.take(None, None)
             else:

@@ -47,6 +47,8 @@ class Shard:
             self._map()
         else:
             self.client.attached(False)
+        if shared_memory and self.shm is None and isinstance(self.client, LearnerClient):
+            self.client.open_stream()  # another host's server: tensors cross the link faster than through RPC
         if compression is not None and self.shm is None:
             self.client.weights_as_deltas(compression)
 

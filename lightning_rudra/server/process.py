@@ -20,6 +20,7 @@ from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, incarnation_of, job_id
+from lightning_rudra.transport.stream import StreamServer
 from lightning_rudra.transport.rpc_world import (
     address_towards,
     init_rpc,
@@ -115,6 +116,7 @@ ENTRY_POINTS: dict[str, Optional[int]] = {
     "pull": None,
     "push": 0,
     "push_deltas": 2,
+    "stream_address": None,
     "finish": 0,
     "gather": 1,
     "draw": 2,
@@ -141,7 +143,7 @@ def _entry(method: str, args: tuple) -> Callable:
     position = ENTRY_POINTS[method]
     if position is not None:
         _server.check_caller(method.removesuffix("_deltas"), args[position] if position < len(args) else None)
-    return _push_deltas if method == "push_deltas" else getattr(_server, method)
+    return _HERE[method] if method in _HERE else getattr(_server, method)
 
 
 # per compression, the weights each learner holds that pushes with push_deltas (its replies' weights as differences)
@@ -158,10 +160,23 @@ def _push_deltas(compression: str, count: int, learner: Any, *push: Any) -> Futu
     def encoded(replied: Future) -> Any:
         reply = replied.value()
         if isinstance(reply, PushReply) and reply.params is not None:
-            return reply._replace(params=deltas.encode(key, count, reply.params))
+            return reply._replace(params=deltas.encode(key, count, reply.params))  # type: ignore[arg-type]  # decoded by the learner
         return reply  # a failed wait arrives as a value: the learner raises it
 
     return _server.push(learner, *push).then(encoded)
+
+
+# pushes from learners on other hosts (transport.stream): started with the server, None until then
+_stream: Optional[StreamServer] = None
+
+
+def _stream_address() -> Optional[tuple[Optional[str], int]]:
+    """Where this server takes pushes over a connection of their own (None: through RPC only)."""
+    assert _server is not None
+    return None if _stream is None else (_server.address, _stream.port)
+
+
+_HERE: dict[str, Callable] = {"push_deltas": _push_deltas, "stream_address": _stream_address}  # answered here
 
 
 def call(method: str, *args: Any) -> Any:
@@ -277,6 +292,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.learners, args.timeout, args.min_learners, announce=args.shard == 0, comeback=args.comeback
     )
     _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
+    global _stream
+    _stream = StreamServer(_server.address, lambda method, call: _entry(method, call)(*call))
     set_rpc_counters(args.rpc_counters)
     init_rpc(
         None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard, elastic=elastic

@@ -13,31 +13,29 @@ depend on the CPU the hosts share.
 
 from typing import Any
 
-from benchmarks import report
+from benchmarks import stats
+from benchmarks.config import MODEL_TRAINING, TRAINING, TRAINING_PRELOAD
 from benchmarks.hosts import two_hosts, why_no_hosts
 from benchmarks.pool import Pool
+from benchmarks.report import _f, _size_label
 
 
 def phase(suite: Any) -> None:
-    """The benchmark phase (``suite``: ``benchmarks.run.Suite``): per link rate and learners per host, two hosts
+    """The benchmark phase (``suite``: ``benchmarks.suite.Suite``): per link rate and learners per host, two hosts
     and a pool of workers on them, made for its runs and removed after them, also when one fails."""
-    from benchmarks.run import MODEL_TRAINING, TRAINING, TRAINING_PRELOAD
-
     cfg = suite.cfg
     why = why_no_hosts(shaped=True)
     if why is not None:
         suite.failures.append(f"network: {why}")
         return
-    raw: list[dict[str, Any]] = []
-    configs: list[dict[str, Any]] = []
-    suite.raw["network"], suite.summary["network"] = raw, configs  # filled in as measured, as in epochs
     params, steps, epochs = cfg["network_params"], cfg["network_steps"], cfg["network_epochs"]
-    suite.summary["network_info"] = {
-        "text": (
+    raw, configs = suite.publish(
+        "network",
+        (
             f"Two hosts as Linux network namespaces on this machine, each with its own host name, pid namespace and "
             f"`/dev/shm` (so tensors between them cross the link), joined by a veth pair whose ends are shaped by "
             f"`tc qdisc ... tbf` to the rate given (no latency added: this kernel has no netem). The MLP of section 6 "
-            f"({report._size_label(params)} parameters), μ = {MODEL_TRAINING['batch_size']} per learner, SGD lr "
+            f"({_size_label(params)} parameters), μ = {MODEL_TRAINING['batch_size']} per learner, SGD lr "
             f"{TRAINING['lr']} momentum {TRAINING['momentum']}, {steps} steps per learner and epoch, {epochs} epochs, "
             f"no straggler. Rudra with its default options (one server per host, each owning half of the "
             f"parameters, reached through shared memory on its host and through RPC from the other; async with the "
@@ -50,8 +48,8 @@ def phase(suite: Any) -> None:
             f"batch ends (past warm-up), over the steps taken meanwhile (every learner's batches / λ); median over "
             f"runs; *× model*: the same in units of the model's float32 size. Counted by the interface, so headers "
             f"and control messages are in."
-        )
-    }
+        ),
+    )
     for spec in cfg["network"]:
         per_host, rate = spec["learners_per_host"], spec["rate"]
         learners = 2 * per_host
@@ -82,18 +80,18 @@ def phase(suite: Any) -> None:
                     link = run.get("link_per_step") or [{}, {}]
                     suite.log(
                         f"network {rate}, {per_host} per host, rep {rep} {key}: "
-                        f"{report._f(run.get('samples_per_s'), '{:.0f}')} samples/s, host 1 sent / received "
-                        f"{report._f(link[1].get('sent', 0) / 1e6, '{:.1f}')} / "
-                        f"{report._f(link[1].get('received', 0) / 1e6, '{:.1f}')} MB per step "
+                        f"{_f(run.get('samples_per_s'), '{:.0f}')} samples/s, host 1 sent / received "
+                        f"{_f(link[1].get('sent', 0) / 1e6, '{:.1f}')} / "
+                        f"{_f(link[1].get('received', 0) / 1e6, '{:.1f}')} MB per step "
                         f"(job {run['job_wall_s']:.1f} s)"
                     )
             finally:
                 suite.pools.pop(name).close()
-        summary = report.summarize_runs(runs)
+        summary = stats.summarize_runs(runs)
         for key, entry in summary.items():
             links = [r["link_per_step"] for r in runs if r["strategy"] == key and r.get("link_per_step")]
             entry["link_per_step"] = [
-                {way: report.median([link[host][way] for link in links]) for way in ("sent", "received")}
+                {way: stats.median([link[host][way] for link in links]) for way in ("sent", "received")}
                 for host in range(2)
             ]
         configs.append(

@@ -10,8 +10,9 @@ import subprocess
 
 import pytest
 
-from benchmarks import accuracy, report
+from benchmarks import accuracy, report, stats
 from benchmarks.hosts import two_hosts, why_no_hosts
+from benchmarks.targets import check_targets
 from lightning_rudra.transport.rpc_world import free_port
 
 
@@ -110,7 +111,7 @@ def test_the_accuracy_phase_sets_the_target_after_the_runs_and_reads_each_runs_t
     assert rudra["best_accuracy"] == 0.93 and rudra["final_accuracy"] == 0.88 and rudra["epochs_trained"] == 2
     # 1.0 s after rank 0's start is 1.1 s on the epochs' clock: 1 epoch (ended at 0.9 s) and 0.2 / 0.8 of the next
     assert rudra["tta_epochs"] == pytest.approx(1.25)
-    targets = {t["key"]: t for t in report.check_targets({"accuracy": [config]})}
+    targets = {t["key"]: t for t in check_targets({"accuracy": [config]})}
     assert targets["accuracy_2x3"]["met"] and targets["accuracy_4x3"]["by"] == "not measured"
     assert "| 2 (64) | 3x (20.0) | 0.910 (0.90–0.92) | 0.900 | 2.50 (1.7) | 1.00 (1.2) | 0.40 |" in "\n".join(
         report._accuracy_table([config], {})
@@ -122,7 +123,7 @@ def test_an_async_run_that_never_reaches_the_target_is_reported_as_never():
     rudra = config["runs"]["async"]
     assert rudra["tta_s"] is None and rudra["tta_vs_ddp"] is None and rudra["tta_reached"] == 0
     assert rudra["best_accuracy"] == 0.88
-    target = {t["key"]: t for t in report.check_targets({"accuracy": [config]})}["accuracy_2x3"]
+    target = {t["key"]: t for t in check_targets({"accuracy": [config]})}["accuracy_2x3"]
     assert target["met"] is False and target["by"] == "missed: async never reached it"
     assert "| never (–) | never |" in "\n".join(report._accuracy_table([config], {}))
 
@@ -178,10 +179,10 @@ def test_bytes_per_step_count_each_hosts_link_over_every_learners_steps_past_war
         else {"times": [1.0 + k + rank / 100 for k in range(6)], "link": []}
         for rank in range(4)
     ]
-    hosts = report.link_per_step(ranks, 2, warmup=2)
+    hosts = stats.link_per_step(ranks, 2, warmup=2)
     # host 0's reads past 2.03 s: at 3.00 ... 6.00 (3 steps in between: every learner's batches at 4, 5, 6 / 4)
     assert hosts[0] == {"sent": 30.0, "received": 10.0} and hosts[1] == hosts[0]
-    assert report.link_per_step([{**r, "link": []} for r in ranks], 2, warmup=2) is None
+    assert stats.link_per_step([{**r, "link": []} for r in ranks], 2, warmup=2) is None
 
 
 @pytest.mark.slow

@@ -109,6 +109,14 @@ DEFAULT = {
             "strategies": ["ddp", "hardsync", "hardsync+no_aggregation", "async", "hardsync+bf16", "async+bf16"],
         },
         {"rate": "10gbit", "learners_per_host": 1, "reps": 1},
+        # a configuration's own model size ("params"; network_params without it)
+        {
+            "rate": "1gbit",
+            "learners_per_host": 1,
+            "reps": 1,
+            "params": 50 * M,
+            "strategies": ["ddp", "hardsync", "async"],
+        },
     ],
     "network_params": 10 * M,
     "network_steps": 6,

@@ -148,7 +148,7 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
 
 def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     columns = (
-        "link | learners per host (μ) | strategy | samples/s | vs DDP (runs) | epoch s | "
+        "link | model | learners per host (μ) | strategy | samples/s | vs DDP (runs) | epoch s | "
         "host 1 MB per step, sent / received | × model"
     )
     rows = []
@@ -161,6 +161,7 @@ def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[
             rows.append(
                 [
                     c["rate"],
+                    f"MLP {c['parameters'] / 1e6:.1f} M",
                     f"{c['learners_per_host']} ({c['batch_size']})",
                     STRATEGY_LABELS.get(key, key),
                     _f(e["samples_per_s"], "{:.0f}"),

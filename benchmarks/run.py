@@ -98,12 +98,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument(
         "--network",
         help="the network phase's configurations instead of the mode's, comma-separated: "
-        "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation",
+        "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation "
+        "or 1gbit:1:1:ddp/hardsync:50M (PARAMS: the MLP's size, 10M without it)",
     )
     args = parser.parse_args(argv)
     cfg = dict(QUICK if args.quick else DEFAULT)
     if args.network:
-        cfg["network"] = [network.parse_spec(spec) for spec in args.network.split(",")]
+        try:
+            cfg["network"] = [network.parse_spec(spec) for spec in args.network.split(",")]
+        except ValueError as error:
+            parser.error(str(error))
     phases = [p for p in args.only.split(",") if p]
     meta = _meta(args.quick)
     suite = Suite(cfg, args.quick)

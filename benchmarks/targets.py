@@ -2,6 +2,8 @@
 
 from typing import Any, Optional
 
+from benchmarks.config import M
+
 # the issue's targets: (key, description, threshold, "<=" or ">=")
 TARGETS = [
     ("transport_vs_gloo", "transport 10 M: push+pull round trip / gloo all-reduce", 1.5, "<="),
@@ -22,13 +24,13 @@ TARGETS = [
     ("accuracy_2x3", "2 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
     (
         "network_aggregation_bytes",
-        "2 hosts x 2 learners, 1 Gbit/s: hardsync link bytes per step, node aggregation / without",
+        "2 hosts x 2 learners, 10 M, 1 Gbit/s: hardsync link bytes per step, node aggregation / without",
         0.55,
         "<=",
     ),
     (
         "network_aggregation_vs_ddp",
-        "2 hosts x 2 learners, 1 Gbit/s: hardsync (node aggregation) samples/s / DDP",
+        "2 hosts x 2 learners, 10 M, 1 Gbit/s: hardsync (node aggregation) samples/s / DDP",
         1.3,
         ">=",
     ),
@@ -37,7 +39,7 @@ TARGETS = [
 
 def model_key(config: dict[str, Any]) -> str:
     """The models phase's name for a configuration in ``TARGETS``: ``models_10M_2`` for 10 M, 2 learners."""
-    return f"models_{config['target_params'] // 1_000_000}M_{config['learners']}"
+    return f"models_{config['target_params'] // M}M_{config['learners']}"
 
 
 def _link_total(entry: dict[str, Any]) -> Optional[float]:
@@ -49,7 +51,7 @@ def _link_total(entry: dict[str, Any]) -> Optional[float]:
 
 def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     values: dict[str, Optional[float]] = {}
-    tr = summary.get("transport", {}).get("rudra", {}).get(str(10_000_000), {})
+    tr = summary.get("transport", {}).get("rudra", {}).get(str(10 * M), {})
     values["transport_vs_gloo"] = tr.get("both_vs_gloo")
     values["transport_vs_memcpy"] = tr.get("both_vs_memcpy")
     e2e = summary.get("e2e", {})
@@ -70,7 +72,8 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         for key, entry in config.get("straggler", {}).items():
             values[f"{name}_straggler_{key}"] = entry.get("vs_ddp")
     for config in summary.get("network", []):
-        if config["rate"] != "1gbit" or config["learners_per_host"] != 2:
+        # runs before the model size was a configuration's were all of 10 M
+        if config["rate"] != "1gbit" or config["learners_per_host"] != 2 or config.get("target_params", M) != 10 * M:
             continue
         runs = config["runs"]
         values["network_aggregation_vs_ddp"] = runs.get("hardsync", {}).get("vs_ddp")

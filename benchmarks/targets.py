@@ -73,7 +73,11 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             values[f"{name}_straggler_{key}"] = entry.get("vs_ddp")
     for config in summary.get("network", []):
         # runs before the model size was a configuration's were all of 10 M
-        if config["rate"] != "1gbit" or config["learners_per_host"] != 2 or config.get("target_params", M) != 10 * M:
+        if (
+            config["rate"] != "1gbit"
+            or config["learners_per_host"] != 2
+            or config.get("target_params", 10 * M) != 10 * M
+        ):
             continue
         runs = config["runs"]
         values["network_aggregation_vs_ddp"] = runs.get("hardsync", {}).get("vs_ddp")

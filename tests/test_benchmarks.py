@@ -1,8 +1,8 @@
 """The benchmarks are code too: the transport job (a push+pull through the real server, with every measure and
 the breakdown of one push into its pieces, then through two servers with the learner-side prototype) runs end to end at a small size, so that a
 renamed internal breaks a test, not the next benchmark run; the accuracy phase's target, times and ratios are
-computed on recorded snapshots (its runs take minutes); the network phase's hosts leave nothing behind, and its
-bytes per step are counted over the right steps."""
+computed on recorded snapshots (its runs take minutes); the network phase's hosts leave nothing behind, its
+bytes per step are counted over the right steps, and a configuration's model size is read from ``--network``."""
 
 import multiprocessing
 import os
@@ -207,3 +207,24 @@ def test_the_network_phase_runs_on_two_shaped_hosts_and_counts_the_bytes_on_the_
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     ours = f"rudra{os.getpid() % 100000}h"  # how two_hosts names this process's namespaces (others may run tests)
     assert ours not in namespaces, namespaces
+
+
+def test_a_network_configuration_names_its_model_size_and_only_10_m_counts_for_the_targets():
+    from benchmarks.network import parse_spec
+
+    assert parse_spec("1gbit:1:1:ddp/hardsync:50M") == {
+        "rate": "1gbit",
+        "learners_per_host": 1,
+        "reps": 1,
+        "strategies": ["ddp", "hardsync"],
+        "params": 50_000_000,
+    }
+    assert parse_spec("10gbit:2:2:500k")["params"] == 500_000 and "params" not in parse_spec("1gbit:2:2")
+    with pytest.raises(ValueError, match="hardsnc is neither a strategy"):
+        parse_spec("1gbit:1:1:ddp/hardsnc")
+    runs = {"hardsync": {"vs_ddp": 0.8}}
+    config = {"rate": "1gbit", "learners_per_host": 2, "runs": runs}  # as committed before the size was a field
+    by_key = {t["key"]: t for t in check_targets({"network": [config]})}
+    assert by_key["network_aggregation_vs_ddp"]["value"] == 0.8
+    by_key = {t["key"]: t for t in check_targets({"network": [{**config, "target_params": 50_000_000}]})}
+    assert by_key["network_aggregation_vs_ddp"]["value"] is None

@@ -203,7 +203,7 @@ def test_the_network_phase_runs_on_two_shaped_hosts_and_counts_the_bytes_on_the_
     for entry in config["runs"].values():
         assert entry["samples_per_s"] > 0
         assert all(host["sent"] > 0 and host["received"] > 0 for host in entry["link_per_step"])
-    assert '| 1gbit | 1 (32) | Rudra hardsync, compression="bf16" |' in (tmp_path / "latest.md").read_text()
+    assert '| 1gbit | MLP 0.1 M | 1 (32) | Rudra hardsync, compression="bf16" |' in (tmp_path / "latest.md").read_text()
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     ours = f"rudra{os.getpid() % 100000}h"  # how two_hosts names this process's namespaces (others may run tests)
     assert ours not in namespaces, namespaces

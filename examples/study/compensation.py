@@ -173,6 +173,30 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def study_rows(
+    name: str, doc: Optional[str], argv: Optional[list[str]], runs: Iterable[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], Path, argparse.Namespace]:
+    """The command line of an in-process study, ``python -m examples.study.NAME`` (``doc``: its help): its output
+    folder made, one thread, then its rows: ``runs`` trained (those already in ``<out>/runs.jsonl`` skipped with
+    ``--resume``), or with ``--report-only`` the rows of that file. No rows: a line says so."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m examples.study.{name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default=f"study_{name}", help=f"output folder (default: study_{name})")
+    p.add_argument("--resume", action="store_true", help="skip the runs already in <out>/runs.jsonl")
+    p.add_argument("--report-only", action="store_true", help="write the report from <out>/runs.jsonl, train nothing")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    rows = read_rows(out / "runs.jsonl") if args.report_only else run_all(runs, out, args.resume)
+    if not rows:
+        print(f"no runs in {out / 'runs.jsonl'}: nothing to report")
+    return rows, out, args
+
+
 def chosen_rates(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Per optimizer, the swept rate with the lowest final hardsync error."""
     best: dict[str, tuple[float, float]] = {}
@@ -281,21 +305,8 @@ def plot(rows: list[dict[str, Any]], rates: dict[str, float], out: Path) -> None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m examples.study.compensation",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--out", default="study_compensation", help="output folder (default: study_compensation)")
-    p.add_argument("--resume", action="store_true", help="skip the runs already in <out>/runs.jsonl")
-    p.add_argument("--report-only", action="store_true", help="write the report from <out>/runs.jsonl, train nothing")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    rows = read_rows(out / "runs.jsonl") if args.report_only else run_all(sweep(), out, args.resume)
+    rows, out, args = study_rows("compensation", __doc__, argv, sweep())
     if not rows:
-        print(f"no runs in {out / 'runs.jsonl'}: nothing to report")
         return
     rates = chosen_rates(rows)
     if not args.report_only:

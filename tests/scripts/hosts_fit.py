@@ -7,7 +7,6 @@ each training step sleeps (0), rpc_timeout (20), the hidden layer's width (16, t
 compression (none), node-local aggregation (auto, on or off) and a learner that kills itself (RANK:STEP, none).
 """
 
-import json
 import os
 import signal
 import sys
@@ -17,6 +16,7 @@ import torch
 
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import Regression, flat, loader, quiet_trainer
+from tests.script_runs import print_result
 
 
 class Wide(Regression):
@@ -60,14 +60,8 @@ if __name__ == "__main__":
     model = Sleepy(float(sleep), int(width), die)
     trainer.fit(model, loader(8))
     if trainer.is_global_zero:
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "params": flat(model.parameters()).tolist(),
-                    "learners": trainer.world_size,
-                    "stats": trainer.strategy.stats.to_dict(),
-                }
-            ),
-            flush=True,
+        print_result(
+            params=flat(model.parameters()).tolist(),
+            learners=trainer.world_size,
+            stats=trainer.strategy.stats.to_dict(),
         )

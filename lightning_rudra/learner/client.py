@@ -1,7 +1,8 @@
 """The learner's side of the parameter server: push, pull, the shared epoch's batches and collectives
-(:mod:`lightning_rudra.learner.world` starts the servers and joins their RPC world). A call that waits for other learners waits as long as they are alive (the
-server's heartbeat watch ends it when one is lost); every other call has a timeout. Nothing here knows about
-Lightning."""
+(:mod:`lightning_rudra.learner.world` starts the servers and joins their RPC world). A call that waits for other
+learners waits as long as they are alive (the server's heartbeat watch ends it when one is lost); every other call
+has a timeout. Pushes to a server on another host go over a connection of their own
+(:mod:`lightning_rudra.transport.stream`). Nothing here knows about Lightning."""
 
 import re
 import threading
@@ -19,10 +20,7 @@ from lightning_rudra.server.membership import this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.update import PushReply
-from lightning_rudra.transport.rpc_world import (
-    address_towards,
-    server_name,
-)
+from lightning_rudra.transport.rpc_world import address_towards, server_name
 from lightning_rudra.transport.shm import SharedNames
 from lightning_rudra.transport.stream import StreamClient
 from lightning_rudra.core.stats import Stats

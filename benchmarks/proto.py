@@ -106,7 +106,7 @@ def patched_protocol(patches: Sequence[str]):
 
 @contextlib.contextmanager
 def prototype_server(patches: Sequence[str]) -> Iterator[None]:
-    """While active, ``lightning_rudra.learner.client.join`` (learner 0) starts a server running ``patches``."""
+    """While active, ``lightning_rudra.learner.world.join`` (learner 0) starts a server running ``patches``."""
     from lightning_rudra.server import process
 
     if not patches:

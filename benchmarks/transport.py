@@ -60,7 +60,7 @@ def rudra_transport(
     ``server_env``: variables added to the server process's environment only; ``learner_patches``: names in
     :data:`benchmarks.proto.LEARNER_PATCHES` applied to both learners; ``num_servers``: server processes, each
     owning a contiguous part of the parameter (the breakdown measures one server's pieces)."""
-    from lightning_rudra.learner.client import join, leave
+    from lightning_rudra.learner.world import join, leave
     from lightning_rudra.learner.learner import Learner
     from lightning_rudra.core.protocol import ProtocolConfig
     from lightning_rudra.transport.rpc_world import SERVER_NAME, environment
@@ -236,7 +236,7 @@ def tp_variants(
 
 def push_loop(rank: int, *, numel: int, port: int, seconds: float, both: bool = False, timeout: float = 120.0) -> int:
     """For profiling: learner 0 (and learner 1 with ``both``) pushes for ``seconds``; returns the push count."""
-    from lightning_rudra.learner.client import join, leave
+    from lightning_rudra.learner.world import join, leave
     from lightning_rudra.learner.learner import Learner
     from lightning_rudra.core.protocol import ProtocolConfig
 

@@ -9,7 +9,7 @@ from queue import Empty
 import torch
 import torch.multiprocessing as mp
 
-from lightning_rudra.learner.client import join, leave
+from lightning_rudra.learner.world import join, leave
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.transport.rpc_world import free_port
 from lightning_rudra.learner.sampler import SharedEpochSampler

@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from lightning_rudra.learner import client
-from lightning_rudra.learner.client import _incarnation
+from lightning_rudra.learner import world
+from lightning_rudra.learner.world import _incarnation
 from lightning_rudra.server.membership import this_process
 from lightning_rudra.transport.elastic import LearnerId, RunStore, forget_before_joining, incarnation_of
 from lightning_rudra.transport.rpc_world import free_port, rpc_counters
@@ -41,7 +41,7 @@ def test_a_process_for_a_lost_learner_takes_a_new_incarnation(store):
 
 
 def test_a_process_for_a_live_learner_is_refused(store, monkeypatch):
-    monkeypatch.setattr(client, "_COUNTING_S", 0.0)  # refused once the server had rpc_timeout (2 s) to count it
+    monkeypatch.setattr(world, "_COUNTING_S", 0.0)  # refused once the server had rpc_timeout (2 s) to count it
     store.mark(1, "alive", json.dumps(["another-machine", 4321]))
     with pytest.raises(RuntimeError, match=r"learner 1 of the run at here is alive \(process 4321\)"):
         _incarnation(store, 1, "here")

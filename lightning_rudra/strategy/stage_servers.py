@@ -8,7 +8,8 @@ from typing import Optional
 
 from lightning_fabric.plugins import ClusterEnvironment
 
-from lightning_rudra.learner.client import LearnerClient, join, leave
+from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.learner.world import join, leave
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.transport.rpc_world import free_port, port_from_agent_store, quiet_peers_leaving
 
@@ -39,7 +40,7 @@ class StageServers:
         env: ClusterEnvironment,
         rank: int,
         num_learners: int,
-        starters: list[int],
+        starters: list[Optional[int]],
         rpc_timeout: float,
         min_learners: Optional[int],
         max_restarts: int = 0,
@@ -95,8 +96,3 @@ class StageServers:
             _next_port = self.client.gather(free_port() if is_global_zero else None)[0]
         except Exception:  # a peer is gone: this run is over anyway
             _next_port = None
-
-
-def server_starters(num_servers: Optional[int], num_nodes: int, num_processes: int) -> list[int]:
-    """Per server process, the learner that starts it: the first learner of node s mod num_nodes."""
-    return [(shard % num_nodes) * num_processes for shard in range(num_servers or num_nodes)]

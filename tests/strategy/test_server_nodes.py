@@ -1,0 +1,36 @@
+"""A server node (``RudraStrategy(server_nodes=1)``) over two hosts as two network namespaces (``benchmarks.hosts``):
+host 0 runs the job's 2 learners, host 1 the server and no learner, each host the same script with its NODE_RANK.
+Hardsync is exactly SGD with batch μλ, the server node's ``fit`` returns once the learners are done, and no process is
+left on either host. The checks that need no process: ``test_server_nodes_config.py``."""
+
+import sys
+
+import pytest
+
+from benchmarks.hosts import host_env, two_hosts, why_no_hosts
+from tests.scripts.hosts_fit import Wide
+from tests.strategy.test_hosts import EPOCHS, SCRIPT, WIDTH, assert_hardsync_over, run_on_hosts
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(why_no_hosts() is not None, reason=str(why_no_hosts())),
+]
+
+
+def test_two_learners_on_host_0_train_hardsync_exactly_with_their_server_on_a_server_node(tmp_path):
+    """Every step crosses the link: host 0's two learners sum their gradients on their node (node-local aggregation
+    is on by default: the server is on another host) and one push and one reply of the whole model cross per step,
+    plus the set-up (each learner's first and final weights) and headers: from 2 to 3 models' worth per step."""
+    with two_hosts() as hosts:
+        envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
+        command = [sys.executable, SCRIPT, "1", "2", str(EPOCHS), "hardsync", "0", "20", str(WIDTH), "none", "auto"]
+        command += ["none", "1"]  # no learner kills itself; one server node
+        before = hosts[1].link_bytes()
+        codes, logs, left = run_on_hosts(hosts, [command, command], envs, tmp_path, timeout=150.0)
+        crossed = hosts[1].link_bytes() - before
+    assert_hardsync_over(2, codes, logs, left, WIDTH)
+    assert "SERVER NODE DONE finished" in logs[1] and "RESULT" not in logs[1] and "Traceback" not in logs[1], logs[1]
+    model_bytes = 4 * sum(p.numel() for p in Wide(WIDTH).parameters())
+    steps = EPOCHS * 256 // (8 * 2)
+    assert 2 * steps * model_bytes <= crossed < 3 * steps * model_bytes, (crossed, model_bytes)

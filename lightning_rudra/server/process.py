@@ -62,13 +62,15 @@ def start_server(
     starters: Sequence[Optional[int]] = (0,),
     comeback: float = 0.0,
     server_node: bool = False,
+    learner_store: bool = False,
 ) -> subprocess.Popen:
     """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
     Python it runs, if not the server's own entry). It exits when every learner has left or is lost. Without
     ``min_learners`` it also exits at once if this process dies; with it, it outlives this process (in a session of
     its own, so that what ends this learner's process group, a terminal's Ctrl-C or torchrun restarting its workers,
     does not end it): a new process for this learner rejoins it. ``server_node``: started by a server node's process,
-    not a learner: the server joins learner 0's store of the rendezvous and takes the RPC counters from there."""
+    not a learner: the server takes the RPC counters from learner 0's store of the rendezvous, and joins that store
+    as a client, as every server does with ``learner_store`` (a run with server nodes, every stage)."""
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
@@ -91,8 +93,8 @@ def start_server(
         "--server-learners",
         json.dumps(list(starters)),
     ]
-    if server_node:
-        command += ["--server-node"]
+    if server_node or learner_store:
+        command += ["--server-node" if server_node else "--learner-store"]
     if min_learners is not None:
         command += ["--min-learners", str(min_learners), "--comeback", str(comeback)]
     return subprocess.Popen(command, env=env, start_new_session=min_learners is not None)
@@ -254,6 +256,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         action="store_true",
         help="started by a server node: join learner 0's store of the rendezvous, which has the RPC counters",
     )
+    parser.add_argument("--learner-store", action="store_true", help="join learner 0's store of the rendezvous")
     args = parser.parse_args(argv)
     host, _, port = args.init_method.removeprefix("tcp://").rpartition(":")
     try:  # a server node's server fails here, early, when the learners never come
@@ -282,7 +285,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         len(args.server_learners),
         args.shard,
         elastic=elastic,
-        learner_store=args.server_node,
+        learner_store=args.server_node or args.learner_store,
     )
     if elastic:
         _open_to_rejoins(args)

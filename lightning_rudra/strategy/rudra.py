@@ -137,8 +137,7 @@ class RudraStrategy(ServerParallelStrategy):
         self.overlap = overlap
         self.shared_memory = shared_memory
         self.compression = compression_option(compression)
-        self.num_servers = num_servers
-        self.server_nodes = server_nodes
+        self.num_servers, self.server_nodes = num_servers, server_nodes
         self.node_aggregation = node_aggregation
         self.sampling = sampling or ("static" if protocol == "hardsync" or simulate else "shared")
         self.simulate = simulate
@@ -202,6 +201,7 @@ class RudraStrategy(ServerParallelStrategy):
             self.rpc_timeout,
             self.min_learners,
             self.max_restarts,
+            learner_store=self.server_nodes > 0,
         )
         assert self._servers.client is not None
         self.collectives.connect(self._servers.client, self.root_device)

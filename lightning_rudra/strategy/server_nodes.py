@@ -5,8 +5,9 @@ NODE_RANK num_nodes to num_nodes + K - 1, every node running the same script wit
 process, :class:`ServerNodeLauncher`), none on the learner nodes; learner 0 keeps the rendezvous' store, which the
 first server would otherwise host. A server node's ``fit`` returns, without training, when its servers end with the
 stage. Other stages (``validate``, ``test``, ``predict``) train nothing: their one server runs on node 0 as without
-server nodes, and on a server node they return at once. One ``fit`` with server nodes per process: a later stage
-meets on a port the learners agree on, which a server node does not hear."""
+server nodes, and on a server node they return at once. Every stage meets on ``MASTER_PORT``, in a store that learner
+0 keeps for its process's life (:mod:`lightning_rudra.learner.world`), so a later ``fit`` (a second Trainer in the
+same script) meets the server nodes' next ``fit`` there."""
 
 import os
 import subprocess
@@ -22,7 +23,6 @@ from pytorch_lightning.utilities import rank_zero_info
 from lightning_rudra.server.process import NO_LEARNERS, start_server
 
 _POLL_S = 0.2
-_fits = 0  # fits with server nodes in this process (on a learner node or a server node)
 
 
 def check_server_nodes(server_nodes: int, min_learners: Optional[int], simulate: Optional[int]) -> None:
@@ -93,24 +93,9 @@ def server_starters(
 def stage_starters(strategy: Any) -> list[Optional[int]]:
     """A learner's :func:`server_starters` for the stage starting (``strategy.lightning_module`` is connected)."""
     fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
-    count_fit(strategy.server_nodes if fitting else 0)
     return server_starters(
         strategy.num_servers, strategy.num_nodes, strategy.num_processes, strategy.server_nodes, fitting
     )
-
-
-def count_fit(server_nodes: int) -> None:
-    """A fit with server nodes starts in this process: refused if it is not the first (see the module's doc)."""
-    global _fits
-    if not server_nodes:
-        return
-    if _fits:
-        raise RuntimeError(
-            f"a second fit with server_nodes={server_nodes} in one process is not supported: the server nodes meet "
-            "the learners on MASTER_PORT once, and a later stage meets elsewhere. Run each fit in its own processes "
-            "(every node's script once), or fit again without server nodes."
-        )
-    _fits += 1
 
 
 class ServerNodeLauncher(_Launcher):
@@ -135,7 +120,6 @@ class ServerNodeLauncher(_Launcher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         if trainer.state.fn == TrainerFn.FITTING:
-            count_fit(self.strategy.server_nodes)
             self._serve()
         else:
             rank_zero_info(f"server node {self.node}: {trainer.state.fn.value} runs on the learner nodes alone")

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+import torch.distributed.rpc.constants as rpc_constants
 
 SERVER_NAME = "server"
 
@@ -109,6 +110,10 @@ _COUNTERS_KEY = "lightning_rudra/rpc_counters"
 def publish_rpc_counters(store: dist.Store) -> None:
     """Put this process's :func:`rpc_counters` in the rendezvous' store, for a server that no learner started."""
     store.set(_COUNTERS_KEY, json.dumps(rpc_counters()))
+
+
+def withdraw_rpc_counters(store: dist.Store) -> None:
+    store.delete_key(_COUNTERS_KEY)
 
 
 def read_rpc_counters(host: str, port: int, timeout: float) -> dict[str, Any]:
@@ -205,11 +210,30 @@ def init_rpc(
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
     store = rendezvous_store(host, int(port), timeout) if rank == 0 and not learner_store else None
-    with environment(changes), warnings.catch_warnings():
+    with environment(changes), warnings.catch_warnings(), _joining_within(timeout + JOIN_MARGIN_S, learner_store):
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
         world_size = None if elastic else num_learners + num_servers
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     del store  # needed only until the RPC agent's own store joined its listener, which that store now keeps
+
+
+JOIN_MARGIN_S = 60.0  # beyond rpc_timeout, for the processes of a static world to start (a popen learner imports)
+
+
+@contextmanager
+def _joining_within(seconds: float, bounded: bool) -> Iterator[None]:
+    """torch waits for every process of a static RPC world in a gloo group whose timeout is 24 days, unbounded in
+    practice. Where processes start on other machines by hand (server nodes: ``bounded``) the wait ends after
+    ``seconds`` instead. The constant is read when the group is made; the group serves only the init."""
+    if not bounded:
+        yield
+        return
+    before = rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT
+    rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = timedelta(seconds=seconds)
+    try:
+        yield
+    finally:
+        rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = before
 
 
 @contextmanager

@@ -10,7 +10,6 @@ import pytorch_lightning as pl
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
 from lightning_rudra import RudraStrategy
-from lightning_rudra.strategy import server_nodes
 from lightning_rudra.strategy.server_nodes import ServerNodeLauncher, server_starters
 from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import Regression, loader
@@ -111,20 +110,11 @@ def test_a_server_nodes_other_stages_return_at_once(monkeypatch):
     assert time.monotonic() - started < 5 and trainer.state.status.value == "finished"
 
 
-def test_a_second_fit_with_server_nodes_in_one_process_is_refused(monkeypatch):
-    monkeypatch.setattr(server_nodes, "_fits", 0)
-    server_nodes.count_fit(0)  # without server nodes: not counted
-    server_nodes.count_fit(1)
-    with pytest.raises(RuntimeError, match=r"a second fit with server_nodes=1 in one process is not supported"):
-        server_nodes.count_fit(1)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_server_node_whose_learners_never_come_ends_with_an_error_within_rpc_timeout(monkeypatch):
     """Its server waits for learner 0's store at most rpc_timeout (2 s here), then fit raises, naming the rendezvous
     and what to check; no server process is left."""
-    monkeypatch.setattr(server_nodes, "_fits", 0)
     port = free_port()
     trainer = build(
         RudraStrategy(protocol="hardsync", server_nodes=1, rpc_timeout=2),

@@ -101,6 +101,7 @@ def start_server(
 
 
 NO_LEARNERS = 2  # a server node's server's exit code when learner 0 never opened the rendezvous
+RUN_FAILED = 4  # a server node's server's exit code when training failed (a learner lost or raised)
 
 
 def stop_server(process: subprocess.Popen, timeout: float) -> None:
@@ -299,3 +300,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         finally:
             _release_shared_memory()
         shutdown_rpc()
+    if args.server_node and _server.failure is not None:  # the server node's fit raises with this
+        print(f"lightning_rudra: parameter server {args.shard}: {_server.failure}", file=sys.stderr, flush=True)
+        sys.exit(RUN_FAILED)

@@ -20,7 +20,7 @@ from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities import rank_zero_info
 
-from lightning_rudra.server.process import NO_LEARNERS, start_server
+from lightning_rudra.server.process import NO_LEARNERS, RUN_FAILED, start_server
 
 _POLL_S = 0.2
 
@@ -154,13 +154,12 @@ class ServerNodeLauncher(_Launcher):
             codes = [process.poll() for process in self.processes]
             for shard, code in zip(shards, codes):
                 if code:
-                    why = (
-                        f"learner 0 never opened the rendezvous at {init_method.removeprefix('tcp://')} within "
-                        f"rpc_timeout ({self.strategy.rpc_timeout:g} s): start the learner nodes with the same "
-                        "MASTER_ADDR, MASTER_PORT, num_nodes and devices"
-                        if code == NO_LEARNERS
-                        else "its output above says why"
-                    )
+                    why = {
+                        NO_LEARNERS: f"learner 0 never opened the rendezvous at {init_method.removeprefix('tcp://')} "
+                        f"within rpc_timeout ({self.strategy.rpc_timeout:g} s): start the learner nodes with the same "
+                        "MASTER_ADDR, MASTER_PORT, num_nodes and devices",
+                        RUN_FAILED: "training failed on the learners (the line above says how; their output, why)",
+                    }.get(code, "its output above says why")
                     raise RuntimeError(
                         f"server node {self.node} (NODE_RANK {self.environment.node_rank()}): parameter server "
                         f"{shard} ended with exit code {code}: {why}."

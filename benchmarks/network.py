@@ -9,6 +9,12 @@ learner reaches its own host's server through shared memory, the other's through
 ``compression="bf16"``, alternated as ``Suite._schedule`` orders them. Besides samples/s, the bytes each host's end
 of the link sent and received per step, read from its interface's counters inside its namespace: they do not
 depend on the CPU the hosts share.
+
+Server nodes (``--network 1gbit:1+s:2:ddp/hardsync/hardsync+server_node``): λ = 2 in every run, on a pool of 2
+workers per host. Strategies without ``+server_node`` (DDP too) run one learner per host as above; a
+``+server_node`` strategy runs both learners on host 0 and ``server_nodes=1``, host 1's first worker being the
+server node (its fit serves the servers, every server there). The bytes per step are read on host 0's end (host 1's
+end sends what host 0's receives).
 """
 
 from typing import Any
@@ -55,7 +61,9 @@ def phase(suite: Any) -> None:
     for spec in cfg["network"]:
         per_host, rate = spec["learners_per_host"], spec["rate"]
         learners = 2 * per_host
+        spare = spec.get("server_node", False)  # the server-node layout: 2 workers per host, λ = 2 (module doc)
         setup = {
+            **({"layout": "spare"} if spare else {}),
             **MODEL_TRAINING,
             "mlp_params": params,
             "num_learners": learners,
@@ -64,12 +72,12 @@ def phase(suite: Any) -> None:
             "max_epochs": epochs,
         }
         runs: list[dict[str, Any]] = []
-        raw.append({"rate": rate, "learners_per_host": per_host, "runs": runs})
-        name = f"network-{rate}-{per_host}"
+        raw.append({"rate": rate, "learners_per_host": per_host, "server_node": spare, "runs": runs})
+        name = f"network-{rate}-{per_host}{'s' if spare else ''}"
         # DDP moved 4 bytes per parameter each way per step in 1.05 s at 1 Gbit/s, 10 M parameters: 3x that
         timeout = 120 + 3 * epochs * steps * 0.3 * params / 1e6
         with two_hosts(rate) as hosts:
-            suite.pools[name] = Pool(name, size=learners, preload=TRAINING_PRELOAD, hosts=hosts)
+            suite.pools[name] = Pool(name, size=4 if spare else learners, preload=TRAINING_PRELOAD, hosts=hosts)
             try:
                 suite.pools[name].wait_ready()
                 suite.log(f"workers ready: {name}")
@@ -100,6 +108,7 @@ def phase(suite: Any) -> None:
             {
                 "rate": rate,
                 "learners_per_host": per_host,
+                "server_node": spare,
                 "batch_size": MODEL_TRAINING["batch_size"],
                 "parameters": runs[0]["parameters"] if runs else params,
                 "runs": summary,
@@ -108,9 +117,13 @@ def phase(suite: Any) -> None:
 
 
 def parse_spec(text: str) -> dict[str, Any]:
-    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...]."""
+    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...]; LEARNERS_PER_HOST
+    ``1+s``: the server-node layout (:func:`phase`)."""
     rate, per_host, reps, *strategies = text.split(":")
-    spec: dict[str, Any] = {"rate": rate, "learners_per_host": int(per_host), "reps": int(reps)}
+    spare = per_host == "1+s"
+    spec: dict[str, Any] = {"rate": rate, "learners_per_host": 1 if spare else int(per_host), "reps": int(reps)}
+    if spare:
+        spec["server_node"] = True
     if strategies:
         spec["strategies"] = strategies[0].split("/")
     return spec

@@ -75,6 +75,9 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "hardsync+bf16": ("hardsync", 1, [], {"compression": "bf16"}),
     "async+bf16": ("async", 1, [], {"compression": "bf16"}),
     "hardsync+no_aggregation": ("hardsync", 1, [], {"node_aggregation": False}),
+    # the network phase's "1+s" layout: both learners on host 0, the servers on host 1, a server node
+    "hardsync+server_node": ("hardsync", 1, [], {"server_nodes": 1}),
+    "async+server_node": ("async", 1, [], {"server_nodes": 1}),
 }
 report.STRATEGY_LABELS.update(
     {
@@ -88,6 +91,8 @@ report.STRATEGY_LABELS.update(
         "hardsync+bf16": 'Rudra hardsync, compression="bf16"',
         "async+bf16": 'Rudra async, compression="bf16"',
         "hardsync+no_aggregation": "Rudra hardsync, node_aggregation=False",
+        "hardsync+server_node": "Rudra hardsync, 2 learners on host 0, server_nodes=1 (host 1)",
+        "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",
     }
 )
 
@@ -420,6 +425,7 @@ class Suite:
         )
         if result is None:
             return None
+        result = [rank for rank in result if not rank.get("idle")]  # a server node, a worker the layout leaves out
         run = {
             "strategy": key,
             "rep": rep,
@@ -430,7 +436,10 @@ class Suite:
         }
         if kwargs.get("max_epochs"):  # whole epochs: samples/s to the end replaces the window's
             run.update(report.epoch_times(result, t["warmup"]))
-        if t.get("num_nodes", 1) > 1:  # across hosts: the bytes on the link
+        if t.get("num_nodes", 1) > 1 and options.get("server_nodes"):  # every learner on host 0: its counters
+            link = report.link_per_step(result, t["num_learners"], t["warmup"])  # host 1's are host 0's, mirrored
+            run["link_per_step"] = link and [link[0], {"sent": link[0]["received"], "received": link[0]["sent"]}]
+        elif t.get("num_nodes", 1) > 1:  # across hosts: the bytes on the link
             run["link_per_step"] = report.link_per_step(result, t["num_learners"] // t["num_nodes"], t["warmup"])
         if target is not None:
             run["tta_target"] = target
@@ -808,7 +817,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument(
         "--network",
         help="the network phase's configurations instead of the mode's, comma-separated: "
-        "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation",
+        "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation; "
+        "LEARNERS_PER_HOST 1+s: 1 learner per host, and +server_node strategies with both on host 0 and a server node "
+        "on host 1 (1gbit:1+s:2:ddp/hardsync/hardsync+server_node)",
     )
     args = parser.parse_args(argv)
     cfg = dict(QUICK if args.quick else DEFAULT)

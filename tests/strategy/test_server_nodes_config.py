@@ -6,13 +6,12 @@ never come ending with an error within rpc_timeout (the one test here that start
 import time
 
 import pytest
-import pytorch_lightning as pl
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.strategy.server_nodes import ServerNodeLauncher, server_starters
 from lightning_rudra.transport.rpc_world import free_port
-from tests.lightning_models import Regression, loader
+from tests.lightning_models import Regression, loader, quiet_trainer
 
 
 def build(strategy, node_rank=0, num_nodes=1, devices=2, port="29511", monkeypatch=None, **kwargs):
@@ -22,17 +21,7 @@ def build(strategy, node_rank=0, num_nodes=1, devices=2, port="29511", monkeypat
         monkeypatch.delenv("MASTER_PORT", raising=False)
     else:
         monkeypatch.setenv("MASTER_PORT", port)
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    return quiet_trainer(strategy, devices, num_nodes=num_nodes, **kwargs)
 
 
 @pytest.mark.parametrize(

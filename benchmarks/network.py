@@ -58,6 +58,12 @@ def phase(suite: Any) -> None:
             f"and control messages are in."
         )
     }
+    if any(spec.get("server_node") for spec in cfg["network"]):
+        suite.summary["network_info"]["text"] += (
+            " Layout 1+s (server nodes): λ = 2, one learner per host, or, for the `server_nodes=1` runs, both on "
+            "host 0 and the servers on host 1, a server node (host 1's MB per step then read on host 0's end: what "
+            "it received / sent)."
+        )
     for spec in cfg["network"]:
         per_host, rate = spec["learners_per_host"], spec["rate"]
         learners = 2 * per_host

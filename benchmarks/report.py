@@ -468,8 +468,11 @@ def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[
             link = e.get("link_per_step") or [{}, {}]
             sent, received = (link[1].get(way) for way in ("sent", "received"))
             mb = [None if x is None else x / 1e6 for x in (sent, received)]
+            per_host = (
+                "2 on host 0, 0 on host 1" if c.get("server_node") and "server_node" in key else c["learners_per_host"]
+            )
             lines.append(
-                f"| {c['rate']} | {c['learners_per_host']} ({c['batch_size']}) | {STRATEGY_LABELS.get(key, key)} | "
+                f"| {c['rate']} | {per_host} ({c['batch_size']}) | {STRATEGY_LABELS.get(key, key)} | "
                 f"{_f(e['samples_per_s'], '{:.0f}')} | {_f(e['vs_ddp'])}{_spread(e.get('vs_ddp_reps'))} | "
                 f"{_f(e.get('epoch_s'))} | {_f(mb[0], '{:.1f}')} / {_f(mb[1], '{:.1f}')} | "
                 f"{_f(None if mb[0] is None else mb[0] / model_mb)} / "

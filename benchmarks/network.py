@@ -10,10 +10,11 @@ learner reaches its own host's server through shared memory, the other's through
 of the link sent and received per step, read from its interface's counters inside its namespace: they do not
 depend on the CPU the hosts share.
 
-Server nodes (``--network 1gbit:1+s:2:ddp/hardsync/hardsync+server_node``): λ = 2 in every run, on a pool of 2
-workers per host. Strategies without ``+server_node`` (DDP too) run one learner per host as above; a
-``+server_node`` strategy runs both learners on host 0 and ``server_nodes=1``, host 1's first worker being the
-server node (its fit serves the servers, every server there). The bytes per step are read on host 0's end (host 1's
+Server nodes (``--network 1gbit:1:2:ddp/hardsync,1gbit:1+s:2:ddp/hardsync+server_node``): λ = 2 in every run of
+the ``1+s`` layout, on a pool of 2 workers per host. DDP runs one learner per host as above; a ``+server_node``
+strategy runs both learners on host 0 and ``server_nodes=1``, host 1's first worker being the server node (its fit
+serves the servers, every server there). Other Rudra strategies go in a configuration of their own (the same λ = 2
+with ``1`` learner per host), against that configuration's DDP runs. The bytes per step are read on host 0's end (host 1's
 end sends what host 0's receives).
 """
 
@@ -130,6 +131,15 @@ def parse_spec(text: str) -> dict[str, Any]:
     spec: dict[str, Any] = {"rate": rate, "learners_per_host": 1 if spare else int(per_host), "reps": int(reps)}
     if spare:
         spec["server_node"] = True
+        # a worker's RPC counters count the Rudra stages it took part in, and a stage's processes must agree: host
+        # 0's second worker is a learner in the +server_node runs only, so no other Rudra run may share the pool
+        keys = strategies[0].split("/") if strategies else ["the default ones"]
+        other = [key for key in keys if key != "ddp" and "+server_node" not in key]
+        if other:
+            raise ValueError(
+                f"--network {text}: the 1+s layout takes ddp and +server_node strategies only, not {other}; measure "
+                "the others in a configuration of their own (RATE:1:REPS:...)"
+            )
     if strategies:
         spec["strategies"] = strategies[0].split("/")
     return spec

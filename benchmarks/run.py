@@ -818,8 +818,8 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "--network",
         help="the network phase's configurations instead of the mode's, comma-separated: "
         "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation; "
-        "LEARNERS_PER_HOST 1+s: 1 learner per host, and +server_node strategies with both on host 0 and a server node "
-        "on host 1 (1gbit:1+s:2:ddp/hardsync/hardsync+server_node)",
+        "LEARNERS_PER_HOST 1+s: DDP with 1 learner per host and +server_node strategies with both on host 0 and a "
+        "server node on host 1 (1gbit:1:2:ddp/hardsync,1gbit:1+s:2:ddp/hardsync+server_node)",
     )
     args = parser.parse_args(argv)
     cfg = dict(QUICK if args.quick else DEFAULT)

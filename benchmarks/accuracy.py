@@ -11,7 +11,8 @@ import math
 import statistics
 from typing import Any, Optional
 
-from benchmarks import report
+from benchmarks import stats
+from benchmarks.report import _f
 
 BATCH = 128  # μ·λ, the same for every λ: μ = 64 at λ = 2, 32 at λ = 4
 OPTIMIZER = {"lr": 0.1, "momentum": 0.9}  # the rate that is best for batch 128 in the project's simulations
@@ -49,28 +50,28 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
     """Target, times and ratios of one configuration's runs (``ddp`` and ``async``, in the order ``seq`` they ran).
     The target is the median of the DDP runs' final accuracies minus ``drop``; every run's time to it is the first
     snapshot at or above it (None: never). Each async run's ratio is to the mean of the DDP runs just before and
-    after it (``report.summarize_runs``); one that never reached the target counts as infinitely slow, so the
+    after it (``stats.summarize_runs``); one that never reached the target counts as infinitely slow, so the
     median ratio is None (never) when half the async runs or more never reached it."""
-    ddp_final = report.median([final_accuracy(r) for r in runs if r["strategy"] == "ddp"])
+    ddp_final = stats.median([final_accuracy(r) for r in runs if r["strategy"] == "ddp"])
     target = None if ddp_final is None else round(ddp_final - drop, 6)
     for run in runs:
         run["final_acc"] = final_accuracy(run)
         run["tta_target"] = target
         run["tta_s"], run["best_accuracy"] = (
-            (None, None) if target is None else report.time_to_accuracy({"accuracy": series(run)}, target)
+            (None, None) if target is None else stats.time_to_accuracy({"accuracy": series(run)}, target)
         )
         run["tta_epochs"] = epochs_at(run, run["tta_s"])
         run["epochs_trained"] = min((len(r) for r in run.get("epoch_ends_s") or []), default=None)
-    out = report.summarize_runs(runs)
+    out = stats.summarize_runs(runs)
     for strategy, entry in out.items():
         mine = [r for r in runs if r["strategy"] == strategy]
         entry.update(
-            final_accuracy=report.median([r["final_acc"] for r in mine]),
+            final_accuracy=stats.median([r["final_acc"] for r in mine]),
             final_accuracy_runs=[r["final_acc"] for r in mine],
-            tta_epochs=report.median([r["tta_epochs"] for r in mine]),
+            tta_epochs=stats.median([r["tta_epochs"] for r in mine]),
             tta_epochs_runs=[r["tta_epochs"] for r in mine],
-            epochs_trained=report.median([r["epochs_trained"] for r in mine]),
-            job_wall_s=report.median([r.get("job_wall_s") for r in mine]),
+            epochs_trained=stats.median([r["epochs_trained"] for r in mine]),
+            job_wall_s=stats.median([r.get("job_wall_s") for r in mine]),
         )
         if strategy != "ddp" and target is not None:
             reps = [math.inf if t is None else r for r, t in zip(entry["tta_vs_ddp_reps"], entry["tta_s_reps"])]
@@ -82,16 +83,14 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
 
 
 def phase(suite: Any) -> None:
-    """The benchmark phase (``suite``: ``benchmarks.run.Suite``): per λ, one DDP calibration run (its median step
+    """The benchmark phase (``suite``: ``benchmarks.suite.Suite``): per λ, one DDP calibration run (its median step
     time t scales the straggler's sleep, (k − 1)·t per batch on the last rank, as the epochs phase does), then per
     slowdown k DDP and async alternated as ``Suite._schedule`` orders them."""
     cfg = suite.cfg
     epochs, reps = cfg["accuracy_epochs"], cfg["accuracy_reps"]
-    raw: list[dict[str, Any]] = []
-    configs: list[dict[str, Any]] = []
-    suite.raw["accuracy"], suite.summary["accuracy"] = raw, configs  # filled in as measured, as in epochs
-    suite.summary["accuracy_info"] = {
-        "text": (
+    raw, configs = suite.publish(
+        "accuracy",
+        (
             f"MNIST-1D example CNN, {cfg['accuracy_samples']} samples (72 % of them the train split, 20 % the test "
             f"split the accuracy is of), μ·λ = {BATCH} (μ per learner in the first column), SGD lr {OPTIMIZER['lr']} "
             f"momentum {OPTIMIZER['momentum']} (the rate that is best for batch {BATCH} in the project's simulations). "
@@ -108,8 +107,8 @@ def phase(suite: Any) -> None:
             f'of those two DDP runs\' times, median (lowest–highest) over runs, "never" if async did not reach the '
             f"target in half its runs or more. Times are wall clock on a small machine shared with other jobs (see "
             f"the load average above): they are noisy, the ratios of runs side by side less so."
-        )
-    }
+        ),
+    )
     for learners in cfg["accuracy_learners"]:
         pool = suite._pool_for(learners)
         setup = {
@@ -147,9 +146,9 @@ def phase(suite: Any) -> None:
                 runs.append(run)
                 suite.log(
                     f"accuracy {learners} learners, {slowdown:g}x, rep {rep} {key}: final accuracy "
-                    f"{report._f(final_accuracy(run), '{:.3f}')}, best "
-                    f"{report._f(max((a for _, a in series(run)), default=None), '{:.3f}')}, epoch "
-                    f"{report._f(run.get('epoch_s'))} s (job {run['job_wall_s']:.1f} s)"
+                    f"{_f(final_accuracy(run), '{:.3f}')}, best "
+                    f"{_f(max((a for _, a in series(run)), default=None), '{:.3f}')}, epoch "
+                    f"{_f(run.get('epoch_s'))} s (job {run['job_wall_s']:.1f} s)"
                 )
             summary = summarize(runs)
             configs.append(
@@ -166,8 +165,8 @@ def phase(suite: Any) -> None:
             )
             rudra, ddp = summary["runs"].get("async", {}), summary["runs"].get("ddp", {})
             suite.log(
-                f"accuracy {learners} learners, {slowdown:g}x: target {report._f(summary['target'], '{:.3f}')}"
-                f", time to it DDP {report._f(ddp.get('tta_s'))} s, async {report._f(rudra.get('tta_s'))} s, "
-                f"async / DDP {report._f(rudra.get('tta_vs_ddp'))}"
+                f"accuracy {learners} learners, {slowdown:g}x: target {_f(summary['target'], '{:.3f}')}"
+                f", time to it DDP {_f(ddp.get('tta_s'))} s, async {_f(rudra.get('tta_s'))} s, "
+                f"async / DDP {_f(rudra.get('tta_vs_ddp'))}"
             )
     suite._close_extra_pools()

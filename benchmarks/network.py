@@ -3,7 +3,8 @@
 ``/dev/shm``, so that every tensor between the hosts crosses the link), each end of the link shaped by tc's token
 bucket (``tbf``) to 1 or 10 Gbit/s. No latency is added: this kernel has no ``netem``.
 
-The 10 M-parameter MLP of the models phase, 1 or 2 learners per host, whole epochs: DDP (gloo) against Rudra
+The MLP of the models phase (10 M parameters, and 50 M with 1 learner per host; a configuration's ``params``),
+1 or 2 learners per host, whole epochs: DDP (gloo) against Rudra
 hardsync and async with their default options (one server per host, each owning half of the parameters; a
 learner reaches its own host's server through shared memory, the other's through RPC), with and without
 ``compression="bf16"``, alternated as ``Suite._schedule`` orders them. Besides samples/s, the bytes each host's end
@@ -18,33 +19,32 @@ with ``1`` learner per host), against that configuration's DDP runs. The bytes p
 end sends what host 0's receives).
 """
 
+import re
 from typing import Any
 
-from benchmarks import report
+from benchmarks import stats
+from benchmarks.config import MODEL_TRAINING, STRATEGIES, TRAINING, TRAINING_PRELOAD
 from benchmarks.hosts import two_hosts, why_no_hosts
 from benchmarks.pool import Pool
+from benchmarks.report import _f, _size_label
 
 
 def phase(suite: Any) -> None:
-    """The benchmark phase (``suite``: ``benchmarks.run.Suite``): per link rate and learners per host, two hosts
+    """The benchmark phase (``suite``: ``benchmarks.suite.Suite``): per link rate and learners per host, two hosts
     and a pool of workers on them, made for its runs and removed after them, also when one fails."""
-    from benchmarks.run import MODEL_TRAINING, TRAINING, TRAINING_PRELOAD
-
     cfg = suite.cfg
     why = why_no_hosts(shaped=True)
     if why is not None:
         suite.failures.append(f"network: {why}")
         return
-    raw: list[dict[str, Any]] = []
-    configs: list[dict[str, Any]] = []
-    suite.raw["network"], suite.summary["network"] = raw, configs  # filled in as measured, as in epochs
-    params, steps, epochs = cfg["network_params"], cfg["network_steps"], cfg["network_epochs"]
-    suite.summary["network_info"] = {
-        "text": (
+    steps, epochs = cfg["network_steps"], cfg["network_epochs"]
+    raw, configs = suite.publish(
+        "network",
+        (
             f"Two hosts as Linux network namespaces on this machine, each with its own host name, pid namespace and "
             f"`/dev/shm` (so tensors between them cross the link), joined by a veth pair whose ends are shaped by "
             f"`tc qdisc ... tbf` to the rate given (no latency added: this kernel has no netem). The MLP of section 6 "
-            f"({report._size_label(params)} parameters), μ = {MODEL_TRAINING['batch_size']} per learner, SGD lr "
+            f"(its size in the *model* column), μ = {MODEL_TRAINING['batch_size']} per learner, SGD lr "
             f"{TRAINING['lr']} momentum {TRAINING['momentum']}, {steps} steps per learner and epoch, {epochs} epochs, "
             f"no straggler. Rudra with its default options (one server per host, each owning half of the "
             f"parameters, reached through shared memory on its host and through RPC from the other; async with the "
@@ -57,8 +57,8 @@ def phase(suite: Any) -> None:
             f"batch ends (past warm-up), over the steps taken meanwhile (every learner's batches / λ); median over "
             f"runs; *× model*: the same in units of the model's float32 size. Counted by the interface, so headers "
             f"and control messages are in."
-        )
-    }
+        ),
+    )
     if any(spec.get("server_node") for spec in cfg["network"]):
         suite.summary["network_info"]["text"] += (
             " Layout 1+s (server nodes): λ = 2, one learner per host, or, for the `server_nodes=1` runs, both on "
@@ -67,6 +67,7 @@ def phase(suite: Any) -> None:
         )
     for spec in cfg["network"]:
         per_host, rate = spec["learners_per_host"], spec["rate"]
+        params = spec.get("params", cfg["network_params"])
         learners = 2 * per_host
         spare = spec.get("server_node", False)  # the server-node layout: 2 workers per host, λ = 2 (module doc)
         setup = {
@@ -79,8 +80,10 @@ def phase(suite: Any) -> None:
             "max_epochs": epochs,
         }
         runs: list[dict[str, Any]] = []
-        raw.append({"rate": rate, "learners_per_host": per_host, "server_node": spare, "runs": runs})
-        name = f"network-{rate}-{per_host}{'s' if spare else ''}"
+        raw.append(
+            {"rate": rate, "learners_per_host": per_host, "server_node": spare, "target_params": params, "runs": runs}
+        )
+        name = f"network-{rate}-{per_host}{'s' if spare else ''}-{params}"
         # DDP moved 4 bytes per parameter each way per step in 1.05 s at 1 Gbit/s, 10 M parameters: 3x that
         timeout = 120 + 3 * epochs * steps * 0.3 * params / 1e6
         with two_hosts(rate) as hosts:
@@ -96,19 +99,19 @@ def phase(suite: Any) -> None:
                     runs.append(run)
                     link = run.get("link_per_step") or [{}, {}]
                     suite.log(
-                        f"network {rate}, {per_host} per host, rep {rep} {key}: "
-                        f"{report._f(run.get('samples_per_s'), '{:.0f}')} samples/s, host 1 sent / received "
-                        f"{report._f(link[1].get('sent', 0) / 1e6, '{:.1f}')} / "
-                        f"{report._f(link[1].get('received', 0) / 1e6, '{:.1f}')} MB per step "
+                        f"network {rate}, {_size_label(params)}, {per_host} per host, rep {rep} {key}: "
+                        f"{_f(run.get('samples_per_s'), '{:.0f}')} samples/s, host 1 sent / received "
+                        f"{_f(link[1].get('sent', 0) / 1e6, '{:.1f}')} / "
+                        f"{_f(link[1].get('received', 0) / 1e6, '{:.1f}')} MB per step "
                         f"(job {run['job_wall_s']:.1f} s)"
                     )
             finally:
                 suite.pools.pop(name).close()
-        summary = report.summarize_runs(runs)
+        summary = stats.summarize_runs(runs)
         for key, entry in summary.items():
             links = [r["link_per_step"] for r in runs if r["strategy"] == key and r.get("link_per_step")]
             entry["link_per_step"] = [
-                {way: report.median([link[host][way] for link in links]) for way in ("sent", "received")}
+                {way: stats.median([link[host][way] for link in links]) for way in ("sent", "received")}
                 for host in range(2)
             ]
         configs.append(
@@ -117,6 +120,7 @@ def phase(suite: Any) -> None:
                 "learners_per_host": per_host,
                 "server_node": spare,
                 "batch_size": MODEL_TRAINING["batch_size"],
+                "target_params": params,
                 "parameters": runs[0]["parameters"] if runs else params,
                 "runs": summary,
             }
@@ -124,22 +128,34 @@ def phase(suite: Any) -> None:
 
 
 def parse_spec(text: str) -> dict[str, Any]:
-    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...]; LEARNERS_PER_HOST
-    ``1+s``: the server-node layout (:func:`phase`)."""
-    rate, per_host, reps, *strategies = text.split(":")
-    spare = per_host == "1+s"
+    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS], PARAMS the
+    model's size (``50M``, ``500k`` or a number of parameters; the mode's ``network_params`` without it);
+    LEARNERS_PER_HOST ``1+s``: the server-node layout (:func:`phase`)."""
+    rate, per_host, reps, *more = text.split(":")
+    spare = per_host == "1+s"  # the server-node layout (:func:`phase`)
     spec: dict[str, Any] = {"rate": rate, "learners_per_host": 1 if spare else int(per_host), "reps": int(reps)}
+    for field in more:
+        size = re.fullmatch(r"(\d+(?:\.\d+)?)([kM]?)", field)
+        if size:
+            spec["params"] = int(float(size[1]) * {"": 1, "k": 1_000, "M": 1_000_000}[size[2]])
+            continue
+        unknown = [key for key in field.split("/") if key not in STRATEGIES]
+        if unknown:
+            raise ValueError(
+                f"--network {text}: {', '.join(unknown)} is neither a strategy ({', '.join(STRATEGIES)}) nor a "
+                f"number of parameters (50M, 500k, 1000000)"
+            )
+        spec["strategies"] = field.split("/")
     if spare:
         spec["server_node"] = True
         # a worker's RPC counters count the Rudra stages it took part in, and a stage's processes must agree: host
         # 0's second worker is a learner in the +server_node runs only, so no other Rudra run may share the pool
-        keys = strategies[0].split("/") if strategies else ["the default ones"]
-        other = [key for key in keys if key != "ddp" and "+server_node" not in key]
+        other = [
+            key for key in spec.get("strategies", ["the default ones"]) if key != "ddp" and "+server_node" not in key
+        ]
         if other:
             raise ValueError(
                 f"--network {text}: the 1+s layout takes ddp and +server_node strategies only, not {other}; measure "
                 "the others in a configuration of their own (RATE:1:REPS:...)"
             )
-    if strategies:
-        spec["strategies"] = strategies[0].split("/")
     return spec

@@ -1,12 +1,23 @@
-"""Where the time goes: py-spy on learner 0 and on the parameter-server process during a benchmark job.
+"""Where the time goes: py-spy on a learner and on the parameter-server process during a benchmark job.
 
-    python -m benchmarks.profile push  [--numel 10000000] [--seconds 6] [--both]
-    python -m benchmarks.profile train [--strategy async|hardsync|softsync|ddp] [--seconds 6]
+    python -m benchmarks.profile push    [--numel 10000000] [--seconds 6] [--both]
+    python -m benchmarks.profile train   [--strategy async|hardsync|softsync|ddp] [--seconds 6]
+    python -m benchmarks.profile network [--strategy async|hardsync|...] [--link 1gbit] [--params 10000000]
+                                         [--epochs 8] [--delay 20] [--seconds 10]
 
 ``push``: learner 0 pushes (``Learner.push``: pack, RPC, async update on the server, weights back, load) in a
-loop, learner 1 too with ``--both``. ``train``: the end-to-end job of ``benchmarks.run``. py-spy samples each
-process (``--nonblocking``: the processes are not paused) and the script prints, per process, the share of
-samples in which each function is on the stack (inclusive), most frequent first. Needs ``py-spy`` on PATH.
+loop, learner 1 too with ``--both``. ``train``: the end-to-end job of ``benchmarks.run``. ``network`` (root, ``ip``
+and ``tc``): the network phase's training job (``benchmarks.network``: two hosts as network namespaces, the link
+shaped to ``--link``, the MLP of ``--params``, one learner per host, whole epochs), any strategy of
+``benchmarks.config.STRATEGIES``; the processes profiled are host 1's learner and its server (one per host), found
+among the host's processes (``ip netns pids``, as ``benchmarks.hosts.Host.pids``), after ``--delay`` s (start,
+rendezvous, warm-up). py-spy samples each process (``--nonblocking``: the processes are not paused) and the script
+prints, per process, the share of samples in which each function is on the stack (inclusive), most frequent first.
+In ``network`` mode py-spy cannot tell which threads are idle (they are in another pid namespace), so it samples
+every thread all the time (``--threads --idle``): the shares are of wall time, over the threads not parked (one stack
+95 % of the time or more: the heartbeat, the server's watchers), which the last line names with the number of
+samples. A server runs Python only for part of each push (the rest is TensorPipe's C++), so its samples are few.
+Needs ``py-spy`` on PATH (``pip install py-spy``).
 """
 
 import argparse
@@ -18,6 +29,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.pool import Pool
@@ -29,36 +41,151 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-def summarize(path: str, top: int) -> list[tuple[float, str]]:
-    """Inclusive share of samples per function (``name (file)``) in a py-spy ``raw`` (collapsed) profile."""
-    total, inclusive = 0, collections.Counter()
+def summarize(path: str, top: int, parked: float = 1.01) -> list[tuple[float, str]]:
+    """Inclusive share of samples per function (``name (file)``) in a py-spy ``raw`` (collapsed) profile. A profile
+    taken with ``--threads`` names each sample's thread first: a thread then counts as parked, and its samples are
+    left out, when one stack has ``parked`` of them or more (a heartbeat, a watcher or a pipe's reader waiting; so
+    would a thread in one C call all along): py-spy cannot tell idle threads in another pid namespace, so with
+    ``--idle`` it samples every thread all the time. The last line names the threads left out."""
+    samples: list[tuple[str, list[str], int]] = []
     with open(path) as f:
         for line in f:
             line = line.rstrip()
             if not line:
                 continue
             stack, count = line.rsplit(" ", 1)
-            total += int(count)
-            seen = set()
-            for frame in stack.split(";"):
-                name = re.sub(r":\d+\)$", ")", frame)
-                name = re.sub(r"\(.*/", "(", name)
-                if name not in seen:
-                    seen.add(name)
-                    inclusive[name] += int(count)
-    return [(100.0 * c / total, name) for name, c in inclusive.most_common(top)] if total else []
+            frames = stack.split(";")
+            thread = frames.pop(0).split(": ", 1)[-1] if frames[0].startswith("thread (") else ""
+            samples.append((thread, frames, int(count)))
+    per_thread: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for thread, frames, count in samples:
+        per_thread[thread][";".join(frames)] += count
+    left_out = {t for t, stacks in per_thread.items() if max(stacks.values()) >= parked * sum(stacks.values())}
+    total, inclusive = 0, collections.Counter()
+    for thread, frames, count in samples:
+        if thread in left_out:
+            continue
+        total += count
+        seen = set()
+        for frame in frames:
+            name = re.sub(r":\d+\)$", ")", frame)
+            name = re.sub(r"\(.*/", "(", name)
+            if name not in seen:
+                seen.add(name)
+                inclusive[name] += count
+    shares = [(100.0 * c / total, name) for name, c in inclusive.most_common(top)] if total else []
+    if left_out:
+        shares.append((0.0, f"({total} samples; left out, parked: {', '.join(sorted(left_out))})"))
+    return shares
+
+
+def spy(targets: dict[str, int], seconds: float, rate: int, top: int, out_dir: str, threads: bool = False) -> None:
+    """py-spy on every process of ``targets`` (name -> pid) at once for ``seconds``; then each one's summary.
+    ``threads``: every thread sampled all the time (``--threads --idle``), parked threads left out of the shares."""
+    spies = {}
+    for name, pid in targets.items():
+        path = os.path.join(out_dir, f"{pid}.txt")
+        command = ["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate)]
+        command += ["--format", "raw", "--output", path, "--nonblocking"] + (["--threads", "--idle"] if threads else [])
+        spies[name] = (path, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for name, (path, process) in spies.items():
+        process.wait()
+        what = "of the threads not parked, wall time" if threads else "process busy time only"
+        print(f"\n== {name}: share of samples with the function on the stack ({what})")
+        for share, frame in summarize(path, top, 0.95 if threads else 1.01) if os.path.exists(path) else []:
+            print(f"{share:5.1f}%  {frame}")
+
+
+def _host_processes(host: Any) -> dict[str, int]:
+    """A host's learner (the pool's worker) and the server processes it started (its children), by pid as this
+    process sees them, from the processes in the host's namespace."""
+    parents = {}
+    for pid in host.pids():
+        try:
+            parents[pid] = (
+                int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]),
+                Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0"),
+            )
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+    # a worker is "python -m benchmarks.pool ..." (the host's first process names it in a shell command)
+    learners = [pid for pid, (_, argv) in parents.items() if argv[1:3] == ["-m", "benchmarks.pool"]]
+    found = {}
+    for learner in learners:
+        found[f"learner (pid {learner})"] = learner
+        found.update({f"server (pid {pid})": pid for pid, (ppid, _) in parents.items() if ppid == learner})
+    return found
+
+
+def _network(args: argparse.Namespace) -> None:
+    from benchmarks.config import MODEL_TRAINING, STRATEGIES, TRAINING, TRAINING_PRELOAD
+    from benchmarks.hosts import two_hosts, why_no_hosts
+
+    why = why_no_hosts(shaped=True)
+    if why is not None:
+        raise SystemExit(f"network: {why}")
+    strategy, n, protos, options = STRATEGIES[args.strategy]
+    steps = 6  # per learner and epoch, as the network phase
+    kwargs = {
+        **MODEL_TRAINING,
+        "strategy": strategy,
+        "n": n,
+        "protos": protos,
+        "options": options,
+        "port": _port(),
+        "lr": TRAINING["lr"],
+        "momentum": TRAINING["momentum"],
+        "mlp_params": args.params,
+        "num_learners": 2,
+        "num_nodes": 2,
+        "num_samples": steps * MODEL_TRAINING["batch_size"] * 2,
+        "max_epochs": args.epochs,
+        "sleep_s": [0.0, 0.0],
+    }
+    out_dir = tempfile.mkdtemp(prefix="rudra-profile-")
+    with two_hosts(args.link) as hosts:
+        pool = Pool("profile-network", size=2, preload=TRAINING_PRELOAD, hosts=hosts)
+        try:
+            pool.wait_ready()
+            outcome: dict[str, Any] = {}
+            job = threading.Thread(
+                target=lambda: outcome.setdefault("result", pool.run("benchmarks.training:train", 900, **kwargs))
+            )
+            job.start()
+            time.sleep(args.delay)  # past start-up and warm-up
+            targets = _host_processes(hosts[1])
+            print(f"host 1's processes: {targets}")
+            spy(targets, args.seconds, args.rate, args.top, out_dir, threads=True)
+            job.join()
+            if "result" in outcome:
+                result = outcome["result"][0]
+                print(
+                    f"\nthe job: {result.get('parameters')} parameters, rank 0 trained {len(result['times'])} batches"
+                )
+        finally:
+            pool.close()
+    print(f"\nraw py-spy profiles (collapsed stacks): {out_dir}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("push", "train"))
+    parser.add_argument("what", choices=("push", "train", "network"))
     parser.add_argument("--numel", type=int, default=10_000_000)
     parser.add_argument("--both", action="store_true", help="push: both learners push at once")
     parser.add_argument("--strategy", default="async")
-    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--seconds", type=float, default=None, help="how long py-spy samples (6 s; network: 10 s)")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--rate", type=int, default=200)
+    parser.add_argument("--rate", type=int, default=200, help="py-spy's samples per second")
+    parser.add_argument("--link", default="1gbit", help="network: the link's rate, in tc's units")
+    parser.add_argument("--params", type=int, default=10_000_000, help="network: the MLP's parameters")
+    parser.add_argument("--epochs", type=int, default=8, help="network: epochs of 6 steps per learner")
+    parser.add_argument("--delay", type=float, default=20.0, help="network: seconds before sampling starts")
     args = parser.parse_args()
+    if args.what == "network":
+        args.seconds = args.seconds or 10.0
+        _network(args)
+        return
+    args.seconds = args.seconds or 6.0
 
     pool = Pool(
         "profile", preload=("pytorch_lightning", "lightning_rudra", "benchmarks.training", "benchmarks.transport")
@@ -90,37 +217,13 @@ def main() -> None:
         time.sleep(delay)  # past start-up and warm-up
         learner = pool.procs[0].pid
         children = subprocess.run(["pgrep", "-P", str(learner)], capture_output=True, text=True).stdout.split()
-        targets = {"learner 0": learner, **{f"server (pid {c})": int(c) for c in children}}
-        spies = {
-            name: (
-                os.path.join(out_dir, f"{pid}.txt"),
-                subprocess.Popen(
-                    [
-                        "py-spy",
-                        "record",
-                        "--pid",
-                        str(pid),
-                        "--duration",
-                        str(int(args.seconds)),
-                        "--rate",
-                        str(args.rate),
-                        "--format",
-                        "raw",
-                        "--output",
-                        os.path.join(out_dir, f"{pid}.txt"),
-                        "--nonblocking",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                ),
-            )
-            for name, pid in targets.items()
-        }
-        for name, (path, spy) in spies.items():
-            spy.wait()
-            print(f"\n== {name}: share of samples with the function on the stack (process busy time only)")
-            for share, frame in summarize(path, args.top) if os.path.exists(path) else []:
-                print(f"{share:5.1f}%  {frame}")
+        spy(
+            {"learner 0": learner, **{f"server (pid {c})": int(c) for c in children}},
+            args.seconds,
+            args.rate,
+            args.top,
+            out_dir,
+        )
     finally:
         job.join()
         pool.close()

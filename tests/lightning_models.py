@@ -142,7 +142,9 @@ class ProbedRudra(RudraStrategy):
             torch.save({"params": params, "buffers": buffers, "lrs": lrs, "pid": os.getpid()}, self.probe_path)
 
 
-def quiet_trainer(strategy, devices: int, **kwargs) -> pl.Trainer:
+def quiet_trainer(strategy, devices: int, trainer_class: type = pl.Trainer, **kwargs) -> pl.Trainer:
+    """A Trainer on CPU that logs, checkpoints and prints nothing (``trainer_class``: the unified package's
+    ``lightning.Trainer`` too)."""
     options = dict(
         accelerator="cpu",
         devices=devices,
@@ -154,7 +156,7 @@ def quiet_trainer(strategy, devices: int, **kwargs) -> pl.Trainer:
         num_sanity_val_steps=0,
     )
     options.update(kwargs)
-    return pl.Trainer(**options)
+    return trainer_class(**options)
 
 
 class Features(Regression):

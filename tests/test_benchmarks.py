@@ -1,8 +1,8 @@
 """The benchmarks are code too: the transport job (a push+pull through the real server, with every measure and
 the breakdown of one push into its pieces, then through two servers with the learner-side prototype) runs end to end at a small size, so that a
 renamed internal breaks a test, not the next benchmark run; the accuracy phase's target, times and ratios are
-computed on recorded snapshots (its runs take minutes); the network phase's hosts leave nothing behind, and its
-bytes per step are counted over the right steps."""
+computed on recorded snapshots (its runs take minutes); the network phase's hosts leave nothing behind, its
+bytes per step are counted over the right steps, and a configuration's model size is read from ``--network``."""
 
 import multiprocessing
 import os
@@ -10,8 +10,9 @@ import subprocess
 
 import pytest
 
-from benchmarks import accuracy, report
+from benchmarks import accuracy, report, stats
 from benchmarks.hosts import two_hosts, why_no_hosts
+from benchmarks.targets import check_targets
 from lightning_rudra.transport.rpc_world import free_port
 
 
@@ -110,7 +111,7 @@ def test_the_accuracy_phase_sets_the_target_after_the_runs_and_reads_each_runs_t
     assert rudra["best_accuracy"] == 0.93 and rudra["final_accuracy"] == 0.88 and rudra["epochs_trained"] == 2
     # 1.0 s after rank 0's start is 1.1 s on the epochs' clock: 1 epoch (ended at 0.9 s) and 0.2 / 0.8 of the next
     assert rudra["tta_epochs"] == pytest.approx(1.25)
-    targets = {t["key"]: t for t in report.check_targets({"accuracy": [config]})}
+    targets = {t["key"]: t for t in check_targets({"accuracy": [config]})}
     assert targets["accuracy_2x3"]["met"] and targets["accuracy_4x3"]["by"] == "not measured"
     assert "| 2 (64) | 3x (20.0) | 0.910 (0.90–0.92) | 0.900 | 2.50 (1.7) | 1.00 (1.2) | 0.40 |" in "\n".join(
         report._accuracy_table([config], {})
@@ -122,7 +123,7 @@ def test_an_async_run_that_never_reaches_the_target_is_reported_as_never():
     rudra = config["runs"]["async"]
     assert rudra["tta_s"] is None and rudra["tta_vs_ddp"] is None and rudra["tta_reached"] == 0
     assert rudra["best_accuracy"] == 0.88
-    target = {t["key"]: t for t in report.check_targets({"accuracy": [config]})}["accuracy_2x3"]
+    target = {t["key"]: t for t in check_targets({"accuracy": [config]})}["accuracy_2x3"]
     assert target["met"] is False and target["by"] == "missed: async never reached it"
     assert "| never (–) | never |" in "\n".join(report._accuracy_table([config], {}))
 
@@ -178,10 +179,10 @@ def test_bytes_per_step_count_each_hosts_link_over_every_learners_steps_past_war
         else {"times": [1.0 + k + rank / 100 for k in range(6)], "link": []}
         for rank in range(4)
     ]
-    hosts = report.link_per_step(ranks, 2, warmup=2)
+    hosts = stats.link_per_step(ranks, 2, warmup=2)
     # host 0's reads past 2.03 s: at 3.00 ... 6.00 (3 steps in between: every learner's batches at 4, 5, 6 / 4)
     assert hosts[0] == {"sent": 30.0, "received": 10.0} and hosts[1] == hosts[0]
-    assert report.link_per_step([{**r, "link": []} for r in ranks], 2, warmup=2) is None
+    assert stats.link_per_step([{**r, "link": []} for r in ranks], 2, warmup=2) is None
 
 
 @pytest.mark.slow
@@ -202,7 +203,28 @@ def test_the_network_phase_runs_on_two_shaped_hosts_and_counts_the_bytes_on_the_
     for entry in config["runs"].values():
         assert entry["samples_per_s"] > 0
         assert all(host["sent"] > 0 and host["received"] > 0 for host in entry["link_per_step"])
-    assert '| 1gbit | 1 (32) | Rudra hardsync, compression="bf16" |' in (tmp_path / "latest.md").read_text()
+    assert '| 1gbit | MLP 0.1 M | 1 (32) | Rudra hardsync, compression="bf16" |' in (tmp_path / "latest.md").read_text()
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     ours = f"rudra{os.getpid() % 100000}h"  # how two_hosts names this process's namespaces (others may run tests)
     assert ours not in namespaces, namespaces
+
+
+def test_a_network_configuration_names_its_model_size_and_only_10_m_counts_for_the_targets():
+    from benchmarks.network import parse_spec
+
+    assert parse_spec("1gbit:1:1:ddp/hardsync:50M") == {
+        "rate": "1gbit",
+        "learners_per_host": 1,
+        "reps": 1,
+        "strategies": ["ddp", "hardsync"],
+        "params": 50_000_000,
+    }
+    assert parse_spec("10gbit:2:2:500k")["params"] == 500_000 and "params" not in parse_spec("1gbit:2:2")
+    with pytest.raises(ValueError, match="hardsnc is neither a strategy"):
+        parse_spec("1gbit:1:1:ddp/hardsnc")
+    runs = {"hardsync": {"vs_ddp": 0.8}}
+    config = {"rate": "1gbit", "learners_per_host": 2, "runs": runs}  # as committed before the size was a field
+    by_key = {t["key"]: t for t in check_targets({"network": [config]})}
+    assert by_key["network_aggregation_vs_ddp"]["value"] == 0.8
+    by_key = {t["key"]: t for t in check_targets({"network": [{**config, "target_params": 50_000_000}]})}
+    assert by_key["network_aggregation_vs_ddp"]["value"] is None

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from examples.mnist1d import MNIST1DClassifier, generate_mnist1d
 from lightning_rudra import ProtocolConfig, Server
-from lightning_rudra.core.compression import ErrorFeedback
+from lightning_rudra.core.compression import ErrorFeedback, WeightDeltas
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.timing import Jittered, push_order
 
@@ -81,7 +81,8 @@ def train(
     compression: Optional[str] = None,
 ) -> dict[str, Any]:
     """One run; returns its test error after every epoch. ``compression``: every push compressed as a learner on
-    another host sends it (``RudraStrategy(compression=...)``), each learner keeping its own rounding errors."""
+    another host sends it (``RudraStrategy(compression=...)``), each learner keeping its own rounding errors, and
+    the weights it gets back as differences from those it holds."""
     torch.manual_seed(seed)
     data = generate_mnist1d(NUM_SAMPLES, 42, 0.2)
     x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"])
@@ -99,6 +100,19 @@ def train(
     done = [0] * learners
     order_rng = torch.Generator().manual_seed(seed)
     feedback = ErrorFeedback(compression) if compression is not None else None
+    # the weights back as differences from what each learner holds: (the server's record, the learners')
+    deltas = (WeightDeltas(compression), WeightDeltas(compression)) if compression is not None else None
+
+    def receive(learner: int, pulled: tuple) -> tuple:
+        if deltas is None:
+            return pulled
+        weights, buffers, timestamp = pulled
+        return (
+            deltas[1].decode(deltas[0].encode(learner, deltas[1].count(learner), weights), learner),
+            buffers,
+            timestamp,
+        )
+
     errors = []
     for _ in range(epochs):
         shards = torch.randperm(len(y), generator=order_rng).chunk(learners)
@@ -116,9 +130,10 @@ def train(
                 [grad] = feedback.compress(r, [grad])
             result = server.push(r, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, [])
             if protocol != "hardsync":
-                held[r] = server.pull()
+                held[r] = receive(r, server.pull())
             elif result.closed:  # hardsync: every learner gets the round's weights
-                held = [server.pull()] * learners
+                pulled = server.pull()
+                held = [receive(learner, pulled) for learner in range(learners)]
         done = [d + s for d, s in zip(done, steps)]
         weights = server.pull()[0][0]
         torch.nn.utils.vector_to_parameters(weights, params)
@@ -156,6 +171,30 @@ def run_all(runs: Iterable[dict[str, Any]], out: Path, resume: bool) -> list[dic
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def study_rows(
+    name: str, doc: Optional[str], argv: Optional[list[str]], runs: Iterable[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], Path, argparse.Namespace]:
+    """The command line of an in-process study, ``python -m examples.study.NAME`` (``doc``: its help): its output
+    folder made, one thread, then its rows: ``runs`` trained (those already in ``<out>/runs.jsonl`` skipped with
+    ``--resume``), or with ``--report-only`` the rows of that file. No rows: a line says so."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m examples.study.{name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default=f"study_{name}", help=f"output folder (default: study_{name})")
+    p.add_argument("--resume", action="store_true", help="skip the runs already in <out>/runs.jsonl")
+    p.add_argument("--report-only", action="store_true", help="write the report from <out>/runs.jsonl, train nothing")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    rows = read_rows(out / "runs.jsonl") if args.report_only else run_all(runs, out, args.resume)
+    if not rows:
+        print(f"no runs in {out / 'runs.jsonl'}: nothing to report")
+    return rows, out, args
 
 
 def chosen_rates(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -266,21 +305,8 @@ def plot(rows: list[dict[str, Any]], rates: dict[str, float], out: Path) -> None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m examples.study.compensation",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--out", default="study_compensation", help="output folder (default: study_compensation)")
-    p.add_argument("--resume", action="store_true", help="skip the runs already in <out>/runs.jsonl")
-    p.add_argument("--report-only", action="store_true", help="write the report from <out>/runs.jsonl, train nothing")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    rows = read_rows(out / "runs.jsonl") if args.report_only else run_all(sweep(), out, args.resume)
+    rows, out, args = study_rows("compensation", __doc__, argv, sweep())
     if not rows:
-        print(f"no runs in {out / 'runs.jsonl'}: nothing to report")
         return
     rates = chosen_rates(rows)
     if not args.report_only:

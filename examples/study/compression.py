@@ -15,12 +15,10 @@ small, moves its later epochs' errors by a point or two either way, as the seeds
 One JSON line per run in ``<out>/runs.jsonl``; ``--resume`` skips runs already there.
 """
 
-import argparse
 import statistics
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 
 from examples.study import compensation
 
@@ -96,24 +94,9 @@ def _paired(diffs: list[float]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(
-        prog="python -m examples.study.compression",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--out", default="study_compression", help="output folder (default: study_compression)")
-    p.add_argument("--resume", action="store_true", help="skip the runs already in <out>/runs.jsonl")
-    p.add_argument("--report-only", action="store_true", help="write the report from <out>/runs.jsonl, train nothing")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    path = out / "runs.jsonl"
-    rows = compensation.read_rows(path) if args.report_only else compensation.run_all(grid(), out, args.resume)
-    if not rows:
-        print(f"no runs in {path}: nothing to report")
-        return
-    write_report(rows, out)
+    rows, out, _ = compensation.study_rows("compression", __doc__, argv, grid())
+    if rows:
+        write_report(rows, out)
 
 
 if __name__ == "__main__":

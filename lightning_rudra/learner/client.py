@@ -1,5 +1,5 @@
-"""The learner's side of the parameter server: starting it, joining its RPC world, push, pull, the shared
-epoch's batches and collectives. A call that waits for other learners waits as long as they are alive (the
+"""The learner's side of the parameter server: push, pull, the shared epoch's batches and collectives
+(:mod:`lightning_rudra.learner.world` starts the servers and joins their RPC world). A call that waits for other learners waits as long as they are alive (the
 server's heartbeat watch ends it when one is lost); every other call has a timeout. Nothing here knows about
 Lightning."""
 
@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_rudra.server import process as _server
+from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
@@ -23,6 +24,7 @@ from lightning_rudra.transport.rpc_world import (
     server_name,
 )
 from lightning_rudra.transport.shm import SharedNames
+from lightning_rudra.transport.stream import StreamClient
 from lightning_rudra.core.stats import Stats
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
@@ -30,7 +32,7 @@ from lightning_rudra.core.stats import Stats
 _NO_TIME_LIMIT = 0
 # How TensorPipe words a connection the other side closed or never answered
 _CONNECTION_LOST = re.compile(
-    r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe", re.I
+    r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe|the stream to .* closed", re.I
 )
 _TIMED_OUT = re.compile(r"ran for more than set timeout", re.I)
 
@@ -59,6 +61,10 @@ class LearnerClient:
         # named by the server if this learner is lost
         self.address = address_towards(rendezvous or server_host) or "an unknown address"
         self.timestamp = 0
+        # the server's weights sent back as bfloat16 differences (compression, see weights_as_deltas); None: whole
+        self.deltas: Optional[WeightDeltas] = None
+        self.stream: Optional[StreamClient] = None  # pushes over a connection of their own (open_stream)
+        self._replies_due = 0  # pushes sent whose reply is not received yet
         self._collectives = 0
         self._interval = min(5.0, timeout / 4)
         self._server_lost: Optional[str] = None
@@ -177,17 +183,48 @@ class LearnerClient:
         server checks its part). ``members``, ``refused``: a node's push (:meth:`Server.push
         <lightning_rudra.core.protocol.Server.push>`)."""
         node = (list(members), list(refused)) if members or refused else ()
-        return rpc.rpc_async(
-            self.server,
-            _server.call_async,
-            timeout=_NO_TIME_LIMIT,
-            args=("push", self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, *node),
-        )
+        args = (self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, *node)
+        if self.deltas is not None:  # the count this learner will have applied when the reply comes
+            args = ("push_deltas", self.deltas.compression, self.deltas.count() + self._replies_due, *args)
+            self._replies_due += 1
+        else:
+            args = ("push", *args)
+        if self.stream is not None:
+            return self.stream.call(*args)
+        return rpc.rpc_async(self.server, _server.call_async, timeout=_NO_TIME_LIMIT, args=args)
+
+    def open_stream(self) -> None:
+        """From now on pushes go over a TCP connection of their own to the server, which moves tensors across a
+        link faster than RPC (:mod:`lightning_rudra.transport.stream`), if the server offers one."""
+        offered = self._sync("stream_address")
+        if offered is None:
+            return
+        address, port = offered
+        address = address or self.server_host
+        what = f"{self.what} (on {address})"
+        try:
+            self.stream = StreamClient(address, port, self.timeout, what)
+        except OSError as error:
+            raise RuntimeError(
+                f"learner {self.rank} could not connect to {what} at port {port} for its pushes: {error}. A firewall "
+                "between the hosts must let the servers' ports through, as RPC's."
+            ) from error
+
+    def weights_as_deltas(self, compression: str) -> None:
+        """From now on the weights that come back with a push over the stream (:meth:`open_stream`) travel as
+        differences from those this learner holds, in the wire dtype of ``compression``
+        (:class:`~lightning_rudra.core.compression.WeightDeltas`). The stream answers in order, so the server knows
+        which weights the learner will hold; through RPC, replies may be made in another order: whole there."""
+        if self.stream is not None:
+            self.deltas = WeightDeltas(compression)
 
     def receive(self, pushed: Future) -> PushReply:
         """The server's reply to a push; its clock is the timestamp of this learner's next push."""
         reply: PushReply = self.result(pushed)
         self.timestamp = reply.clock
+        if self.deltas is not None:
+            self._replies_due -= 1
+            reply = reply._replace(params=self.deltas.decode(reply.params))  # type: ignore[arg-type]
         return reply
 
     def finish(self) -> Future:
@@ -236,6 +273,8 @@ class LearnerClient:
         """Leave this stage (``error``: why this learner stopped training early, for the others to hear)."""
         self._stop_heartbeat.set()
         self._heartbeat.join()
+        if self.stream is not None:
+            self.stream.close()
         if self._server_lost is None:  # a server that stopped answering would only make this call wait it out
             self._sync("leave", self.rank, error)
 

@@ -189,7 +189,7 @@ class Learner:
         self.settle()
         for shard in self.shards:
             if not shard.attached:
-                shard.attach(self.shared_memory)
+                shard.attach(self.shared_memory, self.feedback.compression if self.feedback else None)
             if shard.shm is not None:
                 shard.take(None, None)
             else:

@@ -73,6 +73,11 @@ class ServerClient(Protocol):
         push (node-local aggregation). Hand the future to :meth:`receive`."""
         ...
 
+    def weights_as_deltas(self, compression: str) -> None:
+        """The weights that come back with a push travel as differences from those the learner holds, in the wire
+        dtype of ``compression`` (:class:`~lightning_rudra.core.compression.WeightDeltas`)."""
+        ...
+
     def receive(self, pushed: Future) -> PushReply:
         """The reply to a push: whether its gradient was applied, its staleness σ (clock at application minus the
         timestamp it was pushed with), and the weights to go on from with their timestamp, the new ``timestamp``."""

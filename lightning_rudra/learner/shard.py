@@ -39,12 +39,20 @@ class Shard:
         # a server on another host that this node's learners push to together (node-local aggregation)
         self.link: Optional[NodeLink] = None
 
-    def attach(self, shared_memory: bool) -> None:
-        """Map the server's shared memory if it has some and runs on this host; tell it either way."""
+    def attach(self, shared_memory: bool, compression: Optional[str] = None) -> None:
+        """Map the server's shared memory if it has some and runs on this host; tell it either way. ``compression``:
+        a server reached through RPC sends its weights back as differences in that wire dtype."""
         self.attached = True
-        if not shared_memory:
+        if shared_memory:
+            self._map()
+        else:
             self.client.attached(False)
-            return
+        if shared_memory and self.shm is None and isinstance(self.client, LearnerClient):
+            self.client.open_stream()  # another host's server: tensors cross the link faster than through RPC
+        if compression is not None and self.shm is None:
+            self.client.weights_as_deltas(compression)
+
+    def _map(self) -> None:
         client = self.client
         if not isinstance(client, LearnerClient):
             raise TypeError(

@@ -18,6 +18,7 @@ from torch.futures import Future
 from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler, Sampler
 
+from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.update import PushReply
@@ -41,6 +42,8 @@ class SimulatedClient:
         self._snapshots: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # clock -> flat weights and buffers
         self._parked: dict[int, list[int]] = {}  # hardsync, per optimizer: learners waiting for the round to close
         self._loaded: Optional[int] = None  # the clock of the weights in the module, while nothing changed them
+        # compression: (the server's, the learners') records of the weights each learner holds, sent as differences
+        self._deltas: Optional[tuple[WeightDeltas, WeightDeltas]] = None
 
     def register(
         self,
@@ -64,6 +67,12 @@ class SimulatedClient:
     def attached(self, mapped: bool) -> None:
         """Nothing to map: the weights are in this process."""
 
+    def weights_as_deltas(self, compression: str) -> None:
+        """As a real learner's, each learner's weights come back as bfloat16 differences from those it holds
+        (:meth:`LearnerClient.weights_as_deltas <lightning_rudra.learner.client.LearnerClient.weights_as_deltas>`):
+        each keeps its own copy, which its steps then start from."""
+        self._deltas = (WeightDeltas(compression), WeightDeltas(compression))
+
     def switch(self, learner: int) -> Optional[tuple[list[Tensor], list[Tensor]]]:
         """The next step is ``learner``'s: the weights it holds, for the module to load first (None: the module
         holds them already). Either way the step about to run changes the module (buffers in its forward, a push's
@@ -73,10 +82,10 @@ class SimulatedClient:
         server = self._server()
         self.learner = learner
         self.timestamp = self._held[learner]
-        stale = self._loaded != self.timestamp
+        stale = self._loaded != self.timestamp or self._deltas is not None  # copies of one clock differ
         self._loaded = None
         server.stats.batches[learner] = server.stats.batches.get(learner, 0) + 1
-        return self._weights(self.timestamp) if stale else None
+        return self._held_weights(learner) if stale else None
 
     def pull(self) -> tuple[list[Tensor], list[Tensor]]:
         """The newest weights (validation, the start of training); the next :meth:`switch` restores a learner's."""
@@ -110,13 +119,18 @@ class SimulatedClient:
                 "learners (devices=λ)."
             )
         result = server.push(self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite)
+        received = []
         if hardsync and not result.closed:
             self._parked.setdefault(optimizer, []).append(self.learner)
-            clock = self._held[self.learner]
         else:
-            clock = server.clock
-            for learner in [self.learner] + (self._parked.pop(optimizer, []) if result.closed else []):
-                self._held[learner] = clock
+            received = [self.learner] + (self._parked.pop(optimizer, []) if result.closed else [])
+            for learner in received:
+                self._held[learner] = server.clock
+                if self._deltas is not None:
+                    server_side, learner_side = self._deltas
+                    sent = server_side.encode(learner, learner_side.count(learner), self._weights(server.clock)[0])
+                    learner_side.decode(sent, learner)
+        clock = self._held[self.learner]
         update = server.last_updates[optimizer]
         reply: Future = Future()
         reply.set_result(
@@ -124,7 +138,7 @@ class SimulatedClient:
                 result.status,
                 result.staleness,
                 update.lr_scale if update is not None else 1.0,
-                *self._weights(clock),
+                *self._held_weights(self.learner),
                 clock,
             )
         )
@@ -172,6 +186,13 @@ class SimulatedClient:
         if self.server is None:
             raise RuntimeError("the simulated parameter server holds no weights yet: the model was not registered")
         return self.server
+
+    def _held_weights(self, learner: int) -> tuple[list[Tensor], list[Tensor]]:
+        """The weights ``learner`` holds: of its clock, or its own copy of them (compression)."""
+        params, buffers = self._weights(self._held[learner])
+        if self._deltas is not None and learner in self._deltas[1].held:
+            params = self._deltas[1].held[learner][1]
+        return params, buffers
 
     def _weights(self, clock: int) -> tuple[list[Tensor], list[Tensor]]:
         """The weights of ``clock`` (the newest, or one a learner holds); copies no learner holds are dropped."""

@@ -16,8 +16,11 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
+from lightning_rudra.core.compression import WeightDeltas
+from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.parameter_server import ParameterServer
-from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, job_id
+from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, incarnation_of, job_id
+from lightning_rudra.transport.stream import StreamServer
 from lightning_rudra.transport.rpc_world import (
     address_towards,
     init_rpc,
@@ -123,6 +126,8 @@ ENTRY_POINTS: dict[str, Optional[int]] = {
     "attached": 0,
     "pull": None,
     "push": 0,
+    "push_deltas": 2,
+    "stream_address": None,
     "finish": 0,
     "gather": 1,
     "draw": 2,
@@ -148,8 +153,41 @@ def _entry(method: str, args: tuple) -> Callable:
     assert _server is not None  # main sets it before it joins the RPC world that brings calls
     position = ENTRY_POINTS[method]
     if position is not None:
-        _server.check_caller(method, args[position] if position < len(args) else None)
-    return getattr(_server, method)
+        _server.check_caller(method.removesuffix("_deltas"), args[position] if position < len(args) else None)
+    return _HERE[method] if method in _HERE else getattr(_server, method)
+
+
+# per compression, the weights each learner holds that pushes with push_deltas (its replies' weights as differences)
+_deltas: dict[str, WeightDeltas] = {}
+
+
+def _push_deltas(compression: str, count: int, learner: Any, *push: Any) -> Future:
+    """A push whose reply's weights travel as differences from the weights the learner holds, after ``count``
+    replies (:meth:`LearnerClient.weights_as_deltas <lightning_rudra.learner.client.LearnerClient.weights_as_deltas>`)."""
+    assert _server is not None
+    deltas = _deltas.setdefault(compression, WeightDeltas(compression))
+    key = (int(learner), incarnation_of(learner))  # a new process of the learner holds nothing yet
+
+    def encoded(replied: Future) -> Any:
+        reply = replied.value()
+        if isinstance(reply, PushReply) and reply.params is not None:
+            return reply._replace(params=deltas.encode(key, count, reply.params))  # type: ignore[arg-type]  # decoded by the learner
+        return reply  # a failed wait arrives as a value: the learner raises it
+
+    return _server.push(learner, *push).then(encoded)
+
+
+# pushes from learners on other hosts (transport.stream): started with the server, None until then
+_stream: Optional[StreamServer] = None
+
+
+def _stream_address() -> Optional[tuple[Optional[str], int]]:
+    """Where this server takes pushes over a connection of their own (None: through RPC only)."""
+    assert _server is not None
+    return None if _stream is None else (_server.address, _stream.port)
+
+
+_HERE: dict[str, Callable] = {"push_deltas": _push_deltas, "stream_address": _stream_address}  # answered here
 
 
 def call(method: str, *args: Any) -> Any:
@@ -277,6 +315,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.learners, args.timeout, args.min_learners, announce=args.shard == 0, comeback=args.comeback
     )
     _server.address = address_towards(host)
+    global _stream
+    _stream = StreamServer(_server.address, lambda method, call: _entry(method, call)(*call))
     set_rpc_counters(counters)
     init_rpc(
         None,

@@ -69,8 +69,9 @@ class RudraStrategy(ServerParallelStrategy):
         start_method: ``"popen"`` (re-runs the script, like DDP), ``"spawn"`` or ``"forkserver"``.
         overlap: push and pull while the next step computes (Rudra-adv*). Not with hardsync.
         shared_memory: learners on the server's host exchange gradients and weights through ``/dev/shm``.
-        compression: ``"bf16"``: gradients pushed through RPC (to another host's server) travel in bfloat16, with
-            error feedback (:mod:`lightning_rudra.core.compression`); None: in full precision.
+        compression: ``"bf16"``: gradients pushed through RPC (to another host's server), and the weights that come
+            back, travel in bfloat16, with error feedback (:mod:`lightning_rudra.core.compression`); None: in full
+            precision.
         num_servers: server processes, each owning a contiguous part of the parameters; None: one per node.
         server_nodes: nodes that run only servers, NODE_RANK num_nodes and up (``fit`` puts every server there).
         node_aggregation: hardsync, several learners per node: they sum their gradients in the node's shared memory

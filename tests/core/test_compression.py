@@ -1,12 +1,13 @@
 """Compressed pushes (``compression="bf16"``): what the server receives over k pushes adds up to the true gradients
 but for the last rounding's error, each learner and part keeps its own error, a NaN does not spoil later pushes,
-and the server widens what it receives before its checks."""
+and the server widens what it receives before its checks; the weights sent back as bfloat16 differences keep
+sender and receiver equal bit for bit, within the last difference's rounding of the true weights."""
 
 import pytest
 import torch
 
 from lightning_rudra import RudraStrategy
-from lightning_rudra.core.compression import ErrorFeedback, compression_option, decompress
+from lightning_rudra.core.compression import ErrorFeedback, WeightDeltas, compression_option, decompress
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 
@@ -101,3 +102,34 @@ def test_a_compression_that_is_not_known_is_refused_with_what_is_expected(value)
     with pytest.raises(ValueError, match=rf"compression={value!r} is not supported: expected None .* or 'bf16'"):
         RudraStrategy(compression=value)
     assert compression_option("none") is None and RudraStrategy(compression="bf16").compression == "bf16"
+
+
+def test_weights_sent_as_differences_stay_equal_on_both_sides_and_within_the_last_rounding_of_the_truth():
+    """A server's float32 weights change by an update a step (10 000 steps of mixed magnitudes), an int64 buffer
+    travels as it is: the learner's copy equals the server's record of it bit for bit, and differs from the true
+    weights by at most half a bfloat16 unit of the last difference (no error builds up)."""
+    server, learner = WeightDeltas("bf16"), WeightDeltas("bf16")
+    weights = [torch.randn(10_000), torch.arange(3)]
+    message = server.encode("learner 1", learner.count(), weights)
+    assert message.whole and learner.decode(message)[0].equal(weights[0])
+    for update in gradients(200):
+        before = learner.held[None][1][0].clone()
+        weights = [weights[0] - 0.1 * update, weights[1] + 1]
+        message = server.encode("learner 1", learner.count(), weights)
+        assert not message.whole and message.flats[0].dtype == torch.bfloat16 and message.flats[1].dtype == torch.int64
+        held = learner.decode(message)
+        assert held[0].equal(server.held["learner 1"][1][0]) and held[1].equal(weights[1])
+        last = (weights[0] - before).abs()
+        assert bool(((held[0] - weights[0]).abs() <= last * 2**-8 + 1e-30).all())
+
+
+def test_a_receiver_whose_count_differs_gets_the_whole_weights_again():
+    """A new process of a learner (count 0), or one that missed a message: the server sends float32 weights."""
+    server = WeightDeltas("bf16")
+    weights = [torch.randn(100)]
+    assert server.encode("learner 1", 0, weights).whole
+    assert not server.encode("learner 1", 1, weights).whole
+    assert server.encode("learner 1", 1, weights).whole  # the receiver applied 1, the sender sent 2
+    assert server.encode("learner 1", 0, weights).whole  # a new process
+    message = server.encode("learner 2", 0, weights)
+    assert message.whole and message.flats[0].dtype == torch.float32

@@ -39,21 +39,22 @@ def no_shared_memory_left():
     assert not left, left
 
 
+def _hardsync(learners: int, steps: int, mu: int, **options):
+    """``learners`` learners train ``steps`` hardsync steps with batch ``mu`` each (``options``: more of
+    ``harness.train``'s arguments); their results, every one of them checked to be ok."""
+    results = harness.run_learners(
+        learners, harness.train, config=ProtocolConfig(learners, "hardsync"), steps=steps, mu=mu, **options
+    )
+    check_ok(results)
+    return results
+
+
 # 2 servers cut the 65 weights of the test model inside its first weight matrix (RPC with one server:
 # test_shared_memory_that_cannot_be_allocated_falls_back_to_rpc)
 @pytest.mark.parametrize("shared_memory, num_servers", [(True, 1), (True, 2), (False, 2)])
 def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, num_servers, no_shared_memory_left):
     learners, mu, steps = 3, 4, 6
-    results = harness.run_learners(
-        learners,
-        harness.train,
-        config=ProtocolConfig(learners, "hardsync"),
-        steps=steps,
-        mu=mu,
-        shared_memory=shared_memory,
-        num_servers=num_servers,
-    )
-    check_ok(results)
+    results = _hardsync(learners, steps, mu, shared_memory=shared_memory, num_servers=num_servers)
     assert [r["shared_memory"] for r in results] == [shared_memory] * learners
     reference = sgd_reference(steps, mu * learners)
     for result in results:  # every learner ends with the same, exact weights
@@ -69,16 +70,7 @@ def test_hardsync_over_servers_cut_between_parameters_one_of_them_empty(no_share
     """An optimizer not known to be elementwise: the 3 servers' cuts move to the parameter boundaries nearest to
     them (0 and 48 of 65), so the first server owns nothing and still takes every push; still exactly SGD."""
     learners, mu, steps = 2, 4, 5
-    results = harness.run_learners(
-        learners,
-        harness.train,
-        config=ProtocolConfig(learners, "hardsync"),
-        steps=steps,
-        mu=mu,
-        num_servers=3,
-        optimizer=harness.SubclassedSGD,
-    )
-    check_ok(results)
+    results = _hardsync(learners, steps, mu, num_servers=3, optimizer=harness.SubclassedSGD)
     assert [r["owned"] for r in results] == [[0, 1, 3]] * learners
     for result in results:
         for mine, expected in zip(result["params"], sgd_reference(steps, mu * learners)):

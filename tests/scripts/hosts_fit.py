@@ -20,6 +20,7 @@ import torch
 
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import Regression, flat, loader, quiet_trainer
+from tests.script_runs import print_result
 
 
 class Wide(Regression):
@@ -72,16 +73,10 @@ if __name__ == "__main__":
     if trainer.node_rank >= num_nodes:
         print(f"SERVER NODE DONE {trainer.state.status.value}", flush=True)
     if trainer.is_global_zero:
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "params": flat(model.parameters()).tolist(),
-                    "learners": trainer.world_size,
-                    "stats": trainer.strategy.stats.to_dict(),
-                }
-            ),
-            flush=True,
+        print_result(
+            params=flat(model.parameters()).tolist(),
+            learners=trainer.world_size,
+            stats=trainer.strategy.stats.to_dict(),
         )
     if again == "again":
         validated = trainer.validate(model, loader(8), verbose=False)

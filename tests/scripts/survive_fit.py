@@ -3,11 +3,11 @@ min_learners=1; learner 0 trains on. Learner 0 prints one JSON line: the final w
 and the pids of the learners it launched.
 """
 
-import json
 import sys
 
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import FailingLearner, flat, loader, quiet_trainer
+from tests.script_runs import print_result
 
 if __name__ == "__main__":
     how, epochs = sys.argv[1], int(sys.argv[2])
@@ -16,13 +16,8 @@ if __name__ == "__main__":
     trainer = quiet_trainer(strategy, 2, max_epochs=epochs)
     trainer.fit(model, loader(8))
     if trainer.is_global_zero:
-        print(
-            "RESULT "
-            + json.dumps(
-                {
-                    "weights": flat(model.parameters()).tolist(),
-                    "stats": strategy.stats.to_dict(),
-                    "children": [p.pid for p in getattr(strategy.launcher, "procs", [])],
-                }
-            )
+        print_result(
+            weights=flat(model.parameters()).tolist(),
+            stats=strategy.stats.to_dict(),
+            children=[p.pid for p in getattr(strategy.launcher, "procs", [])],
         )

@@ -49,6 +49,7 @@ from tests.lightning_models import (
     regression_data,
     sgd_after_a_loss,
 )
+from tests.script_runs import printed_result, run_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -349,20 +350,8 @@ def test_with_min_learners_hardsync_goes_on_exactly_with_the_learners_left(proto
 def test_popen_survives_a_lost_learner(tmp_path, how, why):
     """Lightning's popen launcher would end every learner; with min_learners the strategy's own lets learner 0 train
     on (hardsync: exactly SGD on the batches left) and ends a stalled learner once training is over."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    env = {**os.environ, "PYTHONPATH": root}
-    env.pop("MASTER_PORT", None)
-    done = subprocess.run(
-        [sys.executable, os.path.join(root, "tests", "scripts", "survive_fit.py"), how, "2"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT ") :])
+    done = run_script(tmp_path, "survive_fit.py", how, "2")
+    result = printed_result(done.stdout)
     expected = sgd_after_a_loss(2, 8, learners=2, lost=1, lost_at=2)
     torch.testing.assert_close(torch.tensor(result["weights"]), expected, rtol=0, atol=1e-5)
     assert list(result["stats"]["lost"]) == ["1"] and why in result["stats"]["lost"]["1"]

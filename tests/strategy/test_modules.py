@@ -1,10 +1,6 @@
 """The long tail of LightningModules (docs/support.md): each case trains, exactly where
 exactness exists, or is refused at setup with a message that names the part at fault and a remedy."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -28,6 +24,7 @@ from tests.lightning_models import (
     quiet_trainer,
     single_process_sgd,
 )
+from tests.script_runs import run_script
 
 
 class NeedsTheModel(torch.optim.SGD):
@@ -111,19 +108,8 @@ def test_sparse_gradients_float64_and_parametrized_weights_train_exactly(tmp_pat
     """Hardsync equals SGD with batch μλ for a module with an embedding with sparse gradients (pushed dense), a
     float64 parameter and weight normalization, with the popen launcher (the default): a parametrized module
     cannot be pickled for spawn."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    env = {**os.environ, "PYTHONPATH": root}
-    env.pop("MASTER_PORT", None)
     out = tmp_path / "weights.pt"
-    done = subprocess.run(
-        [sys.executable, os.path.join(root, "tests", "scripts", "popen_unusual.py"), str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(tmp_path, "popen_unusual.py", str(out))
     result = torch.load(out)
     torch.testing.assert_close(result["params"], single_process_sgd(2, 16, Unusual()), rtol=0, atol=1e-5)
     assert result["clock"] == 2 * 256 // 16

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from benchmarks.hosts import host_env, two_hosts, why_no_hosts
+from benchmarks.hosts import two_hosts, why_no_hosts
 from tests.scripts.hosts_fit import Wide
-from tests.strategy.test_hosts import EPOCHS, SCRIPT, WIDTH, assert_hardsync_over, run_on_hosts
+from tests.hosts_harness import EPOCHS, SCRIPT, WIDTH, assert_hardsync_over, lightning_envs, run_on_hosts
 
 pytestmark = [
     pytest.mark.slow,
@@ -26,11 +26,10 @@ def test_two_learners_on_host_0_train_hardsync_exactly_with_their_server_on_a_se
     and one reply of the whole model cross per step, plus each fit's set-up (each learner's first and final weights)
     and headers: from 2 to 3 models' worth per step."""
     with two_hosts() as hosts:
-        envs = [host_env(MASTER_ADDR=hosts[0].address, MASTER_PORT=29500, NODE_RANK=i) for i in range(2)]
         command = [sys.executable, SCRIPT, "1", "2", str(EPOCHS), "hardsync", "0", "20", str(WIDTH), "none", "auto"]
         command += ["none", "1", "again"]  # no learner kills itself; one server node; validate and fit again
         before = hosts[1].link_bytes()
-        codes, logs, left = run_on_hosts(hosts, [command, command], envs, tmp_path, timeout=150.0)
+        codes, logs, left = run_on_hosts(hosts, [command, command], lightning_envs(hosts), tmp_path, timeout=150.0)
         crossed = hosts[1].link_bytes() - before
     assert_hardsync_over(2, codes, logs, left, WIDTH)
     assert logs[1].count("SERVER NODE DONE finished") == 2, logs[1]

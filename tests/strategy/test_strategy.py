@@ -1,10 +1,8 @@
 """RudraStrategy through the Trainer: real learner processes (spawn) and a real server process."""
 
-import json
 import os
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -29,6 +27,7 @@ from tests.lightning_models import (
     regression_data,
     single_process_sgd,
 )
+from tests.script_runs import printed_result, run_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -265,20 +264,8 @@ def test_a_port_in_use_is_reported_clearly(monkeypatch):
 
 def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path):
     """The default start method re-runs the script per learner, as DDP does; pytest cannot be that script."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-    env = {**os.environ, "PYTHONPATH": root}
-    env.pop("MASTER_PORT", None)
-    done = subprocess.run(
-        [sys.executable, os.path.join(root, "tests", "scripts", "popen_fit.py"), "hardsync", "2"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT ") :])
+    done = run_script(tmp_path, "popen_fit.py", "hardsync", "2")
+    result = printed_result(done.stdout)
     assert result["stats"]["gradients"] == 2 * 2 * 16 and result["stats"]["clock"] == 2 * 16
     assert result["finite"] and result["test_loss"] > 0
     # saved after fit: the server's momentum, its statistics, and the learners' rate (0.02 after two StepLR steps)

@@ -1,6 +1,7 @@
 """The unified ``lightning`` package: ``lightning.pytorch``'s Trainer and LightningCLI with
 ``lightning_rudra.lightning``, beside ``pytorch_lightning`` with ``lightning_rudra`` in the same process."""
 
+import functools
 import sys
 
 import lightning as L
@@ -13,7 +14,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 
 import lightning_rudra
 import lightning_rudra.lightning as unified
-from tests.lightning_models import START, RegressionSteps, flat, loader, single_process_sgd
+from tests.lightning_models import START, RegressionSteps, flat, loader, quiet_trainer, single_process_sgd
 
 
 class UnifiedRegression(RegressionSteps, L.LightningModule):
@@ -21,18 +22,7 @@ class UnifiedRegression(RegressionSteps, L.LightningModule):
         return loader(8)
 
 
-def unified_trainer(strategy, devices: int, **kwargs) -> L.Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return L.Trainer(**{**options, **kwargs})
+unified_trainer = functools.partial(quiet_trainer, trainer_class=L.Trainer)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,183 @@
+"""The suite's configuration: the phases, the modes' settings (``DEFAULT``, ``QUICK``), the strategies a run can
+name and their labels in the report, the training settings and the TensorPipe and prototype configurations."""
+
+M = 1_000_000
+
+VARIANTS = [  # TensorPipe settings for a bare round trip; the first is the one lightning_rudra pins
+    {"label": "uv (lightning_rudra)", "transports": ["uv"], "channels": None},
+    {"label": "uv + basic", "transports": ["uv"], "channels": ["basic"]},
+    {"label": "uv + cma", "transports": ["uv"], "channels": ["cma"]},
+    {"label": "uv + mpt_uv", "transports": ["uv"], "channels": ["mpt_uv"]},
+    {"label": "shm", "transports": ["shm"], "channels": None},
+    {"label": "shm + basic", "transports": ["shm"], "channels": ["basic"]},
+    {"label": "torch default", "transports": None, "channels": None},
+]
+
+THP = {"THP_MEM_ALLOC_ENABLE": "1"}
+PROTOTYPES = [  # label, pool, server patches, server-only environment, learner patches
+    ("package as is", "main", [], {}, []),
+    ("THP on the server", "main", [], THP, []),
+    ("pack into reused buffers", "main", [], {}, ["pack_reuse"]),
+    ("THP everywhere", "thp", [], {}, []),
+]
+
+STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy options)
+    "ddp": ("ddp", 1, [], {}),
+    "hardsync": ("hardsync", 1, [], {}),
+    "softsync1": ("softsync", 1, [], {}),
+    "softsync2": ("softsync", 2, [], {}),
+    "async": ("async", 1, [], {}),
+    "async+overlap": ("async", 1, [], {"overlap": True}),
+    "async+rpc": ("async", 1, [], {"shared_memory": False}),
+    "hardsync+2servers": ("hardsync", 1, [], {"num_servers": 2}),
+    "async+2servers": ("async", 1, [], {"num_servers": 2}),
+    "async+quiet_log": ("async", 1, ["quiet_log"], {}),
+    "async+overlap+quiet_log": ("async", 1, ["quiet_log"], {"overlap": True}),
+    "hardsync+quiet_log": ("hardsync", 1, ["quiet_log"], {}),
+    "hardsync+bf16": ("hardsync", 1, [], {"compression": "bf16"}),
+    "async+bf16": ("async", 1, [], {"compression": "bf16"}),
+    "hardsync+no_aggregation": ("hardsync", 1, [], {"node_aggregation": False}),
+    # the network phase's "1+s" layout: both learners on host 0, the servers on host 1, a server node
+    "hardsync+server_node": ("hardsync", 1, [], {"server_nodes": 1}),
+    "async+server_node": ("async", 1, [], {"server_nodes": 1}),
+}
+STRATEGY_LABELS = {  # key -> how the report names it
+    "ddp": "DDP (gloo)",
+    "hardsync": "Rudra hardsync",
+    "softsync1": "Rudra 1-softsync",
+    "softsync2": "Rudra 2-softsync",
+    "async": "Rudra async",
+    "async+overlap": "Rudra async, overlap=True",
+    "async+rpc": "Rudra async, shared_memory=False (all through RPC)",
+    "hardsync+2servers": "Rudra hardsync, num_servers=2",
+    "async+2servers": "Rudra async, num_servers=2",
+    "async+quiet_log": "Rudra async, staleness logged every 50 steps (prototype)",
+    "async+overlap+quiet_log": "Rudra async, overlap=True, staleness logged every 50 steps (prototype)",
+    "hardsync+quiet_log": "Rudra hardsync, staleness logged every 50 steps (prototype)",
+    "hardsync+bf16": 'Rudra hardsync, compression="bf16"',
+    "async+bf16": 'Rudra async, compression="bf16"',
+    "hardsync+no_aggregation": "Rudra hardsync, node_aggregation=False",
+    "hardsync+server_node": "Rudra hardsync, 2 learners on host 0, server_nodes=1 (host 1)",
+    "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",
+}
+
+DEFAULT = {
+    "sizes": [10_000, 1 * M, 10 * M, 50 * M],
+    "transport_rounds": 3,
+    "transport_servers": [2],
+    "variant_sizes": [10_000, 1 * M, 10 * M, 50 * M],
+    "variant_rounds": 2,
+    "variants": [v["label"] for v in VARIANTS],
+    "prototype_rounds": 2,
+    "prototypes": [p[0] for p in PROTOTYPES],
+    "e2e_reps": 3,
+    "e2e_steps": 600,
+    "target_accuracy": 0.6,
+    "snapshot_every": 5,
+    "ddp_every": 3,
+    "e2e_strategies": [
+        "ddp",
+        "hardsync",
+        "softsync1",
+        "softsync2",
+        "async",
+        "async+overlap",
+        "async+overlap+quiet_log",
+    ],
+    "straggler_reps": 3,
+    "straggler_window_s": 2.5,
+    "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap"],
+    "epoch_learners": [2, 4],
+    "epoch_slowdowns": [3, 8],
+    "epochs_per_run": 4,
+    "epoch_reps": 2,
+    "epoch_samples": 6000,
+    "epoch_calibration_steps": 80,
+    "epoch_target_accuracy": 0.4,
+    "models": [
+        {"params": 10 * M, "learners": 2, "samples": 384, "epochs": 4, "reps": 3},
+        {"params": 50 * M, "learners": 2, "samples": 192, "epochs": 3, "reps": 1},
+        {"params": 10 * M, "learners": 4, "samples": 768, "epochs": 3, "reps": 1},
+    ],
+    "accuracy_learners": [2, 4],
+    "accuracy_slowdowns": [3, 1],
+    "accuracy_epochs": 10,
+    "accuracy_reps": 2,
+    "accuracy_samples": 6000,
+    "network": [
+        {"rate": "1gbit", "learners_per_host": 1, "reps": 2},
+        # hardsync there aggregates on the node by default: against the same without it
+        {
+            "rate": "1gbit",
+            "learners_per_host": 2,
+            "reps": 2,
+            "strategies": ["ddp", "hardsync", "hardsync+no_aggregation", "async", "hardsync+bf16", "async+bf16"],
+        },
+        {"rate": "10gbit", "learners_per_host": 1, "reps": 1},
+        # a configuration's own model size ("params"; network_params without it)
+        {
+            "rate": "1gbit",
+            "learners_per_host": 1,
+            "reps": 1,
+            "params": 50 * M,
+            "strategies": ["ddp", "hardsync", "async"],
+        },
+    ],
+    "network_params": 10 * M,
+    "network_steps": 6,
+    "network_epochs": 3,
+    "network_strategies": ["ddp", "hardsync", "async", "hardsync+bf16", "async+bf16"],
+}
+QUICK = {
+    "sizes": [10 * M],
+    "transport_rounds": 2,
+    "transport_servers": [2],
+    "variant_sizes": [10_000, 10 * M],
+    "variant_rounds": 1,
+    "variants": ["uv (lightning_rudra)", "uv + basic", "shm", "torch default"],
+    "prototype_rounds": 1,
+    "prototypes": ["package as is", "pack into reused buffers"],
+    "e2e_reps": 2,
+    "e2e_steps": 250,
+    "target_accuracy": 0.4,
+    "snapshot_every": 5,
+    "ddp_every": 3,
+    "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async"],
+    "straggler_reps": 2,
+    "straggler_window_s": 1.0,
+    "straggler_strategies": ["ddp", "async", "softsync2"],
+    "epoch_learners": [2, 4],
+    "epoch_slowdowns": [3],
+    "epochs_per_run": 3,
+    "epoch_reps": 1,
+    "epoch_samples": 3000,
+    "epoch_calibration_steps": 50,
+    "epoch_target_accuracy": 0.3,
+    "models": [{"params": 10 * M, "learners": 2, "samples": 384, "epochs": 3, "reps": 1}],
+    "accuracy_learners": [2, 4],
+    "accuracy_slowdowns": [3, 1],
+    "accuracy_epochs": 2,
+    "accuracy_reps": 1,
+    "accuracy_samples": 3000,
+    "network": [{"rate": "1gbit", "learners_per_host": 1, "reps": 1}],
+    "network_params": 10 * M,
+    "network_steps": 4,
+    "network_epochs": 2,
+    "network_strategies": ["ddp", "hardsync", "async+bf16"],
+}
+PHASES = ("transport", "variants", "prototypes", "e2e", "straggler", "epochs", "models", "accuracy", "network")
+TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_samples": 4000, "warmup": 10}
+# models phase: μ per learner, whatever λ; samples/s and step times after 2 warm-up batches (the first
+# allocations, DDP's buckets, the server's first reply), as the runs are short
+MODEL_TRAINING = {"batch_size": 32, "warmup": 2}
+MODEL_STRATEGIES = ["ddp", "hardsync", "async", "async+rpc", "hardsync+2servers", "async+2servers"]  # no straggler
+MODEL_STRAGGLER_STRATEGIES = ["ddp", "async", "async+2servers"]
+MODEL_SLOWDOWN = 3
+EPOCH_BATCH = 64  # μ·λ in the epochs phase, the same for every λ (the paper's rule): μ = 32 at λ = 2, 16 at 4
+TRAINING_PRELOAD = (
+    "pytorch_lightning",
+    "lightning_rudra",
+    "examples.mnist1d",
+    "benchmarks.synthetic",
+    "benchmarks.training",
+)

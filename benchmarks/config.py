@@ -37,6 +37,9 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "hardsync+bf16": ("hardsync", 1, [], {"compression": "bf16"}),
     "async+bf16": ("async", 1, [], {"compression": "bf16"}),
     "hardsync+no_aggregation": ("hardsync", 1, [], {"node_aggregation": False}),
+    # the network phase's "1+s" layout: both learners on host 0, the servers on host 1, a server node
+    "hardsync+server_node": ("hardsync", 1, [], {"server_nodes": 1}),
+    "async+server_node": ("async", 1, [], {"server_nodes": 1}),
 }
 STRATEGY_LABELS = {  # key -> how the report names it
     "ddp": "DDP (gloo)",
@@ -54,6 +57,8 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "hardsync+bf16": 'Rudra hardsync, compression="bf16"',
     "async+bf16": 'Rudra async, compression="bf16"',
     "hardsync+no_aggregation": "Rudra hardsync, node_aggregation=False",
+    "hardsync+server_node": "Rudra hardsync, 2 learners on host 0, server_nodes=1 (host 1)",
+    "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",
 }
 
 DEFAULT = {

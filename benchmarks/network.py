@@ -10,6 +10,13 @@ learner reaches its own host's server through shared memory, the other's through
 ``compression="bf16"``, alternated as ``Suite._schedule`` orders them. Besides samples/s, the bytes each host's end
 of the link sent and received per step, read from its interface's counters inside its namespace: they do not
 depend on the CPU the hosts share.
+
+Server nodes (``--network 1gbit:1:2:ddp/hardsync,1gbit:1+s:2:ddp/hardsync+server_node``): λ = 2 in every run of
+the ``1+s`` layout, on a pool of 2 workers per host. DDP runs one learner per host as above; a ``+server_node``
+strategy runs both learners on host 0 and ``server_nodes=1``, host 1's first worker being the server node (its fit
+serves the servers, every server there). Other Rudra strategies go in a configuration of their own (the same λ = 2
+with ``1`` learner per host), against that configuration's DDP runs. The bytes per step are read on host 0's end (host 1's
+end sends what host 0's receives).
 """
 
 import re
@@ -52,11 +59,19 @@ def phase(suite: Any) -> None:
             f"and control messages are in."
         ),
     )
+    if any(spec.get("server_node") for spec in cfg["network"]):
+        suite.summary["network_info"]["text"] += (
+            " Layout 1+s (server nodes): λ = 2, one learner per host, or, for the `server_nodes=1` runs, both on "
+            "host 0 and the servers on host 1, a server node (host 1's MB per step then read on host 0's end: what "
+            "it received / sent)."
+        )
     for spec in cfg["network"]:
         per_host, rate = spec["learners_per_host"], spec["rate"]
         params = spec.get("params", cfg["network_params"])
         learners = 2 * per_host
+        spare = spec.get("server_node", False)  # the server-node layout: 2 workers per host, λ = 2 (module doc)
         setup = {
+            **({"layout": "spare"} if spare else {}),
             **MODEL_TRAINING,
             "mlp_params": params,
             "num_learners": learners,
@@ -65,12 +80,14 @@ def phase(suite: Any) -> None:
             "max_epochs": epochs,
         }
         runs: list[dict[str, Any]] = []
-        raw.append({"rate": rate, "learners_per_host": per_host, "target_params": params, "runs": runs})
-        name = f"network-{rate}-{per_host}-{params}"
+        raw.append(
+            {"rate": rate, "learners_per_host": per_host, "server_node": spare, "target_params": params, "runs": runs}
+        )
+        name = f"network-{rate}-{per_host}{'s' if spare else ''}-{params}"
         # DDP moved 4 bytes per parameter each way per step in 1.05 s at 1 Gbit/s, 10 M parameters: 3x that
         timeout = 120 + 3 * epochs * steps * 0.3 * params / 1e6
         with two_hosts(rate) as hosts:
-            suite.pools[name] = Pool(name, size=learners, preload=TRAINING_PRELOAD, hosts=hosts)
+            suite.pools[name] = Pool(name, size=4 if spare else learners, preload=TRAINING_PRELOAD, hosts=hosts)
             try:
                 suite.pools[name].wait_ready()
                 suite.log(f"workers ready: {name}")
@@ -101,6 +118,7 @@ def phase(suite: Any) -> None:
             {
                 "rate": rate,
                 "learners_per_host": per_host,
+                "server_node": spare,
                 "batch_size": MODEL_TRAINING["batch_size"],
                 "target_params": params,
                 "parameters": runs[0]["parameters"] if runs else params,
@@ -111,9 +129,11 @@ def phase(suite: Any) -> None:
 
 def parse_spec(text: str) -> dict[str, Any]:
     """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS], PARAMS the
-    model's size (``50M``, ``500k`` or a number of parameters; the mode's ``network_params`` without it)."""
+    model's size (``50M``, ``500k`` or a number of parameters; the mode's ``network_params`` without it);
+    LEARNERS_PER_HOST ``1+s``: the server-node layout (:func:`phase`)."""
     rate, per_host, reps, *more = text.split(":")
-    spec: dict[str, Any] = {"rate": rate, "learners_per_host": int(per_host), "reps": int(reps)}
+    spare = per_host == "1+s"  # the server-node layout (:func:`phase`)
+    spec: dict[str, Any] = {"rate": rate, "learners_per_host": 1 if spare else int(per_host), "reps": int(reps)}
     for field in more:
         size = re.fullmatch(r"(\d+(?:\.\d+)?)([kM]?)", field)
         if size:
@@ -126,4 +146,16 @@ def parse_spec(text: str) -> dict[str, Any]:
                 f"number of parameters (50M, 500k, 1000000)"
             )
         spec["strategies"] = field.split("/")
+    if spare:
+        spec["server_node"] = True
+        # a worker's RPC counters count the Rudra stages it took part in, and a stage's processes must agree: host
+        # 0's second worker is a learner in the +server_node runs only, so no other Rudra run may share the pool
+        other = [
+            key for key in spec.get("strategies", ["the default ones"]) if key != "ddp" and "+server_node" not in key
+        ]
+        if other:
+            raise ValueError(
+                f"--network {text}: the 1+s layout takes ddp and +server_node strategies only, not {other}; measure "
+                "the others in a configuration of their own (RATE:1:REPS:...)"
+            )
     return spec

@@ -162,7 +162,7 @@ def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[
                 [
                     c["rate"],
                     f"MLP {c['parameters'] / 1e6:.1f} M",
-                    f"{c['learners_per_host']} ({c['batch_size']})",
+                    f"{_placement(c, key)} ({c['batch_size']})",
                     STRATEGY_LABELS.get(key, key),
                     _f(e["samples_per_s"], "{:.0f}"),
                     _vs(e),
@@ -360,3 +360,12 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _placement(config: dict[str, Any], key: str) -> Any:
+    """Learners per host of a network row; the server-node layout's own runs say where theirs are."""
+    return (
+        "2 on host 0, 0 on host 1"
+        if config.get("server_node") and "server_node" in key
+        else config["learners_per_host"]
+    )

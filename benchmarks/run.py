@@ -99,7 +99,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "--network",
         help="the network phase's configurations instead of the mode's, comma-separated: "
         "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation "
-        "or 1gbit:1:1:ddp/hardsync:50M (PARAMS: the MLP's size, 10M without it)",
+        "or 1gbit:1:1:ddp/hardsync:50M (PARAMS: the MLP's size, 10M without it); LEARNERS_PER_HOST 1+s: DDP with 1 "
+        "learner per host and +server_node strategies with both on host 0 and a server node on host 1 "
+        "(1gbit:1:2:ddp/hardsync,1gbit:1+s:2:ddp/hardsync+server_node)",
     )
     args = parser.parse_args(argv)
     cfg = dict(QUICK if args.quick else DEFAULT)

@@ -112,6 +112,7 @@ class Suite:
         )
         if result is None:
             return None
+        result = [rank for rank in result if not rank.get("idle")]  # a server node, a worker the layout leaves out
         run = {
             "strategy": key,
             "rep": rep,
@@ -122,7 +123,10 @@ class Suite:
         }
         if kwargs.get("max_epochs"):  # whole epochs: samples/s to the end replaces the window's
             run.update(stats.epoch_times(result, t["warmup"]))
-        if t.get("num_nodes", 1) > 1:  # across hosts: the bytes on the link
+        if t.get("num_nodes", 1) > 1 and options.get("server_nodes"):  # every learner on host 0: its counters
+            link = stats.link_per_step(result, t["num_learners"], t["warmup"])  # host 1's are host 0's, mirrored
+            run["link_per_step"] = link and [link[0], {"sent": link[0]["received"], "received": link[0]["sent"]}]
+        elif t.get("num_nodes", 1) > 1:  # across hosts: the bytes on the link
             run["link_per_step"] = stats.link_per_step(result, t["num_learners"] // t["num_nodes"], t["warmup"])
         if target is not None:
             run["tta_target"] = target

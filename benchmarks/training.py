@@ -134,6 +134,18 @@ def _accuracy(model: torch.nn.Module, weights: list[torch.Tensor], x: torch.Tens
     return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
+def _spare(server_node: bool, num_learners: int) -> tuple[str, int, int, int]:
+    """In the server-node layout (2 workers per host, λ = ``num_learners`` = 2): this worker's role (``learner``,
+    ``server node`` or ``idle``), its learner rank, and the Trainer's num_nodes and devices. With ``server_node``
+    both learners are host 0's workers and host 1's first worker is the server node; without, one learner per
+    host, its first worker."""
+    node, local = int(os.environ["NODE_RANK"]), int(os.environ["LOCAL_RANK"])
+    if server_node:
+        role = "learner" if node == 0 else "server node" if local == 0 else "idle"
+        return role, local, 1, num_learners
+    return ("learner" if local == 0 else "idle"), node, 2, num_learners // 2
+
+
 def train(
     rank: int,
     *,
@@ -157,18 +169,25 @@ def train(
     protos: Optional[list[str]] = None,
     options: Optional[dict[str, Any]] = None,
     mlp_params: Optional[int] = None,
+    layout: Optional[str] = None,
 ) -> dict[str, Any]:
     """``strategy``: ``ddp`` or a Rudra protocol (``hardsync``, ``softsync`` with ``n``, ``async``).
     ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank (``num_learners`` of them; no ``max_steps``: no
     step limit, ``max_epochs`` ends the run); ``protos``: prototype changes to RudraStrategy; ``options``: more
     keyword arguments of RudraStrategy (``overlap``, ``shared_memory``); ``mlp_params``: train an MLP of about
     this many parameters on synthetic data instead of the MNIST-1D example; ``num_nodes``: the pool's hosts
-    (``num_learners`` over all of them)."""
+    (``num_learners`` over all of them); ``layout="spare"``: the network phase's server-node layout (2 workers per
+    host, :func:`_spare`)."""
     import pytorch_lightning as pl
     from pytorch_lightning.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     os.environ["MASTER_PORT"] = str(port)  # read by the Trainer's cluster environment (RPC or gloo rendezvous)
+    devices = num_learners // num_nodes
+    if layout == "spare":
+        role, rank, num_nodes, devices = _spare(bool((options or {}).get("server_nodes")), num_learners)
+        if role == "idle":
+            return {"idle": True}
     data = _data(mlp_params, num_samples, seed)
     pl.seed_everything(seed, verbose=False)
     model = _model(mlp_params, lr=lr, momentum=momentum)
@@ -183,7 +202,7 @@ def train(
     )
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=num_learners // num_nodes,
+        devices=devices,
         num_nodes=num_nodes,
         strategy=strat,
         max_steps=max_steps[rank] if max_steps else -1,
@@ -202,6 +221,8 @@ def train(
     finally:
         if torch.distributed.is_initialized():  # a later Rudra job must not find a default process group
             torch.distributed.destroy_process_group()
+    if layout == "spare" and role == "server node":  # its fit served the servers and returned
+        return {"idle": True}
     result: dict[str, Any] = {
         "times": recorder.times,
         "link": recorder.link,

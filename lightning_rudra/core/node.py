@@ -116,3 +116,15 @@ def refusal(protocol: str, min_learners: Optional[int], simulate: Optional[int])
     if simulate:
         return f"simulate={simulate}: simulated learners share one process and one in-process server"
     return None
+
+
+def wanted(
+    node_aggregation: Optional[bool], protocol: str, min_learners: Optional[int], simulate: Optional[int], auto: bool
+) -> bool:
+    """Whether the learners decide on node-local aggregation at setup (every learner alike): asked for, or, by
+    default, where ``auto`` (several nodes, or server nodes, of several learners each) and the run allows it
+    (:func:`refusal`). Where it applies to a server is decided then: all of a node's learners must reach it through
+    RPC."""
+    if node_aggregation is not None:
+        return node_aggregation
+    return auto and not simulate and refusal(protocol, min_learners, simulate) is None

@@ -1,18 +1,33 @@
-"""A learner joins the RPC world of a stage (starting the server processes it is to start, or, as a lost
-learner's new process, finding them running) and leaves it. Nothing here knows about Lightning."""
+"""A learner joining and leaving one stage's RPC world: checking the rendezvous' port, starting the server
+processes it is the starter of, an elastic run's incarnations, and, when the servers run on server nodes, the
+rendezvous' store kept by learner 0. Nothing here knows about Lightning."""
 
 import json
 import subprocess
 import time
 from typing import Optional, Sequence
 
+import torch.distributed as dist
+
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.server import process as _server
 from lightning_rudra.server.membership import ended, this_process
 from lightning_rudra.transport.elastic import LearnerId, RunStore, forget_before_joining, job_id, run_at
-from lightning_rudra.transport.rpc_world import check_port_free, init_rpc, set_rpc_counters, shutdown_rpc
+from lightning_rudra.transport.rpc_world import (
+    JOIN_MARGIN_S,
+    check_port_free,
+    init_rpc,
+    publish_rpc_counters,
+    rendezvous_store,
+    set_rpc_counters,
+    shutdown_rpc,
+    withdraw_rpc_counters,
+)
 
 _COUNTING_S = 10.0  # beyond rpc_timeout, for a busy server to count a silent learner lost
+# learner 0's stores of the rendezvous (host, port), made at the first stage that meets there with learner_store and
+# kept for the process's life: every later stage meets in the same store (keys apart by torch's RPC init counter)
+_stores: dict[tuple[str, int], dist.TCPStore] = {}
 
 
 def join(
@@ -22,8 +37,9 @@ def join(
     port: int,
     timeout: float,
     min_learners: Optional[int] = None,
-    starters: Sequence[int] = (0,),
+    starters: Sequence[Optional[int]] = (0,),
     comeback: float = 0.0,
+    learner_store: bool = False,
 ) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
     """Join the RPC world of ``num_learners`` learners and one server process per entry of ``starters`` (the
     learner that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the
@@ -31,13 +47,17 @@ def join(
     world is elastic: a process for a learner that was lost takes its place (its clients' ``rank`` carries a
     nonzero incarnation), finds the servers it would start running (they outlive the learner that started them),
     and must then ask each server to rejoin; ``comeback``: seconds the servers wait for lost learners to come back
-    when fewer than ``min_learners`` are left."""
+    when fewer than ``min_learners`` are left. A starter None: that server runs on a server node, which starts it
+    itself. ``learner_store`` (a run with server nodes, every stage): learner 0 keeps the rendezvous' store
+    (:func:`_keep_store`), which every process joins as a client."""
     init_method = f"tcp://{host}:{port}"
     processes = []
     incarnation = 0
     try:
         store: Optional[RunStore] = None
-        if rank == 0:
+        if rank == 0 and learner_store:
+            _keep_store(host, port, timeout, publish=None in starters)
+        elif rank == 0:
             store, incarnation = _port_or_run(host, port, timeout, elastic=min_learners is not None)
         elif min_learners is not None:
             store = RunStore(host, port, timeout)
@@ -53,15 +73,33 @@ def join(
                         shard=shard,
                         starters=starters,
                         comeback=comeback,
+                        learner_store=learner_store,
                     )
                 )
         if min_learners is not None and store is None:  # learner 0 of a new run: its first server hosts the store
             store = RunStore(host, port, timeout)
         if store is not None and incarnation:
             forget_before_joining(store, rank)
-        init_rpc(
-            rank, num_learners, init_method, timeout, len(starters), elastic=store is not None, incarnation=incarnation
-        )
+        try:
+            init_rpc(
+                rank,
+                num_learners,
+                init_method,
+                timeout,
+                len(starters),
+                elastic=store is not None,
+                incarnation=incarnation,
+                learner_store=learner_store,
+            )
+        except RuntimeError as error:
+            if not learner_store:
+                raise
+            raise RuntimeError(
+                f"learner {rank}: the {num_learners} learners and the {len(starters)} server(s) of the server nodes did "
+                f"not all meet at {host}:{port} within {timeout + JOIN_MARGIN_S:g} s (rpc_timeout + {JOIN_MARGIN_S:g}): "
+                "start every server node (NODE_RANK num_nodes and up) and every learner node with the same script, "
+                f"MASTER_ADDR and MASTER_PORT ({error})"
+            ) from error
         if store is not None and not incarnation:
             store.arrive(num_learners + len(starters))
     except BaseException:
@@ -69,9 +107,27 @@ def join(
             process.kill()
             process.wait()
         raise
-    hosts = [host if starter == 0 else f"the host of learner {starter}" for starter in starters]
+    hosts = [_where(starter, host) for starter in starters]
     learner = LearnerId(rank, incarnation)
     return [LearnerClient(learner, timeout, where, shard, host) for shard, where in enumerate(hosts)], processes
+
+
+def _where(starter: Optional[int], host: str) -> str:
+    """Where a server runs, as far as a learner knows before its heartbeats say it exactly."""
+    if starter is None:
+        return "a server node"
+    return host if starter == 0 else f"the host of learner {starter}"
+
+
+def _keep_store(host: str, port: int, timeout: float, publish: bool) -> None:
+    """Learner 0's store of the rendezvous at host:port (the servers of server nodes, which start on their own, join
+    it), made at the first stage that meets there; with ``publish`` (servers on server nodes in this stage), this
+    process's RPC counters in it: a server node's new server process starts from them. :func:`leave` takes them out
+    again, before the servers can end, so that a server node's next stage waits for its own."""
+    if (host, port) not in _stores:
+        _stores[host, port] = rendezvous_store(host, port, timeout)
+    if publish:
+        publish_rpc_counters(_stores[host, port])
 
 
 def _port_or_run(host: str, port: int, timeout: float, elastic: bool) -> tuple[Optional[RunStore], int]:
@@ -129,7 +185,10 @@ def leave(
     elastic: bool = False,
 ) -> None:
     """Leave the RPC world; a learner that started server processes then waits (bounded) for them to exit, unless
-    it failed in an ``elastic`` run: there the servers outlive it, for the others and for its new process."""
+    it failed in an ``elastic`` run: there the servers outlive it, for the others and for its new process. Learner 0
+    first takes this stage's RPC counters out of its stores (a server node's next stage must not read them)."""
+    for store in _stores.values():
+        withdraw_rpc_counters(store)
     for client in clients:
         try:
             client.leave(error)

@@ -25,6 +25,7 @@ from lightning_rudra.transport.rpc_world import (
     address_towards,
     init_rpc,
     quiet_peers_leaving,
+    read_rpc_counters,
     rpc_counters,
     set_rpc_counters,
     shutdown_rpc,
@@ -61,14 +62,18 @@ def start_server(
     min_learners: Optional[int] = None,
     code: Optional[str] = None,
     shard: int = 0,
-    starters: Sequence[int] = (0,),
+    starters: Sequence[Optional[int]] = (0,),
     comeback: float = 0.0,
+    server_node: bool = False,
+    learner_store: bool = False,
 ) -> subprocess.Popen:
     """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
     Python it runs, if not the server's own entry). It exits when every learner has left or is lost. Without
     ``min_learners`` it also exits at once if this process dies; with it, it outlives this process (in a session of
     its own, so that what ends this learner's process group, a terminal's Ctrl-C or torchrun restarting its workers,
-    does not end it): a new process for this learner rejoins it."""
+    does not end it): a new process for this learner rejoins it. ``server_node``: started by a server node's process,
+    not a learner: the server takes the RPC counters from learner 0's store of the rendezvous, and joins that store
+    as a client, as every server does with ``learner_store`` (a run with server nodes, every stage)."""
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
@@ -91,9 +96,15 @@ def start_server(
         "--server-learners",
         json.dumps(list(starters)),
     ]
+    if server_node or learner_store:
+        command += ["--server-node" if server_node else "--learner-store"]
     if min_learners is not None:
         command += ["--min-learners", str(min_learners), "--comeback", str(comeback)]
     return subprocess.Popen(command, env=env, start_new_session=min_learners is not None)
+
+
+NO_LEARNERS = 2  # a server node's server's exit code when learner 0 never opened the rendezvous
+RUN_FAILED = 4  # a server node's server's exit code when training failed (a learner lost or raised)
 
 
 def stop_server(process: subprocess.Popen, timeout: float) -> None:
@@ -279,7 +290,19 @@ def main(argv: Optional[list[str]] = None) -> None:
         default=[0],
         help="per server, the learner whose process started it",
     )
+    parser.add_argument(
+        "--server-node",
+        action="store_true",
+        help="started by a server node: join learner 0's store of the rendezvous, which has the RPC counters",
+    )
+    parser.add_argument("--learner-store", action="store_true", help="join learner 0's store of the rendezvous")
     args = parser.parse_args(argv)
+    host, _, port = args.init_method.removeprefix("tcp://").rpartition(":")
+    try:  # a server node's server fails here, early, when the learners never come
+        counters = read_rpc_counters(host, int(port), args.timeout) if args.server_node else args.rpc_counters
+    except TimeoutError as error:
+        print(f"lightning_rudra: parameter server {args.shard}: {error}", file=sys.stderr, flush=True)
+        sys.exit(NO_LEARNERS)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     # torch imports its compiler stack (some 800 modules: seconds, over 10 s on a busy machine) when it builds its
     # first optimizer: here, before the learners can call, not in learner 0's register call, which has rpc_timeout
@@ -291,12 +314,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     _server = ParameterServer(
         args.learners, args.timeout, args.min_learners, announce=args.shard == 0, comeback=args.comeback
     )
-    _server.address = address_towards(args.init_method.removeprefix("tcp://").rpartition(":")[0])
+    _server.address = address_towards(host)
     global _stream
     _stream = StreamServer(_server.address, lambda method, call: _entry(method, call)(*call))
-    set_rpc_counters(args.rpc_counters)
+    set_rpc_counters(counters)
     init_rpc(
-        None, args.learners, args.init_method, args.timeout, len(args.server_learners), args.shard, elastic=elastic
+        None,
+        args.learners,
+        args.init_method,
+        args.timeout,
+        len(args.server_learners),
+        args.shard,
+        elastic=elastic,
+        learner_store=args.server_node or args.learner_store,
     )
     if elastic:
         _open_to_rejoins(args)
@@ -310,3 +340,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         finally:
             _release_shared_memory()
         shutdown_rpc()
+    if args.server_node and _server.failure is not None:  # the server node's fit raises with this
+        print(f"lightning_rudra: parameter server {args.shard}: {_server.failure}", file=sys.stderr, flush=True)
+        sys.exit(RUN_FAILED)

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
 from lightning_rudra.core.node import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.strategy.server_nodes import check_server_nodes
 
 
 SAMPLINGS = ("shared", "static")
@@ -108,8 +109,14 @@ def check_num_servers(num_servers: Optional[int], simulate: Optional[int]) -> No
 
 
 def check_node_aggregation(
-    node_aggregation: Optional[bool], protocol: str, min_learners: Optional[int], simulate: Optional[int]
+    node_aggregation: Optional[bool],
+    protocol: str,
+    min_learners: Optional[int],
+    simulate: Optional[int],
+    server_nodes: int = 0,
 ) -> None:
+    """``node_aggregation``, and ``server_nodes`` (:func:`~lightning_rudra.strategy.server_nodes.check_server_nodes`)."""
+    check_server_nodes(server_nodes, min_learners, simulate)
     if node_aggregation not in (None, True, False):
         raise ValueError(
             f"node_aggregation={node_aggregation!r} is not valid: expected None (on where it applies), True or False."

@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.compression import compression_option
 from lightning_rudra.core.config import ProtocolConfig, validate_n, validate_options
-from lightning_rudra.core.node import refusal as node_refusal
+from lightning_rudra.core.node import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
 from lightning_rudra.learner.learner import LearnerOptimizer
@@ -44,7 +44,8 @@ from lightning_rudra.strategy.push_metrics import PushMetrics
 from lightning_rudra.strategy.server_parallel import ServerParallelStrategy
 from lightning_rudra.strategy.shared_epoch import shared_dataloader
 from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader
-from lightning_rudra.strategy.stage_servers import StageServers, server_starters
+from lightning_rudra.strategy.server_nodes import stage_starters
+from lightning_rudra.strategy.stage_servers import StageServers
 from lightning_rudra.strategy.training import Training
 
 
@@ -72,6 +73,7 @@ class RudraStrategy(ServerParallelStrategy):
             back, travel in bfloat16, with error feedback (:mod:`lightning_rudra.core.compression`); None: in full
             precision.
         num_servers: server processes, each owning a contiguous part of the parameters; None: one per node.
+        server_nodes: nodes that run only servers, NODE_RANK num_nodes and up (``fit`` puts every server there).
         node_aggregation: hardsync, several learners per node: they sum their gradients in the node's shared memory
             and make one push per round to each server on another host, whose weights they share (Rudra-adv).
             None: on wherever that applies; False: every learner pushes alone.
@@ -100,6 +102,7 @@ class RudraStrategy(ServerParallelStrategy):
         shared_memory: bool = True,
         compression: Optional[Literal["bf16", "none"]] = None,
         num_servers: Optional[int] = None,
+        server_nodes: int = 0,
         node_aggregation: Optional[bool] = None,
         simulate: Optional[int] = None,
         timing: Optional[TimingModel] = None,
@@ -121,7 +124,7 @@ class RudraStrategy(ServerParallelStrategy):
         validate_options(protocol, n, modulation, max_staleness, nonfinite, compensation)
         check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts)
         check_simulation(simulate, timing, sampling, overlap)
-        check_node_aggregation(node_aggregation, protocol, min_learners, simulate)
+        check_node_aggregation(node_aggregation, protocol, min_learners, simulate, server_nodes)
         self.protocol = protocol
         self.n = n
         self.lr_modulation = modulation
@@ -135,7 +138,7 @@ class RudraStrategy(ServerParallelStrategy):
         self.overlap = overlap
         self.shared_memory = shared_memory
         self.compression = compression_option(compression)
-        self.num_servers = num_servers
+        self.num_servers, self.server_nodes = num_servers, server_nodes
         self.node_aggregation = node_aggregation
         self.sampling = sampling or ("static" if protocol == "hardsync" or simulate else "shared")
         self.simulate = simulate
@@ -167,13 +170,10 @@ class RudraStrategy(ServerParallelStrategy):
 
     @property
     def _aggregating(self) -> bool:
-        """Whether the learners decide on node-local aggregation at setup (every learner alike): asked for, or, by
-        default, under hardsync with several nodes of several learners each (where it applies to a server is decided
-        then: all of a node's learners must reach it through RPC)."""
-        if self.node_aggregation is not None:
-            return self.node_aggregation
-        auto = self.num_nodes > 1 and self.num_processes > 1 and not self.simulate
-        return auto and node_refusal(self.protocol, self.min_learners, self.simulate) is None
+        """Whether the learners decide on node-local aggregation at setup (:func:`~lightning_rudra.core.node.wanted`)."""
+        several_hosts = self.num_nodes > 1 or self.server_nodes > 0
+        args = (self.node_aggregation, self.protocol, self.min_learners, self.simulate)
+        return node_wanted(*args, several_hosts and self.num_processes > 1)
 
     @override
     def _configure_launcher(self) -> None:
@@ -183,8 +183,7 @@ class RudraStrategy(ServerParallelStrategy):
         check_num_servers(self.num_servers, self.simulate)
         check_simulated_devices(self.simulate, self.num_nodes, self.num_processes)
         assert self.cluster_environment is not None
-        if not self.simulate and not self.cluster_environment.creates_processes_externally:
-            self._launcher = launcher_for(self, self.cluster_environment, self._servers.report_lost)
+        self._launcher = launcher_for(self, self.cluster_environment, self._servers.report_lost)
 
     @override
     def setup_environment(self) -> None:
@@ -199,10 +198,11 @@ class RudraStrategy(ServerParallelStrategy):
             self.cluster_environment,
             self.global_rank,
             self.num_learners,
-            server_starters(self.num_servers, self.num_nodes, self.num_processes),
+            stage_starters(self),
             self.rpc_timeout,
             self.min_learners,
             self.max_restarts,
+            learner_store=self.server_nodes > 0,
         )
         assert self._servers.client is not None
         self.collectives.connect(self._servers.client, self.root_device)

@@ -40,18 +40,20 @@ class StageServers:
         env: ClusterEnvironment,
         rank: int,
         num_learners: int,
-        starters: list[int],
+        starters: list[Optional[int]],
         rpc_timeout: float,
         min_learners: Optional[int],
         max_restarts: int = 0,
+        learner_store: bool = False,
     ) -> None:
         """Meet the other learners and the servers; the learners that start a server (``starters``, per server
         process) start it first. Lost learners that will be restarted (``max_restarts``, or torchrun's
         ``--max-restarts``, which restarts every worker at once) are awaited back for ``COMEBACK_S`` more than
-        ``rpc_timeout`` when fewer than ``min_learners`` are left."""
+        ``rpc_timeout`` when fewer than ``min_learners`` are left. ``learner_store`` (a run with server nodes): every
+        stage meets on ``MASTER_PORT``, in learner 0's store, which lives as long as its process."""
         global _next_port
         agreed, _next_port = _next_port, None  # a stage that fails agrees on none: the next meets on main_port
-        port = agreed or env.main_port
+        port = env.main_port if learner_store else agreed or env.main_port
         torchrun_restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
         if agreed is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             self.rendezvous += 1
@@ -61,7 +63,7 @@ class StageServers:
             port = port_from_agent_store(rank, env.main_address, port, rpc_timeout, key)
         comeback = rpc_timeout + COMEBACK_S if min_learners is not None and (max_restarts or torchrun_restarts) else 0.0
         self.clients, self.processes = join(
-            rank, num_learners, env.main_address, port, rpc_timeout, min_learners, starters, comeback
+            rank, num_learners, env.main_address, port, rpc_timeout, min_learners, starters, comeback, learner_store
         )
         self.client = self.clients[0]
         self.elastic = min_learners is not None
@@ -96,8 +98,3 @@ class StageServers:
             _next_port = self.client.gather(free_port() if is_global_zero else None)[0]
         except Exception:  # a peer is gone: this run is over anyway
             _next_port = None
-
-
-def server_starters(num_servers: Optional[int], num_nodes: int, num_processes: int) -> list[int]:
-    """Per server process, the learner that starts it: the first learner of node s mod num_nodes."""
-    return [(shard % num_nodes) * num_processes for shard in range(num_servers or num_nodes)]

@@ -5,12 +5,14 @@ Both sides import this module and nothing of each other's, so the server never d
 
 import errno
 import fcntl
+import json
 import os
 import re
 import socket
 import struct
 import sys
 import threading
+import time
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -18,6 +20,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+import torch.distributed.rpc.constants as rpc_constants
 
 SERVER_NAME = "server"
 
@@ -72,10 +75,11 @@ def _bound(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _rendezvous_store(host: str, port: int, timeout: float) -> dist.TCPStore:
+def rendezvous_store(host: str, port: int, timeout: float) -> dist.TCPStore:
     """The store of the rendezvous at host:port, listening on :func:`_bound`'s address only. torch's own would
     listen on every interface; made first, it is the one that ``rpc.init_rpc``'s multi-tenant store on the same
-    port joins. The store owns the socket from here on."""
+    port joins (or, with ``init_rpc(learner_store=True)``, that every process joins as a client). The store owns
+    the socket from here on."""
     sock = _bound(host, port)
     sock.listen(socket.SOMAXCONN)
     return dist.TCPStore(
@@ -98,6 +102,40 @@ def rpc_counters() -> dict[str, Any]:
 def set_rpc_counters(counters: dict[str, Any]) -> None:
     rpc._init_counter = counters["init"]
     rpc.api._all_gather_sequence_id.update(counters["all_gather"])
+
+
+_COUNTERS_KEY = "lightning_rudra/rpc_counters"
+
+
+def publish_rpc_counters(store: dist.Store) -> None:
+    """Put this process's :func:`rpc_counters` in the rendezvous' store, for a server that no learner started."""
+    store.set(_COUNTERS_KEY, json.dumps(rpc_counters()))
+
+
+def withdraw_rpc_counters(store: dist.Store) -> None:
+    store.delete_key(_COUNTERS_KEY)
+
+
+def read_rpc_counters(host: str, port: int, timeout: float) -> dict[str, Any]:
+    """The counters learner 0 published in the store of the rendezvous at host:port, waiting for it (its store, then
+    the key) at most ``timeout`` seconds each; the error says who never came."""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:  # torch's client would log a C++ trace for every failed try: wait for the port quietly first
+            try:
+                socket.create_connection((host, port), timeout=1.0).close()
+                break
+            except OSError as refused:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"nothing listens there: {refused}") from refused
+                time.sleep(0.2)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        return json.loads(store.get(_COUNTERS_KEY))
+    except (RuntimeError, dist.DistStoreError) as error:
+        raise TimeoutError(
+            f"learner 0 did not open the rendezvous at {host}:{port} within {timeout:g} s (rpc_timeout): are the "
+            f"learner nodes running, with MASTER_ADDR={host} and MASTER_PORT={port}? ({error})"
+        ) from error
 
 
 def address_towards(host: str) -> Optional[str]:
@@ -136,6 +174,7 @@ def init_rpc(
     shard: int = 0,
     elastic: bool = False,
     incarnation: int = 0,
+    learner_store: bool = False,
 ) -> None:
     """Join as learner number ``learner``, or as server ``shard`` (None). The first server is RPC rank 0, which
     hosts the rendezvous' TCP store: its port then closes when that server exits after the stage, and a new Trainer
@@ -143,7 +182,9 @@ def init_rpc(
     learner is rank ``learner + 1`` whatever the number of servers (those after the first come after the learners):
     torch fixes a process's rank for good at its first init. ``elastic``: a world that processes may join later
     (:mod:`~lightning_rudra.transport.elastic`), where a learner's process number ``incarnation`` > 0 (one that
-    rejoins) has a name and rank of its own."""
+    rejoins) has a name and rank of its own. ``learner_store``: the rendezvous' store is learner 0's, made by it
+    with :func:`rendezvous_store` before it joins (the servers run on server nodes, none on learner 0's host): every
+    process, learner 0 too, joins that store as a client, and RPC rank 0 (the first server) hosts nothing."""
     if learner is not None:
         name, rank = learner_name(learner), learner + 1
         if incarnation:
@@ -156,7 +197,8 @@ def init_rpc(
     # makes every tcp:// rendezvous a client of torchrun's own store; ours is the server's (port_from_agent_store).
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
     interface = interface_towards(host)
-    changes: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": None}
+    # torch's rendezvous makes every process a client of the store at host:port when this says "True"
+    changes: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": "True" if learner_store else None}
     if interface is not None:
         changes.update(
             {
@@ -167,12 +209,31 @@ def init_rpc(
         )
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
     options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
-    store = _rendezvous_store(host, int(port), timeout) if rank == 0 else None
-    with environment(changes), warnings.catch_warnings():
+    store = rendezvous_store(host, int(port), timeout) if rank == 0 and not learner_store else None
+    with environment(changes), warnings.catch_warnings(), _joining_within(timeout + JOIN_MARGIN_S, learner_store):
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
         world_size = None if elastic else num_learners + num_servers
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     del store  # needed only until the RPC agent's own store joined its listener, which that store now keeps
+
+
+JOIN_MARGIN_S = 60.0  # beyond rpc_timeout, for the processes of a static world to start (a popen learner imports)
+
+
+@contextmanager
+def _joining_within(seconds: float, bounded: bool) -> Iterator[None]:
+    """torch waits for every process of a static RPC world in a gloo group whose timeout is 24 days, unbounded in
+    practice. Where processes start on other machines by hand (server nodes: ``bounded``) the wait ends after
+    ``seconds`` instead. The constant is read when the group is made; the group serves only the init."""
+    if not bounded:
+        yield
+        return
+    before = rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT
+    rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = timedelta(seconds=seconds)
+    try:
+        yield
+    finally:
+        rpc_constants.DEFAULT_PROCESS_GROUP_TIMEOUT = before
 
 
 @contextmanager

@@ -4,9 +4,13 @@ the end, one JSON line with the weights it returns and the server's statistics.
 
 Arguments: num_nodes, devices (learners per host), max_epochs, then optionally the protocol (hardsync), seconds
 each training step sleeps (0), rpc_timeout (20), the hidden layer's width (16, the regression module's), the
-compression (none), node-local aggregation (auto, on or off) and a learner that kills itself (RANK:STEP, none).
+compression (none), node-local aggregation (auto, on or off), a learner that kills itself (RANK:STEP, none) and
+the number of server nodes (0; a server node prints "SERVER NODE DONE" when its fit returns) and "again" (after
+fit, validate, then fit one more epoch with a second Trainer; learner 0 prints "AGAIN" with its validation loss and
+the second fit's clock).
 """
 
+import json
 import os
 import signal
 import sys
@@ -49,19 +53,36 @@ class Sleepy(Wide):
 
 if __name__ == "__main__":
     num_nodes, devices, epochs = (int(arg) for arg in sys.argv[1:4])
-    protocol, sleep, timeout, width, compression, aggregation, die = (
-        sys.argv[4:] + ["hardsync", "0", "20", "16", "none", "auto", "none"][len(sys.argv[4:]) :]
-    )[:7]
+    protocol, sleep, timeout, width, compression, aggregation, die, server_nodes, again = (
+        sys.argv[4:] + ["hardsync", "0", "20", "16", "none", "auto", "none", "0", "no"][len(sys.argv[4:]) :]
+    )[:9]
     node_aggregation = {"auto": None, "on": True, "off": False}[aggregation]
-    strategy = RudraStrategy(
-        protocol=protocol, rpc_timeout=float(timeout), compression=compression, node_aggregation=node_aggregation
-    )
-    trainer = quiet_trainer(strategy, devices, num_nodes=num_nodes, max_epochs=epochs)
+
+    def strategy():
+        return RudraStrategy(
+            protocol=protocol,
+            rpc_timeout=float(timeout),
+            compression=compression,
+            node_aggregation=node_aggregation,
+            server_nodes=int(server_nodes),
+        )
+
+    trainer = quiet_trainer(strategy(), devices, num_nodes=num_nodes, max_epochs=epochs)
     model = Sleepy(float(sleep), int(width), die)
     trainer.fit(model, loader(8))
+    if trainer.node_rank >= num_nodes:
+        print(f"SERVER NODE DONE {trainer.state.status.value}", flush=True)
     if trainer.is_global_zero:
         print_result(
             params=flat(model.parameters()).tolist(),
             learners=trainer.world_size,
             stats=trainer.strategy.stats.to_dict(),
         )
+    if again == "again":
+        validated = trainer.validate(model, loader(8), verbose=False)
+        second = quiet_trainer(strategy(), devices, num_nodes=num_nodes, max_epochs=1)
+        second.fit(model, loader(8))
+        if second.node_rank >= num_nodes:
+            print(f"SERVER NODE DONE {second.state.status.value}", flush=True)
+        if second.is_global_zero:
+            print(f"AGAIN {json.dumps({'validated': validated, 'clock': second.strategy.stats.clock})}", flush=True)

@@ -7,11 +7,19 @@ from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.strategy.launchers.spawn import SpawnLauncher
+from lightning_rudra.strategy.server_nodes import ServerNodeLauncher, check_server_node_job
 
 
 def launcher_for(strategy: Any, environment: ClusterEnvironment, report: Callable[[int, str], None]) -> Any:
     """The launcher of ``strategy.start_method``: with ``min_learners``, the strategy's own, which let the other
-    learners train on when one is lost (``report`` hears of it); without, Lightning's for ``popen``."""
+    learners train on when one is lost (``report`` hears of it); without, Lightning's for ``popen``. A server node's
+    own (:class:`~lightning_rudra.strategy.server_nodes.ServerNodeLauncher`); None where the processes are created
+    outside (torchrun, SLURM, a learner started by a launcher) or simulated."""
+    check_server_node_job(strategy.server_nodes, strategy.num_servers, strategy.num_nodes, environment)
+    if strategy.server_nodes and strategy.node_rank >= strategy.num_nodes:  # a server node: servers, no learner
+        return ServerNodeLauncher(strategy, environment)
+    if strategy.simulate or environment.creates_processes_externally:
+        return None
     if strategy.start_method == "popen" and strategy.min_learners is None:
         return _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
     if strategy.start_method == "popen":

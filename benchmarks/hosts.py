@@ -54,6 +54,7 @@ def _ip(*args: str) -> None:
 
 
 LEFT = "LEFT ON HOST"  # how init names a process still running on its host once the command has ended
+SHM_LEFT = "SHM LEFT ON HOST"  # how init names a file its command left in the host's /dev/shm
 _LEFT_WAIT_S = 20.0  # how long init waits for the command's other processes to end by themselves
 
 
@@ -217,8 +218,8 @@ def _running_here() -> list[str]:
 def init(name: str, args: list[str]) -> int:
     """A host's first process (pid 1 of its pid namespace): take the host name ``name`` and a ``/dev/shm`` of the
     host's own, run ``args``, then wait (bounded) for what it started to end by itself, reaping it, and print a
-    ``LEFT`` line for each process still running: this process's exit would kill them unseen. Returns the
-    command's exit status."""
+    ``LEFT`` line for each process still running: this process's exit would kill them unseen, and a ``SHM_LEFT``
+    line for each file left in the host's ``/dev/shm``. Returns the command's exit status."""
     socket.sethostname(name)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", "/dev/shm"], check=True, timeout=10)
     code = subprocess.call(args)
@@ -235,6 +236,8 @@ def init(name: str, args: list[str]) -> int:
         time.sleep(0.2)
     for process in left:
         print(f"{LEFT} {name}: {process}", flush=True)
+    for file in sorted(os.listdir("/dev/shm")):
+        print(f"{SHM_LEFT} {name}: {file}", flush=True)
     return code if code >= 0 else 128 - code
 
 

@@ -8,6 +8,7 @@ import torch
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.learner.learner import Learner
+from lightning_rudra.core.compensation import RULES_STATE
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.shards import ShardPlan
 from tests.lightning_models import quiet_trainer
@@ -68,6 +69,33 @@ def test_optimizer_states_split_at_the_cuts_step_as_the_whole_and_merge_back(cls
             assert torch.equal(state["state"][position][key], value), (position, key)
     for s, optimizer in shards.items():  # and split again: what each server loads on resume
         optimizer.load_state_dict(plan.split_state(s, order, whole.state_dict()))
+
+
+def test_the_compensation_rules_state_splits_at_the_cuts_and_merges_back():
+    """The running means of ``dc`` and ``gap`` (beside the optimizer's own state, one entry per parameter): each
+    server loads its slices of them, and the merged state is the whole again, whatever the number of servers."""
+    torch.manual_seed(0)
+    params = [torch.randn(s) for s in SHAPES]
+    spec = OptimizerSpec.from_optimizer(torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}]), params)
+    order = [i for idx, _ in spec.groups for i in idx]
+    rules = {
+        k: {"dc_mean_square": torch.rand(SHAPES[i]), "gap_step": torch.rand(SHAPES[i])} for k, i in enumerate(order)
+    }
+    whole = {"state": {RULES_STATE: rules}, "param_groups": [{"params": [0, 1]}, {"params": [2, 3]}]}
+    for num_shards in (2, 3):
+        plan = ShardPlan(SHAPES, num_shards)
+        states = {s: plan.split_state(s, order, whole) for s in range(num_shards)}
+        for s, state in states.items():
+            sliced = plan.views(s, [rules[order.index(i)]["gap_step"] for i in range(len(SHAPES))])
+            kept = state["state"][RULES_STATE]
+            assert [kept[k]["gap_step"].reshape(-1).tolist() for k in sorted(kept)] == [
+                t.reshape(-1).tolist() for t in sliced
+            ]
+        merged = plan.merge_states(order, states)["state"][RULES_STATE]
+        assert merged.keys() == rules.keys()
+        for k, entry in rules.items():
+            for key, value in entry.items():
+                assert torch.equal(merged[k][key], value), (num_shards, k, key)
 
 
 def test_a_non_elementwise_optimizer_or_a_non_contiguous_parameter_is_not_cut():

@@ -3,7 +3,8 @@ modulation. No RPC and no Lightning here, so the semantics can be driven and che
 
 Words follow the paper (Gupta, Zhang, Wang, ICDM 2016): λ learners push gradients computed from weights
 with timestamp ``j``; the server's clock ``i`` counts weight updates; a gradient applied at clock ``i``
-has staleness σ = i - j.
+has staleness σ = i - j (with several optimizers, of the updates that changed its optimizer's parameters only:
+:mod:`lightning_rudra.core.staleness`).
 """
 
 from typing import Any, Optional, Sequence

@@ -1,5 +1,5 @@
 """Staleness compensation on scripted pushes: each rule's update by hand, the identity where nothing is stale,
-the rules' state in the optimizer's checkpoint, and the refusals."""
+the rules' state beside the optimizer's and in its checkpoint, and the refusals."""
 
 import copy
 

@@ -161,6 +161,21 @@ def test_a_gradient_is_stale_only_by_the_updates_of_its_own_optimizers_parameter
     assert server.stats.staleness == {0: 3, 1: 3} and server.clock == 6
 
 
+def test_the_server_keeps_only_the_updates_a_gradient_may_still_be_stale_by():
+    server = two_optimizer_server(protocol="async")
+    for step in range(50):
+        for learner in (0, 1):
+            timestamp = server.clock
+            for optimizer in (0, 1):
+                push_to(server, optimizer, learner, 1.0, timestamp)
+    # the learners' last pushes came from the weights of clock 196 and 198: the updates after 196 (two each)
+    assert server.clock == 200 and server.clocks.updates == [[197, 199], [198, 200]]
+    assert push_to(server, 1, 0, 1.0, 196).staleness == 2
+    server.finish(0)
+    server.finish(1)
+    assert server.clocks.oldest(server.clock) == server.clock
+
+
 def test_one_learner_stepping_two_optimizers_after_one_backward_is_plain_sgd_for_each():
     # a GAN's step, async with one learner under the default compensation: nothing is stale, so no rule changes
     # the optimizers (a σ of 1 from the other optimizer's update switched momentum off and rescaled the rate)

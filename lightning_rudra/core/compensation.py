@@ -116,13 +116,22 @@ def without_rules_state(state_dict: dict[str, Any], num_params: int) -> tuple[di
     """An optimizer's state dict (``with_rules_state``'s, or an older one with them in its entries) parted into its
     own state and the rules' running means of its ``num_params`` parameters (copies)."""
     rules: list[dict[str, Tensor]] = [{} for _ in range(num_params)]
+
+    def of(position: Any) -> dict[str, Tensor]:
+        if int(position) not in range(num_params):
+            raise ValueError(
+                f"the saved compensation state names parameter {position!r} of an optimizer of {num_params} "
+                "parameters: the checkpoint was saved from a module with a different configure_optimizers."
+            )
+        return rules[int(position)]
+
     own = {}
     for key, entry in state_dict["state"].items():
         if key == RULES_STATE:
             for position, means in entry.items():
-                rules[int(position)].update({name: mean.clone() for name, mean in means.items()})
+                of(position).update({name: mean.clone() for name, mean in means.items()})
         elif isinstance(entry, dict) and _OLD_KEYS.keys() & entry.keys():
-            rules[int(key)].update({_OLD_KEYS[name]: entry[name].clone() for name in _OLD_KEYS.keys() & entry.keys()})
+            of(key).update({_OLD_KEYS[name]: entry[name].clone() for name in _OLD_KEYS.keys() & entry.keys()})
             entry = {name: value for name, value in entry.items() if name not in _OLD_KEYS}
             if entry:  # none of the optimizer's own: it creates them at the parameter's next gradient
                 own[key] = entry

@@ -175,6 +175,26 @@ def test_the_rules_state_is_kept_beside_the_optimizers_and_resumes_exactly(optim
     assert not torch.equal(servers[0].params[0], servers[2].params[0])  # the rules' state made a difference
 
 
+def test_a_checkpoint_with_the_rules_state_in_the_optimizers_entries_still_loads():
+    """As the first releases wrote it: the running means in the entries of the optimizer's parameters."""
+    server, opt = two_parameter_server("dc+gap", torch.optim.Adam)
+    old = {
+        "state": {
+            0: {"step": torch.tensor(1.0), "exp_avg": G0.clone(), "exp_avg_sq": G0 * G0, "rudra_gap_step": G0.abs()},
+            1: {"rudra_dc_mean_square": G1 * G1},  # no gradient yet: Adam's own keys come with its first
+        },
+        "param_groups": opt.state_dict()["param_groups"],
+    }
+    server.load_optimizer_state(0, old)
+    assert set(server.optimizers[0].state[server.params[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert server.params[1] not in server.optimizers[0].state
+    saved = server.optimizer_state(0)["state"][RULES_STATE]
+    assert torch.equal(saved[0]["gap_step"], G0.abs()) and torch.equal(saved[1]["dc_mean_square"], G1 * G1)
+    push_each(server, opt, 0, [G0, G1], 0)  # parameter 1's first gradient: Adam creates its state
+    with pytest.raises(ValueError, match=r"names parameter 2 of an optimizer of 2 parameters"):
+        server.load_optimizer_state(0, {**old, "state": {RULES_STATE: {2: {"gap_step": G0}}}})
+
+
 def test_the_rate_reported_is_the_rate_the_server_applied_after_the_rule():
     server, opt = scalar_server("momentum", momentum=0.9)
     first = push(server, opt, 0, 1.0, 0).update  # σ = 0: lr · c/λ = 0.05, momentum kept

@@ -9,7 +9,7 @@ optimizer that shares a parameter with it; with one optimizer σ is the paper's 
 """
 
 from bisect import bisect_right
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 class OptimizerClocks:
@@ -17,8 +17,8 @@ class OptimizerClocks:
 
     ``touches[k]``: the optimizers whose updates change optimizer k's parameters (k among them). For an optimizer
     that every update changes, σ is the clock's count and nothing is kept; for the others, the clocks of the updates
-    that changed theirs, newer than the oldest timestamp of the learners' last pushes (per optimizer: a learner's
-    gradients for one optimizer come from weights no older than its previous one's).
+    that changed theirs, newer than the oldest timestamp of the learners' last pushes of that optimizer (a
+    learner's gradients for one optimizer come from weights no older than its previous one's).
     """
 
     def __init__(self, touches: Sequence[frozenset[int]], num_learners: int, clock: int) -> None:
@@ -36,22 +36,23 @@ class OptimizerClocks:
         updates = self.updates[optimizer]
         return len(updates) - bisect_right(updates, timestamp)
 
-    def oldest(self, clock: int) -> int:
-        """The oldest timestamp a learner may still push a gradient from (``clock`` if no learner pushes)."""
-        return min(self.last_push.values(), default=clock)
+    def oldest(self, clock: int, optimizer: Optional[int] = None) -> int:
+        """The oldest timestamp a learner may still push a gradient (of ``optimizer``; None: of any) from
+        (``clock`` if no learner pushes)."""
+        return min((timestamp for (_, k), timestamp in self.last_push.items() if optimizer in (None, k)), default=clock)
 
     def pushed(self, learner: int, optimizer: int, timestamp: int) -> None:
         self.last_push[learner, optimizer] = timestamp
 
     def updated(self, optimizer: int, clock: int) -> None:
         """``optimizer`` made the update that produced ``clock``."""
-        oldest = self.oldest(clock)
         for k, touched in enumerate(self.touches):
             if self._every_update(k):
                 continue
             if optimizer in touched:
                 self.updates[k].append(clock)
-            del self.updates[k][: bisect_right(self.updates[k], oldest)]  # no gradient is that old any more
+            # no gradient of k is that old any more (an optimizer never stepped keeps no other's updates alive)
+            del self.updates[k][: bisect_right(self.updates[k], self.oldest(clock, k))]
 
     def left(self, learner: int) -> None:
         """``learner`` pushes no more (finished or lost): it holds no old weights."""

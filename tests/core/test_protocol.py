@@ -171,6 +171,9 @@ def test_the_server_keeps_only_the_updates_a_gradient_may_still_be_stale_by():
     # the learners' last pushes came from the weights of clock 196 and 198: the updates after 196 (two each)
     assert server.clock == 200 and server.clocks.updates == [[197, 199], [198, 200]]
     assert push_to(server, 1, 0, 1.0, 196).staleness == 2
+    for step in range(10):  # an optimizer no longer stepped keeps no other's updates alive
+        push_to(server, 0, step % 2, 1.0, server.clock)
+    assert server.clocks.updates[0] == [server.clock - 1, server.clock]
     server.finish(0)
     server.finish(1)
     assert server.clocks.oldest(server.clock) == server.clock

@@ -214,8 +214,8 @@ class TwoOptimizers(pl.LightningModule):
 
 
 class OneBackwardTwoSteps(TwoOptimizers):
-    """One backward, then both optimizers step: the second gradient comes from the weights before the first
-    step's update (σ one larger)."""
+    """One backward, then both optimizers step (a GAN's step): the second gradient comes from the weights before
+    the first step's update, which changed none of the second optimizer's parameters."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -225,6 +225,15 @@ class OneBackwardTwoSteps(TwoOptimizers):
         self.manual_backward(torch.nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y))
         opt_first.step()
         opt_second.step()
+
+
+class SharesABias(OneBackwardTwoSteps):
+    """OneBackwardTwoSteps whose second optimizer updates the first layer's bias too: the first step's update
+    changes the weights of the second gradient (σ one larger)."""
+
+    def configure_optimizers(self):
+        second = torch.optim.SGD([*self.second.parameters(), self.first.bias], lr=0.05)
+        return torch.optim.Adam(self.first.parameters(), lr=0.01), second
 
 
 class Metered(Regression):

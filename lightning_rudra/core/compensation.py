@@ -26,9 +26,12 @@ of C, the running mean of one update's |Δw| (0.9).
 
 ``dc`` and ``gap`` need w_stale: the server keeps the weights of every clock a learner may still push from (the
 oldest is the oldest timestamp among the learners' last pushes), at most ``HISTORY_PER_LEARNER`` · λ + 1 copies of
-the parameters; a gradient older than the oldest kept is compared with the oldest kept. Their running means live
-in the optimizer's per-parameter state (saved with it in checkpoints); the copies are not saved: after a resume
-every learner starts from the restored weights.
+the parameters; a gradient older than the oldest kept is compared with the oldest kept. Their running means are
+kept beside the optimizer's state, not in it (torch's adaptive optimizers create their state at a parameter's
+first gradient only where they find none), and travel in its state dict under ``state[RULES_STATE]``, one entry
+per parameter as the optimizer's own (a key torch's ``load_state_dict`` keeps as it is): checkpoints hold them, cut
+at the servers' cuts like the rest. The copies are not saved: after a resume every learner starts from the
+restored weights.
 """
 
 from typing import Any, Optional, Sequence
@@ -46,6 +49,10 @@ _SIGN_BASED = ("Rprop",)
 
 
 DEFAULT_COMPENSATION = "momentum"
+# where an optimizer's state dict carries the rules' running means (position -> {name: tensor})
+RULES_STATE = "rudra_compensation"
+# where the first releases kept them: in the optimizer's own entries (read from older checkpoints)
+_OLD_KEYS = {"rudra_dc_mean_square": "dc_mean_square", "rudra_gap_step": "gap_step"}
 
 
 def staleness_options(lr_modulation: Optional[str], compensation: Optional[str]) -> tuple[str, str]:
@@ -85,9 +92,9 @@ def check_optimizer(rules: Sequence[str], optimizer: type, name: str) -> None:
 
 def momentum_hyperparameters(
     group: dict[str, Any], optimizer: type, gradients_per_update: int, num_learners: int, mean_staleness: float
-) -> None:
+) -> float:
     """The ``momentum`` rule on one parameter group of an ``optimizer`` (its lr and momentum as the learner sent
-    them), in place."""
+    them), in place. Returns the factor its rate was multiplied by."""
     scale = gradients_per_update / num_learners
     if mean_staleness > 0 and issubclass(optimizer, torch.optim.SGD):
         scale = min(scale, 1 / (2 * mean_staleness + 1))
@@ -96,6 +103,41 @@ def momentum_hyperparameters(
             group["momentum"] = 0.0
             group["nesterov"] = False
     group["lr"] *= scale
+    return scale
+
+
+def with_rules_state(state_dict: dict[str, Any], rules: Sequence[dict[str, Tensor]]) -> dict[str, Any]:
+    """An optimizer's ``state_dict`` with the rules' running means of its parameters (``rules``, in its order)."""
+    kept = {position: dict(entry) for position, entry in enumerate(rules) if entry}
+    return {**state_dict, "state": {**state_dict["state"], RULES_STATE: kept}} if kept else state_dict
+
+
+def without_rules_state(state_dict: dict[str, Any], num_params: int) -> tuple[dict[str, Any], list[dict[str, Tensor]]]:
+    """An optimizer's state dict (``with_rules_state``'s, or an older one with them in its entries) parted into its
+    own state and the rules' running means of its ``num_params`` parameters (copies)."""
+    rules: list[dict[str, Tensor]] = [{} for _ in range(num_params)]
+
+    def of(position: Any) -> dict[str, Tensor]:
+        if int(position) not in range(num_params):
+            raise ValueError(
+                f"the saved compensation state names parameter {position!r} of an optimizer of {num_params} "
+                "parameters: the checkpoint was saved from a module with a different configure_optimizers."
+            )
+        return rules[int(position)]
+
+    own = {}
+    for key, entry in state_dict["state"].items():
+        if key == RULES_STATE:
+            for position, means in entry.items():
+                of(position).update({name: mean.clone() for name, mean in means.items()})
+        elif isinstance(entry, dict) and _OLD_KEYS.keys() & entry.keys():
+            of(key).update({_OLD_KEYS[name]: entry[name].clone() for name in _OLD_KEYS.keys() & entry.keys()})
+            entry = {name: value for name, value in entry.items() if name not in _OLD_KEYS}
+            if entry:  # none of the optimizer's own: it creates them at the parameter's next gradient
+                own[key] = entry
+        else:
+            own[key] = entry
+    return {**state_dict, "state": own}, rules
 
 
 class StaleWeights:
@@ -104,13 +146,11 @@ class StaleWeights:
     def __init__(self, num_learners: int, clock: int, flat_params: Sequence[Tensor]) -> None:
         self.capacity = HISTORY_PER_LEARNER * num_learners + 1
         self.copies: dict[int, list[Tensor]] = {}
-        # learner -> the timestamp of its last gradient (its next one is no older); learners that left: none
-        self.last_push = dict.fromkeys(range(num_learners), clock)
-        self.record(clock, flat_params)
+        self.record(clock, flat_params, clock)
 
-    def record(self, clock: int, flat_params: Sequence[Tensor]) -> None:
-        """The weights of ``clock``, just made (after an update, or at the start)."""
-        oldest = min(self.last_push.values(), default=clock)
+    def record(self, clock: int, flat_params: Sequence[Tensor], oldest: int) -> None:
+        """The weights of ``clock``, just made (after an update, or at the start); no learner pushes from weights
+        older than ``oldest`` any more."""
         for old in [c for c in self.copies if c < oldest]:
             del self.copies[old]
         while len(self.copies) >= self.capacity:
@@ -129,27 +169,27 @@ def compensate(
     state: Sequence[dict[str, Any]],
 ) -> None:
     """The ``dc`` and ``gap`` rules on one stale gradient, in place: per parameter, its current weights, the
-    weights the gradient came from, the gradient, and the optimizer's state of that parameter."""
+    weights the gradient came from, the gradient, and the rules' running means of that parameter."""
     for w, w_stale, g, st in zip(params, stale, grads, state):
         gap = w - w_stale
         if "dc" in rules:
             square = g * g
-            mean_square = st.get("rudra_dc_mean_square")
+            mean_square = st.get("dc_mean_square")
             if mean_square is None:
-                mean_square = st["rudra_dc_mean_square"] = square.clone()
+                mean_square = st["dc_mean_square"] = square.clone()
             else:
                 mean_square.mul_(DC_DECAY).add_(square, alpha=1 - DC_DECAY)
             g.add_(square.mul_(gap).div_(mean_square.sqrt().add_(1e-7)), alpha=DC_LAMBDA)
-        if "gap" in rules and "rudra_gap_step" in st:
-            g.div_(gap.abs_().div_(st["rudra_gap_step"].add(1e-12)).clamp_(min=1.0))
+        if "gap" in rules and "gap_step" in st:
+            g.div_(gap.abs_().div_(st["gap_step"].add(1e-12)).clamp_(min=1.0))
 
 
 def record_steps(params: Sequence[Tensor], before: Sequence[Tensor], state: Sequence[dict[str, Any]]) -> None:
     """``gap``: the running mean of one update's |Δw|, per parameter, after an update from ``before``."""
     for w, w_before, st in zip(params, before, state):
         step = (w - w_before).abs_()
-        mean = st.get("rudra_gap_step")
+        mean = st.get("gap_step")
         if mean is None:
-            st["rudra_gap_step"] = step
+            st["gap_step"] = step
         else:
             mean.mul_(GAP_DECAY).add_(step, alpha=1 - GAP_DECAY)

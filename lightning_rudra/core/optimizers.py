@@ -1,7 +1,7 @@
 """How the server rebuilds a learner's optimizer: its class, its parameter groups and their hyper-parameters.
 Plain torch."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -14,10 +14,13 @@ _IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "d
 @dataclass(frozen=True)
 class OptimizerSpec:
     """How to rebuild a learner's optimizer on the server: its class, and per parameter group the indices of
-    its parameters (into the model's parameter list) and its hyper-parameters."""
+    its parameters (into the model's parameter list) and its hyper-parameters. ``shares_with``: the other
+    optimizers (their indices) that update one of its parameters anywhere in the model, also on a server that
+    holds none of them (see :func:`sharing_parameters`)."""
 
     cls: type
     groups: list[tuple[list[int], dict[str, Any]]]
+    shares_with: tuple[int, ...] = ()
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> "OptimizerSpec":
@@ -35,6 +38,21 @@ class OptimizerSpec:
 
     def build(self, params: Sequence[Tensor]) -> torch.optim.Optimizer:
         return self.cls([{"params": [params[i] for i in idx], **hp} for idx, hp in self.groups])
+
+
+def sharing_parameters(specs: Sequence[OptimizerSpec]) -> list[OptimizerSpec]:
+    """``specs`` with ``shares_with`` completed by the optimizers that share a parameter (index) with each: an
+    update of one changes the weights of the others' gradients (:mod:`lightning_rudra.core.staleness`)."""
+    params = [{i for idx, _ in spec.groups for i in idx} for spec in specs]
+    return [
+        replace(
+            spec,
+            shares_with=tuple(
+                sorted(set(spec.shares_with) | {j for j, other in enumerate(params) if j != k and mine & other})
+            ),
+        )
+        for k, (spec, mine) in enumerate(zip(specs, params))
+    ]
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

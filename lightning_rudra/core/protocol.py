@@ -3,7 +3,8 @@ modulation. No RPC and no Lightning here, so the semantics can be driven and che
 
 Words follow the paper (Gupta, Zhang, Wang, ICDM 2016): λ learners push gradients computed from weights
 with timestamp ``j``; the server's clock ``i`` counts weight updates; a gradient applied at clock ``i``
-has staleness σ = i - j.
+has staleness σ = i - j (with several optimizers, of the updates that changed its optimizer's parameters only:
+:mod:`lightning_rudra.core.staleness`).
 """
 
 from typing import Any, Optional, Sequence
@@ -17,13 +18,16 @@ from lightning_rudra.core.compensation import (
     momentum_hyperparameters,
     parse_compensation,
     record_steps,
+    with_rules_state,
+    without_rules_state,
 )
 from lightning_rudra.core.compression import decompress
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.node import check_node_push
-from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
 from lightning_rudra.core.pending import Gradient, Pending
+from lightning_rudra.core.staleness import OptimizerClocks
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.update import PushResult, Update
 
@@ -45,10 +49,11 @@ class Server:
     and each update sets the master buffers to the average (floating point) or the last value (integer) of
     the buffers pushed with the gradients in it.
 
-    Staleness is counted when a gradient is applied: σ = updates of the model (one clock for all optimizers)
-    since the weights it came from. With one optimizer nothing can update between a gradient's arrival and its
-    update, so it is summed on arrival; with several, another optimizer's update can, so gradients waiting
-    for a softsync update are kept whole until it applies (memory: up to c gradients of that optimizer).
+    Staleness is counted when a gradient is applied: σ = updates of its optimizer's parameters since the weights
+    it came from (:mod:`lightning_rudra.core.staleness`; one optimizer: the updates of the model). Only its own
+    updates move that count between a gradient's arrival and its update, so it is summed on arrival; unless
+    another optimizer shares a parameter with it: then its gradients waiting for a softsync update are kept whole
+    until it applies (memory: up to c gradients of that optimizer).
     An update is due once c gradients were received (rejected ones do not count; dropped ones do).
     """
 
@@ -71,6 +76,7 @@ class Server:
         self.flat_buffers = self._stored("buffers", self.buffer_layout, buffers)
         self.store.end(self.clock)
         self.params = self.param_layout.unpack(self.flat_params)
+        optimizers = sharing_parameters(optimizers)
         self.optimizers = [spec.build(self.params) for spec in optimizers]
         # per optimizer: the model-parameter indices it updates, and the layout of its pushed gradients
         self.optimizer_params = [[i for idx, _ in spec.groups for i in idx] for spec in optimizers]
@@ -78,13 +84,18 @@ class Server:
         self.active = set(range(config.num_learners))  # learners still pushing
         self.members = set(range(config.num_learners))  # learners not lost: c counts them
         self._pending = [Pending() for _ in optimizers]
-        self._defer = len(optimizers) > 1  # σ may change between a gradient's arrival and its update
+        touches = [frozenset({k, *spec.shares_with}) for k, spec in enumerate(optimizers)]
+        self.clocks = OptimizerClocks(touches, config.num_learners, self.clock)
+        # σ may change between a gradient's arrival and its update (another optimizer's update changes its weights)
+        self._defer = any(len(touched) > 1 for touched in touches)
         self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
         # hardsync has no stale gradient: no rule (it stays SGD with batch μλ)
         self.rules = parse_compensation(config.compensation) if config.protocol != "hardsync" else ()
         self.history = (
             StaleWeights(config.num_learners, self.clock, self.flat_params) if {"dc", "gap"} & set(self.rules) else None
         )
+        # the running means of dc and gap: per optimizer, per parameter (its order), beside its own state
+        self.rules_states: list[list[dict[str, Tensor]]] = [[{} for _ in idx] for idx in self.optimizer_params]
 
     @property
     def clock(self) -> int:
@@ -141,7 +152,7 @@ class Server:
                 )
         if refused and self.config.nonfinite == "raise":
             finite = False
-        sigma = self._staleness(timestamp)
+        sigma = self._staleness(optimizer, timestamp)
         count = len(group) - len(refused)  # the gradients summed in grads
         if finite is None:
             finite = all_finite(grads)
@@ -161,11 +172,11 @@ class Server:
                 pending.waiting.append(Gradient(grads, has_grad, buffers, timestamp, count))
                 status = "queued"
             else:
-                status = self._admit(pending, optimizer, grads, has_grad, buffers, sigma, count)
+                status = self._admit(pending, optimizer, grads, has_grad, buffers, timestamp, sigma, count)
         self.stats.gradients += len(group)
         pending.learners.update(group)
-        if self.history is not None:
-            self.history.last_push[learner] = timestamp
+        for who in group:
+            self.clocks.pushed(who, optimizer, timestamp)
         if not self._ready(pending):
             return PushResult(status, sigma)
         update = self._close(optimizer)
@@ -179,8 +190,7 @@ class Server:
         optimizers whose wait this closed."""
         self._check_learner(learner)
         self.active.discard(learner)
-        if self.history is not None:
-            self.history.last_push.pop(learner, None)  # it pushes from no old weights any more
+        self.clocks.left(learner)  # it pushes from no old weights any more
         closed = [i for i, p in enumerate(self._pending) if p.learners and (self._ready(p) or not self.active)]
         for optimizer in closed:
             self._close(optimizer)
@@ -197,6 +207,7 @@ class Server:
         counts it."""
         self.members.add(learner)
         self.active.add(learner)
+        self.clocks.joined(learner, self.clock)
 
     @property
     def gradients_per_update(self) -> int:
@@ -206,10 +217,12 @@ class Server:
         return self.config.gradients_per_update
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
-        return self.optimizers[optimizer].state_dict()
+        """The optimizer's state dict, with the compensation rules' state of its parameters."""
+        return with_rules_state(self.optimizers[optimizer].state_dict(), self.rules_states[optimizer])
 
     def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
-        self.optimizers[optimizer].load_state_dict(state)
+        own, self.rules_states[optimizer] = without_rules_state(state, len(self.optimizer_params[optimizer]))
+        self.optimizers[optimizer].load_state_dict(own)
 
     def load_optimizer_states(self, states: Sequence[dict[str, Any]]) -> None:
         """On resume: the saved state of every optimizer (none: start afresh)."""
@@ -273,19 +286,20 @@ class Server:
                 )
         self.buffer_layout.check(buffers, f"the buffers pushed by learner {learner}")
 
-    def _states(self, optimizer: int) -> list[dict[str, Any]]:
-        """The optimizer's state of each of its parameters (where the compensation rules keep their means)."""
-        return [self.optimizers[optimizer].state[self.params[i]] for i in self.optimizer_params[optimizer]]
-
-    def _staleness(self, timestamp: int) -> int:
-        """σ of a gradient from the weights of ``timestamp``, applied now. Under hardsync 0: every learner waits for
-        each round, so only another optimizer's round of the same batch can lie in between, as in one process."""
-        return 0 if self.config.protocol == "hardsync" else self.clock - timestamp
+    def _staleness(self, optimizer: int, timestamp: int) -> int:
+        """σ of a gradient of ``optimizer`` from the weights of ``timestamp``, applied now. Under hardsync 0: every
+        learner waits for each round, so only another optimizer's round of the same batch can lie in between, as
+        in one process."""
+        if self.config.protocol == "hardsync":
+            return 0
+        return self.clocks.staleness(optimizer, timestamp, self.clock)
 
     def _too_stale(self, sigma: int) -> bool:
         return self.config.max_staleness is not None and sigma > self.config.max_staleness
 
-    def _admit(self, pending: Pending, optimizer: int, grads, has_grad, buffers, sigma: int, count: int = 1) -> str:
+    def _admit(
+        self, pending: Pending, optimizer: int, grads, has_grad, buffers, timestamp: int, sigma: int, count: int = 1
+    ) -> str:
         """Drop a gradient staler than the bound, or compensate it and add it to the sum; count its σ. Returns
         its status. ``count``: how many learners' gradients ``grads`` sums (a node's push)."""
         if self._too_stale(sigma):
@@ -293,13 +307,13 @@ class Server:
             return "dropped"
         if sigma and self.history is not None:
             indices = self.optimizer_params[optimizer]
-            stale = self.param_layout.unpack(self.history.at(self.clock - sigma))
+            stale = self.param_layout.unpack(self.history.at(timestamp))
             compensate(
                 self.rules,
                 [self.params[i] for i in indices],
                 [stale[i] for i in indices],
                 self.grad_layouts[optimizer].unpack(grads),
-                self._states(optimizer),
+                self.rules_states[optimizer],
             )
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
         pending.add(grads, has_grad, buffers, sigma, scale, count)
@@ -316,7 +330,8 @@ class Server:
                 gradient.grads,
                 gradient.has_grad,
                 gradient.buffers,
-                self._staleness(gradient.timestamp),
+                gradient.timestamp,
+                self._staleness(optimizer, gradient.timestamp),
                 gradient.count,
             )
         if pending.grads is None:
@@ -327,12 +342,8 @@ class Server:
         lr_factor = 1.0
         if self.config.lr_modulation == "mean":
             lr_factor = 1.0 / max(1.0, sum(pending.staleness) / count)
+        rule_scale = self._set_hyperparameters(optimizer, pending.hparams, lr_factor, count)
         opt = self.optimizers[optimizer]
-        for group, hp in zip(opt.param_groups, pending.hparams):
-            group.update(hyperparameters(hp))
-            group["lr"] = hp["lr"] * lr_factor
-            if "momentum" in self.rules:
-                momentum_hyperparameters(group, type(opt), count, len(self.members), self.stats.mean_staleness)
         layout = self.grad_layouts[optimizer]
         if count > 1:  # async and 1-gradient updates: no pass over the model for nothing
             for total in pending.grads:
@@ -349,13 +360,30 @@ class Server:
             self.stats.clock += 1
         finally:
             self.store.end(self.clock)
+        self.clocks.updated(optimizer, self.clock)
         if self.history is not None:
             if "gap" in self.rules:
                 before = self.param_layout.unpack(self.history.at(self.clock - 1))
-                record_steps([self.params[i] for i in indices], [before[i] for i in indices], self._states(optimizer))
-            self.history.record(self.clock, self.flat_params)
+                params = [self.params[i] for i in indices]
+                record_steps(params, [before[i] for i in indices], self.rules_states[optimizer])
+            self.history.record(self.clock, self.flat_params, self.clocks.oldest(self.clock))
         for i in indices:
             self.params[i].grad = None
-        update = Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales))
+        update = Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales), rule_scale)
         self.last_updates[optimizer] = update
         return update
+
+    def _set_hyperparameters(
+        self, optimizer: int, hparams: Sequence[dict[str, Any]], lr_factor: float, count: int
+    ) -> float:
+        """The learners' hyper-parameters on the server's optimizer, with the rate modulated by ``lr_factor`` and
+        the ``momentum`` rule applied to ``count`` gradients. Returns the rule's factor on the first group's rate."""
+        opt = self.optimizers[optimizer]
+        rule_scales = []
+        for group, hp in zip(opt.param_groups, hparams):
+            group.update(hyperparameters(hp))
+            group["lr"] = hp["lr"] * lr_factor
+            if "momentum" in self.rules:
+                mean_staleness = self.stats.mean_staleness
+                rule_scales.append(momentum_hyperparameters(group, type(opt), count, len(self.members), mean_staleness))
+        return rule_scales[0] if rule_scales else 1.0

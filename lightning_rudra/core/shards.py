@@ -8,12 +8,13 @@ states are split at the same cuts when a checkpoint is restored and merged back 
 checkpoint does not depend on the number of servers.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.compensation import RULES_STATE
 from lightning_rudra.core.optimizers import OptimizerSpec
 
 # torch.optim classes whose update and state are elementwise: a slice of a parameter steps as the whole would
@@ -94,7 +95,7 @@ class ShardPlan:
         """``spec`` over the pieces ``shard`` owns. Every group is kept, empty or not: every server holds every
         optimizer and takes every push, so that all count the same updates and gradients."""
         local = {p.param: k for k, p in enumerate(self.shards[shard])}
-        return OptimizerSpec(spec.cls, [([local[i] for i in idx if i in local], hp) for idx, hp in spec.groups])
+        return replace(spec, groups=[([local[i] for i in idx if i in local], hp) for idx, hp in spec.groups])
 
     def owned(self, shard: int, order: Sequence[int]) -> list[tuple[int, Piece]]:
         """(position in ``order``, piece) of the parameters in ``order`` that ``shard`` owns, in that order: the
@@ -104,28 +105,42 @@ class ShardPlan:
 
     def split_state(self, shard: int, order: Sequence[int], state: dict[str, Any]) -> dict[str, Any]:
         """The part of an optimizer's state dict (of the parameters ``order``, model indices in its groups'
-        order) that ``shard``'s optimizer loads."""
+        order) that ``shard``'s optimizer loads; with the compensation rules' state, cut alike."""
         owned = self.owned(shard, order)
         saved = state["state"]
-        shard_state = {}
-        for k, (position, piece) in enumerate(owned):
-            entry = saved.get(position, saved.get(str(position)))
-            if entry is not None:
-                shard_state[k] = (
-                    entry if piece.whole else {key: self._slice(value, piece) for key, value in entry.items()}
-                )
+        shard_state: dict[Any, Any] = self._split_entries(owned, saved)
+        if RULES_STATE in saved:
+            shard_state[RULES_STATE] = self._split_entries(owned, saved[RULES_STATE])
         local = {position: k for k, (position, _) in enumerate(owned)}
         groups = [
             {**group, "params": [local[p] for p in group["params"] if p in local]} for group in state["param_groups"]
         ]
         return {"state": shard_state, "param_groups": groups}
 
+    def _split_entries(self, owned: Sequence[tuple[int, Piece]], saved: dict[Any, Any]) -> dict[int, Any]:
+        """Per-parameter entries (position -> {name: value}) cut to ``owned``'s pieces, at their local positions."""
+        entries = {}
+        for k, (position, piece) in enumerate(owned):
+            entry = saved.get(position, saved.get(str(position)))
+            if entry is not None:
+                entries[k] = entry if piece.whole else {key: self._slice(value, piece) for key, value in entry.items()}
+        return entries
+
     def merge_states(self, order: Sequence[int], states: dict[int, dict[str, Any]]) -> dict[str, Any]:
-        """The whole optimizer's state (positions in ``order``) from its shards' states (shard -> state dict)."""
+        """The whole optimizer's state (positions in ``order``) from its shards' states (shard -> state dict), with
+        the compensation rules' state merged alike."""
+        merged: dict[Any, Any] = self._merge_entries(order, {s: state["state"] for s, state in states.items()})
+        rules = {s: state["state"][RULES_STATE] for s, state in states.items() if RULES_STATE in state["state"]}
+        if rules:
+            merged[RULES_STATE] = self._merge_entries(order, rules)
+        return {"state": merged, "param_groups": []}
+
+    def _merge_entries(self, order: Sequence[int], shards: dict[int, dict[Any, Any]]) -> dict[int, Any]:
+        """Per-parameter entries of the whole (positions in ``order``) from the shards' (shard -> entries)."""
         parts: dict[int, list[tuple[Piece, dict[str, Any]]]] = {}
-        for shard, state in sorted(states.items()):
+        for shard, entries in sorted(shards.items()):
             for k, (position, piece) in enumerate(self.owned(shard, order)):
-                entry = state["state"].get(k)
+                entry = entries.get(k)
                 if entry is not None:
                     parts.setdefault(position, []).append((piece, entry))
         merged = {}
@@ -141,7 +156,7 @@ class ShardPlan:
                 else value
                 for key, value in first.items()
             }
-        return {"state": merged, "param_groups": []}
+        return merged
 
     @staticmethod
     def _sliced(value: Any, piece: Piece) -> bool:

@@ -10,19 +10,22 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Update:
-    """One weight update: which optimizer, the clock it produced, σ of each gradient averaged into it, and the
-    factor its learning rate was multiplied by (``mean``) or each gradient was scaled by (``per_gradient``)."""
+    """One weight update: which optimizer, the clock it produced, σ of each gradient averaged into it, the
+    factor its learning rate was multiplied by (``mean``) or each gradient was scaled by (``per_gradient``), and
+    the factor the ``momentum`` compensation multiplied the rate of its first parameter group by."""
 
     optimizer: int
     clock: int
     staleness: tuple[int, ...]
     lr_factor: float
     gradient_scales: tuple[float, ...]
+    rule_scale: float = 1.0
 
     @property
     def lr_scale(self) -> float:
-        """The learning rate applied, as a fraction of the learners' rate (either modulation rule)."""
-        return self.lr_factor * sum(self.gradient_scales) / len(self.gradient_scales)
+        """The learning rate applied (first parameter group), as a fraction of the learners' rate: either
+        modulation rule and the compensation's rescaling."""
+        return self.lr_factor * self.rule_scale * sum(self.gradient_scales) / len(self.gradient_scales)
 
 
 @dataclass(frozen=True)

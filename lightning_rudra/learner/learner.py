@@ -20,7 +20,7 @@ from lightning_rudra.learner.node import check_in_flight
 from lightning_rudra.learner.shard import Shard
 from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.flat import FlatLayout
-from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
 from lightning_rudra.core.protocol import ProtocolConfig, all_finite
 from lightning_rudra.core.shards import ShardPlan, cuts_parameters, parts
 from lightning_rudra.transport.elastic import incarnation_of
@@ -89,7 +89,8 @@ class Learner:
     def check(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:
         """The optimizers' specs. Before the first pull: if one is not elementwise, the servers' cuts move to the
         parameter boundaries (every learner decides alike, from the same optimizers)."""
-        specs = [OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers]
+        # which optimizers share a parameter is known here, for the whole model: each server holds a part of it
+        specs = sharing_parameters([OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers])
         if self.plan.splits_a_parameter and not cuts_parameters(specs):
             if any(shard.attached for shard in self.shards):
                 raise RuntimeError(

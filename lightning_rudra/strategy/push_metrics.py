@@ -35,7 +35,7 @@ class PushMetrics:
         module.log("staleness_mean", self.staleness_sum / self.accepted, prog_bar=True, on_step=True)
         module.log("staleness_max", float(self.staleness_max), prog_bar=True, on_step=True)
         module.log("server_clock", float(clock), prog_bar=True, on_step=True)
-        # the rate the server applied (LearningRateMonitor shows the learners' rate, before modulation)
+        # the rate the server applied (LearningRateMonitor shows the learners' rate, before modulation and compensation)
         for index, scale in self.lr_scales.items():
             name = "lr_applied" if len(optimizers) == 1 else f"lr_applied_{index}"
             module.log(name, optimizers[index].param_groups[0]["lr"] * scale, on_step=True)

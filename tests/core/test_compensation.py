@@ -1,12 +1,15 @@
 """Staleness compensation on scripted pushes: each rule's update by hand, the identity where nothing is stale,
-the rules' state in the optimizer's checkpoint, and the refusals."""
+the rules' state beside the optimizer's and in its checkpoint, and the refusals."""
+
+import copy
 
 import pytest
 import torch
 
-from lightning_rudra.core.compensation import check_optimizer, parse_compensation, staleness_options
+from lightning_rudra.core.compensation import RULES_STATE, check_optimizer, parse_compensation, staleness_options
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.stats import Stats
 
 
 def scalar_server(compensation, protocol="async", learners=2, momentum=0.0, optimizer=torch.optim.SGD, **options):
@@ -57,7 +60,7 @@ def test_dc_adds_the_taylor_term_to_a_stale_gradient():
     assert weight(server) == pytest.approx(0.9)
     push(server, opt, 1, 2.0, 0)  # from w = 1, now 0.9: g + 0.2 · g² / sqrt(g²) · (0.9 - 1) = 2 - 0.04
     assert weight(server) == pytest.approx(0.9 - 0.1 * 1.96)
-    assert server.optimizer_state(0)["state"][0]["rudra_dc_mean_square"].item() == pytest.approx(4.0)
+    assert server.optimizer_state(0)["state"][RULES_STATE][0]["dc_mean_square"].item() == pytest.approx(4.0)
 
 
 def test_gap_divides_by_the_gap_in_units_of_the_mean_step():
@@ -92,16 +95,113 @@ def test_hardsync_is_never_changed():
     assert updated[0] == updated[1]
 
 
-def test_the_rules_state_travels_with_the_optimizer_state():
-    server, opt = scalar_server("dc+gap")
-    for learner, timestamp in ((0, 0), (1, 0), (0, 1)):
-        push(server, opt, learner, 1.0, timestamp)
-    saved = server.optimizer_state(0)
-    restored, _ = scalar_server("dc+gap")
-    restored.load_optimizer_state(0, saved)
-    state = restored.optimizers[0].state[restored.params[0]]
-    assert {"rudra_dc_mean_square", "rudra_gap_step"} <= set(state)
-    assert state["rudra_gap_step"].item() == pytest.approx(saved["state"][0]["rudra_gap_step"].item())
+# the optimizers whose state torch creates at a parameter's first gradient: an entry of another's keys broke them
+LAZY_STATE = [
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adamax,
+    torch.optim.Adadelta,
+]
+
+
+def two_parameter_server(compensation, optimizer, learners=2):
+    params = [torch.ones(2), torch.ones(3)]
+    opt = optimizer(params, lr=0.1)
+    config = ProtocolConfig(learners, "async", compensation=compensation)
+    return Server(config, params, [], [OptimizerSpec.from_optimizer(opt, params)]), opt
+
+
+def push_each(server, opt, learner, grads, timestamp):
+    """A push of one gradient per parameter (None: that parameter has none)."""
+    packed = server.grad_layouts[0].pack(
+        [torch.zeros(p.shape) if g is None else g for p, g in zip(server.params, grads)]
+    )
+    has_grad = torch.tensor([g is not None for g in grads])
+    hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return server.push(learner, 0, packed, has_grad, timestamp, hparams, [])
+
+
+G0, G1 = torch.full((2,), 0.5), torch.full((3,), -1.0)
+
+
+@pytest.mark.parametrize("compensation", ["dc", "gap", "dc+gap"])
+@pytest.mark.parametrize("optimizer", LAZY_STATE, ids=lambda cls: cls.__name__)
+def test_a_parameter_whose_first_gradient_comes_late_steps_as_its_optimizer_would(optimizer, compensation):
+    server, opt = two_parameter_server(compensation, optimizer)
+    push_each(server, opt, 0, [G0, None], 0)  # the first update: parameter 1 has no gradient yet
+    push_each(server, opt, 1, [G0, G1], 0)  # σ = 1: compensated; parameter 1's first gradient
+    # parameter 1 had not moved since the weights of its gradient: no rule changes it, it steps as alone
+    w = torch.ones(3)
+    alone = optimizer([w], lr=0.1)
+    w.grad = G1.clone()
+    alone.step()
+    torch.testing.assert_close(server.params[1], w, rtol=0, atol=1e-7)
+    for p in server.params:  # the optimizer's state holds its own keys only
+        assert set(server.optimizers[0].state[p]) == set(alone.state[w])
+    push_each(server, opt, 0, [G0, G1], 1)  # and it goes on, compensated
+    assert server.clock == 3 and all(torch.isfinite(p).all() for p in server.params)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam], ids=lambda cls: cls.__name__)
+def test_the_rules_state_is_kept_beside_the_optimizers_and_resumes_exactly(optimizer):
+    server, opt = two_parameter_server("dc+gap", optimizer)
+    for learner, grads, timestamp in ((0, [G0, None], 0), (1, [G0, G1], 0), (0, [G0, G1], 1)):
+        push_each(server, opt, learner, grads, timestamp)
+    saved = copy.deepcopy(server.optimizer_state(0))
+    own = {"step", "exp_avg", "exp_avg_sq", "momentum_buffer"}  # SGD's and Adam's keys
+    assert all(set(entry) <= own for key, entry in saved["state"].items() if isinstance(key, int))
+    rules = saved["state"][RULES_STATE]
+    assert set(rules) == {0, 1} and set(rules[1]) == {"dc_mean_square", "gap_step"}
+
+    def resumed(state):
+        params = [p.clone() for p in server.params]
+        specs = [OptimizerSpec.from_optimizer(optimizer(params, lr=0.1), params)]
+        again = Server(server.config, params, [], specs, Stats.from_dict(server.stats.to_dict()))
+        again.load_optimizer_state(0, copy.deepcopy(state))
+        return again
+
+    without_rules = {**saved, "state": {k: v for k, v in saved["state"].items() if k != RULES_STATE}}
+    servers = [server, resumed(saved), resumed(without_rules)]
+    for s in servers:  # every learner goes on from the restored weights
+        clock = s.clock
+        push_each(s, opt, 0, [G0, G1], clock)
+        push_each(s, opt, 1, [2 * G0, -G1], clock)
+        push_each(s, opt, 0, [-G0, G1], clock + 1)
+    for p, q in zip(servers[0].params, servers[1].params):
+        assert torch.equal(p, q)
+    assert not torch.equal(servers[0].params[0], servers[2].params[0])  # the rules' state made a difference
+
+
+def test_a_checkpoint_with_the_rules_state_in_the_optimizers_entries_still_loads():
+    """As the first releases wrote it: the running means in the entries of the optimizer's parameters."""
+    server, opt = two_parameter_server("dc+gap", torch.optim.Adam)
+    old = {
+        "state": {
+            0: {"step": torch.tensor(1.0), "exp_avg": G0.clone(), "exp_avg_sq": G0 * G0, "rudra_gap_step": G0.abs()},
+            1: {"rudra_dc_mean_square": G1 * G1},  # no gradient yet: Adam's own keys come with its first
+        },
+        "param_groups": opt.state_dict()["param_groups"],
+    }
+    server.load_optimizer_state(0, old)
+    assert set(server.optimizers[0].state[server.params[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert server.params[1] not in server.optimizers[0].state
+    saved = server.optimizer_state(0)["state"][RULES_STATE]
+    assert torch.equal(saved[0]["gap_step"], G0.abs()) and torch.equal(saved[1]["dc_mean_square"], G1 * G1)
+    push_each(server, opt, 0, [G0, G1], 0)  # parameter 1's first gradient: Adam creates its state
+    with pytest.raises(ValueError, match=r"names parameter 2 of an optimizer of 2 parameters"):
+        server.load_optimizer_state(0, {**old, "state": {RULES_STATE: {2: {"gap_step": G0}}}})
+
+
+def test_the_rate_reported_is_the_rate_the_server_applied_after_the_rule():
+    server, opt = scalar_server("momentum", momentum=0.9)
+    first = push(server, opt, 0, 1.0, 0).update  # σ = 0: lr · c/λ = 0.05, momentum kept
+    assert first.lr_scale == pytest.approx(0.5)
+    second = push(server, opt, 1, 2.0, 0).update  # σ = 1: momentum off, step 0.1 / (1 - 0.9) · min(1/2, 1/2)
+    applied = server.optimizers[0].param_groups[0]["lr"]
+    assert applied == pytest.approx(0.5) and second.lr_scale * 0.1 == pytest.approx(applied)
 
 
 def test_defaults_and_refusals():

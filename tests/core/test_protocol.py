@@ -127,22 +127,82 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
     }
 
 
-def two_optimizer_server(learners=2, n=1, lr_modulation="none", max_staleness=None, protocol="softsync"):
-    """Weights a (optimizer 0) and b (optimizer 1), one element each, plain SGD with lr 1."""
+def two_optimizer_server(learners=2, n=1, lr_modulation="none", max_staleness=None, protocol="softsync", shared=False):
+    """Weights a (optimizer 0) and b (optimizer 1), one element each, plain SGD with lr 1. ``shared``: optimizer 1
+    holds a too (its pushes carry no gradient for it, but an update of optimizer 1 may change a)."""
     a, b = torch.zeros(1), torch.zeros(1)
-    specs = [OptimizerSpec.from_optimizer(torch.optim.SGD([p], lr=1.0), [a, b]) for p in (a, b)]
+    groups = ([a], [a, b] if shared else [b])
+    specs = [OptimizerSpec.from_optimizer(torch.optim.SGD(g, lr=1.0), [a, b]) for g in groups]
     config = ProtocolConfig(learners, protocol, n, lr_modulation, max_staleness)
     return Server(config, [a, b], [], specs)
 
 
-def push_to(server, optimizer, learner, grad, timestamp):
-    return server.push(learner, optimizer, [torch.tensor([grad])], torch.tensor([True]), timestamp, [{"lr": 1.0}], [])
+def push_to(server, optimizer, learner, grad, timestamp, **hparams):
+    """A gradient ``grad`` for optimizer 0's a or optimizer 1's b (with ``shared``, none for a)."""
+    shared = len(server.grad_layouts[optimizer]) == 2
+    packed, has_grad = ([torch.tensor([0.0, grad])], [False, True]) if shared else ([torch.tensor([grad])], [True])
+    hparams = {"lr": 1.0, **hparams}
+    return server.push(learner, optimizer, packed, torch.tensor(has_grad), timestamp, [hparams], [])
+
+
+def test_a_gradient_is_stale_only_by_the_updates_of_its_own_optimizers_parameters():
+    # λ = 2, async. Optimizer 0's updates do not touch b: they make no gradient of optimizer 1 stale.
+    server = two_optimizer_server(protocol="async")
+    script = [  # (optimizer, learner, timestamp, expected σ)
+        (0, 0, 0, 0),  # clock 1
+        (1, 1, 0, 0),  # b has not changed since clock 0: clock 2
+        (1, 0, 0, 1),  # one update of b since: clock 3
+        (0, 1, 0, 1),  # one update of a since: clock 4
+        (0, 0, 2, 1),  # a changed at clock 4
+        (1, 1, 3, 0),
+    ]
+    for optimizer, learner, timestamp, sigma in script:
+        assert push_to(server, optimizer, learner, 1.0, timestamp).staleness == sigma
+    assert server.stats.staleness == {0: 3, 1: 3} and server.clock == 6
+
+
+def test_the_server_keeps_only_the_updates_a_gradient_may_still_be_stale_by():
+    server = two_optimizer_server(protocol="async")
+    for step in range(50):
+        for learner in (0, 1):
+            timestamp = server.clock
+            for optimizer in (0, 1):
+                push_to(server, optimizer, learner, 1.0, timestamp)
+    # the learners' last pushes came from the weights of clock 196 and 198: the updates after 196 (two each)
+    assert server.clock == 200 and server.clocks.updates == [[197, 199], [198, 200]]
+    assert push_to(server, 1, 0, 1.0, 196).staleness == 2
+    for step in range(10):  # an optimizer no longer stepped keeps no other's updates alive
+        push_to(server, 0, step % 2, 1.0, server.clock)
+    assert server.clocks.updates[0] == [server.clock - 1, server.clock]
+    server.finish(0)
+    server.finish(1)
+    assert server.clocks.oldest(server.clock) == server.clock
+
+
+def test_one_learner_stepping_two_optimizers_after_one_backward_is_plain_sgd_for_each():
+    # a GAN's step, async with one learner under the default compensation: nothing is stale, so no rule changes
+    # the optimizers (a σ of 1 from the other optimizer's update switched momentum off and rescaled the rate)
+    a, b = torch.zeros(1), torch.zeros(1)
+    specs = [OptimizerSpec.from_optimizer(torch.optim.SGD([p], lr=0.1, momentum=0.9), [a, b]) for p in (a, b)]
+    server = Server(ProtocolConfig(1, "async", compensation="momentum"), [a, b], [], specs)
+    local = [torch.zeros(1, requires_grad=True) for _ in range(2)]
+    plain = [torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in local]
+    for step in range(20):
+        timestamp = server.clock  # one backward, then both steps
+        for optimizer, grad in enumerate((1.0 + step, -0.5 * step)):
+            push_to(server, optimizer, 0, grad, timestamp, lr=0.1, momentum=0.9)
+            local[optimizer].grad = torch.tensor([grad])
+            plain[optimizer].step()
+    assert server.stats.staleness == {0: 40}
+    for p, q in zip(server.params, local):
+        assert torch.equal(p, q.detach())
 
 
 @pytest.mark.parametrize("lr_modulation, expected_a", [("none", -1.0), ("mean", -0.5), ("per_gradient", -0.5)])
 def test_several_optimizers_count_staleness_when_the_gradient_is_applied(lr_modulation, expected_a):
-    # λ = 2, 1-softsync: c = 2. Optimizer 0's first gradient waits while two updates of optimizer 1 move the clock.
-    server = two_optimizer_server(lr_modulation=lr_modulation)
+    # λ = 2, 1-softsync: c = 2. Optimizer 0's first gradient waits while two updates of optimizer 1, which holds a
+    # too, move a's clock.
+    server = two_optimizer_server(lr_modulation=lr_modulation, shared=True)
     assert push_to(server, 0, 0, 1.0, 0).status == "queued"
     for learner in (0, 1, 0, 1):
         push_to(server, 1, learner, 1.0, server.clock)
@@ -155,7 +215,7 @@ def test_several_optimizers_count_staleness_when_the_gradient_is_applied(lr_modu
 
 
 def test_several_optimizers_drop_by_the_staleness_at_application():
-    server = two_optimizer_server(max_staleness=1)
+    server = two_optimizer_server(max_staleness=1, shared=True)
     push_to(server, 0, 0, 1.0, 0)
     for learner in (0, 1, 0, 1):
         push_to(server, 1, learner, 1.0, server.clock)

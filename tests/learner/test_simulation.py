@@ -21,6 +21,7 @@ from tests.lightning_models import (
     IndexedData,
     OneBackwardTwoSteps,
     Regression,
+    SharesABias,
     Stream,
     TwoOptimizers,
     flat,
@@ -123,6 +124,18 @@ def test_hardsync_with_simulated_learners_equals_sgd_with_batch_mu_lambda(learne
     stats = trainer.strategy.stats
     assert stats.clock == 2 * 256 // (8 * learners) and stats.staleness == {0: 2 * 256 // 8}
     assert stats.batches == {r: 2 * 256 // (8 * learners) for r in range(learners)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_logged_rate_is_the_one_the_server_applied_after_compensation():
+    # async, 2 learners, SGD with momentum 0.9, the default compensation: once σ > 0 the server steps without
+    # momentum at lr / (1 − β) · min(c/λ, 1/(2⟨σ⟩ + 1)), not at the learners' lr
+    _, trainer = fit(RudraStrategy(protocol="async", simulate=2), model=Regression(lr=0.1, momentum=0.9), max_epochs=1)
+    stats = trainer.strategy.stats
+    assert stats.mean_staleness > 0
+    applied = 0.1 / (1 - 0.9) * min(1 / 2, 1 / (2 * stats.mean_staleness + 1))
+    assert trainer.callback_metrics["lr_applied"].item() == pytest.approx(applied, rel=0.05)
 
 
 class OneCycle(Regression):
@@ -353,11 +366,11 @@ def test_several_optimizers_and_manual_optimization_are_simulated():
     # a real hardsync learner waits for the first round before its second step: one process cannot
     with pytest.raises(RuntimeError, match="cannot be simulated under hardsync"):
         fit(RudraStrategy(protocol="hardsync", simulate=2), model=TwoOptimizers(), data=loader(16), max_epochs=1)
-    # one backward, two steps: the second optimizer's gradient comes from the weights before the first's update
-    _, trainer = fit(
-        RudraStrategy(protocol="async", simulate=1), model=OneBackwardTwoSteps(), data=loader(16), max_epochs=1
-    )
-    assert trainer.strategy.stats.staleness == {0: 16, 1: 16}
+    # one backward, two steps: the second optimizer's gradient comes from the weights before the first's update,
+    # which changed its parameters only where they share one
+    for module, staleness in ((OneBackwardTwoSteps(), {0: 32}), (SharesABias(), {0: 16, 1: 16})):
+        _, trainer = fit(RudraStrategy(protocol="async", simulate=1), model=module, data=loader(16), max_epochs=1)
+        assert trainer.strategy.stats.staleness == staleness
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import (
@@ -54,6 +55,22 @@ def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):
     metrics = trainer.callback_metrics  # logged by learner 0 with torchmetrics, shown in the progress bar
     assert metrics["staleness_mean"] == 0 and metrics["staleness_max"] == 0
     assert metrics["server_clock"] == steps - 1  # logged before the last step's push
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_hardsync_with_gradient_clipping_equals_a_single_process_trainer_with_batch_mu_lambda(tmp_path, algorithm):
+    # DDP clips the averaged gradient: the server must clip what it applies, not each learner its own gradient
+    learners, mu, epochs, clip = 2, 8, 2, dict(gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
+    model = Regression()
+    trainer = quiet_trainer(probed(tmp_path, protocol="hardsync"), learners, max_epochs=epochs, **clip)
+    trainer.fit(model, loader(mu))
+    # one process, batches of μλ in the order of the learners' DistributedSampler shards together, clipped by Lightning
+    reference, data = Regression(), regression_data()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    quiet_trainer("auto", 1, max_epochs=epochs, **clip).fit(reference, DataLoader(data, mu * learners, sampler=sampler))
+    expected = flat(reference.parameters())
+    assert (expected - single_process_sgd(epochs, mu * learners)).abs().max() > 0.04, "clipping at 0.5 changes this run"
+    torch.testing.assert_close(flat(model.parameters()), expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,8 @@ def clip(params: Sequence[Tensor], clipping: Optional[Clipping], scale: float = 
     if clipping is None:
         return
     grads = [p for p in params if p.grad is not None]
+    if not grads:  # this server holds none of the optimizer's parameters, or none got a gradient
+        return
     if clipping.algorithm == "norm":
         torch.nn.utils.clip_grad_norm_(grads, clipping.value * scale)
     else:

@@ -160,3 +160,23 @@ def test_clipping_by_norm_is_refused_where_several_servers_hold_an_optimizers_pa
     check_clipping(Clipping(0.5, "value"), 3, 0)  # elementwise: exact at any cut
     with pytest.raises(ValueError, match=r"optimizer 1 are cut between 2 parameter servers.*num_servers=1.*'value'"):
         check_clipping(Clipping(0.5), 2, 1)
+
+
+def test_a_server_that_holds_none_of_an_optimizers_gradients_clips_nothing():
+    w = torch.zeros(2)
+    spec = OptimizerSpec(torch.optim.SGD, [([], {"lr": 0.1})])  # the optimizer's parameters are on another server
+    server = Server(ProtocolConfig(1, "async"), [w], [], [spec])
+    for algorithm in ("norm", "value"):
+        result = server.push(
+            0,
+            0,
+            [],
+            torch.zeros(0, dtype=torch.bool),
+            server.clock,
+            [{"lr": 0.1}],
+            [],
+            None,
+            clipping=Clipping(1.0, algorithm),
+        )
+        assert result.update is not None
+    assert server.clock == 2 and w.tolist() == [0.0, 0.0]

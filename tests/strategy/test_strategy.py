@@ -206,7 +206,7 @@ def test_automatic_optimization_features_callbacks_and_test_after_fit(tmp_path):
 # 2 servers: the first holds part of the Adam optimizer's first weight only, the second all the rest
 @pytest.mark.parametrize("num_servers", [1, 2])
 def test_manual_optimization_with_two_optimizers(tmp_path, num_servers):
-    model = TwoOptimizers()
+    model = TwoOptimizers("norm" if num_servers == 1 else "value")  # by norm over 2 servers: refused (below)
     strategy = probed(tmp_path, protocol="softsync", n=2, lr_modulation="none", num_servers=num_servers)
     trainer = quiet_trainer(strategy, 2, max_epochs=1)
     trainer.fit(model, loader(16))
@@ -216,6 +216,13 @@ def test_manual_optimization_with_two_optimizers(tmp_path, num_servers):
     probe = torch.load(tmp_path / "probe.pt")
     assert torch.equal(probe["params"][0], flat(model.parameters()))
     assert probe["lrs"] == ([[0.01], [0.05]] if num_servers == 1 else None)
+
+
+def test_clipping_by_norm_of_an_optimizer_cut_between_servers_is_refused_with_a_remedy(tmp_path):
+    strategy = RudraStrategy(protocol="softsync", n=2, start_method=START, rpc_timeout=30, num_servers=2)
+    trainer = quiet_trainer(strategy, 2, max_epochs=1)
+    with pytest.raises(Exception, match=r"optimizer 0 are cut between 2 parameter servers.*num_servers=1.*'value'"):
+        trainer.fit(TwoOptimizers("norm"), loader(16))
 
 
 def test_forkserver_learners_start_with_the_callers_environment_random_state_and_own_memory(monkeypatch):

@@ -188,6 +188,13 @@ class Features(Regression):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
 
 
+class ClipsInItsHook(Regression):
+    """Clips in its own ``configure_gradient_clipping`` (no Trainer setting): by norm, at 0.5."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
 class TwoOptimizers(pl.LightningModule):
     """Manual optimization with two optimizers, as in a GAN: each step pushes twice, clipped by
     ``clip_algorithm``."""

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import (
     START,
+    ClipsInItsHook,
     FailingLearner,
     Features,
     Metered,
@@ -57,15 +58,18 @@ def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):
     assert metrics["server_clock"] == steps - 1  # logged before the last step's push
 
 
-@pytest.mark.parametrize("algorithm", ["norm", "value"])
+# "hook": the module's configure_gradient_clipping calls self.clip_gradients (by norm), no Trainer setting
+@pytest.mark.parametrize("algorithm", ["norm", "value", "hook"])
 def test_hardsync_with_gradient_clipping_equals_a_single_process_trainer_with_batch_mu_lambda(tmp_path, algorithm):
     # DDP clips the averaged gradient: the server must clip what it applies, not each learner its own gradient
-    learners, mu, epochs, clip = 2, 8, 2, dict(gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
-    model = Regression()
+    learners, mu, epochs = 2, 8, 2
+    clip = {} if algorithm == "hook" else dict(gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
+    module = ClipsInItsHook if algorithm == "hook" else Regression
+    model = module()
     trainer = quiet_trainer(probed(tmp_path, protocol="hardsync"), learners, max_epochs=epochs, **clip)
     trainer.fit(model, loader(mu))
     # one process, batches of μλ in the order of the learners' DistributedSampler shards together, clipped by Lightning
-    reference, data = Regression(), regression_data()
+    reference, data = module(), regression_data()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
     quiet_trainer("auto", 1, max_epochs=epochs, **clip).fit(reference, DataLoader(data, mu * learners, sampler=sampler))
     expected = flat(reference.parameters())

@@ -188,13 +188,22 @@ class Features(Regression):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
 
 
-class TwoOptimizers(pl.LightningModule):
-    """Manual optimization with two optimizers, as in a GAN: each step pushes twice."""
+class ClipsInItsHook(Regression):
+    """Clips in its own ``configure_gradient_clipping`` (no Trainer setting): by norm, at 0.5."""
 
-    def __init__(self) -> None:
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers, as in a GAN: each step pushes twice, clipped by
+    ``clip_algorithm``."""
+
+    def __init__(self, clip_algorithm: str = "norm") -> None:
         super().__init__()
         torch.manual_seed(0)
         self.automatic_optimization = False
+        self.clip_algorithm = clip_algorithm
         self.first = torch.nn.Linear(6, 4)
         self.second = torch.nn.Linear(4, 1)
 
@@ -205,7 +214,7 @@ class TwoOptimizers(pl.LightningModule):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y)
             self.manual_backward(loss)
-            self.clip_gradients(opt, gradient_clip_val=1.0)
+            self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm=self.clip_algorithm)
             opt.step()
         self.log("train_loss", loss)
 

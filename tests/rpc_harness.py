@@ -161,7 +161,7 @@ def draw_shared_epochs(rank, clients, config, plan, epochs, sleep_s):
     """Each learner iterates a DataLoader over the shared epoch; learner 1 sleeps ``sleep_s`` per batch."""
     start(rank, clients, config)
     sampler = SharedEpochSampler(clients[0], 0, plan)
-    loader = torch.utils.data.DataLoader(list(range(plan.num_samples)), batch_size=plan.batch_size, sampler=sampler)
+    loader = torch.utils.data.DataLoader(list(range(plan.num_samples)), batch_sampler=sampler)
     batches = []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)

@@ -8,6 +8,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.clipping import Clipping
+
 
 @dataclass
 class Gradient:
@@ -34,6 +36,7 @@ class Pending:
     scales: list[float] = field(default_factory=list)
     learners: set[int] = field(default_factory=set)  # who pushed (hardsync: one gradient each)
     hparams: Optional[list[dict[str, Any]]] = None
+    clipping: Optional[Clipping] = None  # of the update, as the newest push asked
 
     def add(
         self,

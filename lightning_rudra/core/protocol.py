@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.clipping import Clipping, check as check_clipping, clip
 from lightning_rudra.core.compensation import (
     StaleWeights,
     compensate,
@@ -123,6 +124,7 @@ class Server:
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
+        clipping: Optional[Clipping] = None,
     ) -> PushResult:
         """Take one gradient. ``grads`` is packed with the gradient layout of ``optimizer`` (zeros where
         ``has_grad`` is False), computed from weights with ``timestamp``; ``hparams`` are the learner's
@@ -137,10 +139,15 @@ class Server:
         ``learner`` and ``members`` but those in ``refused`` (not finite, left out by the learner that summed), and
         ``buffers`` the sum of their floating-point buffers; it counts as the gradient of each of them, so that the
         update is still the mean over every learner's gradient.
+
+        ``clipping``: the learner asks that the gradient its update applies be clipped
+        (:mod:`lightning_rudra.core.clipping`); the newest push's request holds for the update.
         """
         if optimizer in range(len(self.grad_layouts)) and isinstance(grads, (list, tuple)):
             grads = decompress(grads, list(self.grad_layouts[optimizer].groups))
         self._check_push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
+        if clipping is not None:
+            check_clipping(clipping)
         pending = self._pending[optimizer]
         group = [learner, *members]
         check_node_push(self.config.protocol, group, refused, self._check_learner)
@@ -168,6 +175,7 @@ class Server:
             self.stats.rejected += len(refused)
             pending.received += count
             pending.hparams = list(hparams)
+            pending.clipping = clipping
             if self._defer:
                 pending.waiting.append(Gradient(grads, has_grad, buffers, timestamp, count))
                 status = "queued"
@@ -352,6 +360,7 @@ class Server:
         indices = self.optimizer_params[optimizer]
         for i, grad, has in zip(indices, layout.unpack(flat_grads), pending.has_grad.tolist()):
             self.params[i].grad = grad if has else None
+        clip([self.params[i] for i in indices], pending.clipping, sum(pending.scales) / len(pending.scales))
         self.store.begin()
         try:
             opt.step()

@@ -18,6 +18,7 @@ from lightning_rudra.core.update import PushReply
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.node import check_in_flight
 from lightning_rudra.learner.shard import Shard
+from lightning_rudra.core.clipping import Clipping, check_clipping
 from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
@@ -196,10 +197,12 @@ class Learner:
             else:
                 shard.take(*shard.client.pull())
 
-    def push(self, index: int, optimizer: Optimizer) -> None:
+    def push(self, index: int, optimizer: Optimizer, clipping: Optional[Clipping] = None) -> None:
         """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
         ``overlap`` (Rudra-adv*), continue at once from the newest weights already received: the reply to this
-        push is loaded at the next push, so that communication overlaps the next step's computation."""
+        push is loaded at the next push, so that communication overlaps the next step's computation.
+        ``clipping``: the servers clip the gradient the update applies (:mod:`lightning_rudra.core.clipping`)."""
+        check_clipping(clipping, sum(1 for shard in self.shards if shard.owned[index]), index)
         params = self.optimizer_params[index]
         # sparse gradients (nn.Embedding(sparse=True)) travel dense: the server's flat buffers are dense
         grads = [
@@ -225,7 +228,7 @@ class Learner:
             if shard.link is not None:
                 check = lambda: check_in_flight(pushed)  # noqa: E731  (the list as it grows)
                 future = self._push_node(
-                    shard, index, grad_parts, has_grad[positions], hparams, buffers, timestamps, finite, check
+                    shard, index, grad_parts, has_grad[positions], hparams, buffers, timestamps, finite, check, clipping
                 )
                 pushed.append((shard, future, buffers))
                 continue
@@ -238,7 +241,14 @@ class Learner:
                 (
                     shard,
                     shard.client.push(
-                        index, packed, has_grad[positions], hparams, buffers, timestamps[shard.index], finite
+                        index,
+                        packed,
+                        has_grad[positions],
+                        hparams,
+                        buffers,
+                        timestamps[shard.index],
+                        finite,
+                        clipping=clipping,
                     ),
                     buffers,
                 )
@@ -256,7 +266,7 @@ class Learner:
         return self.feedback.compress((shard.index, index, whose), packed)
 
     def _push_node(
-        self, shard: Shard, index: int, grad_parts, has_grad, hparams, buffers, timestamps, finite, check
+        self, shard: Shard, index: int, grad_parts, has_grad, hparams, buffers, timestamps, finite, check, clipping
     ) -> Optional[Future]:
         """This learner's part of its node's push to ``shard``'s server (:mod:`lightning_rudra.learner.node`).
         ``finite``: of the whole gradient (None: one server, this part is the whole)."""
@@ -267,7 +277,7 @@ class Learner:
         def send(grads, has, summed, members, refused) -> Future:
             grads = self._compressed(shard, index, grads)
             stamp = timestamps[shard.index]
-            return shard.client.push(index, grads, has, hparams, summed, stamp, True, members, refused)
+            return shard.client.push(index, grads, has, hparams, summed, stamp, True, members, refused, clipping)
 
         return self._failing_node(
             lambda: shard.link.push(  # type: ignore[union-attr]
@@ -330,7 +340,8 @@ class LearnerOptimizer(Optimizer):
     """``step(closure)`` runs the closure (forward and backward), pushes the gradient and takes back the
     weights the protocol gives. The wrapped optimizer never updates weights itself: its ``param_groups`` stay
     the handle of LR schedulers (their current values travel with every push), and its state lives on the
-    server (``state_dict`` fetches it).
+    server (``state_dict`` fetches it). ``clipping``, set before a step (the strategy sets it where Lightning
+    would clip), travels with that step's push: the server clips the gradient its update applies.
 
     Torch's ``Optimizer.__init__`` is not called: the groups and state are the wrapped optimizer's own.
     """
@@ -339,6 +350,7 @@ class LearnerOptimizer(Optimizer):
         self.local = optimizer
         self.index = index
         self.learner = learner
+        self.clipping: Optional[Clipping] = None
 
     param_groups = property(lambda self: self.local.param_groups)
     state = property(lambda self: self.local.state)
@@ -349,7 +361,8 @@ class LearnerOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.learner.push(self.index, self.local)
+        clipping, self.clipping = self.clipping, None
+        self.learner.push(self.index, self.local, clipping)
         # what torch's LR schedulers check (a flag torch's Optimizer sets but does not declare): the server stepped
         self.local._opt_called = True  # type: ignore[attr-defined]
         return loss

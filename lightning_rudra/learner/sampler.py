@@ -1,7 +1,8 @@
-"""A learner's view of the shared epoch: a torch ``Sampler`` whose indices are the batches the server deals it.
+"""A learner's view of the shared epoch: a torch batch sampler whose batches are the batches the server deals it.
 
-No Lightning here: any DataLoader can take it, with the DataLoader's ``batch_size`` equal to the plan's, so that
-every batch the DataLoader makes is one batch drawn from the server.
+No Lightning here: any DataLoader can take it as its ``batch_sampler``, so that every batch the DataLoader makes is
+one batch drawn from the server (a partial last batch stays a batch of its own, also when a lost learner's batch is
+dealt after it; the plan's ``drop_last`` decides whether there is one).
 """
 
 from collections import deque
@@ -17,9 +18,9 @@ from lightning_rudra.core.epoch import EpochPlan
 BATCHES_PER_DRAW = 4
 
 
-class SharedEpochSampler(Sampler[int]):
-    """Yields, batch after batch, the indices that the server hands this learner from train dataloader ``pool``
-    in the current epoch (:meth:`set_epoch`), until the epoch is drained.
+class SharedEpochSampler(Sampler[list[int]]):
+    """Yields, one list per batch, the indices of the batches that the server hands this learner from train
+    dataloader ``pool`` in the current epoch (:meth:`set_epoch`), until the epoch is drained.
 
     ``positions`` holds, in order, the place in the epoch of every batch drawn and not yet taken by
     :meth:`next_position` (batches are drawn a little ahead of being trained on: DataLoader and Lightning
@@ -34,6 +35,7 @@ class SharedEpochSampler(Sampler[int]):
 
     def __init__(self, client: LearnerClient, pool: int, plan: EpochPlan, num_learners: int = 1) -> None:
         self.client = client
+        self.sampler = self  # where Lightning sets the epoch of a batch sampler (``batch_sampler.sampler``)
         self.pool = pool
         self.plan = plan
         self.num_learners = num_learners
@@ -53,14 +55,13 @@ class SharedEpochSampler(Sampler[int]):
             self.positions.clear()
 
     def __len__(self) -> int:
-        """Samples in one learner's share of the epoch (1/λ of its batches, as DDP's shard): what Lightning counts
-        per learner before training starts (``limit_train_batches``, ``estimated_stepping_batches``)."""
+        """Batches in one learner's share of the epoch (1/λ of them, as DDP's shard): what Lightning counts per
+        learner before training starts (``limit_train_batches``, ``estimated_stepping_batches``)."""
         if not self.sized:
             raise TypeError("a learner's share of the shared epoch is not known in advance")
-        share = -(-self.plan.num_batches // self.num_learners)
-        return min(self.plan.num_samples, share * self.plan.batch_size)
+        return -(-self.plan.num_batches // self.num_learners)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[list[int]]:
         if self.epoch is None:
             return  # Lightning makes and drops one iterator before the first epoch: it must take nothing
         epoch, plan, size = self.epoch, self.plan, self.plan.batch_size
@@ -79,7 +80,7 @@ class SharedEpochSampler(Sampler[int]):
                 if i == len(batches) - 1:  # ask for more now, so that the answer comes while this one trains
                     asked = self.client.draw(self.pool, epoch, plan, self.want, self.trained)
                 self.positions.append(position + i)
-                yield from batch.tolist()
+                yield batch.tolist()
 
     def next_position(self) -> int:
         """The place in the epoch of the oldest batch drawn and not yet trained on."""

@@ -13,6 +13,7 @@ from typing import Any, Optional, Protocol, Sequence
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.update import PushReply
@@ -66,11 +67,13 @@ class ServerClient(Protocol):
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
+        clipping: Optional[Clipping] = None,
     ) -> Future:
         """Push a gradient of ``optimizer`` computed from the weights of ``timestamp``, with the learner's
         hyper-parameters (its LR schedule) and buffers; ``grads=None``: it is in the server's shared memory.
         ``finite``: whether the whole gradient is (None: the server checks); ``members``, ``refused``: a node's
-        push (node-local aggregation). Hand the future to :meth:`receive`."""
+        push (node-local aggregation); ``clipping``: how the server clips the gradient its update applies
+        (:mod:`lightning_rudra.core.clipping`). Hand the future to :meth:`receive`."""
         ...
 
     def weights_as_deltas(self, compression: str) -> None:

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_rudra.core.compression import WeightDeltas
+from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.update import PushReply
@@ -103,6 +104,7 @@ class SimulatedClient:
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
+        clipping: Optional[Clipping] = None,
     ) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
         there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
@@ -118,7 +120,9 @@ class SimulatedClient:
                 "optimizers, manual optimization) cannot be simulated under hardsync. Use softsync or async, or real "
                 "learners (devices=λ)."
             )
-        result = server.push(self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite)
+        result = server.push(
+            self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, clipping=clipping
+        )
         received = []
         if hardsync and not result.closed:
             self._parked.setdefault(optimizer, []).append(self.learner)

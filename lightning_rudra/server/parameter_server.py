@@ -134,14 +134,16 @@ class ParameterServer:
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
+        clipping=None,
     ) -> Future:
-        """``members``, ``refused``: a node's push (:meth:`Server.push`); ``learner`` shares the reply with them."""
+        """``members``, ``refused``: a node's push (:meth:`Server.push`); ``learner`` shares the reply with them.
+        ``clipping``: how the update's gradient is clipped (:meth:`Server.push`)."""
         with self.lock:
             self._check_alive()
             core = self._core()
             if grads is None:
                 grads = self.shared.gradient(learner, optimizer, core)
-            args = (grads, has_grad, timestamp, hparams, buffers, finite, members, refused)
+            args = (grads, has_grad, timestamp, hparams, buffers, finite, members, refused, clipping)
             result = core.push(learner, optimizer, *args)
             in_round = core.config.protocol == "hardsync" and not result.closed
             if in_round:

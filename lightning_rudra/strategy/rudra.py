@@ -27,6 +27,7 @@ from lightning_rudra.learner.learner import LearnerOptimizer
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states, load_groups
+from lightning_rudra.strategy.clipping import clip_on_the_learner, clip_on_the_server
 from lightning_rudra.strategy.checks import (
     check_arguments,
     check_min_learners,
@@ -255,6 +256,8 @@ class RudraStrategy(ServerParallelStrategy):
                 (self.node_rank, self.rpc_timeout, self.is_global_zero) if self._aggregating else None,
             )
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
+        if fitting:
+            clip_on_the_server(self.precision_plugin)  # the server clips what it applies, as DDP
 
     @override
     def model_to_device(self) -> None:
@@ -343,6 +346,7 @@ class RudraStrategy(ServerParallelStrategy):
         self._checkpoints.snapshot = None
         self._pools = 0
         self.optimizers = [o.local if isinstance(o, LearnerOptimizer) else o for o in self.optimizers]
+        clip_on_the_learner(self.precision_plugin)
         super().teardown()
 
     @override

@@ -1,12 +1,13 @@
 """The shared epoch's train DataLoaders: each one with Lightning's DistributedSampler is rebuilt around a
-:class:`~lightning_rudra.learner.sampler.SharedEpochSampler`, which draws its batches from the server's pool, and
+:class:`~lightning_rudra.learner.sampler.SharedEpochSampler`, its batch sampler, which draws its batches from the
+server's pool (each dealt batch is one batch of the DataLoader), and
 :class:`~lightning_rudra.strategy.fit_loop.shared.SharedEpochLoop` fits Lightning's fit loop to it."""
 
 from typing import Any, Optional
 
 import pytorch_lightning as pl
 from pytorch_lightning.trainer.states import RunningStage
-from pytorch_lightning.utilities.data import _update_dataloader
+from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_rudra.learner.client import LearnerClient
@@ -25,8 +26,11 @@ def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int, num_lea
     # a DistributedSampler's dataset is sized: torch declares any Dataset
     size = len(sampler.dataset)  # type: ignore[arg-type]
     plan = EpochPlan(size, dataloader.batch_size, sampler.shuffle, sampler.seed, dataloader.drop_last)
-    sampler = SharedEpochSampler(client, pool, plan, num_learners)
-    return _update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING)
+    batches = SharedEpochSampler(client, pool, plan, num_learners)
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, RunningStage.TRAINING)
+    # a batch sampler excludes these (DataLoader's rule); the plan holds the batch size and drop_last
+    kwargs.update(batch_sampler=batches, sampler=None, batch_size=1, shuffle=False, drop_last=False)
+    return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
 
 
 def start_shared_epoch(
@@ -34,7 +38,9 @@ def start_shared_epoch(
 ) -> Optional["SharedEpochLoop"]:
     """The shared epoch for this ``fit``, installed; None if no train dataloader draws from the server.
     ``resumed``: the statistics of the checkpoint this ``fit`` resumes from."""
-    samplers = [dl.sampler for dl in loaders if isinstance(getattr(dl, "sampler", None), SharedEpochSampler)]
+    samplers = [
+        dl.batch_sampler for dl in loaders if isinstance(getattr(dl, "batch_sampler", None), SharedEpochSampler)
+    ]
     if samplers and len(samplers) < len(loaders):
         raise ValueError(
             f"{len(loaders) - len(samplers)} of the {len(loaders)} train dataloaders cannot share their epoch "

@@ -8,10 +8,12 @@ import time
 import pytest
 import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import (
     START,
+    ClipsInItsHook,
     FailingLearner,
     Features,
     Metered,
@@ -55,6 +57,25 @@ def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):
     metrics = trainer.callback_metrics  # logged by learner 0 with torchmetrics, shown in the progress bar
     assert metrics["staleness_mean"] == 0 and metrics["staleness_max"] == 0
     assert metrics["server_clock"] == steps - 1  # logged before the last step's push
+
+
+# "hook": the module's configure_gradient_clipping calls self.clip_gradients (by norm), no Trainer setting
+@pytest.mark.parametrize("algorithm", ["norm", "value", "hook"])
+def test_hardsync_with_gradient_clipping_equals_a_single_process_trainer_with_batch_mu_lambda(tmp_path, algorithm):
+    # DDP clips the averaged gradient: the server must clip what it applies, not each learner its own gradient
+    learners, mu, epochs = 2, 8, 2
+    clip = {} if algorithm == "hook" else dict(gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
+    module = ClipsInItsHook if algorithm == "hook" else Regression
+    model = module()
+    trainer = quiet_trainer(probed(tmp_path, protocol="hardsync"), learners, max_epochs=epochs, **clip)
+    trainer.fit(model, loader(mu))
+    # one process, batches of μλ in the order of the learners' DistributedSampler shards together, clipped by Lightning
+    reference, data = module(), regression_data()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    quiet_trainer("auto", 1, max_epochs=epochs, **clip).fit(reference, DataLoader(data, mu * learners, sampler=sampler))
+    expected = flat(reference.parameters())
+    assert (expected - single_process_sgd(epochs, mu * learners)).abs().max() > 0.04, "clipping at 0.5 changes this run"
+    torch.testing.assert_close(flat(model.parameters()), expected, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -190,7 +211,7 @@ def test_automatic_optimization_features_callbacks_and_test_after_fit(tmp_path):
 # 2 servers: the first holds part of the Adam optimizer's first weight only, the second all the rest
 @pytest.mark.parametrize("num_servers", [1, 2])
 def test_manual_optimization_with_two_optimizers(tmp_path, num_servers):
-    model = TwoOptimizers()
+    model = TwoOptimizers("norm" if num_servers == 1 else "value")  # by norm over 2 servers: refused (below)
     strategy = probed(tmp_path, protocol="softsync", n=2, lr_modulation="none", num_servers=num_servers)
     trainer = quiet_trainer(strategy, 2, max_epochs=1)
     trainer.fit(model, loader(16))
@@ -200,6 +221,13 @@ def test_manual_optimization_with_two_optimizers(tmp_path, num_servers):
     probe = torch.load(tmp_path / "probe.pt")
     assert torch.equal(probe["params"][0], flat(model.parameters()))
     assert probe["lrs"] == ([[0.01], [0.05]] if num_servers == 1 else None)
+
+
+def test_clipping_by_norm_of_an_optimizer_cut_between_servers_is_refused_with_a_remedy(tmp_path):
+    strategy = RudraStrategy(protocol="softsync", n=2, start_method=START, rpc_timeout=30, num_servers=2)
+    trainer = quiet_trainer(strategy, 2, max_epochs=1)
+    with pytest.raises(Exception, match=r"optimizer 0 are cut between 2 parameter servers.*num_servers=1.*'value'"):
+        trainer.fit(TwoOptimizers("norm"), loader(16))
 
 
 def test_forkserver_learners_start_with_the_callers_environment_random_state_and_own_memory(monkeypatch):

@@ -1,0 +1,182 @@
+"""Gradient clipping on the server, in-process with scripted pushes: the server clips the gradient its update
+applies (DDP's averaged gradient), not each learner's (:mod:`lightning_rudra.core.clipping`)."""
+
+import pytest
+import torch
+
+from lightning_rudra.core.clipping import Clipping, check_clipping
+from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from tests.lightning_models import flat, regression_data
+
+CLIPPERS = {"norm": torch.nn.utils.clip_grad_norm_, "value": torch.nn.utils.clip_grad_value_}
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def batches(epochs: int, batch_size: int):
+    """DistributedSampler's order over all learners (seeded by the epoch), cut into batches of μλ."""
+    x, y = regression_data().tensors
+    for epoch in range(epochs):
+        for rows in torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch)).split(batch_size):
+            yield x, y, rows
+
+
+def hardsync(clipping: Clipping, learners: int = 2, mu: int = 8, clip_on_learners: bool = False) -> torch.Tensor:
+    """λ learners push their gradient of μ samples each round; the server clips (or, as Lightning did before, each
+    learner clips its own gradient and the server averages them)."""
+    model = net()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    spec = OptimizerSpec.from_optimizer(opt, params)
+    server = Server(ProtocolConfig(learners, "hardsync"), [p.detach().clone() for p in params], [], [spec])
+    layout = server.grad_layouts[0]
+    for x, y, rows in batches(2, mu * learners):
+        for learner in range(learners):
+            part = rows[learner::learners]
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
+            if clip_on_learners:
+                CLIPPERS[clipping.algorithm](params, clipping.value)
+            server.push(
+                learner,
+                0,
+                layout.pack([p.grad for p in params]),
+                torch.ones(len(params), dtype=torch.bool),
+                server.clock,
+                [hyperparameters(g) for g in opt.param_groups],
+                [],
+                clipping=None if clip_on_learners else clipping,
+            )
+        with torch.no_grad():
+            for p, w in zip(params, server.params):
+                p.copy_(w)
+    return flat(params)
+
+
+def sgd(batch_size: int, clipping=None) -> torch.Tensor:
+    """One process, batches of μλ, clipped as Lightning clips before the step."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for x, y, rows in batches(2, batch_size):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        if clipping is not None:
+            CLIPPERS[clipping.algorithm](model.parameters(), clipping.value)
+        opt.step()
+    return flat(model.parameters())
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_hardsync_clipped_equals_sgd_with_batch_mu_lambda_clipped(algorithm):
+    clipping = Clipping(0.5, algorithm)
+    expected = sgd(16, clipping)
+    assert (expected - sgd(16)).abs().max() > 0.04, "clipping at 0.5 changes this run"
+    torch.testing.assert_close(hardsync(clipping), expected, rtol=0, atol=1e-5)
+    # what Lightning's clipping on each learner made of it: another update
+    assert (hardsync(clipping, clip_on_learners=True) - expected).abs().max() > 0.04
+
+
+def one_weight_server(protocol: str, learners: int, lr_modulation: str = "none") -> Server:
+    w = torch.zeros(2)
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD([w], lr=0.1), [w])
+    return Server(ProtocolConfig(learners, protocol, lr_modulation=lr_modulation), [w], [], [spec])
+
+
+def push(server: Server, learner: int, grad, timestamp: int, clipping=None):
+    return server.push(
+        learner,
+        0,
+        [torch.tensor(grad)],
+        torch.tensor([True]),
+        timestamp,
+        [{"lr": 0.1}],
+        [],
+        clipping=clipping,
+    )
+
+
+def test_softsync_clips_the_mean_of_an_updates_gradients():
+    server = one_weight_server("softsync", 2)  # n = 1: c = 2
+    push(server, 0, [3.0, 0.0], 0, Clipping(1.0))
+    push(server, 1, [3.0, 8.0], 0, Clipping(1.0))  # mean [3, 4], norm 5: clipped to [0.6, 0.8]
+    assert server.params[0].tolist() == pytest.approx([-0.06, -0.08])
+    push(server, 0, [3.0, -0.5], 1, Clipping(2.0, "value"))
+    push(server, 1, [-1.0, 0.5], 1, Clipping(2.0, "value"))  # mean [1, 0]: nothing to clip
+    assert server.params[0].tolist() == pytest.approx([-0.16, -0.08])
+
+
+def test_async_clips_each_gradient_as_its_learner_would_and_per_gradient_modulation_still_applies():
+    server = one_weight_server("async", 2, lr_modulation="per_gradient")
+    push(server, 0, [0.0, 0.0], 0)
+    push(server, 0, [0.0, 0.0], 1)
+    result = push(server, 1, [3.0, 4.0], 0, Clipping(1.0))  # σ = 2: the gradient is halved
+    assert result.update.staleness == (2,)
+    # clipped to norm 1 as learner 1 would have ([0.6, 0.8]), then halved by the modulation
+    assert server.params[0].tolist() == pytest.approx([-0.03, -0.04])
+    push(server, 1, [3.0, -4.0], 2, Clipping(1.0, "value"))  # σ = 1
+    assert server.params[0].tolist() == pytest.approx([-0.13, 0.06])
+
+
+def test_a_push_without_clipping_is_not_clipped():
+    server = one_weight_server("async", 1)
+    push(server, 0, [30.0, 40.0], 0)
+    assert server.params[0].tolist() == pytest.approx([-3.0, -4.0])
+
+
+@pytest.mark.parametrize(
+    "clipping, message",
+    [
+        ((0.5, "norm"), "expected None or a Clipping"),
+        (Clipping.__new__(Clipping), "gradient clipping value None is not valid"),  # unpickled without fields
+    ],
+)
+def test_a_bad_clipping_request_is_refused_and_changes_nothing(clipping, message):
+    server = one_weight_server("async", 1)
+    with pytest.raises(ValueError, match=message):
+        push(server, 0, [3.0, 4.0], 0, clipping)
+    assert server.clock == 0 and server.params[0].tolist() == [0.0, 0.0] and server.stats.gradients == 0
+
+
+@pytest.mark.parametrize(
+    "value, algorithm, message",
+    [
+        (0.0, "norm", "expected a finite number > 0"),
+        (float("inf"), "value", "expected a finite number > 0"),
+        (True, "norm", "expected a finite number > 0"),
+        (1.0, "max", "'max' is not supported: expected one of 'norm', 'value'"),
+    ],
+)
+def test_bad_clipping_values_are_refused_by_name(value, algorithm, message):
+    with pytest.raises(ValueError, match=message):
+        Clipping(value, algorithm)
+
+
+def test_clipping_by_norm_is_refused_where_several_servers_hold_an_optimizers_parameters():
+    check_clipping(Clipping(0.5), 1, 0)
+    check_clipping(Clipping(0.5, "value"), 3, 0)  # elementwise: exact at any cut
+    with pytest.raises(ValueError, match=r"optimizer 1 are cut between 2 parameter servers.*num_servers=1.*'value'"):
+        check_clipping(Clipping(0.5), 2, 1)
+
+
+def test_a_server_that_holds_none_of_an_optimizers_gradients_clips_nothing():
+    w = torch.zeros(2)
+    spec = OptimizerSpec(torch.optim.SGD, [([], {"lr": 0.1})])  # the optimizer's parameters are on another server
+    server = Server(ProtocolConfig(1, "async"), [w], [], [spec])
+    for algorithm in ("norm", "value"):
+        result = server.push(
+            0,
+            0,
+            [],
+            torch.zeros(0, dtype=torch.bool),
+            server.clock,
+            [{"lr": 0.1}],
+            [],
+            None,
+            clipping=Clipping(1.0, algorithm),
+        )
+        assert result.update is not None
+    assert server.clock == 2 and w.tolist() == [0.0, 0.0]

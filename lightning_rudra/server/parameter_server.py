@@ -326,7 +326,7 @@ class ParameterServer:
             return []
         failure = self.membership.lose(learner, why)
         self._check_all_left()
-        self.shared.mapped.discard(learner)  # a process that rejoins for it has not mapped the shared memory
+        self.shared.lose(learner, self.membership.members)
         self.rejoins.progress.pop(learner, None)
         self._lost_queue.append((learner, why))
         if self.core is not None:
@@ -350,6 +350,7 @@ class ParameterServer:
         """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
         caller settles the returned outcomes once it has released it (:func:`_settle`)."""
         self.failure = reason
+        self.shared.release()  # nobody maps the files any more
         waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
         waiters += self.gatherings.close() + self.finish_waiters
         self.round_waiters, self.finish_waiters = {}, []

@@ -22,6 +22,7 @@ from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.server.shared_epochs import SharedEpochs
@@ -78,6 +79,9 @@ class ParameterServer:
         self.on_heard: Optional[Callable[[int, Any], None]] = None  # and of each process first heard from
         self._lost_queue: list[tuple[int, str]] = []
         self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) told of
+        # per compression, the float32 weights each learner's process holds (its replies' weights travel as
+        # differences from them: process.py's push_deltas); forgotten once that process is lost or leaves
+        self.weight_deltas: dict[str, WeightDeltas] = {}
 
     def register(
         self,
@@ -264,6 +268,7 @@ class ParameterServer:
                 why = f"stopped with an error ({error})" if error else "left before training ended"
                 outcomes = self._lose(learner, why)
             self.membership.left.add(learner)
+            self._forget_weights(learner)
             self._check_all_left()
         self._settle(outcomes)
 
@@ -327,6 +332,7 @@ class ParameterServer:
         failure = self.membership.lose(learner, why)
         self._check_all_left()
         self.shared.lose(learner, self.membership.members)
+        self._forget_weights(learner)
         self.rejoins.progress.pop(learner, None)
         self._lost_queue.append((learner, why))
         if self.core is not None:
@@ -341,6 +347,12 @@ class ParameterServer:
             return []
         outcomes, _ = self._release_rounds(self.core.remove(learner))
         return outcomes + self.gatherings.complete(self.membership.members) + self._complete_finish()
+
+    def _forget_weights(self, learner: int) -> None:
+        """``learner``'s process is gone: the copy of the weights it held goes too (a new process gets them
+        whole). Called under the lock."""
+        for deltas in self.weight_deltas.values():
+            deltas.held.pop(int(learner), None)
 
     def _check_all_left(self) -> None:
         if self.membership.all_gone():

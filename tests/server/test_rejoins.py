@@ -99,3 +99,34 @@ def test_an_admission_carries_the_runs_elapsed_time(monkeypatch):
     server.call("progress", 0, 1, 16, 0)
     where, _ = reply.wait()
     assert 0.2 <= where.elapsed < 60
+
+
+def push_deltas(learner, count: int = 0):
+    """A push whose reply's weights come as bf16 differences (compression="bf16", a server on another host)."""
+    return server.call_async(
+        "push_deltas", "bf16", count, learner, 0, [torch.ones(2)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.5}], []
+    ).wait()
+
+
+def test_the_weights_a_learners_process_holds_are_forgotten_once_it_is_lost_or_leaves(monkeypatch):
+    """The server keeps, per learner pushing with weight deltas, the float32 copy of what it holds: one per process
+    that ever pushed would grow with every rejoin."""
+    ps = elastic_server(monkeypatch, learners=2)
+    push_deltas(0)
+    for incarnation in range(1, 6):
+        push_deltas(LearnerId(1, incarnation - 1))
+        server.call("progress", 0, incarnation - 1, 0, 0)
+        server.call("report", 0, 1, "exit code 1")  # its launcher saw it end
+        assert held(ps) == [0]  # the lost process's copy went
+        reply = server.call_async("rejoin", LearnerId(1, incarnation), MODULE)
+        server.call("progress", 0, incarnation, 0, 0)
+        assert reply.done()
+    push_deltas(LearnerId(1, 5))
+    assert held(ps) == [0, 1]
+    server.call("leave", LearnerId(1, 5))
+    assert held(ps) == [0]
+
+
+def held(ps) -> list:
+    """The learners whose weights the server keeps a copy of."""
+    return sorted(key for deltas in ps.weight_deltas.values() for key in deltas.held)

@@ -231,6 +231,8 @@ class ParameterServer:
     def heartbeat(self, learner: int, address: str, process: Any = None) -> Optional[str]:
         """``process``: (machine, pid) (:func:`~lightning_rudra.server.membership.this_process`). Answers with this
         server's address."""
+        if self.membership.joining.get(learner, incarnation_of(learner)) != incarnation_of(learner):
+            return self.address  # a process refused while another one waits to rejoin: its end is not that one's
         self.membership.heard(learner, address, process)
         if self.on_heard is not None and (learner, incarnation_of(learner)) not in self._heard:
             self._heard.add((learner, incarnation_of(learner)))
@@ -260,8 +262,10 @@ class ParameterServer:
             training = self.core is not None and learner in self.core.active
             if error is not None and error.startswith("KeyboardInterrupt"):
                 self.membership.stop_awaiting()  # the user stopped the run: nobody comes back
-            if learner in self.membership.joining:
+            if self.membership.joining.get(learner) == incarnation_of(learner):
                 outcomes = self._join_failed(learner, f"it left before it was admitted ({error or 'no error'})")
+            elif learner in self.membership.joining:  # another process for it, refused: the waiting one stays
+                pass
             elif learner in self.membership.lost:  # a new process for it that was refused: strike its RPC name
                 self._lost_queue.append((learner, self.membership.lost[learner]))
             elif (training or error) and self.failure is None:  # an error in any stage: the others must not wait

@@ -2,12 +2,15 @@
 checked, waits for every learner to start the same epoch, and is admitted there; an earlier process of the learner
 is refused from then on. (Real processes: tests/strategy/test_rejoin.py.)"""
 
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from lightning_rudra.server import process as server
+from lightning_rudra.server.membership import this_process
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.server.rejoins import Admission, describe_module
 from lightning_rudra.core.optimizers import OptimizerSpec
@@ -130,3 +133,25 @@ def test_the_weights_a_learners_process_holds_are_forgotten_once_it_is_lost_or_l
 def held(ps) -> list:
     """The learners whose weights the server keeps a copy of."""
     return sorted(key for deltas in ps.weight_deltas.values() for key in deltas.held)
+
+
+def test_a_second_process_refused_for_a_lost_learner_leaves_the_first_ones_admission_alone(monkeypatch):
+    """Two processes ask for lost learner 1's place (A, then B): B is refused, beats, and ends; A is still admitted."""
+    ps = elastic_server(monkeypatch, learners=2)
+    server.call("progress", 0, 0, 0, 0)
+    lose(ps, 1)
+    first, second = LearnerId(1, 1), LearnerId(1, 2)
+    server.call("heartbeat", first, "127.0.0.1", this_process())
+    reply = server.call_async("rejoin", first, MODULE)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    server.call("heartbeat", second, "127.0.0.1", (this_process()[0], ended.pid))  # B's process, ended since
+    with pytest.raises(RuntimeError, match="another new process for it is already waiting to be admitted"):
+        server.call_async("rejoin", second, MODULE)
+    server.call("leave", second, "RuntimeError: learner 1 cannot rejoin: another new process for it is already ...")
+    with ps.lock:
+        assert ps.membership.newly_failed_joins() == []  # B's end is not A's
+    assert not reply.done() and ps.membership.joining == {1: 1}
+    server.call("progress", 0, 1, 8, 0)
+    where, _ = reply.wait()
+    assert where.epoch == 1 and ps.membership.members == {0, 1} and ps.membership.incarnations[1] == 1

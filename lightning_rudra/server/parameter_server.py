@@ -79,6 +79,7 @@ class ParameterServer:
         self.on_heard: Optional[Callable[[int, Any], None]] = None  # and of each process first heard from
         self._lost_queue: list[tuple[int, str]] = []
         self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) told of
+        self.processes: dict[tuple[int, int], Any] = {}  # (learner, incarnation) -> its process, as it beats
         # per compression, the float32 weights each learner's process holds (its replies' weights travel as
         # differences from them: process.py's push_deltas); forgotten once that process is lost or leaves
         self.weight_deltas: dict[str, WeightDeltas] = {}
@@ -234,6 +235,7 @@ class ParameterServer:
         if self.membership.joining.get(learner, incarnation_of(learner)) != incarnation_of(learner):
             return self.address  # a process refused while another one waits to rejoin: its end is not that one's
         self.membership.heard(learner, address, process)
+        self.processes[(int(learner), incarnation_of(learner))] = process
         if self.on_heard is not None and (learner, incarnation_of(learner)) not in self._heard:
             self._heard.add((learner, incarnation_of(learner)))
             self.on_heard(learner, process)
@@ -276,15 +278,26 @@ class ParameterServer:
             self._check_all_left()
         self._settle(outcomes)
 
-    def report(self, reporter: int, learner: Any, why: str) -> None:
-        """``reporter``'s launcher saw ``learner``'s process end (on another machine, sooner than its silence)."""
+    def report(self, reporter: int, learner: Any, why: str, process: Any = None) -> None:
+        """``reporter``'s launcher saw ``learner``'s process end (on another machine, sooner than its silence).
+        ``process``: which one, (machine, pid) as :func:`~lightning_rudra.server.membership.this_process` says; a
+        report about another process than the one counted or waiting to rejoin (an earlier one, late) is ignored."""
         with self.lock:
             outcomes = []
-            if learner in self.membership.members - self.membership.left and self.failure is None:
+            if not self._is_current(learner, process):
+                pass
+            elif learner in self.membership.members - self.membership.left and self.failure is None:
                 outcomes = self._lose(learner, f"ended before training did ({why}, as its launcher saw)")
             elif learner in self.membership.joining:
                 outcomes = self._join_failed(learner, f"its process ended while it waited to rejoin ({why})")
         self._settle(outcomes)
+
+    def _is_current(self, learner: Any, process: Any) -> bool:
+        """``process`` is ``learner``'s process waiting to rejoin, or else the one counted, as far as the server
+        knows (one it never heard from may be either)."""
+        joining = self.membership.joining.get(learner, self.membership.incarnations.get(learner, 0))
+        known = self.processes.get((learner, joining))
+        return process is None or known is None or tuple(known) == tuple(process)
 
     def rejoin(self, learner: int, module: dict[str, Any]) -> Future:
         """A new process for lost ``learner`` (``min_learners``): resolves with ``(Admission, hyper-parameters per

@@ -155,3 +155,39 @@ def test_a_second_process_refused_for_a_lost_learner_leaves_the_first_ones_admis
     server.call("progress", 0, 1, 8, 0)
     where, _ = reply.wait()
     assert where.epoch == 1 and ps.membership.members == {0, 1} and ps.membership.incarnations[1] == 1
+
+
+def test_a_launchers_late_report_about_an_earlier_process_does_not_count_its_successor_lost(monkeypatch):
+    ps = elastic_server(monkeypatch, learners=2)
+    machine = this_process()[0]
+    old, new = (machine, 1001), (machine, 1002)  # learner 1's first process, and the one that takes its place
+    server.call("heartbeat", 1, "127.0.0.1", old)
+    server.call("progress", 0, 0, 0, 0)
+    server.call("report", 0, 1, "signal SIGKILL", old)
+    assert ps.membership.lost.keys() == {1}
+    server.call("heartbeat", LearnerId(1, 1), "127.0.0.1", new)
+    reply = server.call_async("rejoin", LearnerId(1, 1), MODULE)
+    server.call("report", 0, 1, "signal SIGKILL", old)  # again, late: the new process waits to rejoin
+    assert not reply.done()
+    server.call("progress", 0, 1, 8, 0)
+    assert reply.wait()[0].epoch == 1
+    server.call("report", 0, 1, "signal SIGKILL", old)  # and once more, now that the new process trains
+    assert ps.membership.members == {0, 1}
+    server.call("report", 0, 1, "exit code 1", new)  # the new process's own end counts
+    assert ps.membership.lost == {1: "ended before training did (exit code 1, as its launcher saw)"}
+
+
+def test_the_popen_launcher_names_the_process_it_saw_end(tmp_path):
+    from lightning_fabric.plugins.environments import LightningEnvironment
+
+    from lightning_rudra.strategy.launchers.popen import PopenLauncher
+
+    reports = []
+    launcher = PopenLauncher(
+        LightningEnvironment(), 2, 1, min_learners=1, report=lambda *report: reports.append(report)
+    )
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    launcher.procs = [child]
+    with pytest.warns(UserWarning, match="learner 1's process ended with exit code 3"):
+        launcher._observe()  # returns once every child's end is reported (no restart)
+    assert reports == [(1, "exit code 3", (this_process()[0], child.pid))]

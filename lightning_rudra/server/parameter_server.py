@@ -384,7 +384,7 @@ class ParameterServer:
         waiters += self.gatherings.close() + self.finish_waiters
         self.round_waiters, self.finish_waiters = {}, []
         waiters += [self.registered] if not self.registered.done() else []
-        return [(waiter, RuntimeError(reason)) for waiter in waiters]
+        return [(waiter, RuntimeError(reason)) for waiter in waiters] + self.rejoins.stop(reason)
 
     def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and

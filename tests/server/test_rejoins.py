@@ -191,3 +191,26 @@ def test_the_popen_launcher_names_the_process_it_saw_end(tmp_path):
     with pytest.warns(UserWarning, match="learner 1's process ended with exit code 3"):
         launcher._observe()  # returns once every child's end is reported (no restart)
     assert reports == [(1, "exit code 3", (this_process()[0], child.pid))]
+
+
+def test_a_process_waiting_to_rejoin_when_training_is_given_up_is_told_why(monkeypatch):
+    """min_learners=2 of 3: learner 2 is lost and a new process for it waits for the next epoch; learner 1 is lost
+    too, leaving too few: the waiting process, and any that asks later while the server is up, hears why training
+    stopped (not, once the server ends, that it is gone)."""
+    ps = elastic_server(monkeypatch, learners=3)
+    ps.membership.min_learners = 2
+    for learner in range(3):
+        server.call("progress", learner, 0, 0, 0)
+    lose(ps, 2)
+    reply = server.call_async("rejoin", LearnerId(2, 1), MODULE)
+    assert not reply.done()  # it waits for the learners to start epoch 1
+    lose(ps, 1)
+    assert ps.failure is not None and "fewer than min_learners=2" in ps.failure
+    assert reply.done()
+    with pytest.raises(
+        RuntimeError, match=r"learner 2 could not rejoin: training stopped: learner 1 .* min_learners=2"
+    ):
+        reply.wait()
+    assert ps.membership.joining == {}
+    with pytest.raises(RuntimeError, match=r"^learner 1 .* fewer than min_learners=2, so training cannot go on"):
+        server.call_async("rejoin", LearnerId(1, 2), MODULE)

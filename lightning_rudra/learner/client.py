@@ -278,9 +278,10 @@ class LearnerClient:
         if self._server_lost is None:  # a server that stopped answering would only make this call wait it out
             self._sync("leave", self.rank, error)
 
-    def report(self, learner: int, why: str) -> None:
-        """This learner's launcher saw ``learner``'s process end: the server need not wait for its silence."""
-        self._sync("report", self.rank, learner, why)
+    def report(self, learner: int, why: str, process: tuple[str, int]) -> None:
+        """This learner's launcher saw ``learner``'s ``process`` (machine, pid) end: the server need not wait for its
+        silence."""
+        self._sync("report", self.rank, learner, why, process)
 
     def stats(self) -> Stats:
         return Stats.from_dict(self._sync("stats"))

@@ -70,6 +70,7 @@ class Shard:
                     f"{client.what} (on {client.server_host})",
                     client.timeout,
                     lambda: client._server_lost,
+                    lambda: (*client.pull(), client.timestamp),  # under the server's lock, for a reader overtaken
                 )
             except OSError as why:  # the same host name, but not the same /dev/shm
                 warnings.warn(

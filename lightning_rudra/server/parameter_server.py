@@ -22,6 +22,7 @@ from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.server.shared_epochs import SharedEpochs
@@ -78,6 +79,10 @@ class ParameterServer:
         self.on_heard: Optional[Callable[[int, Any], None]] = None  # and of each process first heard from
         self._lost_queue: list[tuple[int, str]] = []
         self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) told of
+        self.processes: dict[tuple[int, int], Any] = {}  # (learner, incarnation) -> its process, as it beats
+        # per compression, the float32 weights each learner's process holds (its replies' weights travel as
+        # differences from them: process.py's push_deltas); forgotten once that process is lost or leaves
+        self.weight_deltas: dict[str, WeightDeltas] = {}
 
     def register(
         self,
@@ -229,7 +234,10 @@ class ParameterServer:
     def heartbeat(self, learner: int, address: str, process: Any = None) -> Optional[str]:
         """``process``: (machine, pid) (:func:`~lightning_rudra.server.membership.this_process`). Answers with this
         server's address."""
+        if self.membership.joining.get(learner, incarnation_of(learner)) != incarnation_of(learner):
+            return self.address  # a process refused while another one waits to rejoin: its end is not that one's
         self.membership.heard(learner, address, process)
+        self.processes[(int(learner), incarnation_of(learner))] = process
         if self.on_heard is not None and (learner, incarnation_of(learner)) not in self._heard:
             self._heard.add((learner, incarnation_of(learner)))
             self.on_heard(learner, process)
@@ -258,26 +266,40 @@ class ParameterServer:
             training = self.core is not None and learner in self.core.active
             if error is not None and error.startswith("KeyboardInterrupt"):
                 self.membership.stop_awaiting()  # the user stopped the run: nobody comes back
-            if learner in self.membership.joining:
+            if self.membership.joining.get(learner) == incarnation_of(learner):
                 outcomes = self._join_failed(learner, f"it left before it was admitted ({error or 'no error'})")
+            elif learner in self.membership.joining:  # another process for it, refused: the waiting one stays
+                pass
             elif learner in self.membership.lost:  # a new process for it that was refused: strike its RPC name
                 self._lost_queue.append((learner, self.membership.lost[learner]))
             elif (training or error) and self.failure is None:  # an error in any stage: the others must not wait
                 why = f"stopped with an error ({error})" if error else "left before training ended"
                 outcomes = self._lose(learner, why)
             self.membership.left.add(learner)
+            self._forget_weights(learner)
             self._check_all_left()
         self._settle(outcomes)
 
-    def report(self, reporter: int, learner: Any, why: str) -> None:
-        """``reporter``'s launcher saw ``learner``'s process end (on another machine, sooner than its silence)."""
+    def report(self, reporter: int, learner: Any, why: str, process: Any = None) -> None:
+        """``reporter``'s launcher saw ``learner``'s process end (on another machine, sooner than its silence).
+        ``process``: which one, (machine, pid) as :func:`~lightning_rudra.server.membership.this_process` says; a
+        report about another process than the one counted or waiting to rejoin (an earlier one, late) is ignored."""
         with self.lock:
             outcomes = []
-            if learner in self.membership.members - self.membership.left and self.failure is None:
+            if not self._is_current(learner, process):
+                pass
+            elif learner in self.membership.members - self.membership.left and self.failure is None:
                 outcomes = self._lose(learner, f"ended before training did ({why}, as its launcher saw)")
             elif learner in self.membership.joining:
                 outcomes = self._join_failed(learner, f"its process ended while it waited to rejoin ({why})")
         self._settle(outcomes)
+
+    def _is_current(self, learner: Any, process: Any) -> bool:
+        """``process`` is ``learner``'s process waiting to rejoin, or else the one counted, as far as the server
+        knows (one it never heard from may be either)."""
+        joining = self.membership.joining.get(learner, self.membership.incarnations.get(learner, 0))
+        known = self.processes.get((learner, joining))
+        return process is None or known is None or tuple(known) == tuple(process)
 
     def rejoin(self, learner: int, module: dict[str, Any]) -> Future:
         """A new process for lost ``learner`` (``min_learners``): resolves with ``(Admission, hyper-parameters per
@@ -328,7 +350,8 @@ class ParameterServer:
             return []
         failure = self.membership.lose(learner, why)
         self._check_all_left()
-        self.shared.mapped.discard(learner)  # a process that rejoins for it has not mapped the shared memory
+        self.shared.lose(learner, self.membership.members)
+        self._forget_weights(learner)
         self.rejoins.progress.pop(learner, None)
         self._lost_queue.append((learner, why))
         if self.core is not None:
@@ -344,6 +367,12 @@ class ParameterServer:
         outcomes, _ = self._release_rounds(self.core.remove(learner))
         return outcomes + self.gatherings.complete(self.membership.members) + self._complete_finish()
 
+    def _forget_weights(self, learner: int) -> None:
+        """``learner``'s process is gone: the copy of the weights it held goes too (a new process gets them
+        whole). Called under the lock."""
+        for deltas in self.weight_deltas.values():
+            deltas.held.pop(int(learner), None)
+
     def _check_all_left(self) -> None:
         if self.membership.all_gone():
             self.all_left.set()
@@ -352,11 +381,12 @@ class ParameterServer:
         """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
         caller settles the returned outcomes once it has released it (:func:`_settle`)."""
         self.failure = reason
+        self.shared.release()  # nobody maps the files any more
         waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
         waiters += self.gatherings.close() + self.finish_waiters
         self.round_waiters, self.finish_waiters = {}, []
         waiters += [self.registered] if not self.registered.done() else []
-        return [(waiter, RuntimeError(reason)) for waiter in waiters]
+        return [(waiter, RuntimeError(reason)) for waiter in waiters] + self.rejoins.stop(reason)
 
     def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and

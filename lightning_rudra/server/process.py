@@ -19,7 +19,7 @@ from torch.futures import Future
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.parameter_server import ParameterServer
-from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, incarnation_of, job_id
+from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, job_id
 from lightning_rudra.transport.stream import StreamServer
 from lightning_rudra.transport.rpc_world import (
     address_towards,
@@ -157,16 +157,12 @@ def _entry(method: str, args: tuple) -> Callable:
     return _HERE[method] if method in _HERE else getattr(_server, method)
 
 
-# per compression, the weights each learner holds that pushes with push_deltas (its replies' weights as differences)
-_deltas: dict[str, WeightDeltas] = {}
-
-
 def _push_deltas(compression: str, count: int, learner: Any, *push: Any) -> Future:
     """A push whose reply's weights travel as differences from the weights the learner holds, after ``count``
     replies (:meth:`LearnerClient.weights_as_deltas <lightning_rudra.learner.client.LearnerClient.weights_as_deltas>`)."""
     assert _server is not None
-    deltas = _deltas.setdefault(compression, WeightDeltas(compression))
-    key = (int(learner), incarnation_of(learner))  # a new process of the learner holds nothing yet
+    deltas = _server.weight_deltas.setdefault(compression, WeightDeltas(compression))
+    key = int(learner)  # a new process of the learner holds nothing yet: it sends count 0 and gets the whole weights
 
     def encoded(replied: Future) -> Any:
         reply = replied.value()

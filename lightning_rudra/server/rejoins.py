@@ -143,6 +143,17 @@ class Rejoins:
         request = self.requests.pop(learner, None)
         return [] if request is None else [(request.reply, RuntimeError(f"learner {learner} could not rejoin: {why}"))]
 
+    def stop(self, why: str) -> list[tuple[Any, Any]]:
+        """Training cannot go on (``why``): the processes waiting to rejoin are told so, and why."""
+        replies = [
+            (request.reply, RuntimeError(f"learner {learner} could not rejoin: training stopped: {why}"))
+            for learner, request in self.requests.items()
+        ]
+        for learner in self.requests:
+            self.membership.joining.pop(learner, None)
+        self.requests = {}
+        return replies
+
     def turn_away(self) -> list[tuple[Any, Any]]:
         """Training is over: the processes waiting to rejoin are told so (None); they only leave."""
         for learner in self.requests:

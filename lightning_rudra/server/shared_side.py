@@ -29,11 +29,19 @@ class SharedSide:
         says why, and the learners are told)."""
         try:
             shared = SharedWeights(socket.gethostname())  # allocation failures unlink what was made and raise
-            core = Server(config, params, buffers, specs, stats, shared)
-            self.grads = shared.allocate_grads(self.num_learners, core.grad_layouts)
         except OSError as error:
             self.error = str(error)
             return None
+        try:
+            core = Server(config, params, buffers, specs, stats, shared)
+            self.grads = shared.allocate_grads(self.num_learners, core.grad_layouts)
+        except OSError as error:
+            shared.unlink()
+            self.error = str(error)
+            return None
+        except BaseException:  # bad input (the server raises it to learner 0): no file stays in /dev/shm
+            shared.unlink()
+            raise
         self.names = shared.names(core.flat_params, core.flat_buffers, self.grads)
         self.weights = shared
         return core
@@ -49,6 +57,13 @@ class SharedSide:
         if mapped:
             self.mapped.add(learner)
         self.answered.add(learner)
+        if self.answered >= members:
+            self.release()
+
+    def lose(self, learner: int, members: set[int]) -> None:
+        """``learner`` is lost: a process that rejoins for it has not mapped the shared memory, and once every
+        learner left has answered, nobody is awaited to map the files: they go."""
+        self.mapped.discard(learner)
         if self.answered >= members:
             self.release()
 

@@ -73,11 +73,11 @@ class StageServers:
         """This process takes a lost learner's place (an elastic run's new process)."""
         return self.client is not None and incarnation_of(self.client.rank) > 0
 
-    def report_lost(self, learner: int, why: str) -> None:
-        """The launcher (in this learner's process) saw ``learner``'s process end."""
+    def report_lost(self, learner: int, why: str, process: tuple[str, int]) -> None:
+        """The launcher (in this learner's process) saw ``learner``'s ``process`` (machine, pid) end."""
         for client in self.clients:
             try:
-                client.report(learner, why)
+                client.report(learner, why, process)
             except Exception:  # the server is gone or refused: this run's own errors say what happened
                 pass
 

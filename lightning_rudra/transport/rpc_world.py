@@ -264,6 +264,9 @@ _PEER_LEFT = re.compile(
 )
 
 
+_FORWARDER_JOIN_S = 5.0  # how long leaving waits for the lines written before it to be passed on
+
+
 @contextmanager
 def quiet_peers_leaving() -> Iterator[None]:
     """Drops TensorPipe's warnings about a peer that closed its connection from this process's stderr while the
@@ -281,10 +284,13 @@ def quiet_peers_leaving() -> Iterator[None]:
     os.close(write_end)
 
     def forward() -> None:
-        with os.fdopen(read_end, "rb") as lines:
-            for line in lines:
-                if not _PEER_LEFT.search(line):
-                    os.write(original, line)
+        try:
+            with os.fdopen(read_end, "rb") as lines:
+                for line in lines:
+                    if not _PEER_LEFT.search(line):
+                        os.write(original, line)
+        finally:  # only here: closed sooner, its number could go to a file that would then get these lines
+            os.close(original)
 
     forwarder = threading.Thread(target=forward, name="rudra-stderr", daemon=True)
     forwarder.start()
@@ -292,9 +298,10 @@ def quiet_peers_leaving() -> Iterator[None]:
         yield
     finally:
         sys.stderr.flush()
-        os.dup2(original, 2)  # closes the pipe's write end: the forwarder reads what is left, then ends
-        forwarder.join(timeout=5)
-        os.close(original)
+        # closes this process's write end of the pipe: the forwarder reads what is left, then ends; a child started
+        # meanwhile (a restarted learner) holds another, and the forwarder passes its lines on to stderr until it ends
+        os.dup2(original, 2)
+        forwarder.join(timeout=_FORWARDER_JOIN_S)
 
 
 def shutdown_rpc() -> None:

@@ -9,6 +9,9 @@ nothing for a reply.
 A pull must see one update's weights, not parts of two, without taking the server's lock for the copy: a
 sequence lock. The server makes the version odd while it changes the weights and even again after, with the
 new clock; a reader copies, then checks that the version was even and did not move, and copies again if it did.
+A reader is told the server died only when one update stays unfinished for ``rpc_timeout``; a reader that updates
+keep overtaking (its copy slower than the gap between two of them) takes the weights through RPC, under the
+server's lock, after a few tries.
 The lock has no memory fences: it relies on x86's store and load order, so other CPUs use RPC
 (:func:`shared_memory_refused`).
 
@@ -36,6 +39,9 @@ SHM_DIR = "/dev/shm"
 Files = list[tuple[str, int, torch.dtype]]  # one (path, numel, dtype) per flat buffer
 
 _X86 = ("x86_64", "AMD64", "i386", "i686")
+# copies overtaken by the server's next update before a read takes the weights under the server's lock instead:
+# a copy slower than the gap between updates (a big model, a busy server) would otherwise never see one whole
+_OVERTAKEN = 4
 
 
 def shared_memory_refused(machine: str) -> Optional[str]:
@@ -183,12 +189,20 @@ class MappedWeights:
     """A learner's mapping of the server's shared memory: its own gradient buffers, and the weights to read.
 
     Raises OSError if the files are missing or are not the server's (their token differs). ``server`` names the
-    server in errors; a read waits at most ``timeout`` seconds for an update to end, and fails as soon as
-    ``lost()`` says why the server is gone (the client's heartbeat), since a server killed in the middle of an
-    update leaves the version odd for good."""
+    server in errors. A read fails when one update stays unfinished for ``timeout`` seconds (the version odd and
+    unchanged: a server killed in the middle of an update leaves it so for good), or as soon as ``lost()`` says why
+    the server is gone (the client's heartbeat). A reader that the server's updates keep overtaking (a copy slower
+    than the gap between two updates) reads, after ``_OVERTAKEN`` tries, with ``pull()``: the weights, buffers and
+    clock taken under the server's lock (an RPC pull)."""
 
     def __init__(
-        self, names: SharedNames, learner: int, server: str, timeout: float, lost: Callable[[], Optional[str]]
+        self,
+        names: SharedNames,
+        learner: int,
+        server: str,
+        timeout: float,
+        lost: Callable[[], Optional[str]],
+        pull: Callable[[], tuple[list[Tensor], list[Tensor], int]],
     ) -> None:
         def mapped(files: Files) -> list[Tensor]:
             return [_open(path, max(1, numel), dtype)[:numel] for path, numel, dtype in files]
@@ -202,21 +216,28 @@ class MappedWeights:
         self.server = server
         self.timeout = timeout
         self.lost = lost
+        self.pull = pull
 
     def read(self, copy: Callable[[list[Tensor], list[Tensor]], None]) -> int:
         """Run ``copy(params, buffers)`` on a consistent snapshot of the server's weights; returns its clock."""
-        writing_since: Optional[float] = None
-        while True:
+        writing: tuple[int, float] = (-1, 0.0)  # the odd version seen, and since when: one update in progress
+        overtaken = 0
+        while overtaken < _OVERTAKEN:
             version = int(self.header[0])
             if version % 2:  # the server is writing an update: it takes milliseconds
-                writing_since = writing_since or time.monotonic()
-                self._check_writer(writing_since)
+                if version != writing[0]:  # another update than the one waited for: the server makes progress
+                    writing = (version, time.monotonic())
+                self._check_writer(writing[1])
                 time.sleep(0.0002)
                 continue
             copy(self.params, self.buffers)
             clock = int(self.header[1])
             if int(self.header[0]) == version:
                 return clock
+            overtaken += 1
+        params, buffers, clock = self.pull()
+        copy(params, buffers)
+        return clock
 
     def _check_writer(self, since: float) -> None:
         lost = self.lost()

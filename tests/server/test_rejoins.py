@@ -2,12 +2,15 @@
 checked, waits for every learner to start the same epoch, and is admitted there; an earlier process of the learner
 is refused from then on. (Real processes: tests/strategy/test_rejoin.py.)"""
 
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from lightning_rudra.server import process as server
+from lightning_rudra.server.membership import this_process
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.server.rejoins import Admission, describe_module
 from lightning_rudra.core.optimizers import OptimizerSpec
@@ -99,3 +102,115 @@ def test_an_admission_carries_the_runs_elapsed_time(monkeypatch):
     server.call("progress", 0, 1, 16, 0)
     where, _ = reply.wait()
     assert 0.2 <= where.elapsed < 60
+
+
+def push_deltas(learner, count: int = 0):
+    """A push whose reply's weights come as bf16 differences (compression="bf16", a server on another host)."""
+    return server.call_async(
+        "push_deltas", "bf16", count, learner, 0, [torch.ones(2)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.5}], []
+    ).wait()
+
+
+def test_the_weights_a_learners_process_holds_are_forgotten_once_it_is_lost_or_leaves(monkeypatch):
+    """The server keeps, per learner pushing with weight deltas, the float32 copy of what it holds: one per process
+    that ever pushed would grow with every rejoin."""
+    ps = elastic_server(monkeypatch, learners=2)
+    push_deltas(0)
+    for incarnation in range(1, 6):
+        push_deltas(LearnerId(1, incarnation - 1))
+        server.call("progress", 0, incarnation - 1, 0, 0)
+        server.call("report", 0, 1, "exit code 1")  # its launcher saw it end
+        assert held(ps) == [0]  # the lost process's copy went
+        reply = server.call_async("rejoin", LearnerId(1, incarnation), MODULE)
+        server.call("progress", 0, incarnation, 0, 0)
+        assert reply.done()
+    push_deltas(LearnerId(1, 5))
+    assert held(ps) == [0, 1]
+    server.call("leave", LearnerId(1, 5))
+    assert held(ps) == [0]
+
+
+def held(ps) -> list:
+    """The learners whose weights the server keeps a copy of."""
+    return sorted(key for deltas in ps.weight_deltas.values() for key in deltas.held)
+
+
+def test_a_second_process_refused_for_a_lost_learner_leaves_the_first_ones_admission_alone(monkeypatch):
+    """Two processes ask for lost learner 1's place (A, then B): B is refused, beats, and ends; A is still admitted."""
+    ps = elastic_server(monkeypatch, learners=2)
+    server.call("progress", 0, 0, 0, 0)
+    lose(ps, 1)
+    first, second = LearnerId(1, 1), LearnerId(1, 2)
+    server.call("heartbeat", first, "127.0.0.1", this_process())
+    reply = server.call_async("rejoin", first, MODULE)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    server.call("heartbeat", second, "127.0.0.1", (this_process()[0], ended.pid))  # B's process, ended since
+    with pytest.raises(RuntimeError, match="another new process for it is already waiting to be admitted"):
+        server.call_async("rejoin", second, MODULE)
+    server.call("leave", second, "RuntimeError: learner 1 cannot rejoin: another new process for it is already ...")
+    with ps.lock:
+        assert ps.membership.newly_failed_joins() == []  # B's end is not A's
+    assert not reply.done() and ps.membership.joining == {1: 1}
+    server.call("progress", 0, 1, 8, 0)
+    where, _ = reply.wait()
+    assert where.epoch == 1 and ps.membership.members == {0, 1} and ps.membership.incarnations[1] == 1
+
+
+def test_a_launchers_late_report_about_an_earlier_process_does_not_count_its_successor_lost(monkeypatch):
+    ps = elastic_server(monkeypatch, learners=2)
+    machine = this_process()[0]
+    old, new = (machine, 1001), (machine, 1002)  # learner 1's first process, and the one that takes its place
+    server.call("heartbeat", 1, "127.0.0.1", old)
+    server.call("progress", 0, 0, 0, 0)
+    server.call("report", 0, 1, "signal SIGKILL", old)
+    assert ps.membership.lost.keys() == {1}
+    server.call("heartbeat", LearnerId(1, 1), "127.0.0.1", new)
+    reply = server.call_async("rejoin", LearnerId(1, 1), MODULE)
+    server.call("report", 0, 1, "signal SIGKILL", old)  # again, late: the new process waits to rejoin
+    assert not reply.done()
+    server.call("progress", 0, 1, 8, 0)
+    assert reply.wait()[0].epoch == 1
+    server.call("report", 0, 1, "signal SIGKILL", old)  # and once more, now that the new process trains
+    assert ps.membership.members == {0, 1}
+    server.call("report", 0, 1, "exit code 1", new)  # the new process's own end counts
+    assert ps.membership.lost == {1: "ended before training did (exit code 1, as its launcher saw)"}
+
+
+def test_the_popen_launcher_names_the_process_it_saw_end(tmp_path):
+    from lightning_fabric.plugins.environments import LightningEnvironment
+
+    from lightning_rudra.strategy.launchers.popen import PopenLauncher
+
+    reports = []
+    launcher = PopenLauncher(
+        LightningEnvironment(), 2, 1, min_learners=1, report=lambda *report: reports.append(report)
+    )
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    launcher.procs = [child]
+    with pytest.warns(UserWarning, match="learner 1's process ended with exit code 3"):
+        launcher._observe()  # returns once every child's end is reported (no restart)
+    assert reports == [(1, "exit code 3", (this_process()[0], child.pid))]
+
+
+def test_a_process_waiting_to_rejoin_when_training_is_given_up_is_told_why(monkeypatch):
+    """min_learners=2 of 3: learner 2 is lost and a new process for it waits for the next epoch; learner 1 is lost
+    too, leaving too few: the waiting process, and any that asks later while the server is up, hears why training
+    stopped (not, once the server ends, that it is gone)."""
+    ps = elastic_server(monkeypatch, learners=3)
+    ps.membership.min_learners = 2
+    for learner in range(3):
+        server.call("progress", learner, 0, 0, 0)
+    lose(ps, 2)
+    reply = server.call_async("rejoin", LearnerId(2, 1), MODULE)
+    assert not reply.done()  # it waits for the learners to start epoch 1
+    lose(ps, 1)
+    assert ps.failure is not None and "fewer than min_learners=2" in ps.failure
+    assert reply.done()
+    with pytest.raises(
+        RuntimeError, match=r"learner 2 could not rejoin: training stopped: learner 1 .* min_learners=2"
+    ):
+        reply.wait()
+    assert ps.membership.joining == {}
+    with pytest.raises(RuntimeError, match=r"^learner 1 .* fewer than min_learners=2, so training cannot go on"):
+        server.call_async("rejoin", LearnerId(1, 2), MODULE)

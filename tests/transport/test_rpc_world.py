@@ -4,6 +4,9 @@ learner's words for a server that does not answer; and, with real processes, whe
 import os
 import re
 import socket
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch.distributed.rpc as rpc
@@ -106,3 +109,25 @@ def test_a_single_host_run_listens_on_loopback_only():
     assert isinstance(result, dict), result
     assert len(result["server"]) >= 2, result  # at least the rendezvous' store and TensorPipe
     assert {address for side in result.values() for address, _ in side} == {"127.0.0.1"}, result
+
+
+def test_lines_written_after_leaving_by_a_child_started_inside_never_reach_a_file_opened_since(
+    tmp_path, capfd, monkeypatch
+):
+    """A learner restarted while the filter was open holds the pipe's write end: its lines come after the context
+    ended, through the forwarder, and must reach stderr, not whatever file took the number of a closed descriptor."""
+    monkeypatch.setattr("lightning_rudra.transport.rpc_world._FORWARDER_JOIN_S", 0.1)
+    with quiet_peers_leaving():
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.read(); sys.stderr.write('a restarted learner says\\n')"],
+            stdin=subprocess.PIPE,
+        )
+    with open(tmp_path / "checkpoint", "wb") as checkpoint:  # takes the lowest free descriptor number
+        child.communicate(b"")  # now it writes, and ends
+        forwarder = [t for t in threading.enumerate() if t.name == "rudra-stderr"]
+        for thread in forwarder:
+            thread.join(timeout=60)
+        checkpoint.flush()
+    assert child.returncode == 0 and not any(t.is_alive() for t in forwarder)
+    assert (tmp_path / "checkpoint").read_bytes() == b""
+    assert "a restarted learner says\n" in capfd.readouterr().err

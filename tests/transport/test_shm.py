@@ -28,8 +28,11 @@ def shared_server(tmp_path, num_learners=1):
     return server, store, grads, store.names(server.flat_params, server.flat_buffers, grads)
 
 
-def mapping(names, learner=0, timeout=60.0, lost=lambda: None):
-    return MappedWeights(names, learner, "the parameter server (on host)", timeout, lost)
+def mapping(names, learner=0, timeout=60.0, lost=lambda: None, pull=None):
+    def unused():
+        raise AssertionError("the sequence lock was enough: no read under the server's lock expected")
+
+    return MappedWeights(names, learner, "the parameter server (on host)", timeout, lost, pull or unused)
 
 
 def test_a_learner_sees_the_servers_updates_and_writes_the_gradient_the_server_reads(tmp_path):
@@ -138,3 +141,51 @@ def test_shared_memory_is_refused_on_weakly_ordered_cpus(monkeypatch, tmp_path):
     with pytest.raises(OSError, match="not used on this aarch64 CPU"):
         SharedWeights("host", str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_slow_reader_of_a_server_updating_back_to_back_gets_a_consistent_copy(tmp_path):
+    """Each update is short, but they follow each other with no gap: a reader whose copy is slower than one update
+    is overtaken every time. It is not told that the server died (the version moves: the server lives), and, once
+    overtaken a few times, it reads under the server's lock (as an RPC pull does)."""
+    server, store, _, names = shared_server(tmp_path)
+    lock, stop = threading.Lock(), threading.Event()
+    updates = []
+
+    def write() -> None:
+        value = 0
+        while not stop.is_set():
+            with lock:
+                value += 1
+                store.begin()
+                for flat in server.flat_params:
+                    flat.fill_(value)
+                store.end(value)
+            updates.append(value)
+            time.sleep(0)  # the next update follows at once
+
+    def pull():
+        with lock:
+            return (
+                [p.clone() for p in server.flat_params],
+                [b.clone() for b in server.flat_buffers],
+                int(store.header[1]),
+            )
+
+    def slow_copy(params, buffers):
+        seen.clear()
+        for flat in params:
+            time.sleep(0.01)  # a big model: the copy takes longer than an update
+            seen.extend(flat.tolist())
+
+    seen: list = []
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        while len(updates) < 10:
+            time.sleep(0.001)
+        reader = mapping(names, timeout=0.05, pull=pull)  # longer than an update, shorter than the read
+        clock = reader.read(slow_copy)
+    finally:
+        stop.set()
+        writer.join()
+    assert len(updates) > 20 and set(seen) == {float(clock)}  # one update's weights, the clock they came with

@@ -10,7 +10,9 @@ from lightning_rudra.strategy.launchers.spawn import SpawnLauncher
 from lightning_rudra.strategy.server_nodes import ServerNodeLauncher, check_server_node_job
 
 
-def launcher_for(strategy: Any, environment: ClusterEnvironment, report: Callable[[int, str], None]) -> Any:
+def launcher_for(
+    strategy: Any, environment: ClusterEnvironment, report: Callable[[int, str, tuple[str, int]], None]
+) -> Any:
     """The launcher of ``strategy.start_method``: with ``min_learners``, the strategy's own, which let the other
     learners train on when one is lost (``report`` hears of it); without, Lightning's for ``popen``. A server node's
     own (:class:`~lightning_rudra.strategy.server_nodes.ServerNodeLauncher`); None where the processes are created

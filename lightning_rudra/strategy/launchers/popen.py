@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
+from lightning_rudra.server.membership import this_process
+
 
 def describe_exit(code: int) -> str:
     """A process's exit status in words: ``exit code 7`` or ``signal SIGKILL``."""
@@ -94,13 +96,14 @@ class PopenLauncher(_SubprocessScriptLauncher):
         self,
         *args: Any,
         min_learners: int,
-        report: Callable[[int, str], None],
+        report: Callable[[int, str, tuple[str, int]], None],
         max_restarts: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.min_learners = min_learners
-        self.report = report  # tells the server (rank, why): on another machine it would only see silence
+        # tells the server (rank, why, (machine, pid)): on another machine it would only see silence
+        self.report = report
         self.restarts = Restarts(max_restarts)
         self._reported: set[int] = set()  # children whose end was reported, or that were ended here
 
@@ -126,7 +129,9 @@ class PopenLauncher(_SubprocessScriptLauncher):
                         self.restarts.closed = True
                     else:
                         rank = self._first_rank + index
-                        self.report(rank, describe_exit(proc.returncode))  # before a restart asks to rejoin
+                        # before a restart asks to rejoin; naming the process, so that a late report is not taken
+                        # for one about the process that replaced it
+                        self.report(rank, describe_exit(proc.returncode), (this_process()[0], proc.pid))
                         warn_lost(rank, proc.returncode, self.min_learners, then=self.restarts.lost(rank))
             for rank in self.restarts.now():
                 self._restart(rank - self._first_rank)

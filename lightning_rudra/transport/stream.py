@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 _MAGIC = b"rudra-s1"  # the protocol and its version, first on the wire both ways
 _NONCE = 32
 _PROOF = hashlib.sha256().digest_size
+# the answer to a connection beyond max_peers
+_FULL = "connections at once (two per learner), and has as many: this one is refused"
 _HANDSHAKES = 8  # connections at once that have not proved themselves yet: the rest are closed at once
 
 
@@ -120,6 +122,7 @@ class StreamServer:
         self.sock = socket.create_server((address, 0), family=socket.AF_INET6 if ":" in address else socket.AF_INET)
         self.port: int = self.sock.getsockname()[1]
         self._handshakes = threading.BoundedSemaphore(_HANDSHAKES)
+        self.max_peers = max_peers
         self._peers = threading.BoundedSemaphore(max_peers)
         threading.Thread(target=self._accept, name="rudra-stream-accept", daemon=True).start()
 
@@ -151,7 +154,10 @@ class StreamServer:
                     proved = self._handshake(conn)
                 finally:
                     self._handshakes.release()
-                if not proved or not self._peers.acquire(blocking=False):
+                if not proved:
+                    return
+                if not self._peers.acquire(blocking=False):
+                    self._reply(conn, "a call", ("error", "RuntimeError", f"the stream takes {self.max_peers} {_FULL}"))
                     return
                 try:
                     self._calls(conn)

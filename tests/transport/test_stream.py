@@ -364,3 +364,20 @@ def test_the_unpickler_allows_the_wire_s_types_only():
             frames._Unpickler(memoryview(refused), 0).load()
     with pytest.raises(pickle.UnpicklingError, match="more bytes than its header declares"):
         frames._Unpickler(memoryview(frames.Frame.encode(torch.ones(3)).head[frames._HEADER.size :]), 11).load()
+
+
+def test_a_member_beyond_the_connections_a_run_needs_is_told_so():
+    server = StreamServer("127.0.0.1", _answer, SECRET, LIMITS, 10.0, max_peers=1)
+    first = _client(server)
+    try:
+        assert first.call("echo", 5).wait() == (5,)
+        second = _client(server)
+        try:
+            with pytest.raises(ServerError, match="the stream takes 1 connections at once"):
+                second.call("echo", 6).wait()
+        finally:
+            second.close()
+        assert first.call("echo", 7).wait() == (7,)
+    finally:
+        first.close()
+        server.close()

@@ -21,6 +21,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -133,8 +134,11 @@ class StreamServer:
         while True:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:  # closed
-                return
+            except OSError:
+                if self.sock.fileno() == -1:  # closed
+                    return
+                time.sleep(0.1)  # out of file descriptors, say: the learners' connections may free some
+                continue
             if not self._handshakes.acquire(blocking=False):
                 conn.close()  # more strangers than learners could need: they wait for nothing
                 continue

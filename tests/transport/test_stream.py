@@ -196,8 +196,12 @@ def test_a_call_the_server_cannot_decode_is_answered_with_the_real_cause(server,
     monkeypatch.setattr(frames.torch, "empty", empty)
     client = _client(server)
     try:
-        with pytest.raises(RuntimeError, match="could not decode a call: MemoryError: cannot allocate 49380 bytes"):
+        with pytest.raises(
+            RuntimeError, match="could not decode a call: MemoryError: cannot allocate 49380 bytes"
+        ) as err:
             client.call("echo", torch.ones(12345)).wait()
+        # the learner reports it as the server's error, not as a server that died or did not answer
+        assert not _CONNECTION_LOST.search(str(err.value)) and not _TIMED_OUT.search(str(err.value))
         assert client.call("echo", 1).wait() == (1,)
     finally:
         client.close()

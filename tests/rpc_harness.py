@@ -5,6 +5,7 @@ import os
 import time
 import traceback
 from queue import Empty
+from typing import Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -27,10 +28,12 @@ def model():
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-def run_learners(num_learners: int, target, timeout: float = 20.0, num_servers: int = 1, **kwargs):
+def run_learners(
+    num_learners: int, target, timeout: float = 20.0, num_servers: int = 1, stderr: Optional[str] = None, **kwargs
+):
     """Run ``target(rank, clients, **kwargs)`` in ``num_learners`` processes around ``num_servers`` server
     processes (``clients``: one per server). Returns each learner's result (or the text of its exception), in rank
-    order."""
+    order. ``stderr``: a file that the learners' and the servers' standard error go to."""
     port = free_port()
     # forked from one fork server that imported torch and the package once for the session (seconds per learner)
     ctx = mp.get_context("forkserver")
@@ -39,7 +42,8 @@ def run_learners(num_learners: int, target, timeout: float = 20.0, num_servers: 
     environ = dict(os.environ)  # a fork server's children have the environment of when it started
     procs = [
         ctx.Process(
-            target=_learner_main, args=(rank, num_learners, port, timeout, num_servers, target, kwargs, queue, environ)
+            target=_learner_main,
+            args=(rank, num_learners, port, timeout, num_servers, target, kwargs, queue, environ, stderr),
         )
         for rank in range(num_learners)
     ]
@@ -59,9 +63,12 @@ def run_learners(num_learners: int, target, timeout: float = 20.0, num_servers: 
     return [results.get(r, f"died with exit code {procs[r].exitcode}") for r in range(num_learners)]
 
 
-def _learner_main(rank, num_learners, port, timeout, num_servers, target, kwargs, queue, environ):
+def _learner_main(rank, num_learners, port, timeout, num_servers, target, kwargs, queue, environ, stderr):
     os.environ.clear()
     os.environ.update(environ)
+    if stderr is not None:  # before the servers start: they inherit it
+        with open(stderr, "ab") as file:
+            os.dup2(file.fileno(), 2)
     torch.set_num_threads(1)
     clients, processes = [], []
     try:

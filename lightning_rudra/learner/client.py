@@ -23,7 +23,7 @@ from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.update import PushReply
 from lightning_rudra.transport.rpc_world import address_towards, server_name
 from lightning_rudra.transport.shm import SharedNames
-from lightning_rudra.transport.stream import StreamClient
+from lightning_rudra.transport.stream import StreamClient, StreamOffer
 from lightning_rudra.core.stats import Stats
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
@@ -33,7 +33,7 @@ _NO_TIME_LIMIT = 0
 _CONNECTION_LOST = re.compile(
     r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe|the stream to .* closed", re.I
 )
-_TIMED_OUT = re.compile(r"ran for more than set timeout", re.I)
+_TIMED_OUT = re.compile(r"ran for more than set timeout|the stream to .* timed out", re.I)
 
 
 class LearnerClient:
@@ -195,19 +195,18 @@ class LearnerClient:
 
     def open_stream(self) -> None:
         """From now on pushes go over a TCP connection of their own to the server, which moves tensors across a
-        link faster than RPC (:mod:`lightning_rudra.transport.stream`), if the server offers one."""
-        offered = self._sync("stream_address")
-        if offered is None:
+        link faster than RPC (:mod:`lightning_rudra.transport.stream`), if the server offers one: it opens it when
+        asked, and hands its secret only through RPC."""
+        offer: Optional[StreamOffer] = self._sync("stream_address")
+        if offer is None:
             return
-        address, port = offered
-        address = address or self.server_host
-        what = f"{self.what} (on {address})"
+        what = f"{self.what} (on {offer.address})"
         try:
-            self.stream = StreamClient(address, port, self.timeout, what)
+            self.stream = StreamClient(offer, self.timeout, what)
         except OSError as error:
             raise RuntimeError(
-                f"learner {self.rank} could not connect to {what} at port {port} for its pushes: {error}. A firewall "
-                "between the hosts must let the servers' ports through, as RPC's."
+                f"learner {self.rank} could not connect to {what} at port {offer.port} for its pushes: {error}. A "
+                "firewall between the hosts must let the servers' ports through, as RPC's."
             ) from error
 
     def weights_as_deltas(self, compression: str) -> None:

@@ -6,6 +6,7 @@ torch.distributed.rpc. Handlers never block an RPC thread: a call that must wait
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -20,7 +21,8 @@ from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, job_id
-from lightning_rudra.transport.stream import StreamServer
+from lightning_rudra.transport.frames import FrameLimits
+from lightning_rudra.transport.stream import StreamOffer, StreamServer
 from lightning_rudra.transport.rpc_world import (
     address_towards,
     init_rpc,
@@ -173,14 +175,40 @@ def _push_deltas(compression: str, count: int, learner: Any, *push: Any) -> Futu
     return _server.push(learner, *push).then(encoded)
 
 
-# pushes from learners on other hosts (transport.stream): started with the server, None until then
+# pushes from learners on other hosts (transport.stream): opened when the first of them asks (stream_address)
 _stream: Optional[StreamServer] = None
+_stream_lock = threading.Lock()
+STREAMED = ("push", "push_deltas")  # the only calls the stream takes: everything else goes through RPC
 
 
-def _stream_address() -> Optional[tuple[Optional[str], int]]:
-    """Where this server takes pushes over a connection of their own (None: through RPC only)."""
+def _stream_address() -> Optional[StreamOffer]:
+    """Where this server takes pushes over a connection of their own, with the secret that proves a connection
+    belongs to the run (only RPC hands it out), opened at the first call: a learner on another host asks, once the
+    model is registered. None where this host's address towards the learners is not known (an IPv6 rendezvous):
+    pushes then go through RPC, and no port listens on every interface."""
     assert _server is not None
-    return None if _stream is None else (_server.address, _stream.port)
+    with _stream_lock:
+        global _stream
+        if _stream is None and _server.address is not None:
+            core = _server._core()  # the frames' limit is the model's size
+            model_bytes = sum(t.numel() * t.element_size() for t in core.flat_params + core.flat_buffers)
+            _stream = StreamServer(
+                _server.address,
+                _stream_call,
+                secrets.token_bytes(32),
+                FrameLimits.for_model(model_bytes),
+                _server.membership.timeout,
+                max_peers=2 * _server.num_learners,  # a learner's process, and a lost one's not yet closed
+            )
+        return None if _stream is None else _stream.offer()
+
+
+def _stream_call(method: str, args: tuple) -> Any:
+    if method not in STREAMED:
+        raise ValueError(
+            f"{method!r} is not a call the stream takes: only {' and '.join(STREAMED)}; the rest go by RPC"
+        )
+    return _entry(method, args)(*args)
 
 
 _HERE: dict[str, Callable] = {"push_deltas": _push_deltas, "stream_address": _stream_address}  # answered here
@@ -311,8 +339,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         args.learners, args.timeout, args.min_learners, announce=args.shard == 0, comeback=args.comeback
     )
     _server.address = address_towards(host)
-    global _stream
-    _stream = StreamServer(_server.address, lambda method, call: _entry(method, call)(*call))
     set_rpc_counters(counters)
     init_rpc(
         None,

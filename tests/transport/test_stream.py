@@ -1,22 +1,34 @@
-"""The tensor stream (pushes to a server on another host): frames carry any picklable call with its tensors' bytes
-beside it, bit for bit; a server answers a connection's calls in order, a future's value once it resolves, an error
-as the error; a closed server fails the calls in progress with a message that names it."""
+"""The tensor stream (pushes to a server on another host): frames carry a call with its tensors' bytes beside it, bit
+for bit; a connection proves it knows the run's secret before anything of it is unpickled, and then only what the
+wire carries is decoded, within the model's size; a server answers a connection's calls in order, a future's value
+once it resolves (keepalive frames meanwhile), an error as its type's name and message; every call ends, with an
+error that names the server when the connection closes, goes silent or cannot carry it."""
 
+import pickle
+import secrets
 import socket
 import threading
-import time
 
 import pytest
 import torch
 from torch.futures import Future
 
+from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.compression import WeightMessage
 from lightning_rudra.core.update import PushReply
+from lightning_rudra.learner.client import _CONNECTION_LOST, _TIMED_OUT
+from lightning_rudra.transport import frames, stream
 from lightning_rudra.transport.elastic import LearnerId
-from lightning_rudra.transport.stream import StreamClient, StreamServer, recv_frame, send_frame
+from lightning_rudra.transport.frames import FrameLimits, recv_frame, send_frame
+from lightning_rudra.transport.stream import ServerError, StreamClient, StreamOffer, StreamServer
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = secrets.token_bytes(32)
+LIMITS = FrameLimits.for_model(1 << 20)
 
 
-def test_a_frame_carries_tensors_of_every_dtype_and_shape_bit_for_bit_inside_any_object():
+def test_a_frame_carries_tensors_of_every_dtype_and_shape_bit_for_bit_inside_the_project_s_messages():
     tensors = [
         torch.randn(1000),
         torch.randn(7, 3).to(torch.bfloat16),
@@ -26,18 +38,40 @@ def test_a_frame_carries_tensors_of_every_dtype_and_shape_bit_for_bit_inside_any
         torch.empty(0),
         torch.randn(4, 6).t(),  # not contiguous
     ]
-    sent = ("push", LearnerId(3, 2), [{"lr": 0.1}], PushReply("accepted", 1, 0.5, WeightMessage(False, tensors), [], 9))
+    hparams = [{"lr": 0.1, "betas": (0.9, 0.99), "nesterov": False, "name": "head", "decay": None, "c": 1j}]
+    reply = PushReply("accepted", 1, 0.5, WeightMessage(False, tensors), [], 9)
+    sent = ("push", LearnerId(3, 2), hparams, reply, Clipping(0.5, "value"))
     left, right = socket.socketpair()
     with left, right:
         sender = threading.Thread(target=send_frame, args=(left, sent))
         sender.start()
-        got = recv_frame(right)
+        got = recv_frame(right, LIMITS)
         sender.join()
-    method, learner, hparams, reply = got
-    assert (method, learner, learner.incarnation, hparams) == ("push", 3, 2, [{"lr": 0.1}])
+    method, learner, hparams_got, reply, clipping = got
+    assert (method, learner, learner.incarnation, hparams_got) == ("push", 3, 2, hparams)
+    assert clipping == Clipping(0.5, "value")  # a push's clipping request (core.clipping)
     assert reply.status == "accepted" and reply.clock == 9 and reply.params.whole is False
     for a, b in zip(reply.params.flats, tensors):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+class _TwoArguments(Exception):
+    def __init__(self, first, second):
+        super().__init__(f"{first} and {second}")
+
+
+class _NotCarried:
+    pass
+
+
+class _RunsCode:
+    """Unpickling this runs ``open(path, "w")``: a file appears where nobody asked for one."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
 
 
 def _answer(method, args):
@@ -45,27 +79,51 @@ def _answer(method, args):
         return args
     if method == "later":  # a future that resolves on another thread, after a while, as a hardsync round does
         future = Future()
-        threading.Timer(0.2, lambda: future.set_result(args[0] * 2)).start()
+        threading.Timer(args[1], lambda: future.set_result(args[0] * 2)).start()
         return future.then(lambda done: done.value() + 1)
     if method == "fail":
         raise ValueError(f"refused {args[0]}")
+    if method == "two_arguments":
+        raise _TwoArguments("x", "y")
     if method == "unpicklable":
         return threading.Lock()
+    if method == "not_carried":
+        return _NotCarried()
     raise AssertionError(method)
 
 
 @pytest.fixture
 def server():
-    server = StreamServer("127.0.0.1", _answer)
+    server = StreamServer("127.0.0.1", _answer, SECRET, LIMITS, timeout=10.0, max_peers=4)
     yield server
     server.close()
 
 
+def _client(server, timeout=10.0, secret=SECRET, what="the test's server"):
+    return StreamClient(StreamOffer("127.0.0.1", server.port, secret, LIMITS), timeout, what)
+
+
+def _closed(sock):
+    """Whether the other side closed the connection (a reset, when it left bytes unread)."""
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _prove(sock, secret=SECRET):
+    """The learner's side of the handshake, by hand."""
+    said = stream._exactly(sock, len(stream._MAGIC) + stream._NONCE)
+    challenge, answer = said[len(stream._MAGIC) :], secrets.token_bytes(stream._NONCE)
+    sock.sendall(stream._MAGIC + answer + stream._proof(secret, b"learner", challenge, answer))
+    return stream._exactly(sock, stream._PROOF)
+
+
 def test_calls_are_answered_in_order_with_values_futures_and_errors(server):
-    client = StreamClient("127.0.0.1", server.port, 10.0, "the test's server")
+    client = _client(server)
     try:
         calls = [
-            client.call("later", torch.ones(3)),
+            client.call("later", torch.ones(3), 0.2),
             client.call("echo", torch.arange(4)),
             client.call("fail", 7),
             client.call("unpicklable"),
@@ -73,7 +131,7 @@ def test_calls_are_answered_in_order_with_values_futures_and_errors(server):
         ]
         assert torch.equal(calls[0].wait(), torch.full((3,), 3.0))
         assert torch.equal(calls[1].wait()[0], torch.arange(4))
-        with pytest.raises(ValueError, match="refused 7"):
+        with pytest.raises(ServerError, match="ValueError: refused 7"):
             calls[2].wait()
         with pytest.raises(RuntimeError, match="reply to unpicklable cannot be sent"):
             calls[3].wait()
@@ -82,17 +140,183 @@ def test_calls_are_answered_in_order_with_values_futures_and_errors(server):
         client.close()
 
 
-def test_a_server_that_closes_fails_the_call_in_progress_and_later_ones_naming_it():
+def test_a_stranger_s_pickle_is_never_unpickled(server, tmp_path):
+    """Regression: the server unpickled any frame from anyone (a file created by the server, seen)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.recv(len(stream._MAGIC) + stream._NONCE)
+        send_frame(sock, ("leave", _RunsCode(tmp_path / "ran")))  # a frame, where the proof should be
+        assert _closed(sock)  # nothing answered
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_learner_with_another_secret_is_refused_and_an_impostor_server_is_not_trusted(server):
+    with pytest.raises(ConnectionError, match="refused this learner's proof that it belongs to the run"):
+        _client(server, secret=secrets.token_bytes(32))
+    # a process that took the port of a server that ended, say, and takes any proof: it must not get the gradients
+    listener, connections, offer = _half_open_server(lambda conn: None, secret=secrets.token_bytes(32))
+    try:
+        with pytest.raises(ConnectionError, match="could not prove it is the test's server"):
+            StreamClient(offer, 10.0, "the test's server")
+    finally:
+        listener.close()
+        for conn in connections:
+            conn.close()
+
+
+def test_a_global_the_stream_does_not_carry_is_refused_with_a_clear_error_and_the_connection_goes_on(server, tmp_path):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        _prove(sock)
+        send_frame(sock, ("push", _RunsCode(tmp_path / "ran"), torch.ones(5)))
+        status, kind, message = recv_frame(sock, LIMITS)
+        assert (status, kind) == ("error", "RuntimeError")
+        assert "could not decode a call: UnpicklingError: io.open is not carried by the stream" in message
+        send_frame(sock, ("echo", torch.arange(3)))  # still in step: the refused frame's tensor was read past
+        status, (echoed,) = recv_frame(sock, LIMITS)
+        assert status == "ok" and torch.equal(echoed, torch.arange(3))
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("pickled, tensors", [(1 << 40, 0), (10, 1 << 40), (0, 5)])
+def test_a_frame_over_the_limits_is_refused_before_anything_is_allocated(server, pickled, tensors):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        _prove(sock)
+        sock.sendall(frames._HEADER.pack(pickled, tensors))
+        status, kind, message = recv_frame(sock, LIMITS)
+        assert status == "error" and "is not one of this run's stream: at most" in message
+        assert _closed(sock)
+
+
+def test_a_call_the_server_cannot_decode_is_answered_with_the_real_cause(server, monkeypatch):
+    """Regression (issue 32 item 8): a MemoryError while decoding dropped the connection, and the learner was told
+    "the stream ... closed: Connection reset by peer"."""
+    allocate = torch.empty
+
+    def empty(shape, dtype=None):
+        if tuple(shape) == (12345,):
+            raise MemoryError("cannot allocate 49380 bytes")
+        return allocate(shape, dtype=dtype)
+
+    monkeypatch.setattr(frames.torch, "empty", empty)
+    client = _client(server)
+    try:
+        with pytest.raises(
+            RuntimeError, match="could not decode a call: MemoryError: cannot allocate 49380 bytes"
+        ) as err:
+            client.call("echo", torch.ones(12345)).wait()
+        # the learner reports it as the server's error, not as a server that died or did not answer
+        assert not _CONNECTION_LOST.search(str(err.value)) and not _TIMED_OUT.search(str(err.value))
+        assert client.call("echo", 1).wait() == (1,)
+    finally:
+        client.close()
+
+
+def test_a_reply_the_learner_cannot_unpickle_ends_its_call_and_the_connection_goes_on(server):
+    """Regression (issue 32 item 4): an exception whose __init__ takes two arguments killed the client's thread
+    (TypeError while unpickling the reply), and the call never completed."""
+    client = _client(server)
+    try:
+        with pytest.raises(ServerError, match="_TwoArguments: x and y") as raised:
+            client.call("two_arguments").wait()
+        assert raised.value.kind == "_TwoArguments"
+        with pytest.raises(RuntimeError, match=r"the reply of the test's server to not_carried could not be decoded: "):
+            client.call("not_carried").wait()
+        assert client.call("echo", 2).wait() == (2,)
+    finally:
+        client.close()
+
+
+def test_a_request_that_cannot_be_pickled_fails_its_call_only(server):
+    """Regression (issue 32 item 4): the client's thread died (cannot pickle '_thread.lock'), the call never
+    completed."""
+    client = _client(server)
+    try:
+        with pytest.raises(RuntimeError, match="echo cannot be sent to the test's server: cannot pickle"):
+            client.call("echo", threading.Lock()).wait()
+        assert client.call("echo", 3).wait() == (3,)
+    finally:
+        client.close()
+
+
+def _half_open_server(behave, secret=SECRET):
+    """A server that takes any learner, proves it knows ``secret`` and then does ``behave(connection)``."""
     listener = socket.create_server(("127.0.0.1", 0))
-    accepted = []
-    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
-    client = StreamClient("127.0.0.1", listener.getsockname()[1], 10.0, "parameter server 1 (on 127.0.0.1)")
+    connections = []
+
+    def serve():
+        conn, _ = listener.accept()
+        connections.append(conn)
+        challenge = secrets.token_bytes(stream._NONCE)
+        conn.sendall(stream._MAGIC + challenge)
+        said = stream._exactly(conn, len(stream._MAGIC) + stream._NONCE + stream._PROOF)
+        conn.sendall(stream._proof(secret, b"server", said[len(stream._MAGIC) : -stream._PROOF], challenge))
+        behave(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    offer = StreamOffer("127.0.0.1", listener.getsockname()[1], SECRET, LIMITS)
+    return listener, connections, offer
+
+
+def test_a_half_open_stream_fails_the_call_within_the_timeout_naming_the_server():
+    """Regression (issue 32 item 4): a peer that takes pushes and never answers (a half-open connection) left the
+    push waiting forever, while RPC's heartbeat on its own connection went on."""
+    listener, connections, offer = _half_open_server(lambda conn: None)
+    client = StreamClient(offer, 1.0, "parameter server 1 (on 127.0.0.1)")
+    try:
+        pending = client.call("push", torch.ones(10))
+        later = client.call("push", torch.ones(10))
+        with pytest.raises(RuntimeError, match=r"the stream to parameter server 1 \(on 127.0.0.1\) timed out") as err:
+            pending.wait()
+        assert "nothing moved on it for 1 s (rpc_timeout)" in str(err.value)
+        # the learner counts it as a server that did not answer, as an RPC timeout, not as one whose process died
+        assert _TIMED_OUT.search(str(err.value)) and not _CONNECTION_LOST.search(str(err.value))
+        with pytest.raises(RuntimeError, match="closed: nothing moved on it") as err:
+            later.wait()
+        assert _CONNECTION_LOST.search(str(err.value))
+        with pytest.raises(RuntimeError, match="closed"):
+            client.call("push", 1).wait()
+    finally:
+        client.close()
+        listener.close()
+        for conn in connections:
+            conn.close()
+
+
+def test_a_long_call_is_kept_alive_past_the_timeout(server):
+    server.timeout = 0.4  # keepalive frames every 0.1 s
+    client = _client(server, timeout=0.4)
+    try:  # a hardsync round that waits 1.5 s for a slow learner: not a silent server
+        assert torch.equal(client.call("later", torch.ones(2), 1.5).wait(), torch.full((2,), 3.0))
+    finally:
+        client.close()
+
+
+def test_a_reply_that_is_not_one_ends_every_pending_call_naming_the_server():
+    listener, connections, offer = _half_open_server(lambda conn: send_frame(conn, ("what",)))
+    client = StreamClient(offer, 10.0, "parameter server 1 (on 127.0.0.1)")
+    try:
+        calls = [client.call("push", i) for i in range(3)]
+        for call in calls:
+            with pytest.raises(RuntimeError, match=r"the stream to parameter server 1 \(on 127.0.0.1\) closed"):
+                call.wait()
+    finally:
+        client.close()
+        listener.close()
+        for conn in connections:
+            conn.close()
+
+
+def test_a_server_that_closes_fails_the_call_in_progress_and_later_ones_naming_it():
+    closed = threading.Event()
+
+    def close_after_a_call(conn):
+        recv_frame(conn, LIMITS)
+        conn.close()  # the server's process died
+        closed.set()
+
+    listener, _, offer = _half_open_server(close_after_a_call)
+    client = StreamClient(offer, 10.0, "parameter server 1 (on 127.0.0.1)")
     try:
         pending = client.call("echo", torch.ones(10))
-        deadline = time.monotonic() + 10
-        while not accepted and time.monotonic() < deadline:
-            time.sleep(0.01)
-        accepted[0].close()  # the server's process died
         with pytest.raises(RuntimeError, match=r"the stream to parameter server 1 \(on 127.0.0.1\) closed"):
             pending.wait()
         with pytest.raises(RuntimeError, match="closed"):
@@ -106,4 +330,61 @@ def test_connecting_where_nobody_listens_fails_at_once():
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]
     with pytest.raises(OSError):
-        StreamClient("127.0.0.1", port, 5.0, "nobody")
+        StreamClient(StreamOffer("127.0.0.1", port, SECRET, LIMITS), 5.0, "nobody")
+
+
+@pytest.mark.parametrize("address", ["", "0.0.0.0", "::"])
+def test_the_stream_never_listens_on_every_interface(address):
+    """Regression: with no address towards the rendezvous the stream listened on 0.0.0.0."""
+    with pytest.raises(ValueError, match="never on every interface"):
+        StreamServer(address, _answer, SECRET, LIMITS, 10.0, 4)
+
+
+def test_strangers_that_never_prove_themselves_hold_a_few_connections_at_most(server):
+    strangers = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(stream._HANDSHAKES)]
+    try:
+        for sock in strangers:  # each is being challenged
+            assert sock.recv(len(stream._MAGIC)) == stream._MAGIC
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as extra:
+            assert _closed(extra)  # at once
+    finally:
+        for sock in strangers:
+            sock.close()
+    client = None
+    for _ in range(100):  # the handshakes of the strangers end as their connections close
+        try:
+            client = _client(server)
+            break
+        except ConnectionError:
+            threading.Event().wait(0.05)
+    assert client is not None
+    try:
+        assert client.call("echo", 4).wait() == (4,)
+    finally:
+        client.close()
+
+
+def test_the_unpickler_allows_the_wire_s_types_only():
+    assert pickle.loads(pickle.dumps(torch.bfloat16)) is torch.bfloat16
+    for refused in (pickle.dumps(_NotCarried()), pickle.dumps(print), pickle.dumps(torch.nn.Linear)):
+        with pytest.raises(pickle.UnpicklingError, match="is not carried by the stream"):
+            frames._Unpickler(memoryview(refused), 0).load()
+    with pytest.raises(pickle.UnpicklingError, match="more bytes than its header declares"):
+        frames._Unpickler(memoryview(frames.Frame.encode(torch.ones(3)).head[frames._HEADER.size :]), 11).load()
+
+
+def test_a_member_beyond_the_connections_a_run_needs_is_told_so():
+    server = StreamServer("127.0.0.1", _answer, SECRET, LIMITS, 10.0, max_peers=1)
+    first = _client(server)
+    try:
+        assert first.call("echo", 5).wait() == (5,)
+        second = _client(server)
+        try:
+            with pytest.raises(ServerError, match="the stream takes 1 connections at once"):
+                second.call("echo", 6).wait()
+        finally:
+            second.close()
+        assert first.call("echo", 7).wait() == (7,)
+    finally:
+        first.close()
+        server.close()

@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Hashable, Iterator, Optional, Sequence
 
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -138,7 +138,7 @@ class LearnerClient:
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         waits = SlowWaits(log, f"learner {int(self.rank)}", self._log_waits)
-        waiting = {what: (what, f"{self.what} (on {self.server_host})")}
+        waiting: dict[Hashable, tuple[str, str]] = {what: (what, f"{self.what} (on {self.server_host})")}
         waits.check(waiting)
         while not done.wait(min(self._interval, waits.after or self._interval)):
             if self._server_lost is not None:

@@ -28,6 +28,7 @@ from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.server.shared_side import SharedSide
+from lightning_rudra.server.waits import open_waits
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 
@@ -84,7 +85,7 @@ class ParameterServer:
         self._lost_queue: list[tuple[int, str]] = []
         self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) heard from
         self._told: list[tuple[int, str]] = []  # (level, message) to log once the lock is released
-        self._attaching: set[int] = set()  # learners waiting for the model to be registered
+        self.attaching: set[int] = set()  # learners waiting for the model to be registered
         self.waits = SlowWaits(log, name, waits_after())
 
     def register(
@@ -116,7 +117,7 @@ class ParameterServer:
             self.core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
             for learner in self.membership.lost:
                 self.core.remove(learner)
-            self._attaching = set()
+            self.attaching = set()
         log.debug(
             "%s: learner 0 registered the model (%s, %d learners)", self.waits.who, config.protocol, config.num_learners
         )
@@ -127,7 +128,7 @@ class ParameterServer:
         self._check_alive()
         if not self.registered.done():
             with self.lock:
-                self._attaching.add(learner)
+                self.attaching.add(learner)
         return self.registered.then(lambda registered: registered.wait() or self._locked(self.shared.offer))
 
     def attached(self, learner: int, mapped: bool) -> None:
@@ -277,34 +278,9 @@ class ParameterServer:
                 outcomes += self._give_up(too_few)
             self._check_all_left()
             if self.waits.on:
-                waits = self._open_waits()
+                waits = open_waits(self)
         self._settle(outcomes)
         self.waits.check(waits)
-
-    def _open_waits(self) -> dict[Hashable, tuple[str, str]]:
-        """What each open wait waits for, and on whom (:class:`~lightning_rudra.transport.logs.SlowWaits`). Called
-        under the lock."""
-        members = self.membership.members
-        waits: dict[Hashable, tuple[str, str]] = {}
-        for optimizer, waiters in self.round_waiters.items():
-            if waiters and self.core is not None:  # a round is the list of its waiters: a new round, a new list
-                awaited = self.core.awaited(optimizer)
-                waits[("round", optimizer, id(waiters))] = (
-                    f"the hardsync round of optimizer {optimizer}",
-                    _who(awaited),
-                )
-        for sequence, (_, arrived) in self.gatherings.open.items():
-            waits[("collective", sequence)] = (f"collective {sequence}", _who(members - set(arrived)))
-        if self.finish_waiters:
-            waits[("finish",)] = ("the end of training", _who(members - self.finished))
-        if self._attaching:
-            waits[("model",)] = (f"the model, for {_who(self._attaching)} to pull", "learner 0, which registers it")
-        for learner in self.rejoins.requests:
-            waits[("rejoin", learner)] = (
-                f"an epoch's start, to admit learner {learner}'s new process",
-                f"{_who(members)}, which must all start it",
-            )
-        return waits
 
     def leave(self, learner: int, error: Optional[str] = None) -> None:
         """A learner leaves the stage; one that has not finished training, or stopped with an ``error`` (why), is
@@ -413,7 +389,7 @@ class ParameterServer:
             outcomes += self.rejoins.admit(self.core)
         elif learner == 0 and not self.registered.done():  # only learner 0 registers the model
             never = f"{self.membership.where(0)} was lost before it registered the model (it {why}): there are no "
-            self._attaching = set()
+            self.attaching = set()
             outcomes.append((self.registered, RuntimeError(never + "weights to pull, so training cannot start")))
         return outcomes
 
@@ -474,7 +450,3 @@ class ParameterServer:
     def _locked(self, fn: Callable[[], Any]) -> Any:
         with self.lock:
             return fn()
-
-
-def _who(learners: Any) -> str:
-    return f"learners {sorted(learners)}" if len(learners) != 1 else f"learner {next(iter(learners))}"

@@ -11,6 +11,9 @@
 | kill -9 of learner 1                   | 1            | async    | learner 0 trains on; stats.lost names 1      |
 |   learner 1 kills itself mid-epoch     | 1            | async    | its batches dealt again: every sample trained |
 | kill -9 of learner 1                   | 2            | async    | the run ends: fewer than min_learners left   |
+| learner 1 exits in validate/test/predict | 1          | async    | learner 0 finishes the stage alone           |
+| learner 1 exits in its setup hook      | 1            | async    | learner 0 trains every batch alone           |
+| learner 0 exits before it registers    | 1            | async    | learner 1 ends naming it; the server ends    |
 | SIGSTOP of learner 1 past rpc_timeout  | 1            | softsync | learner 0 trains on (c = 1); 1 is ended      |
 | an exception in learner 1's step       | 1            | hardsync | exactly SGD on the batches left              |
 | the same, 3 learners, then validation  | 2            | hardsync | a metric synced over learners 0 and 2        |

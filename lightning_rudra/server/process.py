@@ -21,7 +21,7 @@ from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, incarnation_of, job_id
-from lightning_rudra.transport.logs import log_to_stderr
+from lightning_rudra.transport.logs import check_switches, log_to_stderr
 from lightning_rudra.transport.stream import StreamServer
 from lightning_rudra.transport.rpc_world import (
     address_towards,
@@ -78,6 +78,7 @@ def start_server(
     does not end it): a new process for this learner rejoins it. ``server_node``: started by a server node's process,
     not a learner: the server takes the RPC counters from learner 0's store of the rendezvous, and joins that store
     as a client, as every server does with ``learner_store`` (a run with server nodes, every stage)."""
+    check_switches()
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])

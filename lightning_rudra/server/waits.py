@@ -22,8 +22,9 @@ def open_waits(server: "ParameterServer") -> dict[Hashable, tuple[str, str]]:
         waits[("collective", sequence)] = (f"collective {sequence}", learners(members - set(arrived)))
     if server.finish_waiters:
         waits[("finish",)] = ("the end of training", learners(members - server.finished))
-    if server.attaching:
-        waits[("model",)] = (f"the model, for {learners(server.attaching)} to pull", "learner 0, which registers it")
+    attaching = server.attaching & members
+    if attaching and not server.registered.done():
+        waits[("model",)] = (f"the model, for {learners(attaching)} to pull", "learner 0, which registers it")
     for learner in server.rejoins.requests:
         waits[("rejoin", learner)] = (
             f"an epoch's start, to admit learner {learner}'s new process",

@@ -42,6 +42,22 @@ def waits_after() -> Optional[float]:
     return seconds
 
 
+def log_level() -> int:
+    """``RUDRA_LOG_LEVEL``: the level of a server process's records on its stderr (default ``INFO``)."""
+    name = os.environ.get(LEVEL, "INFO").strip().upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise ValueError(f"{LEVEL}={name!r} is not a logging level: expected DEBUG, INFO, WARNING or ERROR")
+    return level
+
+
+def check_switches() -> None:
+    """Refuses a bad value of either switch in the learner that starts a server, where the error reaches the user,
+    rather than in the server process."""
+    waits_after()
+    log_level()
+
+
 class _Dropping(QueueHandler):
     def enqueue(self, record: logging.LogRecord) -> None:
         try:
@@ -56,10 +72,7 @@ def log_to_stderr(stream: Optional[TextIO] = None) -> Callable[[float], None]:
     watch for lost learners) never waits for, nor fails with, a stderr that is closed or that nobody reads (a
     record it cannot write is dropped: logging's ``handleError``). Returns what waits, at most the seconds it is
     given, for the records logged so far to be written (also run at exit)."""
-    name = os.environ.get(LEVEL, "INFO").strip().upper()
-    level = logging.getLevelName(name)
-    if not isinstance(level, int):
-        raise ValueError(f"{LEVEL}={name!r} is not a logging level: expected DEBUG, INFO, WARNING or ERROR")
+    level = log_level()
     writer = logging.StreamHandler(stream or sys.stderr)
     writer.setFormatter(logging.Formatter("lightning_rudra: %(message)s"))
     records: "queue.Queue[logging.LogRecord]" = queue.Queue(_QUEUED)

@@ -80,10 +80,10 @@ def test_without_the_switch_nothing_is_logged_of_waits(monkeypatch, caplog, watc
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-3"])
-def test_a_bad_value_of_the_switch_is_refused_naming_it(monkeypatch, value):
+def test_a_bad_value_of_the_switch_is_refused_naming_it_before_a_server_starts(monkeypatch, value):
     monkeypatch.setenv(logs.WAITS, value)
     with pytest.raises(ValueError, match=f"RUDRA_LOG_WAITS='{value}' is not a number of seconds: expected a positive"):
-        logs.waits_after()
+        server.start_server("tcp://127.0.0.1:1", 2, 60.0)  # in the learner, before any process starts
 
 
 def test_a_server_process_writes_its_records_to_stderr_as_it_printed_them(monkeypatch):

@@ -305,20 +305,12 @@ class BrokenStderr:
         raise BrokenPipeError(32, "Broken pipe")
 
 
-def test_a_server_whose_stderr_is_broken_releases_the_survivors_and_watches_on(monkeypatch):
+def test_a_server_whose_stderr_is_broken_releases_the_survivors_and_watches_on(monkeypatch, server_logging):
     """The server announces a loss on its stderr (its own handler, as a server process has): with that stderr
     broken, the learners left are released all the same, and the watch goes on to see the next loss."""
-    import logging
-
-    from lightning_rudra.transport import logs
-
     broken = BrokenStderr()
     monkeypatch.setattr(sys, "stderr", broken)
-    package = logging.getLogger("lightning_rudra")
-    monkeypatch.setattr(package, "handlers", [])
-    monkeypatch.setattr(package, "propagate", package.propagate)
-    monkeypatch.setattr(package, "level", package.level)
-    logs.log_to_stderr(broken)
+    server_logging(broken)
     ps = parameter_server(monkeypatch, "hardsync", 3, min_learners=1)
     children = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
     for child in children:

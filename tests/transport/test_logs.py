@@ -86,30 +86,23 @@ def test_a_bad_value_of_the_switch_is_refused_naming_it_before_a_server_starts(m
         server.start_server("tcp://127.0.0.1:1", 2, 60.0)  # in the learner, before any process starts
 
 
-def test_a_server_process_writes_its_records_to_stderr_as_it_printed_them(monkeypatch):
+def test_a_server_process_writes_its_records_to_stderr_as_it_printed_them(monkeypatch, server_logging):
     """A loss, at INFO, the way the server printed it before it logged; joins and refusals only at DEBUG."""
-    package = logging.getLogger("lightning_rudra")
-    monkeypatch.setattr(package, "handlers", [])
-    monkeypatch.setattr(package, "propagate", package.propagate)
     monkeypatch.delenv(logs.LEVEL, raising=False)
     stream = io.StringIO()
-    level = package.level
-    try:
-        drain = logs.log_to_stderr(stream)
-        ps = ParameterServer(2, timeout=5.0, min_learners=1)
-        monkeypatch.setattr(server, "_server", ps)
-        server.call("heartbeat", 1, "10.0.0.2", None)  # a join: DEBUG
-        server.call("leave", 1, "ValueError: broke")
-        drain(10.0)
-    finally:
-        package.setLevel(level)
+    drain = server_logging(stream)
+    ps = ParameterServer(2, timeout=5.0, min_learners=1)
+    monkeypatch.setattr(server, "_server", ps)
+    server.call("heartbeat", 1, "10.0.0.2", None)  # a join: DEBUG
+    server.call("leave", 1, "ValueError: broke")
+    drain(10.0)
     assert stream.getvalue() == (
         "lightning_rudra: learner 1 (on 10.0.0.2) was lost: it stopped with an error (ValueError: broke). Learners "
         "left: [0] (min_learners=1): training goes on.\n"
     )
     monkeypatch.setenv(logs.LEVEL, "LOUD")
     with pytest.raises(ValueError, match="RUDRA_LOG_LEVEL='LOUD' is not a logging level"):
-        logs.log_to_stderr(stream)
+        server_logging(stream)
 
 
 @pytest.mark.slow

@@ -242,6 +242,10 @@ class Server:
         for i, state in enumerate(states):
             self.load_optimizer_state(i, state)
 
+    def awaited(self, optimizer: int) -> set[int]:
+        """The learners whose gradient the open hardsync round of ``optimizer`` still waits for."""
+        return self.active - self._pending[optimizer].learners
+
     def _ready(self, pending: Pending) -> bool:
         if self.config.protocol == "hardsync":
             return self.active <= pending.learners

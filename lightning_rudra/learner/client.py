@@ -4,10 +4,11 @@ learners waits as long as they are alive (the server's heartbeat watch ends it w
 has a timeout. Pushes to a server on another host go over a connection of their own
 (:mod:`lightning_rudra.transport.stream`). Nothing here knows about Lightning."""
 
+import logging
 import re
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Hashable, Iterator, Optional, Sequence
 
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -21,6 +22,7 @@ from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.update import PushReply
+from lightning_rudra.transport.logs import SlowWaits, waits_after
 from lightning_rudra.transport.rpc_world import address_towards, server_name
 from lightning_rudra.transport.shm import SharedNames
 from lightning_rudra.transport.stream import StreamClient, StreamOffer
@@ -34,6 +36,8 @@ _CONNECTION_LOST = re.compile(
     r"EOF: end of file|pipe closed|ECONNRESET|ECONNREFUSED|connection reset|Broken pipe|the stream to .* closed", re.I
 )
 _TIMED_OUT = re.compile(r"ran for more than set timeout|the stream to .* timed out", re.I)
+
+log = logging.getLogger(__name__)
 
 
 class LearnerClient:
@@ -67,6 +71,7 @@ class LearnerClient:
         self._collectives = 0
         self._interval = min(5.0, timeout / 4)
         self._server_lost: Optional[str] = None
+        self._log_waits = waits_after()  # RUDRA_LOG_WAITS, checked before any wait
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name=f"rudra-heartbeat-{rank}", daemon=True)
         self._heartbeat.start()
@@ -124,16 +129,22 @@ class LearnerClient:
             )
         return None
 
-    def _wait(self, method: str, *args: Any) -> Any:
-        return self.result(rpc.rpc_async(self.server, _server.call_async, args=(method, *args), timeout=_NO_TIME_LIMIT))
+    def _wait(self, what: str, method: str, *args: Any) -> Any:
+        future = rpc.rpc_async(self.server, _server.call_async, args=(method, *args), timeout=_NO_TIME_LIMIT)
+        return self.result(future, what)
 
-    def result(self, future: Future) -> Any:
-        """The value of a call that waits for other learners: no time limit while the server answers."""
+    def result(self, future: Future, what: str = "a reply") -> Any:
+        """The value of a call that waits for other learners: no time limit while the server answers. ``what``: what
+        it waits for, logged if the wait lasts (``RUDRA_LOG_WAITS``)."""
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
-        while not done.wait(self._interval):
+        waits = SlowWaits(log, f"learner {int(self.rank)}", self._log_waits)
+        waiting: dict[Hashable, tuple[str, str]] = {what: (what, f"{self.what} (on {self.server_host})")}
+        waits.check(waiting)
+        while not done.wait(min(self._interval, waits.after or self._interval)):
             if self._server_lost is not None:
                 raise RuntimeError(self._server_lost)
+            waits.check(waiting)
         with self._naming_a_lost_server():
             value = future.wait()
         if isinstance(value, BaseException):  # a wait the server failed (a learner was lost) arrives as a value
@@ -155,13 +166,13 @@ class LearnerClient:
 
     def attach(self) -> tuple[Optional[SharedNames], Optional[str]]:
         """Once the model is registered: the server's shared memory (None without it) and why it is missing."""
-        return self._wait("attach", self.rank)
+        return self._wait("the model, which learner 0 registers", "attach", self.rank)
 
     def attached(self, mapped: bool) -> None:
         self._sync("attached", self.rank, mapped)
 
     def pull(self) -> tuple[list[Tensor], list[Tensor]]:
-        params, buffers, self.timestamp = self._wait("pull")
+        params, buffers, self.timestamp = self._wait("the weights", "pull")
         return params, buffers
 
     def push(
@@ -219,7 +230,7 @@ class LearnerClient:
 
     def receive(self, pushed: Future) -> PushReply:
         """The server's reply to a push; its clock is the timestamp of this learner's next push."""
-        reply: PushReply = self.result(pushed)
+        reply: PushReply = self.result(pushed, "the reply to its push")
         self.timestamp = reply.clock
         if self.deltas is not None:
             self._replies_due -= 1
@@ -232,14 +243,16 @@ class LearnerClient:
 
     def final_weights(self, finished: Future) -> tuple[Optional[list[Tensor]], Optional[list[Tensor]]]:
         """Once every learner has stopped: the final weights (None: in shared memory)."""
-        params, buffers, self.timestamp = self.result(finished)
+        params, buffers, self.timestamp = self.result(finished, "the end of training, once every learner finished")
         return params, buffers
 
     def gather(self, obj: Any) -> dict[int, Any]:
         """Every learner's ``obj`` (learner -> obj, in rank order), but those of learners lost under
         ``min_learners``. All learners must call collectives in the same order."""
         self._collectives += 1
-        return self._wait("gather", self._collectives, self.rank, obj)
+        return self._wait(
+            f"collective {self._collectives}, which every learner reaches", "gather", self._collectives, self.rank, obj
+        )
 
     def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int, trained: Optional[int] = None) -> Future:
         """Ask for up to ``want`` next batches of the shared epoch of train dataloader ``pool``, saying that this

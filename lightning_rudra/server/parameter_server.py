@@ -7,13 +7,14 @@ Nothing blocks: whatever must wait (a hardsync round, a collective, the end of t
 ``torch.futures.Future`` that the call completing the wait resolves. Such waits have no time limit, since waiting
 for a slow learner is not an error; instead every learner sends a heartbeat, and a learner whose process ended,
 or that is silent for longer than the timeout, is lost: every wait fails at once with a message that names it, or,
-with ``min_learners``, completes with the learners left.
+with ``min_learners``, completes with the learners left (whether or not the model is registered yet: validate, test
+and predict never register one). What the server has to say (a loss, a rejoin) it logs once the lock is released and
+every wait is settled: writing to its stderr can fail or block, and must not stop the learners left.
 """
 
-import sys
+import logging
 import threading
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 from torch.futures import Future
 
@@ -28,8 +29,11 @@ from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.server.shared_side import SharedSide
+from lightning_rudra.server.waits import open_waits
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.transport.logs import SlowWaits, waits_after
 
+log = logging.getLogger(__name__)
 
 Outcomes = list[tuple[Future, Any]]  # futures to resolve once the lock is released: a value, or an exception
 
@@ -56,9 +60,11 @@ class ParameterServer:
         min_learners: Optional[int] = None,
         announce: bool = True,
         comeback: float = 0.0,
+        name: str = "the parameter server",
     ) -> None:
-        """``announce``: print each loss and rejoin (with several servers, the first does); ``comeback``: see
-        :class:`~lightning_rudra.server.membership.Membership`."""
+        """``announce``: log each loss and rejoin at INFO, which a server process writes to its stderr (with several
+        servers, the first does; the others at DEBUG); ``comeback``: see
+        :class:`~lightning_rudra.server.membership.Membership`; ``name``: this server, in what it logs."""
         self.num_learners = num_learners
         self.announce = announce
         self.address: Optional[str] = None  # where the learners reach this process, for their messages
@@ -74,15 +80,18 @@ class ParameterServer:
         self.epochs = SharedEpochs(num_learners)
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
         self.shared = SharedSide(num_learners)
-        self.rejoins = Rejoins(self.membership, announce)
+        self.rejoins = Rejoins(self.membership, self._announce)
         self.on_lost: Optional[Callable[[int, str], None]] = None  # told of each loss, outside the lock
         self.on_heard: Optional[Callable[[int, Any], None]] = None  # and of each process first heard from
         self._lost_queue: list[tuple[int, str]] = []
-        self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) told of
+        self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) heard from
         self.processes: dict[tuple[int, int], Any] = {}  # (learner, incarnation) -> its process, as it beats
         # per compression, the float32 weights each learner's process holds (its replies' weights travel as
         # differences from them: process.py's push_deltas); forgotten once that process is lost or leaves
         self.weight_deltas: dict[str, WeightDeltas] = {}
+        self._told: list[tuple[int, str]] = []  # (level, message) to log once the lock is released
+        self.attaching: set[int] = set()  # learners waiting for the model to be registered
+        self.waits = SlowWaits(log, name, waits_after())
 
     def register(
         self,
@@ -100,6 +109,8 @@ class ParameterServer:
         shared memory, or, if it cannot be allocated, in plain memory (the learners are told why). ``module``:
         what a learner that rejoins must match (:func:`~lightning_rudra.server.rejoins.describe_module`)."""
         with self.lock:
+            if self.registered.done():  # learner 0 was lost first: its process, woken up, is refused
+                self.registered.wait()
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
             self.rejoins.module = module
@@ -111,11 +122,18 @@ class ParameterServer:
             self.core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
             for learner in self.membership.lost:
                 self.core.remove(learner)
+            self.attaching = set()
+        log.debug(
+            "%s: learner 0 registered the model (%s, %d learners)", self.waits.who, config.protocol, config.num_learners
+        )
         self.registered.set_result(None)
 
     def attach(self, learner: int) -> Future:
         """Once registered: the shared memory's names (None without it), and why it is missing, if it failed."""
         self._check_alive()
+        if not self.registered.done():
+            with self.lock:
+                self.attaching.add(learner)
         return self.registered.then(lambda registered: registered.wait() or self._locked(self.shared.offer))
 
     def attached(self, learner: int, mapped: bool) -> None:
@@ -158,7 +176,7 @@ class ParameterServer:
             else:
                 outcomes, weights = self._release_rounds([optimizer] if result.closed else [], learner)
                 lr_scale = self._lr_scale(optimizer)
-        _settle(outcomes)
+        self._settle(outcomes)
         if not in_round:
             reply = Future()
             reply.set_result(PushReply(result.status, result.staleness, lr_scale, *weights))
@@ -190,7 +208,7 @@ class ParameterServer:
             future: Future = Future()
             self.finish_waiters.append(future)
             outcomes += self._complete_finish()
-        _settle(outcomes)
+        self._settle(outcomes)
         return future
 
     def _complete_finish(self) -> Outcomes:
@@ -210,7 +228,7 @@ class ParameterServer:
             outcomes = self.gatherings.complete(self.membership.members)
             if not outcomes:
                 outcomes = self._give_up_if_deadlocked()
-        _settle(outcomes)
+        self._settle(outcomes)
         return future
 
     def draw(
@@ -227,9 +245,13 @@ class ParameterServer:
 
     def check_caller(self, method: str, learner: Any) -> None:
         """Refuses, before anything changes, a call from a learner this run does not know or no longer counts."""
-        self.membership.check_caller(method, learner)
-        if method == "push" and learner in self.finished:
-            raise RuntimeError(f"push from learner {learner} refused: it has finished training")
+        try:
+            self.membership.check_caller(method, learner)
+            if method == "push" and learner in self.finished:
+                raise RuntimeError(f"push from learner {learner} refused: it has finished training")
+        except (ValueError, RuntimeError) as refusal:
+            log.debug("%s: %s", self.waits.who, refusal)
+            raise
 
     def heartbeat(self, learner: int, address: str, process: Any = None) -> Optional[str]:
         """``process``: (machine, pid) (:func:`~lightning_rudra.server.membership.this_process`). Answers with this
@@ -238,25 +260,37 @@ class ParameterServer:
             return self.address  # a process refused while another one waits to rejoin: its end is not that one's
         self.membership.heard(learner, address, process)
         self.processes[(int(learner), incarnation_of(learner))] = process
-        if self.on_heard is not None and (learner, incarnation_of(learner)) not in self._heard:
+        if (learner, incarnation_of(learner)) not in self._heard:
             self._heard.add((learner, incarnation_of(learner)))
-            self.on_heard(learner, process)
+            log.debug("%s: %s joined (process %s)", self.waits.who, self.membership.where(learner), process)
+            if self.on_heard is not None:
+                self.on_heard(learner, process)
         return self.address
 
     def watch(self) -> None:
         """Runs in its own thread: finds the learners lost (a process that ended, a learner silent for longer
-        than the timeout) and applies :meth:`_lose`."""
-        while not self.all_left.is_set():
-            time.sleep(min(1.0, self.membership.timeout / 4))
-            with self.lock:
-                outcomes = [o for learner, why in self.membership.newly_lost() for o in self._lose(learner, why)]
-                for learner in self.membership.newly_failed_joins():
-                    outcomes += self._join_failed(learner, "its process ended or went silent while it waited")
-                too_few = self.membership.comeback_over()
-                if too_few is not None and self.failure is None:
-                    outcomes += self._give_up(too_few)
-                self._check_all_left()
-            self._settle(outcomes)
+        than the timeout) and applies :meth:`_lose`; logs the waits that last (``RUDRA_LOG_WAITS``). Whatever
+        fails in a round of it is logged, and the watch goes on: without it, no later loss would be seen."""
+        while not self.all_left.wait(min(1.0, self.membership.timeout / 4)):
+            try:
+                self._look()
+            except Exception:
+                log.exception("%s: the watch for lost learners failed, and goes on", self.waits.who)
+
+    def _look(self) -> None:
+        waits: dict[Hashable, tuple[str, str]] = {}
+        with self.lock:
+            outcomes = [o for learner, why in self.membership.newly_lost() for o in self._lose(learner, why)]
+            for learner in self.membership.newly_failed_joins():
+                outcomes += self._join_failed(learner, "its process ended or went silent while it waited")
+            too_few = self.membership.comeback_over()
+            if too_few is not None and self.failure is None:
+                outcomes += self._give_up(too_few)
+            self._check_all_left()
+            if self.waits.on:
+                waits = open_waits(self)
+        self._settle(outcomes)
+        self.waits.check(waits)
 
     def leave(self, learner: int, error: Optional[str] = None) -> None:
         """A learner leaves the stage; one that has not finished training, or stopped with an ``error`` (why), is
@@ -278,6 +312,7 @@ class ParameterServer:
             self.membership.left.add(learner)
             self._forget_weights(learner)
             self._check_all_left()
+            self._told.append((logging.DEBUG, f"{self.waits.who}: learner {learner} left ({error or 'no error'})"))
         self._settle(outcomes)
 
     def report(self, reporter: int, learner: Any, why: str, process: Any = None) -> None:
@@ -310,12 +345,13 @@ class ParameterServer:
             self.rejoins.check(learner, module)
             reply: Future = Future()
             self.rejoins.ask(learner, incarnation_of(learner), reply)
+            self._told.append((logging.DEBUG, f"{self.waits.who}: a new process for learner {learner} asks to rejoin"))
             # every learner finished, or none is left and none is awaited back
             over = self.finish_waiters or (
                 self.core is not None and not self.core.active and not self.membership.awaiting_comeback
             )
             outcomes = self.rejoins.turn_away() if over else self.rejoins.admit(self._core())
-        _settle(outcomes)
+        self._settle(outcomes)
         return reply
 
     def progress(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
@@ -324,7 +360,7 @@ class ParameterServer:
         with self.lock:
             self.rejoins.report(learner, epoch, global_step, collectives)
             outcomes = self.rejoins.admit(self._core())
-        _settle(outcomes)
+        self._settle(outcomes)
 
     def _join_failed(self, learner: int, why: str) -> Outcomes:
         """The process waiting to rejoin as ``learner`` is gone (its RPC name is struck). Called under the lock."""
@@ -332,18 +368,29 @@ class ParameterServer:
         return self.rejoins.fail(learner, why)
 
     def _settle(self, outcomes: Outcomes) -> None:
-        """Resolve ``outcomes`` once the lock is released, then tell :attr:`on_lost` of the learners lost since
-        (only calls that can lose a learner come here: never a push)."""
+        """Resolve ``outcomes`` once the lock is released, then log what there is to say and tell :attr:`on_lost`
+        of the learners lost since."""
         _settle(outcomes)
+        if not (self._told or self._lost_queue):  # most calls (read without the lock: who adds, settles after)
+            return
         with self.lock:
+            told, self._told = self._told, []
             lost, self._lost_queue = self._lost_queue, []
+        for level, message in told:
+            log.log(level, "%s", message)
         for learner, why in lost:
             if self.on_lost is not None:
                 self.on_lost(learner, why)
 
+    def _announce(self, message: str) -> None:
+        """A loss or a rejoin, logged once the lock is released (:meth:`_settle`). Called under the lock."""
+        self._told.append((logging.INFO if self.announce else logging.DEBUG, message))
+
     def _lose(self, learner: int, why: str) -> Outcomes:
-        """``learner`` is lost: without ``min_learners`` (or too few left) training ends; otherwise hardsync
-        rounds, collectives and the end of training go on with the learners left. Called under the lock."""
+        """``learner`` is lost: without ``min_learners`` (or too few left) training ends; otherwise every wait goes
+        on with the learners left (hardsync rounds, collectives, the end of training, a new process's admission),
+        registered model or not; a learner 0 lost before it registered the model fails the waits for it. Called
+        under the lock."""
         if self.failure is not None:  # training is over already, for the reason every learner was given; the
             self.membership.lose(learner, why)  # server still ends once none is left (it may have no parent)
             self._check_all_left()
@@ -360,12 +407,16 @@ class ParameterServer:
         if failure is not None:
             return self._give_up(failure)
         self.epochs.lose(learner)
-        if self.announce:
-            print(f"lightning_rudra: {self.membership.loss_told(learner, why)}", file=sys.stderr, flush=True)
-        if self.core is None:
-            return []
-        outcomes, _ = self._release_rounds(self.core.remove(learner))
-        return outcomes + self.gatherings.complete(self.membership.members) + self._complete_finish()
+        self._announce(self.membership.loss_told(learner, why))
+        outcomes = self._release_rounds(self.core.remove(learner))[0] if self.core is not None else []
+        outcomes += self.gatherings.complete(self.membership.members) + self._complete_finish()
+        if self.core is not None:
+            outcomes += self.rejoins.admit(self.core)
+        elif learner == 0 and not self.registered.done():  # only learner 0 registers the model
+            never = f"{self.membership.where(0)} was lost before it registered the model (it {why}): there are no "
+            self.attaching = set()
+            outcomes.append((self.registered, RuntimeError(never + "weights to pull, so training cannot start")))
+        return outcomes
 
     def _forget_weights(self, learner: int) -> None:
         """``learner``'s process is gone: the copy of the weights it held goes too (a new process gets them
@@ -382,6 +433,7 @@ class ParameterServer:
         caller settles the returned outcomes once it has released it (:func:`_settle`)."""
         self.failure = reason
         self.shared.release()  # nobody maps the files any more
+        self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
         waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
         waiters += self.gatherings.close() + self.finish_waiters
         self.round_waiters, self.finish_waiters = {}, []

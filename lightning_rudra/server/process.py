@@ -5,6 +5,7 @@ torch.distributed.rpc. Handlers never block an RPC thread: a call that must wait
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import subprocess
@@ -22,6 +23,7 @@ from lightning_rudra.core.update import PushReply
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, job_id
 from lightning_rudra.transport.frames import FrameLimits
+from lightning_rudra.transport.logs import check_switches, log_to_stderr
 from lightning_rudra.transport.stream import StreamOffer, StreamServer
 from lightning_rudra.transport.rpc_world import (
     address_towards,
@@ -32,6 +34,8 @@ from lightning_rudra.transport.rpc_world import (
     set_rpc_counters,
     shutdown_rpc,
 )
+
+log = logging.getLogger(__name__)
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server.process`, not in a copy named
@@ -76,6 +80,7 @@ def start_server(
     does not end it): a new process for this learner rejoins it. ``server_node``: started by a server node's process,
     not a learner: the server takes the RPC counters from learner 0's store of the rendezvous, and joins that store
     as a client, as every server does with ``learner_store`` (a run with server nodes, every stage)."""
+    check_switches()
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
@@ -251,10 +256,7 @@ def _open_to_rejoins(args: argparse.Namespace) -> None:
                 store.mark(learner, "lost", why)
                 forget(learner)
             except Exception as error:  # the store closes as the run ends
-                print(
-                    f"lightning_rudra: learner {learner} could not be struck from the RPC world: {error}",
-                    file=sys.stderr,
-                )
+                log.warning("learner %d could not be struck from the RPC world: %s", learner, error)
 
         _server.on_lost = lost
         _server.on_heard = lambda learner, process: store.mark(learner, "alive", json.dumps(process))
@@ -271,10 +273,7 @@ def _free_stuck_tokens() -> None:
         except Exception:  # the agent is shutting down
             return
         if holder is not None:
-            print(
-                f"lightning_rudra: a process failed while it joined ({holder}): the RPC world is open again",
-                file=sys.stderr,
-            )
+            log.warning("a process failed while it joined (%s): the RPC world is open again", holder)
 
 
 def _release_shared_memory() -> None:
@@ -321,11 +320,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     parser.add_argument("--learner-store", action="store_true", help="join learner 0's store of the rendezvous")
     args = parser.parse_args(argv)
+    log_to_stderr()  # this process has no logging of its own: what it has to say goes to its stderr
     host, _, port = args.init_method.removeprefix("tcp://").rpartition(":")
     try:  # a server node's server fails here, early, when the learners never come
         counters = read_rpc_counters(host, int(port), args.timeout) if args.server_node else args.rpc_counters
     except TimeoutError as error:
-        print(f"lightning_rudra: parameter server {args.shard}: {error}", file=sys.stderr, flush=True)
+        log.error("parameter server %d: %s", args.shard, error)
         sys.exit(NO_LEARNERS)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     # torch imports its compiler stack (some 800 modules: seconds, over 10 s on a busy machine) when it builds its
@@ -336,7 +336,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
     _server = ParameterServer(
-        args.learners, args.timeout, args.min_learners, announce=args.shard == 0, comeback=args.comeback
+        args.learners,
+        args.timeout,
+        args.min_learners,
+        announce=args.shard == 0,
+        comeback=args.comeback,
+        name=f"parameter server {args.shard}",
     )
     _server.address = address_towards(host)
     set_rpc_counters(counters)
@@ -363,5 +368,5 @@ def main(argv: Optional[list[str]] = None) -> None:
             _release_shared_memory()
         shutdown_rpc()
     if args.server_node and _server.failure is not None:  # the server node's fit raises with this
-        print(f"lightning_rudra: parameter server {args.shard}: {_server.failure}", file=sys.stderr, flush=True)
+        log.error("parameter server %d: %s", args.shard, _server.failure)
         sys.exit(RUN_FAILED)

@@ -4,10 +4,9 @@ training has started that epoch. There it takes the run's epoch, global step and
 learner reports as it starts an epoch (:meth:`Rejoins.report`). No RPC: the server drives it under its lock.
 """
 
-import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lightning_rudra.core.optimizers import hyperparameters
 from lightning_rudra.core.protocol import Server
@@ -57,9 +56,9 @@ class Rejoins:
     """Requests to rejoin, and what every learner reported at the start of its latest epoch, for the learners of
     ``membership``."""
 
-    def __init__(self, membership: Membership, announce: bool = True) -> None:
+    def __init__(self, membership: Membership, announce: Callable[[str], None]) -> None:
         self.membership = membership
-        self.announce = announce  # print each rejoin (with several servers, the first does)
+        self.announce = announce  # says that a learner rejoined, once the server's lock is released
         self.module: Optional[dict[str, Any]] = None  # learner 0's describe_module, from its register
         self.progress: dict[int, Admission] = {}  # learner -> at the start of its latest epoch
         self.furthest = Admission(0, 0, 0)  # the latest epoch start any learner reported, even one lost since
@@ -104,13 +103,10 @@ class Rejoins:
             core.stats.record(learner, "rejoined", f"a new process, admitted at the start of epoch {where.epoch}")
             hparams = [[hyperparameters(group) for group in opt.param_groups] for opt in core.optimizers]
             admitted.append((request.reply, (where, hparams)))
-            if self.announce:
-                print(
-                    f"lightning_rudra: {self.membership.where(learner)} rejoined at the start of epoch {where.epoch}; "
-                    f"training goes on with learners {sorted(self.membership.members)}.",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            self.announce(
+                f"{self.membership.where(learner)} rejoined at the start of epoch {where.epoch}; training goes on "
+                f"with learners {sorted(self.membership.members)}."
+            )
         return admitted
 
     def _due(self, members: set[int]) -> list[tuple[int, _Request, Admission]]:

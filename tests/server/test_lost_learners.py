@@ -230,3 +230,101 @@ def test_a_learner_stopped_by_the_user_ends_the_run_even_with_comeback(monkeypat
     server.call("leave", 0, "KeyboardInterrupt: ")
     assert ps.failure is not None and "fewer than min_learners=1, so training cannot go on" in ps.failure
     assert ps.all_left.is_set()
+
+
+def settled(future, seconds: float = 30.0):
+    """``future`` once it is done (bounded: a wait that never ends fails the test here, not by its timeout)."""
+    for _ in range(int(seconds / 0.05)):
+        if future.done():
+            return future
+        time.sleep(0.05)
+    raise AssertionError("the wait was never released")
+
+
+@pytest.mark.parametrize("stage", ["test", "fit"])
+def test_a_loss_before_the_model_is_registered_completes_the_collectives(monkeypatch, stage):
+    """validate/test/predict never register a model, nor does fit before its setup: the learners left must not wait
+    for the lost one at a collective (a barrier, a logged value's sync) or at the end of training."""
+    ps = ParameterServer(3, timeout=5.0, min_learners=1)
+    monkeypatch.setattr(server, "_server", ps)
+    gathered = [server.call_async("gather", 1, learner, learner) for learner in (0, 2)]
+    lose(ps, 1)
+    assert all(f.done() for f in gathered) and [f.wait() for f in gathered] == [{0: 0, 2: 2}] * 2
+    if stage == "fit":  # the model registered after the loss: the protocol counts learners 0 and 2 only
+        params = [torch.zeros(2)]
+        spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
+        server.call("register", ProtocolConfig(3, "hardsync"), params, [], [spec], None, False)
+        assert ps.core.active == {0, 2} and ps.core.stats.lost.keys() == {1}
+
+
+def test_learner_0_lost_before_it_registers_the_model_fails_the_waits_for_it(monkeypatch):
+    """Learner 0 hands over the model; lost first (under min_learners), nobody will: whoever waits to attach or pull
+    is told why instead of waiting forever."""
+    ps = ParameterServer(2, timeout=5.0, min_learners=1)
+    monkeypatch.setattr(server, "_server", ps)
+    attached, pulled = server.call_async("attach", 1), server.call_async("pull")
+    lose(ps, 0, "stopped with an error (ValueError: broke)")
+    message = r"learner 0 \(on a host it never named\) was lost before it registered the model"
+    assert attached.done() and pulled.done()
+    for future in (attached, pulled):
+        with pytest.raises(RuntimeError, match=message):
+            future.wait()
+    with pytest.raises(RuntimeError, match=message):  # and later
+        server.call_async("attach", 1).wait()
+    assert ps.failure is None  # the others may still leave, or finish a stage that needs no model
+
+
+def test_a_loss_admits_a_process_that_waited_for_the_lost_learner_to_start_the_epoch(monkeypatch):
+    """A new process is admitted once every learner left has started a later epoch: if the last one that had not is
+    lost, the process is admitted then, not an epoch later (or never, in the last epoch)."""
+    ps = ParameterServer(3, timeout=5.0, min_learners=1)
+    monkeypatch.setattr(server, "_server", ps)
+    params = [torch.zeros(2)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
+    module = {"parameters": [["w", [2]]], "optimizers": ["SGD"]}
+    server.call("register", ProtocolConfig(3, "async"), params, [], [spec], None, False, None, module)
+    for learner in range(3):
+        server.call("progress", learner, 2, 20, 4)
+    lose(ps, 2)
+    reply = server.call_async("rejoin", LearnerId(2, 1), module)
+    server.call("progress", 0, 3, 30, 5)
+    assert not reply.done()  # learner 1 has not started epoch 3
+    lose(ps, 1)
+    assert reply.done()
+    admission, _ = reply.wait()
+    assert (admission.epoch, admission.global_step) == (3, 30) and ps.membership.members == {0, 2}
+
+
+class BrokenStderr:
+    """A stderr whose reader is gone (a closed terminal, a pipe nobody reads any more): every write raises."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_server_whose_stderr_is_broken_releases_the_survivors_and_watches_on(monkeypatch, server_logging):
+    """The server announces a loss on its stderr (its own handler, as a server process has): with that stderr
+    broken, the learners left are released all the same, and the watch goes on to see the next loss."""
+    broken = BrokenStderr()
+    monkeypatch.setattr(sys, "stderr", broken)
+    server_logging(broken)
+    ps = parameter_server(monkeypatch, "hardsync", 3, min_learners=1)
+    children = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    for child in children:
+        child.wait()
+    ps.membership.heard(0, "127.0.0.1", this_process())
+    ps.membership.heard(1, "127.0.0.1", (this_process()[0], children[0].pid))
+    waiting = [push(0, 1.0), push(2, 1.0)]  # the round waits for learner 1, whose process has ended
+    watch = threading.Thread(target=ps.watch, daemon=True)
+    watch.start()
+    assert [settled(f).wait()[0] for f in waiting] == ["accepted"] * 2
+    ps.membership.heard(2, "127.0.0.1", (this_process()[0], children[1].pid))  # learner 2's process ends too
+    for _ in range(600):
+        if 2 in ps.membership.lost:
+            break
+        time.sleep(0.05)
+    assert ps.membership.lost.keys() == {1, 2} and watch.is_alive()
+    ps.all_left.set()

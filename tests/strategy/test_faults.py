@@ -11,6 +11,9 @@
 | kill -9 of learner 1                   | 1            | async    | learner 0 trains on; stats.lost names 1      |
 |   learner 1 kills itself mid-epoch     | 1            | async    | its batches dealt again: every sample trained |
 | kill -9 of learner 1                   | 2            | async    | the run ends: fewer than min_learners left   |
+| learner 1 exits in validate/test/predict | 1          | async    | learner 0 finishes the stage alone           |
+| learner 1 exits in its setup hook      | 1            | async    | learner 0 trains every batch alone           |
+| learner 0 exits before it registers    | 1            | async    | learner 1 ends naming it; the server ends    |
 | SIGSTOP of learner 1 past rpc_timeout  | 1            | softsync | learner 0 trains on (c = 1); 1 is ended      |
 | an exception in learner 1's step       | 1            | hardsync | exactly SGD on the batches left              |
 | the same, 3 learners, then validation  | 2            | hardsync | a metric synced over learners 0 and 2        |
@@ -424,3 +427,81 @@ def test_under_slurm_the_learners_left_train_on(tmp_path):
     expected = sgd_after_a_loss(2, 8, learners=2, lost=1, lost_at=2)
     torch.testing.assert_close(torch.tensor(result["weights"]), expected, rtol=0, atol=1e-5)
     assert list(result["stats"]["lost"]) == ["1"]
+
+
+class LeavesEarly(Regression):
+    """Learner ``rank`` exits (code 7) at ``where``: its ``setup`` hook, its ``configure_optimizers`` (before learner 0
+    registers the model, if it is learner 0), or its first batch of ``validate``, ``test`` or ``predict``."""
+
+    def __init__(self, where: str, rank: int = 1) -> None:
+        super().__init__(lr=0.01)
+        self.where, self.rank = where, rank
+
+    def _exit_at(self, where: str) -> None:
+        if self.where == where and self.global_rank == self.rank:
+            os._exit(7)
+
+    def setup(self, stage: str) -> None:
+        self._exit_at("setup")
+
+    def configure_optimizers(self):
+        self._exit_at("configure_optimizers")
+        return super().configure_optimizers()
+
+    def validation_step(self, batch, batch_idx):
+        self._exit_at("validate")
+        return super().validation_step(batch, batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        self._exit_at("test")
+        self.log("test_loss", self.loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        self._exit_at("predict")
+        return self.loss(batch)
+
+
+@pytest.mark.parametrize("stage", ["test", "validate", "predict"])
+def test_with_min_learners_a_learner_lost_outside_fit_leaves_the_others_to_finish_the_stage(monkeypatch, stage):
+    """No model is registered outside fit: the learners left still meet at every collective (the dataloader's
+    barrier, the epoch's synced values, the stage's last meeting) without the lost one."""
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    trainer = quiet_trainer(RudraStrategy(start_method=START, rpc_timeout=TIMEOUT, min_learners=1), 2)
+    with pytest.warns(UserWarning, match=r"learner 1's process ended with exit code 7 \(min_learners=1"):
+        result = getattr(trainer, stage)(LeavesEarly(stage), loader(8))
+    x, y = regression_data().tensors
+    with torch.no_grad():  # learner 0's shard (DistributedSampler's), alone: learner 1 logged nothing
+        expected = Regression().loss((x[0::2], y[0::2])).item()
+    assert trainer.state.status == "finished"  # learner 0's, brought back
+    if stage != "predict":  # whose predictions a spawned learner does not bring back
+        assert result[0][f"{'val' if stage == 'validate' else 'test'}_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_with_min_learners_a_learner_lost_at_fits_setup_leaves_the_others_training(monkeypatch):
+    """Lost in its ``setup`` hook, before the model is registered: learner 0 passes the setup barrier without it,
+    and trains every batch of the shared epoch alone."""
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    strategy = RudraStrategy(start_method=START, rpc_timeout=TIMEOUT, min_learners=1)
+    model = LeavesEarly("setup")
+    with pytest.warns(UserWarning, match=r"learner 1's process ended with exit code 7 \(min_learners=1"):
+        quiet_trainer(strategy, 2, max_epochs=2).fit(model, loader(8))
+    assert list(strategy.stats.lost) == [1] and sum(strategy.stats.batches.values()) == 2 * 32
+    assert trained(model)
+
+
+def test_with_min_learners_learner_0_lost_before_it_registers_ends_the_others_saying_so(monkeypatch):
+    """Only learner 0 hands over the model: lost first, the others cannot pull it, and end naming it."""
+    port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    strategy = RudraStrategy(start_method=START, rpc_timeout=TIMEOUT, min_learners=1)
+    with (
+        pytest.warns(UserWarning, match=r"learner 0's process ended with exit code 7"),
+        pytest.warns(UserWarning, match=r"learner 0 \(on 127.0.0.1\) was lost before it registered the model"),
+        pytest.raises(RuntimeError, match="learner 0's process ended with exit code 7"),
+    ):
+        quiet_trainer(strategy, 2, max_epochs=2).fit(LeavesEarly("configure_optimizers", rank=0), loader(8))
+    for _ in range(40):  # the server ends once learner 1 has left
+        if not server_pids(port):
+            break
+        time.sleep(0.25)
+    assert server_pids(port) == []

@@ -122,6 +122,7 @@ def test_two_hosts_with_kills_cut_links_and_reset_streams_for_minutes(tmp_path):
     )  # with -s
     assert len(chaos) >= MINUTES * 60 / 40 - 2
     assert any(event.startswith("kill") for event in chaos) and any(event.startswith("cut") for event in chaos)
+    assert any(event.startswith("reset") and not event.startswith("reset 0") for event in chaos), chaos
     assert pushed <= stats["gradients"] <= pushed + interruptions  # at most one push in flight per interruption
     assert applied == stats["gradients"] - stats["dropped"] - stats["rejected"] and stats["rejected"] == 0
     assert accepted <= applied <= accepted + interruptions

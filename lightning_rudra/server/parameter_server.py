@@ -114,14 +114,17 @@ class ParameterServer:
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
             self.rejoins.module = module
-            if shared_memory:
-                self.core = self.shared.server(config, params, buffers, specs, stats)
-            if self.core is None:
-                self.core = Server(config, params, buffers, specs, stats)
-            self.core.load_optimizer_states(optimizer_states or [])
-            self.core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
+            core = self.shared.server(config, params, buffers, specs, stats) if shared_memory else None
+            try:
+                core = core or Server(config, params, buffers, specs, stats)
+                core.load_optimizer_states(optimizer_states or [])
+            except BaseException:
+                self.shared.release()  # learner 0 leaves with this error: its loss fails the waits for the model
+                raise
+            core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
             for learner in self.membership.lost:
-                self.core.remove(learner)
+                core.remove(learner)
+            self.core = core  # only a whole server: a learner lost meanwhile finds the model not registered
             self.attaching = set()
         log.debug(
             "%s: learner 0 registered the model (%s, %d learners)", self.waits.who, config.protocol, config.num_learners

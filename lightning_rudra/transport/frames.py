@@ -25,7 +25,7 @@ from lightning_rudra.transport.elastic import LearnerId
 
 _HEADER = struct.Struct("!QQ")  # the pickled part's length, the tensors' total bytes
 _KEEPALIVE = _HEADER.pack(0, 0)  # a frame of nothing: "still working on your call" (no frame pickles to 0 bytes)
-_PICKLED_LIMIT = 16 << 20  # a push's pickled part is its hyper-parameters and numbers: kilobytes
+_PICKLED_LIMIT = 1 << 20  # a push's pickled part is its hyper-parameters and numbers: kilobytes
 _TENSOR_SLACK = 1 << 20  # beyond twice the model: a push's has_grad flags, a reply's clock
 _CHUNK = 1 << 20  # sends go in pieces, so that a timeout bounds the time without progress, not a whole push
 

@@ -17,6 +17,7 @@ their type's name and message (:class:`ServerError`), never as pickled exception
 import hashlib
 import hmac
 import logging
+import math
 import queue
 import secrets
 import socket
@@ -45,6 +46,7 @@ _PROOF = hashlib.sha256().digest_size
 # the answer to a connection beyond max_peers
 _FULL = "connections at once (two per learner), and has as many: this one is refused"
 _HANDSHAKES = 8  # connections at once that have not proved themselves yet: the rest are closed at once
+_HANDSHAKE_S = 10.0  # the most a connection has to prove itself, all its handshake's bytes together
 
 
 class StreamOffer(NamedTuple):
@@ -85,9 +87,16 @@ def _interval(timeout: float) -> float:
     return max(0.05, min(5.0, timeout / 4))
 
 
-def _exactly(sock: socket.socket, count: int) -> bytes:
+def _exactly(sock: socket.socket, count: int, deadline: float = math.inf) -> bytes:
+    """``count`` bytes of the handshake, all of them before ``deadline`` (``time.monotonic()``): a peer that sends
+    a byte now and then holds its connection no longer than one that sends nothing."""
     data = b""
     while len(data) < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the handshake took too long")
+        if left != math.inf:
+            sock.settimeout(min(left, sock.gettimeout() or left))
         piece = sock.recv(count - len(data))
         if not piece:
             raise ConnectionError("the connection closed (end of file) during the handshake")
@@ -176,7 +185,8 @@ class StreamServer:
         """Whether the peer proved it knows the secret; it then gets the server's proof. Reads a fixed 72 bytes."""
         challenge = secrets.token_bytes(_NONCE)
         conn.sendall(_MAGIC + challenge)
-        said = _exactly(conn, len(_MAGIC) + _NONCE + _PROOF)
+        said = _exactly(conn, len(_MAGIC) + _NONCE + _PROOF, time.monotonic() + min(self.timeout, _HANDSHAKE_S))
+        conn.settimeout(self.timeout)  # a proven peer's calls: bounded per step again, as before the handshake
         magic, answer, proof = said[: len(_MAGIC)], said[len(_MAGIC) : -_PROOF], said[-_PROOF:]
         if magic != _MAGIC or not hmac.compare_digest(proof, _proof(self.secret, b"learner", challenge, answer)):
             return False

@@ -328,3 +328,21 @@ def test_a_server_whose_stderr_is_broken_releases_the_survivors_and_watches_on(m
         time.sleep(0.05)
     assert ps.membership.lost.keys() == {1, 2} and watch.is_alive()
     ps.all_left.set()
+
+
+def test_a_register_that_fails_leaves_no_file_and_learner_0_s_loss_fails_the_waits_for_the_model(monkeypatch):
+    """Learner 0's register fails after the shared memory was made (an optimizer state that does not load, on
+    resume): the files go at once, and when learner 0 leaves with its error, the others' attach fails naming it."""
+    before = set(os.listdir("/dev/shm"))
+    ps = ParameterServer(2, timeout=5.0, min_learners=1)
+    monkeypatch.setattr(server, "_server", ps)
+    params = [torch.zeros(2)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.5, momentum=0.9), params)
+    attach = server.call_async("attach", 1)
+    broken = [{"state": {0: {"momentum_buffer": torch.zeros(5)}}, "param_groups": "x"}]
+    with pytest.raises(Exception):
+        server.call("register", ProtocolConfig(2, "async"), params, [], [spec], None, True, broken, None)
+    assert ps.core is None and set(os.listdir("/dev/shm")) <= before
+    server.call("leave", 0, "RuntimeError: the register failed")
+    with pytest.raises(RuntimeError, match="lost before it registered the model"):
+        settled(attach).wait()

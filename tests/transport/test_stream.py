@@ -388,3 +388,24 @@ def test_a_member_beyond_the_connections_a_run_needs_is_told_so():
     finally:
         first.close()
         server.close()
+
+
+def test_a_stranger_dripping_bytes_is_closed_when_its_whole_handshake_is_due(server, monkeypatch):
+    """The handshake has one deadline for all its bytes: a byte now and then does not keep a slot (the server's
+    timeout here is 10 s per step; the handshake's whole deadline 0.5 s)."""
+    monkeypatch.setattr(stream, "_HANDSHAKE_S", 0.5)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stranger:
+        assert stranger.recv(len(stream._MAGIC)) == stream._MAGIC
+        closed = False
+        for _ in range(60):  # 12 s of a byte every 0.2 s, were it never closed
+            try:
+                stranger.sendall(b"x")
+                stranger.settimeout(0.2)
+                closed = stranger.recv(64) == b""
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = True
+            if closed:
+                break
+        assert closed, "a stranger sending a byte every 0.2 s kept its handshake open"

@@ -72,8 +72,19 @@ class Membership:
     def heard(self, learner: int, address: str, process: Any) -> None:
         self.last_heard[learner] = time.monotonic()
         self.addresses[learner] = address
-        if isinstance(process, tuple) and len(process) == 2 and process[0] == self.machine:
+        if self._here(process):
             self.pids[learner] = int(process[1])
+
+    def watch_process(self, learner: int, process: Any) -> None:
+        """From now on ``learner``'s process is ``process`` (the one that asks to rejoin; None: not heard from
+        yet), whichever process of it beat last."""
+        self.pids.pop(learner, None)
+        if self._here(process):
+            self.pids[learner] = int(process[1])
+
+    def _here(self, process: Any) -> bool:
+        """``process``, (machine, pid), runs on this machine: its end can be seen."""
+        return isinstance(process, tuple) and len(process) == 2 and process[0] == self.machine
 
     def where(self, learner: int) -> str:
         return f"learner {learner} (on {self.addresses.get(learner, 'a host it never named')})"

@@ -348,6 +348,8 @@ class ParameterServer:
             self.rejoins.check(learner, module)
             reply: Future = Future()
             self.rejoins.ask(learner, incarnation_of(learner), reply)
+            # its own process is watched, not another one for the same learner that beat last
+            self.membership.watch_process(learner, self.processes.get((int(learner), incarnation_of(learner))))
             self._told.append((logging.DEBUG, f"{self.waits.who}: a new process for learner {learner} asks to rejoin"))
             # every learner finished, or none is left and none is awaited back
             over = self.finish_waiters or (

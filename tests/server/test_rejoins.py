@@ -214,3 +214,24 @@ def test_a_process_waiting_to_rejoin_when_training_is_given_up_is_told_why(monke
     assert ps.membership.joining == {}
     with pytest.raises(RuntimeError, match=r"^learner 1 .* fewer than min_learners=2, so training cannot go on"):
         server.call_async("rejoin", LearnerId(1, 2), MODULE)
+
+
+def test_a_second_process_that_beat_before_the_first_asked_leaves_the_first_ones_admission_alone(monkeypatch):
+    """B, a second process for lost learner 1, beats after A's first beat and before A asks to rejoin: B's end
+    (refused, it leaves) must not fail A's admission, which the watch decides by the process it watches."""
+    ps = elastic_server(monkeypatch, learners=2)
+    server.call("progress", 0, 0, 0, 0)
+    lose(ps, 1)
+    first, second = LearnerId(1, 1), LearnerId(1, 2)
+    ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    try:
+        server.call("heartbeat", first, "127.0.0.1", this_process())
+        server.call("heartbeat", second, "127.0.0.1", (this_process()[0], ending.pid))
+        reply = server.call_async("rejoin", first, MODULE)
+        with pytest.raises(RuntimeError):
+            server.call_async("rejoin", second, MODULE)
+        server.call("leave", second, "RuntimeError: refused")
+    finally:
+        ending.wait(timeout=30)
+    ps._look()  # one round of the watch, before the first process beats again
+    assert not reply.done(), "the first process's admission failed for the second process's end"

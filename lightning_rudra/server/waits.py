@@ -1,13 +1,12 @@
 """What a parameter server waits for, and on whom: for the log of the waits that last (``RUDRA_LOG_WAITS``,
 :class:`~lightning_rudra.transport.logs.SlowWaits`)."""
 
-from typing import TYPE_CHECKING, Hashable, Iterable
+from typing import Hashable, Iterable
 
-if TYPE_CHECKING:  # parameter_server.py imports this module
-    from lightning_rudra.server.parameter_server import ParameterServer
+from lightning_rudra.server.model_server import ModelServer
 
 
-def open_waits(server: "ParameterServer") -> dict[Hashable, tuple[str, str]]:
+def open_waits(server: ModelServer) -> dict[Hashable, tuple[str, str]]:
     """Every wait open on ``server``, by a key that stays the same while it lasts -> (what it waits for, on whom).
     Called under its lock."""
     members = server.membership.members

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lightning_rudra.server import process as server
-from lightning_rudra.server.parameter_server import ParameterServer, _settle
+from lightning_rudra.server.model_server import _settle
+from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.server.membership import Membership, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig

@@ -25,17 +25,9 @@ class ParameterServer(ModelServer):
     their launchers' reports and rejoins. Every entry point :mod:`lightning_rudra.server.process` serves is a method of
     it."""
 
-    def __init__(
-        self,
-        num_learners: int,
-        timeout: float = 60.0,
-        min_learners: Optional[int] = None,
-        announce: bool = True,
-        comeback: float = 0.0,
-        name: str = "the parameter server",
-    ) -> None:
-        """As :class:`ModelServer`, plus what the watch keeps of the learners' processes."""
-        super().__init__(num_learners, timeout, min_learners, announce, comeback, name)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """As :class:`ModelServer` (its arguments), plus what the watch keeps of the learners' processes."""
+        super().__init__(*args, **kwargs)
         self.all_left = threading.Event()
         self.on_heard: Optional[Callable[[int, Any], None]] = None  # told of each process first heard from
         self._heard: set[tuple[int, int]] = set()  # (learner, incarnation) heard from

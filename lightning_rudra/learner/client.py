@@ -25,7 +25,8 @@ from lightning_rudra.core.update import PushReply
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 from lightning_rudra.transport.rpc_world import address_towards, server_name
 from lightning_rudra.transport.shm import SharedNames
-from lightning_rudra.transport.stream import StreamClient, StreamOffer
+from lightning_rudra.transport.stream import StreamOffer
+from lightning_rudra.transport.stream_client import StreamClient
 from lightning_rudra.core.stats import Stats
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's

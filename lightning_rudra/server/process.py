@@ -24,7 +24,8 @@ from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, job_id
 from lightning_rudra.transport.frames import FrameLimits
 from lightning_rudra.transport.logs import check_switches, log_to_stderr
-from lightning_rudra.transport.stream import StreamOffer, StreamServer
+from lightning_rudra.transport.stream import StreamOffer
+from lightning_rudra.transport.stream_server import StreamServer
 from lightning_rudra.transport.rpc_world import (
     address_towards,
     init_rpc,

@@ -44,7 +44,7 @@ class Chaotic(Soaked):
 if __name__ == "__main__":
     directory, minutes = sys.argv[1], float(sys.argv[2])
     logging.basicConfig(stream=sys.stderr, format="%(name)s: %(message)s")
-    logging.getLogger("lightning_rudra.transport.stream").setLevel(logging.DEBUG)
+    logging.getLogger("lightning_rudra.transport.stream_client").setLevel(logging.DEBUG)
     # a cut of up to 30 s must not count a learner or the server lost: silence is allowed for longer than that
     strategy = RudraStrategy(protocol="async", rpc_timeout=45, min_learners=2, max_restarts=1000, num_servers=1)
     data = torch.utils.data.DataLoader(blobs(SAMPLES, seed=0), batch_size=16, shuffle=True)

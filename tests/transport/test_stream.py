@@ -8,6 +8,7 @@ import pickle
 import secrets
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -17,10 +18,12 @@ from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.compression import WeightMessage
 from lightning_rudra.core.update import PushReply
 from lightning_rudra.learner.client import _CONNECTION_LOST, _TIMED_OUT
-from lightning_rudra.transport import frames, stream
+from lightning_rudra.transport import frames, stream, stream_server
 from lightning_rudra.transport.elastic import LearnerId
 from lightning_rudra.transport.frames import FrameLimits, recv_frame, send_frame
-from lightning_rudra.transport.stream import ServerError, StreamClient, StreamOffer, StreamServer
+from lightning_rudra.transport.stream import ServerError, StreamOffer
+from lightning_rudra.transport.stream_client import StreamClient
+from lightning_rudra.transport.stream_server import StreamServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,9 +77,17 @@ class _RunsCode:
         return (open, (str(self.path), "w"))
 
 
+_RUNS: list = []  # the "run" calls the server made, in order
+
+
 def _answer(method, args):
     if method == "echo":
         return args
+    if method == "run":  # a push: applied once, answered after ``args[1]`` seconds
+        _RUNS.append(args[0])
+        future = Future()
+        threading.Timer(args[1], lambda: future.set_result(len(_RUNS))).start()
+        return future
     if method == "later":  # a future that resolves on another thread, after a while, as a hardsync round does
         future = Future()
         threading.Timer(args[1], lambda: future.set_result(args[0] * 2)).start()
@@ -111,12 +122,13 @@ def _closed(sock):
         return True
 
 
-def _prove(sock, secret=SECRET):
+def _prove(sock, secret=SECRET, session=None):
     """The learner's side of the handshake, by hand."""
-    said = stream._exactly(sock, len(stream._MAGIC) + stream._NONCE)
-    challenge, answer = said[len(stream._MAGIC) :], secrets.token_bytes(stream._NONCE)
-    sock.sendall(stream._MAGIC + answer + stream._proof(secret, b"learner", challenge, answer))
-    return stream._exactly(sock, stream._PROOF)
+    said = stream.read_exactly(sock, len(stream.MAGIC) + stream.NONCE)
+    session = session or secrets.token_bytes(stream.SESSION)
+    challenge, answer = said[len(stream.MAGIC) :], secrets.token_bytes(stream.NONCE) + session
+    sock.sendall(stream.MAGIC + answer + stream.handshake_proof(secret, b"learner", challenge, answer))
+    return stream.read_exactly(sock, stream.PROOF_SIZE)
 
 
 def test_calls_are_answered_in_order_with_values_futures_and_errors(server):
@@ -143,7 +155,7 @@ def test_calls_are_answered_in_order_with_values_futures_and_errors(server):
 def test_a_stranger_s_pickle_is_never_unpickled(server, tmp_path):
     """Regression: the server unpickled any frame from anyone (a file created by the server, seen)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        sock.recv(len(stream._MAGIC) + stream._NONCE)
+        sock.recv(len(stream.MAGIC) + stream.NONCE)
         send_frame(sock, ("leave", _RunsCode(tmp_path / "ran")))  # a frame, where the proof should be
         assert _closed(sock)  # nothing answered
     assert not (tmp_path / "ran").exists()
@@ -166,11 +178,11 @@ def test_a_learner_with_another_secret_is_refused_and_an_impostor_server_is_not_
 def test_a_global_the_stream_does_not_carry_is_refused_with_a_clear_error_and_the_connection_goes_on(server, tmp_path):
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         _prove(sock)
-        send_frame(sock, ("push", _RunsCode(tmp_path / "ran"), torch.ones(5)))
+        send_frame(sock, (1, "push", _RunsCode(tmp_path / "ran"), torch.ones(5)))
         status, kind, message = recv_frame(sock, LIMITS)
         assert (status, kind) == ("error", "RuntimeError")
         assert "could not decode a call: UnpicklingError: io.open is not carried by the stream" in message
-        send_frame(sock, ("echo", torch.arange(3)))  # still in step: the refused frame's tensor was read past
+        send_frame(sock, (2, "echo", torch.arange(3)))  # still in step: the refused frame's tensor was read past
         status, (echoed,) = recv_frame(sock, LIMITS)
         assert status == "ok" and torch.equal(echoed, torch.arange(3))
     assert not (tmp_path / "ran").exists()
@@ -245,10 +257,10 @@ def _half_open_server(behave, secret=SECRET):
     def serve():
         conn, _ = listener.accept()
         connections.append(conn)
-        challenge = secrets.token_bytes(stream._NONCE)
-        conn.sendall(stream._MAGIC + challenge)
-        said = stream._exactly(conn, len(stream._MAGIC) + stream._NONCE + stream._PROOF)
-        conn.sendall(stream._proof(secret, b"server", said[len(stream._MAGIC) : -stream._PROOF], challenge))
+        challenge = secrets.token_bytes(stream.NONCE)
+        conn.sendall(stream.MAGIC + challenge)
+        said = stream.read_exactly(conn, len(stream.MAGIC) + stream.NONCE + stream.SESSION + stream.PROOF_SIZE)
+        conn.sendall(stream.handshake_proof(secret, b"server", said[len(stream.MAGIC) : -stream.PROOF_SIZE], challenge))
         behave(conn)
 
     threading.Thread(target=serve, daemon=True).start()
@@ -310,20 +322,65 @@ def test_a_server_that_closes_fails_the_call_in_progress_and_later_ones_naming_i
 
     def close_after_a_call(conn):
         recv_frame(conn, LIMITS)
-        conn.close()  # the server's process died
+        listener.close()  # the server's process died: nobody listens there any more
+        conn.close()
         closed.set()
 
     listener, _, offer = _half_open_server(close_after_a_call)
     client = StreamClient(offer, 10.0, "parameter server 1 (on 127.0.0.1)")
     try:
         pending = client.call("echo", torch.ones(10))
-        with pytest.raises(RuntimeError, match=r"the stream to parameter server 1 \(on 127.0.0.1\) closed"):
+        # at once, not after trying for the timeout: nobody listens
+        with pytest.raises(RuntimeError, match=r"the stream to parameter server 1 \(on 127.0.0.1\) closed: .* refused"):
             pending.wait()
         with pytest.raises(RuntimeError, match="closed"):
             client.call("echo", 1).wait()
     finally:
         client.close()
         listener.close()
+
+
+@pytest.mark.parametrize("when", ["while the server runs the call", "before the call is sent"])
+def test_a_broken_connection_is_opened_again_and_the_call_in_progress_runs_once(server, when):
+    """Regression (issue 32, the chaos soak): a connection reset by ``ss -K`` ended the learner ("the stream ...
+    closed: [Errno 103] Software caused connection abort"). The call in progress may or may not have reached the
+    server: sent again, it is answered with the reply made to it, never run twice."""
+    _RUNS.clear()
+    client = _client(server)
+    try:
+        assert client.call("run", "first", 0.0).wait() == 1
+        if when == "before the call is sent":
+            client.sock.shutdown(socket.SHUT_RDWR)
+            second = client.call("run", "second", 0.0)
+        else:
+            second = client.call("run", "second", 1.0)
+            for _ in range(100):
+                if len(_RUNS) == 2:
+                    break
+                time.sleep(0.02)
+            client.sock.shutdown(socket.SHUT_RDWR)  # the server has it: its reply comes on the new connection
+        assert second.wait() == 2
+        assert client.call("run", "third", 0.0).wait() == 3
+        assert _RUNS == ["first", "second", "third"]
+    finally:
+        client.close()
+
+
+def test_a_call_sent_again_is_answered_from_its_session_and_out_of_order_numbers_are_refused(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        _prove(sock, session=b"s" * stream.SESSION)
+        send_frame(sock, (1, "echo", "first"))
+        assert recv_frame(sock, LIMITS) == ("ok", ("first",))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        _prove(sock, session=b"s" * stream.SESSION)
+        send_frame(sock, (1, "echo", "sent again: not run"))
+        assert recv_frame(sock, LIMITS) == ("ok", ("first",))
+        for number in (0, 3, -1):
+            send_frame(sock, (number, "echo", "x"))
+            status, kind, message = recv_frame(sock, LIMITS)
+            assert status == "error" and f"call {number} out of order" in message
+        send_frame(sock, (2, "echo", "second"))
+        assert recv_frame(sock, LIMITS) == ("ok", ("second",))
 
 
 def test_connecting_where_nobody_listens_fails_at_once():
@@ -340,28 +397,37 @@ def test_the_stream_never_listens_on_every_interface(address):
         StreamServer(address, _answer, SECRET, LIMITS, 10.0, 4)
 
 
+def _stranger(server, source):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10, source_address=(source, 0))
+    return sock
+
+
 def test_strangers_that_never_prove_themselves_hold_a_few_connections_at_most(server):
-    strangers = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(stream._HANDSHAKES)]
+    # two from one address at most: a stranger's loop of connections leaves room for the learners elsewhere
+    strangers = [_stranger(server, "127.0.0.2") for _ in range(stream_server._HANDSHAKES_PER_SOURCE)]
+    # and a few in all, whatever their addresses
+    strangers += [_stranger(server, f"127.0.0.{3 + i // 2}") for i in range(stream_server._HANDSHAKES - len(strangers))]
     try:
         for sock in strangers:  # each is being challenged
-            assert sock.recv(len(stream._MAGIC)) == stream._MAGIC
-        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as extra:
-            assert _closed(extra)  # at once
+            assert sock.recv(len(stream.MAGIC)) == stream.MAGIC
+        for source in ("127.0.0.2", "127.0.0.200"):
+            with _stranger(server, source) as extra:
+                assert _closed(extra)  # at once
+        opened = []
+        # a learner meanwhile tries again until the strangers' handshakes end (here: as they hang up)
+        learner = threading.Thread(target=lambda: opened.append(_client(server)))
+        learner.start()
+        time.sleep(1.0)
+        assert not opened
     finally:
         for sock in strangers:
             sock.close()
-    client = None
-    for _ in range(100):  # the handshakes of the strangers end as their connections close
-        try:
-            client = _client(server)
-            break
-        except ConnectionError:
-            threading.Event().wait(0.05)
-    assert client is not None
+    learner.join(timeout=10)
+    assert opened
     try:
-        assert client.call("echo", 4).wait() == (4,)
+        assert opened[0].call("echo", 4).wait() == (4,)
     finally:
-        client.close()
+        opened[0].close()
 
 
 def test_the_unpickler_allows_the_wire_s_types_only():
@@ -393,9 +459,9 @@ def test_a_member_beyond_the_connections_a_run_needs_is_told_so():
 def test_a_stranger_dripping_bytes_is_closed_when_its_whole_handshake_is_due(server, monkeypatch):
     """The handshake has one deadline for all its bytes: a byte now and then does not keep a slot (the server's
     timeout here is 10 s per step; the handshake's whole deadline 0.5 s)."""
-    monkeypatch.setattr(stream, "_HANDSHAKE_S", 0.5)
+    monkeypatch.setattr(stream_server, "_HANDSHAKE_S", 0.5)
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as stranger:
-        assert stranger.recv(len(stream._MAGIC)) == stream._MAGIC
+        assert stranger.recv(len(stream.MAGIC)) == stream.MAGIC
         closed = False
         for _ in range(60):  # 12 s of a byte every 0.2 s, were it never closed
             try:

@@ -117,10 +117,12 @@ class Fuzzer:
         return bytes(self.random.getrandbits(8) for _ in range(n))
 
     def _prove(self, sock, secret=None):
-        said = stream._exactly(sock, len(stream._MAGIC) + stream._NONCE)
-        challenge, answer = said[len(stream._MAGIC) :], secrets.token_bytes(stream._NONCE)
-        sock.sendall(stream._MAGIC + answer + stream._proof(secret or self.offer.secret, b"learner", challenge, answer))
-        return stream._exactly(sock, stream._PROOF)
+        said = stream.read_exactly(sock, len(stream.MAGIC) + stream.NONCE)
+        challenge, answer = said[len(stream.MAGIC) :], secrets.token_bytes(stream.NONCE + stream.SESSION)
+        sock.sendall(
+            stream.MAGIC + answer + stream.handshake_proof(secret or self.offer.secret, b"learner", challenge, answer)
+        )
+        return stream.read_exactly(sock, stream.PROOF_SIZE)
 
     def _closed(self, sock):
         try:
@@ -128,10 +130,11 @@ class Fuzzer:
         except ConnectionResetError:
             return True
 
-    def _refused(self, sock, send, expected):
-        """An authenticated call that must be answered with an error containing ``expected``."""
+    def _refused(self, sock, call, expected, number=1):
+        """An authenticated call (the first of its session: ``number`` 1) that must be answered with an error
+        containing ``expected``."""
         self._prove(sock)
-        send(sock)
+        send_frame(sock, (number, *call))
         while True:
             reply = recv_frame(sock, self.offer.limits)
             if reply is not frames.KEEPALIVE:
@@ -140,18 +143,18 @@ class Fuzzer:
 
     # strangers: nothing they send is read beyond the handshake
     def case_random_bytes_unauthenticated(self, sock):
-        stream._exactly(sock, len(stream._MAGIC) + stream._NONCE)  # the challenge
+        stream.read_exactly(sock, len(stream.MAGIC) + stream.NONCE)  # the challenge
         sock.sendall(self._bytes(self.random.randrange(72, 300)))
         assert self._closed(sock)
 
     def case_pickle_instead_of_a_proof(self, sock):
-        stream._exactly(sock, len(stream._MAGIC) + stream._NONCE)
+        stream.read_exactly(sock, len(stream.MAGIC) + stream.NONCE)
         send_frame(sock, ("leave", LearnerId(0), _RunsCode(self.marker)))
         assert self._closed(sock)
 
     def case_truncated_handshake(self, sock):
         sock.recv(8)
-        sock.sendall(stream._MAGIC + self._bytes(self.random.randrange(0, 60)))
+        sock.sendall(stream.MAGIC + self._bytes(self.random.randrange(0, 60)))
 
     def case_wrong_proof(self, sock):
         try:
@@ -175,7 +178,7 @@ class Fuzzer:
 
     def case_truncated_frame(self, sock):
         self._prove(sock)
-        frame = frames.Frame.encode(("push", LearnerId(0), 0, [torch.ones(self.shapes[0])]))
+        frame = frames.Frame.encode((1, "push", LearnerId(0), 0, [torch.ones(self.shapes[0])]))
         data = frame.head + b"".join(bytes(frames._bytes(t)) for t in frame.tensors)
         sock.sendall(data[: self.random.randrange(1, len(data))])
 
@@ -183,7 +186,7 @@ class Fuzzer:
         method, args = self.random.choice(
             [("leave", (LearnerId(0), "fuzz")), ("register", ()), ("load_optimizer_state", (0, {})), ("evil", ())]
         )
-        self._refused(sock, lambda s: send_frame(s, (method, *args)), "is not a call the stream takes")
+        self._refused(sock, (method, *args), "is not a call the stream takes")
 
     def _push(self, learner, grads=None):
         grads = grads if grads is not None else [torch.zeros(self.shapes[0])]
@@ -193,25 +196,29 @@ class Fuzzer:
         learner, expected = self.random.choice(
             [(LearnerId(5), "refused: this run's learners are 0..0"), ("0", "refused"), (-1, "refused")]
         )
-        self._refused(sock, lambda s: send_frame(s, self._push(learner)), expected)
+        self._refused(sock, self._push(learner), expected)
 
     def case_wrong_incarnation(self, sock):
         push = self._push(LearnerId(0, self.random.randrange(1, 5)))
-        self._refused(sock, lambda s: send_frame(s, push), "this process has not asked to rejoin")
+        self._refused(sock, push, "this process has not asked to rejoin")
 
     def case_wrong_shapes(self, sock):
         grads = [torch.ones(self.random.randrange(1, 200)) for _ in range(self.random.randrange(0, 3))]
-        self._refused(sock, lambda s: send_frame(s, self._push(LearnerId(0), grads)), "")
+        self._refused(sock, self._push(LearnerId(0, grads)), "")
 
     def case_wrong_arguments(self, sock):
         call = ("push", LearnerId(0)) + tuple(
             self.random.choice([1, "x", None]) for _ in range(self.random.randrange(9))
         )
-        self._refused(sock, lambda s: send_frame(s, call), "")
+        self._refused(sock, call, "")
+
+    def case_call_out_of_order(self, sock):  # a session's first call is number 1
+        number = self.random.choice([0, 2, 1 << 40, -1])
+        self._refused(sock, self._push(LearnerId(0)), "out of order", number)
 
     def case_code_in_a_member_s_frame(self, sock):
         call = ("push", LearnerId(0), _RunsCode(self.marker), torch.ones(3))
-        self._refused(sock, lambda s: send_frame(s, call), "is not carried by the stream")
+        self._refused(sock, call, "is not carried by the stream")
 
     def case_malformed_pickle(self, sock):
         pickled = bytearray(pickle.dumps(("push", [1, 2, 3], {"a": 1.0}), protocol=5))

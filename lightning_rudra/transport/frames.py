@@ -28,6 +28,9 @@ _KEEPALIVE = _HEADER.pack(0, 0)  # a frame of nothing: "still working on your ca
 _PICKLED_LIMIT = 1 << 20  # a push's pickled part is its hyper-parameters and numbers: kilobytes
 _TENSOR_SLACK = 1 << 20  # beyond twice the model: a push's has_grad flags, a reply's clock
 _CHUNK = 1 << 20  # sends go in pieces, so that a timeout bounds the time without progress, not a whole push
+# a push or a reply holds a flat tensor per dtype of the weights, gradient and buffers: a handful, never thousands
+# (each is an allocation, however small: a 1 MiB pickle could otherwise name 50,000 empty tensors)
+_TENSORS_LIMIT = 1024
 
 # The globals a frame may name, beside torch's dtypes: what a push and its reply are made of
 CARRIED: dict[tuple[str, str], Any] = {
@@ -165,6 +168,8 @@ class _Unpickler(pickle.Unpickler):
             and all(type(n) is int and n >= 0 for n in pid[1])
         ):
             raise pickle.UnpicklingError(f"a tensor is referred to as (dtype, shape), not {pid!r:.100}")
+        if len(self.tensors) == _TENSORS_LIMIT:
+            raise pickle.UnpicklingError(f"it holds more than {_TENSORS_LIMIT} tensors, which no push or reply does")
         dtype, shape = pid
         size = math.prod(shape) * dtype.itemsize
         if size > self.left:

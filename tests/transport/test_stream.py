@@ -430,6 +430,17 @@ def test_strangers_that_never_prove_themselves_hold_a_few_connections_at_most(se
         opened[0].close()
 
 
+def test_a_frame_of_more_tensors_than_any_push_holds_is_refused_and_the_connection_goes_on(server):
+    """Review (issue 32, D4): a 1 MiB pickle could name tens of thousands of empty tensors, each an allocation."""
+    client = _client(server)
+    try:
+        with pytest.raises(RuntimeError, match="more than 1024 tensors"):
+            client.call("echo", [torch.empty(0)] * 1025).wait()
+        assert len(client.call("echo", [torch.ones(1)] * 1024).wait()[0]) == 1024
+    finally:
+        client.close()
+
+
 def test_the_unpickler_allows_the_wire_s_types_only():
     assert pickle.loads(pickle.dumps(torch.bfloat16)) is torch.bfloat16
     for refused in (pickle.dumps(_NotCarried()), pickle.dumps(print), pickle.dumps(torch.nn.Linear)):

@@ -43,6 +43,22 @@ def test_a_waiting_gradient_whose_learner_left_is_stale_by_every_update_since_it
     assert server.stats.dropped == 1 and server.stats.staleness == {0: 7, 1: 1}
 
 
+def test_dc_keeps_the_weights_a_waiting_gradient_came_from_after_its_learner_left():
+    # as above, with the dc rule: the weights of clock 0 stay kept for learner 0's waiting gradient, which is
+    # compared with them at its update, while learner 1 has pushed every optimizer from newer ones
+    server = three_optimizer_server(ProtocolConfig(3, "softsync", 1, compensation="dc"))
+    push(server, 0, 0, 0)
+    server.finish(0)
+    server.finish(2)
+    for _ in range(3):
+        push(server, 1, 1, 0)
+    push(server, 1, 0, 1)
+    push(server, 1, 2, 1)
+    for _ in range(3):
+        push(server, 1, 1, 1)
+    assert server.clock == 2 and 0 in server.history.copies
+
+
 def test_a_waiting_gradient_stays_stale_by_the_updates_since_its_weights_when_its_learner_pushes_again():
     # softsync, c = 4 of 4 learners, two of them finished: learner 0's gradient from clock 0 waits while learner 0
     # and learner 1 push newer ones and optimizer 1 updates twice

@@ -237,11 +237,11 @@ class OneBackwardTwoSteps(TwoOptimizers):
 
 
 class SharesABias(OneBackwardTwoSteps):
-    """OneBackwardTwoSteps whose second optimizer updates the first layer's bias too: the first step's update
-    changes the weights of the second gradient (σ one larger)."""
+    """OneBackwardTwoSteps whose second optimizer (with momentum) updates the first layer's bias too: the first
+    step's update changes the weights of the second gradient, as in one process."""
 
     def configure_optimizers(self):
-        second = torch.optim.SGD([*self.second.parameters(), self.first.bias], lr=0.05)
+        second = torch.optim.SGD([*self.second.parameters(), self.first.bias], lr=0.05, momentum=0.9)
         return torch.optim.Adam(self.first.parameters(), lr=0.01), second
 
 

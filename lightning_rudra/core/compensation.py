@@ -6,15 +6,15 @@ learner) every rule is the identity, so hardsync stays SGD with batch μλ and a
 
 ``momentum`` (a step that stays stable under delay). A synchronous update averages λ gradients, a stale one
 c = ⌊λ/n⌋ (async: 1), so every optimizer's rate is scaled by c/λ (the paper's α0/⟨σ⟩ is c/λ in expectation, since
-⟨σ⟩ ≈ n, but c/λ does not depend on the timing). For SGD, once the run's mean staleness ⟨σ⟩ is above 0, its
-momentum β is switched off too and an update's step, lr/(1 − β), is scaled by min(c/λ, 1/(2⟨σ⟩ + 1)) instead. Why:
-a gradient τ updates late makes heavy-ball SGD unstable once step × curvature exceeds about π/(2τ + 1), whatever
-the momentum, and the largest stable step is reached with no momentum; a synchronous run with momentum 0.9
-tolerates 38, so a rate tuned for it goes over the stale edge (asynchrony is itself a momentum: Mitliagkas et al.,
-"Asynchrony begets momentum", 2016). With the step scaled by 1/(2⟨σ⟩ + 1), every protocol stays stable wherever
-the synchronous run's stiffest direction has step × curvature below π. Adam and the other adaptive optimizers
-keep their moments: their step is bounded by about lr whatever the curvature, and switching β1 off measured worse
-(docs/study/compensation/findings.md).
+⟨σ⟩ ≈ n, but c/λ does not depend on the timing). For SGD, once the mean staleness ⟨σ⟩ of the optimizer's own
+gradients is above 0, its momentum β is switched off too and an update's step, lr/(1 − β), is scaled by
+min(c/λ, 1/(2⟨σ⟩ + 1)) instead. Why: a gradient τ updates late makes heavy-ball SGD unstable once step × curvature
+exceeds about π/(2τ + 1), whatever the momentum, and the largest stable step is reached with no momentum; a
+synchronous run with momentum 0.9 tolerates 38, so a rate tuned for it goes over the stale edge (asynchrony is
+itself a momentum: Mitliagkas et al., "Asynchrony begets momentum", 2016). With the step scaled by
+1/(2⟨σ⟩ + 1), every protocol stays stable wherever the synchronous run's stiffest direction has step × curvature
+below π. Adam and the other adaptive optimizers keep their moments: their step is bounded by about lr whatever the
+curvature, and switching β1 off measured worse (docs/study/compensation/findings.md).
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with

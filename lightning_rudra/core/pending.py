@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_rudra.core.clipping import Clipping
+from lightning_rudra.core.staleness import OwnSteps
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Gradient:
     buffers: Sequence[Tensor]
     timestamp: int
     count: int = 1  # learners whose gradients it sums (a node's push)
+    own: Optional[OwnSteps] = None  # its learner's steps that are no staleness to it
 
 
 @dataclass

@@ -28,7 +28,7 @@ from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.node import check_node_push
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
 from lightning_rudra.core.pending import Gradient, Pending
-from lightning_rudra.core.staleness import OptimizerClocks
+from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.update import PushResult, Update
 
@@ -86,7 +86,7 @@ class Server:
         self.members = set(range(config.num_learners))  # learners not lost: c counts them
         self._pending = [Pending() for _ in optimizers]
         touches = [frozenset({k, *spec.shares_with}) for k, spec in enumerate(optimizers)]
-        self.clocks = OptimizerClocks(touches, config.num_learners, self.clock)
+        self.clocks = OptimizerClocks(touches, config.num_learners, self.clock, config.max_staleness)
         # σ may change between a gradient's arrival and its update (another optimizer's update changes its weights)
         self._defer = any(len(touched) > 1 for touched in touches)
         self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
@@ -159,7 +159,8 @@ class Server:
                 )
         if refused and self.config.nonfinite == "raise":
             finite = False
-        sigma = self._staleness(optimizer, timestamp)
+        own = self.clocks.own_steps(learner, optimizer, self.clock)
+        sigma = self._staleness(optimizer, timestamp, own)
         count = len(group) - len(refused)  # the gradients summed in grads
         if finite is None:
             finite = all_finite(grads)
@@ -177,14 +178,15 @@ class Server:
             pending.hparams = list(hparams)
             pending.clipping = clipping
             if self._defer:
-                pending.waiting.append(Gradient(grads, has_grad, buffers, timestamp, count))
+                pending.waiting.append(Gradient(grads, has_grad, buffers, timestamp, count, own))
+                self.clocks.queued(optimizer, timestamp)
                 status = "queued"
             else:
                 status = self._admit(pending, optimizer, grads, has_grad, buffers, timestamp, sigma, count)
         self.stats.gradients += len(group)
         pending.learners.update(group)
         for who in group:
-            self.clocks.pushed(who, optimizer, timestamp)
+            self.clocks.pushed(who, optimizer, timestamp, self.clock)
         if not self._ready(pending):
             return PushResult(status, sigma)
         update = self._close(optimizer)
@@ -298,13 +300,13 @@ class Server:
                 )
         self.buffer_layout.check(buffers, f"the buffers pushed by learner {learner}")
 
-    def _staleness(self, optimizer: int, timestamp: int) -> int:
-        """σ of a gradient of ``optimizer`` from the weights of ``timestamp``, applied now. Under hardsync 0: every
-        learner waits for each round, so only another optimizer's round of the same batch can lie in between, as
-        in one process."""
+    def _staleness(self, optimizer: int, timestamp: int, own: Optional[OwnSteps]) -> int:
+        """σ of a gradient of ``optimizer`` from the weights of ``timestamp``, applied now (``own``: its learner's
+        steps that are no staleness to it). Under hardsync 0: every learner waits for each round, so only another
+        optimizer's round of the same batch can lie in between, as in one process."""
         if self.config.protocol == "hardsync":
             return 0
-        return self.clocks.staleness(optimizer, timestamp, self.clock)
+        return self.clocks.staleness(optimizer, timestamp, self.clock, own)
 
     def _too_stale(self, sigma: int) -> bool:
         return self.config.max_staleness is not None and sigma > self.config.max_staleness
@@ -329,7 +331,7 @@ class Server:
             )
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
         pending.add(grads, has_grad, buffers, sigma, scale, count)
-        self.stats.staleness[sigma] = self.stats.staleness.get(sigma, 0) + count
+        self.stats.count_staleness(optimizer, sigma, count)
         return "accepted"
 
     def _close(self, optimizer: int) -> Optional[Update]:
@@ -343,9 +345,10 @@ class Server:
                 gradient.has_grad,
                 gradient.buffers,
                 gradient.timestamp,
-                self._staleness(optimizer, gradient.timestamp),
+                self._staleness(optimizer, gradient.timestamp, gradient.own),
                 gradient.count,
             )
+        self.clocks.applied(optimizer)
         if pending.grads is None:
             return None
         # set with the first gradient summed; hparams with every gradient received
@@ -373,7 +376,9 @@ class Server:
             self.stats.clock += 1
         finally:
             self.store.end(self.clock)
-        self.clocks.updated(optimizer, self.clock)
+        # an update of one learner's gradients alone is no staleness to that learner's next steps of other optimizers
+        author = next(iter(pending.learners)) if len(pending.learners) == 1 else None
+        self.clocks.updated(optimizer, self.clock, author)
         if self.history is not None:
             if "gap" in self.rules:
                 before = self.param_layout.unpack(self.history.at(self.clock - 1))
@@ -396,7 +401,7 @@ class Server:
         for group, hp in zip(opt.param_groups, hparams):
             group.update(hyperparameters(hp))
             group["lr"] = hp["lr"] * lr_factor
-            if "momentum" in self.rules:
-                mean_staleness = self.stats.mean_staleness
+            if "momentum" in self.rules:  # the mean staleness of this optimizer's gradients: another's says nothing
+                mean_staleness = self.stats.mean_staleness_of(optimizer)
                 rule_scales.append(momentum_hyperparameters(group, type(opt), count, len(self.members), mean_staleness))
         return rule_scales[0] if rule_scales else 1.0

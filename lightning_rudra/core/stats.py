@@ -9,7 +9,8 @@ from typing import Any
 @dataclass
 class Stats:
     """What a user reads after training: updates applied (the clock), gradients received, dropped (staler than
-    ``max_staleness``), rejected (non-finite), the staleness histogram σ -> count of applied gradients, and
+    ``max_staleness``), rejected (non-finite), the staleness histogram σ -> count of applied gradients (of every
+    optimizer, and per optimizer: optimizer -> σ -> count), and
     under the shared epoch, or with simulated learners, the batches each learner took (learner -> count, first
     train dataloader), the batches dealt again because the learner they were dealt to was lost before it trained
     on them, and the learners lost during training with why (only with ``min_learners``: otherwise a loss ends
@@ -20,6 +21,7 @@ class Stats:
     dropped: int = 0
     rejected: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
+    optimizer_staleness: dict[int, dict[int, int]] = field(default_factory=dict)
     batches: dict[int, int] = field(default_factory=dict)
     redealt: int = 0
     lost: dict[int, str] = field(default_factory=dict)  # learner -> why it is lost now (``min_learners``)
@@ -30,6 +32,18 @@ class Stats:
     def mean_staleness(self) -> float:
         count = sum(self.staleness.values())
         return sum(s * c for s, c in self.staleness.items()) / count if count else 0.0
+
+    def mean_staleness_of(self, optimizer: int) -> float:
+        """⟨σ⟩ of the gradients of ``optimizer`` applied so far."""
+        counts = self.optimizer_staleness.get(optimizer, {})
+        total = sum(counts.values())
+        return sum(s * c for s, c in counts.items()) / total if total else 0.0
+
+    def count_staleness(self, optimizer: int, sigma: int, count: int) -> None:
+        """``count`` gradients of ``optimizer`` applied with staleness ``sigma``."""
+        self.staleness[sigma] = self.staleness.get(sigma, 0) + count
+        counts = self.optimizer_staleness.setdefault(optimizer, {})
+        counts[sigma] = counts.get(sigma, 0) + count
 
     @property
     def max_staleness(self) -> int:
@@ -42,6 +56,7 @@ class Stats:
             "dropped": self.dropped,
             "rejected": self.rejected,
             "staleness": dict(sorted(self.staleness.items())),
+            "optimizer_staleness": {k: dict(sorted(c.items())) for k, c in sorted(self.optimizer_staleness.items())},
             "batches": dict(sorted(self.batches.items())),
             "redealt": self.redealt,
             "lost": dict(sorted(self.lost.items())),
@@ -51,9 +66,13 @@ class Stats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Stats":
         counts = {key: {int(k): int(c) for k, c in data.get(key, {}).items()} for key in ("staleness", "batches")}
+        per_optimizer = {
+            int(k): {int(s): int(c) for s, c in counts.items()}
+            for k, counts in data.get("optimizer_staleness", {}).items()
+        }
         lost = {int(k): str(why) for k, why in data.get("lost", {}).items()}
         events = [dict(event) for event in data.get("events", [])]
-        return cls(**{**data, **counts, "lost": lost, "events": events})
+        return cls(**{**data, **counts, "optimizer_staleness": per_optimizer, "lost": lost, "events": events})
 
     def record(self, learner: int, event: str, why: str) -> None:
         self.events.append({"learner": int(learner), "event": event, "time": time.time(), "why": why})

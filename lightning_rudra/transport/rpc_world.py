@@ -265,6 +265,9 @@ _PEER_LEFT = re.compile(
 
 
 _FORWARDER_JOIN_S = 5.0  # how long leaving waits for the lines written before it to be passed on
+# while quiet_peers_leaving is open: (the real stderr, the filter pipe's write end), for real_stderr
+_filtering: Optional[tuple[int, int]] = None
+_filtering_lock = threading.Lock()
 
 
 @contextmanager
@@ -279,9 +282,11 @@ def quiet_peers_leaving() -> Iterator[None]:
     except OSError:  # no stderr to filter (closed by a daemon's launcher)
         yield
         return
+    global _filtering
     read_end, write_end = os.pipe()
-    os.dup2(write_end, 2)
-    os.close(write_end)
+    with _filtering_lock:
+        os.dup2(write_end, 2)
+        outer, _filtering = _filtering, (original if _filtering is None else _filtering[0], write_end)
 
     def forward() -> None:
         try:
@@ -298,10 +303,31 @@ def quiet_peers_leaving() -> Iterator[None]:
         yield
     finally:
         sys.stderr.flush()
-        # closes this process's write end of the pipe: the forwarder reads what is left, then ends; a child started
-        # meanwhile (a restarted learner) holds another, and the forwarder passes its lines on to stderr until it ends
-        os.dup2(original, 2)
+        # closes this process's write ends of the pipe: the forwarder reads what is left, then ends (a child started
+        # meanwhile got the real stderr: real_stderr)
+        with _filtering_lock:
+            os.dup2(original, 2)
+            os.close(write_end)
+            _filtering = outer
         forwarder.join(timeout=_FORWARDER_JOIN_S)
+
+
+@contextmanager
+def real_stderr() -> Iterator[None]:
+    """File descriptor 2 is the real stderr while the context is open, also inside :func:`quiet_peers_leaving`:
+    a child process started here (a learner restarted during a leave) inherits it, not the filter's pipe, which
+    would hold the leave up until the child ends and leave the child writing into a pipe nobody reads once this
+    process has exited. TensorPipe's lines of that moment pass unfiltered."""
+    with _filtering_lock:
+        if _filtering is None:
+            yield
+            return
+        real, pipe = _filtering
+        os.dup2(real, 2)
+        try:
+            yield
+        finally:
+            os.dup2(pipe, 2)
 
 
 def shutdown_rpc() -> None:

@@ -39,8 +39,9 @@ SHM_DIR = "/dev/shm"
 Files = list[tuple[str, int, torch.dtype]]  # one (path, numel, dtype) per flat buffer
 
 _X86 = ("x86_64", "AMD64", "i386", "i686")
-# copies overtaken by the server's next update before a read takes the weights under the server's lock instead:
-# a copy slower than the gap between updates (a big model, a busy server) would otherwise never see one whole
+# updates begun during one read before it takes the weights under the server's lock instead: a copy slower than
+# the gap between updates (a big model, a busy server) would otherwise never see one whole, and a reader that finds
+# back-to-back updates in progress at every look would wait for a gap that may not come
 _OVERTAKEN = 4
 
 
@@ -192,8 +193,9 @@ class MappedWeights:
     server in errors. A read fails when one update stays unfinished for ``timeout`` seconds (the version odd and
     unchanged: a server killed in the middle of an update leaves it so for good), or as soon as ``lost()`` says why
     the server is gone (the client's heartbeat). A reader that the server's updates keep overtaking (a copy slower
-    than the gap between two updates) reads, after ``_OVERTAKEN`` tries, with ``pull()``: the weights, buffers and
-    clock taken under the server's lock (an RPC pull)."""
+    than the gap between two updates, or updates in progress at every look) reads, once ``_OVERTAKEN`` updates
+    began during the read, with ``pull()``: the weights, buffers and clock taken under the server's lock (an RPC
+    pull)."""
 
     def __init__(
         self,
@@ -221,20 +223,21 @@ class MappedWeights:
     def read(self, copy: Callable[[list[Tensor], list[Tensor]], None]) -> int:
         """Run ``copy(params, buffers)`` on a consistent snapshot of the server's weights; returns its clock."""
         writing: tuple[int, float] = (-1, 0.0)  # the odd version seen, and since when: one update in progress
-        overtaken = 0
-        while overtaken < _OVERTAKEN:
-            version = int(self.header[0])
+        first = int(self.header[0])
+        version = first
+        # the updates begun since the first look: the odd versions after it (one in progress then is not one)
+        while (version + 1) // 2 - (first + 1) // 2 < _OVERTAKEN:
             if version % 2:  # the server is writing an update: it takes milliseconds
                 if version != writing[0]:  # another update than the one waited for: the server makes progress
                     writing = (version, time.monotonic())
                 self._check_writer(writing[1])
                 time.sleep(0.0002)
-                continue
-            copy(self.params, self.buffers)
-            clock = int(self.header[1])
-            if int(self.header[0]) == version:
-                return clock
-            overtaken += 1
+            else:
+                copy(self.params, self.buffers)
+                clock = int(self.header[1])
+                if int(self.header[0]) == version:
+                    return clock
+            version = int(self.header[0])
         params, buffers, clock = self.pull()
         copy(params, buffers)
         return clock

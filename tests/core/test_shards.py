@@ -142,16 +142,18 @@ def test_every_server_counts_the_updates_of_an_optimizer_that_shares_a_parameter
     plan = ShardPlan([a.shape, b.shape], 2, whole=True)
     assert [[p.param for p in pieces] for pieces in plan.shards] == [[0], [1]]
     servers = [
-        Server(ProtocolConfig(1, "async"), plan.views(s, [a.clone(), b.clone()]), [], [plan.spec(s, x) for x in specs])
+        Server(ProtocolConfig(2, "async"), plan.views(s, [a.clone(), b.clone()]), [], [plan.spec(s, x) for x in specs])
         for s in range(2)
     ]
-    for optimizer in (0, 1):  # one backward, then both steps
+    # learner 1 steps optimizer 0, then learner 0 optimizer 1 from the same weights (learner 0's own step would
+    # be no staleness to it)
+    for optimizer, learner in ((0, 1), (1, 0)):
         sigmas = []
         for server in servers:
             grads = [torch.ones_like(server.params[i]) for i in server.optimizer_params[optimizer]]
             has_grad = torch.ones(len(grads), dtype=torch.bool)
             result = server.push(
-                0, optimizer, server.grad_layouts[optimizer].pack(grads), has_grad, 0, [{"lr": 1.0}], []
+                learner, optimizer, server.grad_layouts[optimizer].pack(grads), has_grad, 0, [{"lr": 1.0}], []
             )
             sigmas.append(result.staleness)
         assert sigmas == [optimizer, optimizer]

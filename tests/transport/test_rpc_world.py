@@ -7,12 +7,14 @@ import socket
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed.rpc as rpc
 
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.transport.rpc_world import address_towards, interface_towards, quiet_peers_leaving
 from tests import rpc_harness as harness
 
@@ -130,4 +132,30 @@ def test_lines_written_after_leaving_by_a_child_started_inside_never_reach_a_fil
         checkpoint.flush()
     assert child.returncode == 0 and not any(t.is_alive() for t in forwarder)
     assert (tmp_path / "checkpoint").read_bytes() == b""
+    assert "a restarted learner says\n" in capfd.readouterr().err
+
+
+def test_a_learner_restarted_while_leaving_neither_holds_the_leave_up_nor_writes_into_the_filter(tmp_path, capfd):
+    """popen's launcher restarts a lost learner while learner 0 leaves (the filter open): the child must get the
+    real stderr, not the filter's pipe, whose forwarder would then wait for the child's end (the leave held up for
+    its whole bound) and, once this process exits, leave the child writing into a pipe nobody reads."""
+    go = tmp_path / "go"
+    script = (
+        "import os, sys, time\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        "sys.stderr.write('a restarted learner says\\n')\n"
+    )
+    launcher = SimpleNamespace(procs=[SimpleNamespace(args=[sys.executable, "-c", script])], _reported={0})
+    before = set(threading.enumerate())
+    with quiet_peers_leaving():
+        [forwarder] = [t for t in threading.enumerate() if t.name == "rudra-stderr" and t not in before]
+        PopenLauncher._restart(launcher, 0)
+    child = launcher.procs[0]
+    try:
+        assert not forwarder.is_alive()  # the leave ended as soon as this process's own lines were passed on
+        assert os.readlink(f"/proc/{child.pid}/fd/2") == os.readlink("/proc/self/fd/2")
+    finally:
+        go.touch()
+        child.wait(timeout=60)
+    assert child.returncode == 0 and launcher._reported == set()
     assert "a restarted learner says\n" in capfd.readouterr().err

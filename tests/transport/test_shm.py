@@ -189,3 +189,35 @@ def test_a_slow_reader_of_a_server_updating_back_to_back_gets_a_consistent_copy(
         stop.set()
         writer.join()
     assert len(updates) > 20 and set(seen) == {float(clock)}  # one update's weights, the clock they came with
+
+
+class WritesInProgress:
+    """A header whose version is odd at every look, another update each time: a server so busy that a reader always
+    catches it in the middle of one (its updates back to back, each longer than the reader's look)."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def __getitem__(self, index: int) -> int:
+        if index != 0:
+            return 0
+        self.looks += 1
+        if self.looks > 100:
+            raise AssertionError("the read kept waiting through 100 updates in progress instead of pulling")
+        return 2 * self.looks - 1
+
+
+def test_a_reader_that_keeps_finding_updates_in_progress_pulls_after_a_few(tmp_path):
+    """Each update the reader finds in progress is a new one (the version moves: the server lives, and is not
+    called dead); the updates begun during the read count towards the few it waits for before it pulls."""
+    server, _, _, names = shared_server(tmp_path)
+    pulled = []
+
+    def pull():
+        pulled.append(True)
+        return [p.clone() for p in server.flat_params], [b.clone() for b in server.flat_buffers], 7
+
+    reader = mapping(names, timeout=60.0, pull=pull)
+    reader.header = WritesInProgress()
+    assert reader.read(lambda params, buffers: None) == 7
+    assert pulled == [True] and reader.header.looks == 1 + 4  # the first look, then 4 updates begun since

@@ -24,6 +24,7 @@ from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
 from lightning_rudra.server.membership import this_process
+from lightning_rudra.transport.rpc_world import real_stderr
 
 
 def describe_exit(code: int) -> str:
@@ -140,7 +141,8 @@ class PopenLauncher(_SubprocessScriptLauncher):
     def _restart(self, index: int) -> None:
         """The same command and environment as Lightning's launcher gave this child (its local rank)."""
         env = {**os.environ, "LOCAL_RANK": str(index + 1)}
-        self.procs[index] = subprocess.Popen(self.procs[index].args, env=env)
+        with real_stderr():  # not the filter of a leave under way in this process
+            self.procs[index] = subprocess.Popen(self.procs[index].args, env=env)
         self._reported.discard(index)
 
     def end_lost(self, lost: list[int]) -> None:

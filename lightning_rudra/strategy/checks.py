@@ -13,10 +13,12 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import LearningRateFinder, ModelCheckpoint, Timer
 from pytorch_lightning.core.optimizer import _MockOptimizer
-from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities import GradClipAlgorithmType, rank_zero_warn
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
+from lightning_rudra.core.clipping import refuse_softsync
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
 from lightning_rudra.core.node import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
@@ -203,6 +205,22 @@ def check_optimizers(
                 "needs more (an argument without a default, another optimizer it wraps, the model) cannot run there. Use a plain torch optimizer, "
                 "or one whose settings all live in its parameter groups."
             ) from error
+
+
+def check_clipping(trainer: "pl.Trainer", protocol: str, n: int, num_learners: int, holders: Sequence[int]) -> None:
+    """The Trainer's clipping by norm where softsync averages c > 1 gradients per update and an optimizer is cut
+    between several servers (``holders``: per optimizer, how many servers hold a part of it): refused before
+    training starts (:func:`~lightning_rudra.core.clipping.refuse_softsync`). A module that clips in its own
+    ``configure_gradient_clipping`` is refused by the servers at its first step, where it shows."""
+    value, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+    c = num_learners // n if protocol == "softsync" else 1
+    if c <= 1 or not value or GradClipAlgorithmType(algorithm or "norm") != GradClipAlgorithmType.NORM:
+        return
+    if trainer.lightning_module is not None and is_overridden("configure_gradient_clipping", trainer.lightning_module):
+        return
+    for optimizer, servers in enumerate(holders):
+        if servers > 1:
+            refuse_softsync(float(value), optimizer, servers, c, n, num_learners)
 
 
 def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:

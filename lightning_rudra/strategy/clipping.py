@@ -2,8 +2,8 @@
 each learner's gradient before the step (``Trainer(gradient_clip_val=...)``, or the module's own
 ``self.clip_gradients(...)`` in ``configure_gradient_clipping`` or in manual optimization), and the server would then
 average clipped gradients, where DDP clips the averaged one. Every such call reaches the precision plugin's
-``clip_gradients``: while fitting, it records the request on the wrapped optimizer instead, whose next push carries
-it, and the server clips what its update applies. What a module clips by its own hand (``torch.nn.utils`` in
+``clip_gradients``: while fitting, it adds the request to those of the wrapped optimizer instead, whose next push
+carries them in turn, and the server clips what its update applies. What a module clips by its own hand (``torch.nn.utils`` in
 ``configure_gradient_clipping`` or ``on_before_optimizer_step``) stays on the learner, on its own gradient."""
 
 from typing import Any, Union
@@ -30,7 +30,8 @@ def clip_on_the_server(precision: Precision) -> None:
             return type(precision).clip_gradients(precision, optimizer, clip_val, gradient_clip_algorithm)
         if clip_val <= 0:  # Lightning's rule: no clipping
             return
-        wrapped.clipping = Clipping(float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value)
+        # after any clipping asked before in this step: Lightning applies successive calls in turn
+        wrapped.clipping += (Clipping(float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value),)
 
     precision.clip_gradients = clip_gradients  # type: ignore[method-assign]
 

@@ -30,6 +30,7 @@ from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states,
 from lightning_rudra.strategy.clipping import clip_on_the_learner, clip_on_the_server
 from lightning_rudra.strategy.checks import (
     check_arguments,
+    check_clipping,
     check_min_learners,
     check_module,
     check_node_aggregation,
@@ -257,6 +258,10 @@ class RudraStrategy(ServerParallelStrategy):
             )
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
         if fitting:
+            learner = self._training.learner
+            if learner is not None:  # every learner has the same cut: all refuse at once, before training
+                holders = [sum(1 for shard in learner.shards if shard.owned[i]) for i in range(len(learner.orders))]
+                check_clipping(trainer, self.protocol, self.n, self.num_learners, holders)
             clip_on_the_server(self.precision_plugin)  # the server clips what it applies, as DDP
 
     @override

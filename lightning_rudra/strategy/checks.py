@@ -7,7 +7,7 @@ case and its test.
 """
 
 import inspect
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -207,20 +207,26 @@ def check_optimizers(
             ) from error
 
 
-def check_clipping(trainer: "pl.Trainer", protocol: str, n: int, num_learners: int, holders: Sequence[int]) -> None:
-    """The Trainer's clipping by norm where softsync averages c > 1 gradients per update and an optimizer is cut
-    between several servers (``holders``: per optimizer, how many servers hold a part of it): refused before
-    training starts (:func:`~lightning_rudra.core.clipping.refuse_softsync`). A module that clips in its own
-    ``configure_gradient_clipping`` is refused by the servers at its first step, where it shows."""
-    value, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+def check_clipping(
+    value: float, algorithm: str, optimizer: int, protocol: str, n: int, num_learners: int, servers: int
+) -> None:
+    """Clipping by norm where softsync averages c > 1 gradients per update and ``optimizer`` is cut between
+    several ``servers``: refused (:func:`~lightning_rudra.core.clipping.refuse_softsync`), before any push."""
     c = num_learners // n if protocol == "softsync" else 1
-    if c <= 1 or not value or GradClipAlgorithmType(algorithm or "norm") != GradClipAlgorithmType.NORM:
+    if c > 1 and servers > 1 and value > 0 and GradClipAlgorithmType(algorithm) == GradClipAlgorithmType.NORM:
+        refuse_softsync(float(value), optimizer, servers, c, n, num_learners)
+
+
+def check_trainer_clipping(trainer: "pl.Trainer", check: Callable[[float, str, int], None], optimizers: int) -> None:
+    """The Trainer's ``gradient_clip_val``, known at setup: ``check`` (:func:`check_clipping` for this run) on each of
+    the ``optimizers``, before training starts. A module that clips in its own ``configure_gradient_clipping`` is
+    checked at its call, where it shows."""
+    if not trainer.gradient_clip_val:
         return
     if trainer.lightning_module is not None and is_overridden("configure_gradient_clipping", trainer.lightning_module):
         return
-    for optimizer, servers in enumerate(holders):
-        if servers > 1:
-            refuse_softsync(float(value), optimizer, servers, c, n, num_learners)
+    for optimizer in range(optimizers):
+        check(float(trainer.gradient_clip_val), str(trainer.gradient_clip_algorithm or "norm"), optimizer)
 
 
 def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:

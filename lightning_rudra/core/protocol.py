@@ -391,6 +391,7 @@ class Server:
         clip(params, pending.clipping[:step], scale)
         servers = pending.clipping[step].servers
         wait = GlobalNorm(step, servers, squared_norm(params), self.rounds[optimizer])
+        assert optimizer not in self.awaiting_norm, "hardsync's learners wait for a round before the next one"
         self.awaiting_norm[optimizer] = (wait, pending, lr_factor, rule_scale)
         return None
 

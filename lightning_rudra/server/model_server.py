@@ -208,7 +208,8 @@ class ModelServer:
         parts = self.norms.get((optimizer, wait.round), {})
         if not set(wait.servers) <= parts.keys():
             return False
-        del self.norms[(optimizer, wait.round)]
+        for key in [key for key in self.norms if key[0] == optimizer and key[1] <= wait.round]:
+            del self.norms[key]  # this round's, and any of a round that applied here without waiting (none summed)
         core.apply_norm(optimizer, sum(parts[server] for server in wait.servers) ** 0.5)
         return True
 
@@ -301,9 +302,8 @@ class ModelServer:
         """Resolve ``outcomes`` once the lock is released, then log what there is to say and tell :attr:`on_lost`
         of the learners lost since."""
         _settle(outcomes)
-        if not (
-            self._told or self._lost_queue or self._outbox
-        ):  # most calls (read without the lock: who adds, settles after)
+        # most calls have nothing more (read without the lock: who adds, settles after)
+        if not (self._told or self._lost_queue or self._outbox):
             return
         with self.lock:
             told, self._told = self._told, []

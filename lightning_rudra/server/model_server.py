@@ -12,6 +12,7 @@ fail or block, and must not stop the learners left.
 """
 
 import logging
+import math
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -216,6 +217,14 @@ class ModelServer:
     def round_norm(self, shard: int, optimizer: int, round: int, partial: float) -> None:
         """Server ``shard``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``
         (:meth:`_applied`); with the last part, the update applies and the round's learners get their replies."""
+        numbers = (shard, optimizer, round)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in numbers) or not (
+            isinstance(partial, float) and math.isfinite(partial) and partial >= 0
+        ):
+            raise ValueError(
+                f"round_norm{(shard, optimizer, round, partial)!r} is not valid: expected a server, an optimizer and "
+                "a round (integers >= 0) and a squared norm (a finite float >= 0)."
+            )
         with self.lock:
             if self.failure is not None or self.core is None:
                 return

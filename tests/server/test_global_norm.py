@@ -62,6 +62,14 @@ def test_a_round_waits_for_the_other_servers_part_of_the_norm_then_clips_by_the_
     assert servers[0].norms == {} == servers[1].norms
 
 
+@pytest.mark.parametrize("call", [("1", 0, 1, 9.0), (1, 0, 1, float("nan")), (1, True, 1, 9.0), (1, 0, -1, 9.0)])
+def test_a_bad_part_of_a_norm_is_refused_by_name_and_changes_nothing(call):
+    servers, sent = two_servers()
+    with pytest.raises(ValueError, match=r"round_norm.* is not valid: expected a server, an optimizer and a round"):
+        servers[0].round_norm(*call)
+    assert servers[0].norms == {}
+
+
 def test_a_part_that_cannot_be_sent_ends_training_with_why_and_a_lost_learner_releases_the_other_server():
     servers, sent = two_servers()
     replies = [push(ps, learner, 3.0) for ps in servers for learner in (0, 1)]

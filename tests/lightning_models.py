@@ -195,6 +195,14 @@ class ClipsInItsHook(Regression):
         self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
 
 
+class ClipsTwiceInItsHook(Regression):
+    """Clips twice in its own ``configure_gradient_clipping``: by norm at 0.3, then by value at 0.02."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+        self.clip_gradients(optimizer, gradient_clip_val=0.02, gradient_clip_algorithm="value")
+
+
 class TwoOptimizers(pl.LightningModule):
     """Manual optimization with two optimizers, as in a GAN: each step pushes twice, clipped by
     ``clip_algorithm``."""

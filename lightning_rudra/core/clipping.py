@@ -1,43 +1,62 @@
 """Gradient clipping on the server: the gradient an update applies is clipped, as DDP clips the averaged gradient
 (clipping each learner's gradient before the push, then averaging, is another update). Plain torch.
 
-A learner asks for it with a push (:class:`Clipping`: Lightning's ``gradient_clip_val`` and
-``gradient_clip_algorithm``, or the module's own ``clip_gradients`` call); the server clips the combined gradient of
-that optimizer's update (:func:`clip`) before its optimizer steps: after averaging and compensation, as DDP clips
-before its optimizer steps. Under async an update holds one gradient: clipping it there is what one learner alone
-would do.
+A learner asks for it with a push: the clippings Lightning would apply to that step's gradient, in their order
+(``gradient_clip_val`` and ``gradient_clip_algorithm``, or each of the module's own ``clip_gradients`` calls); the
+server clips the combined gradient of that optimizer's update (:func:`clip`) before its optimizer steps: after
+averaging and compensation, as DDP clips before its optimizer steps. Under async an update holds one gradient:
+clipping it there is what one learner alone would do.
 
-By norm, the norm is over all of an optimizer's parameters; a server that holds a cut of them cannot know it alone,
-so clipping by norm is refused where several servers each hold a part of the optimizer (:func:`check_clipping`).
-By value, every element is clipped on its own: exact at any cut.
+By value, every element is clipped on its own: exact at any cut. By norm, the norm is over all of an optimizer's
+parameters, which several servers may each hold a part of (:attr:`Clipping.servers`); the clip then takes the norm
+over all of them (:class:`GlobalNorm`):
+
+- hardsync: every server's round averages the same gradients; each sends the squared norm of its part to the others
+  (:meth:`GlobalNorm.partial`, the server process) and scales its part once it has them all;
+- an update of one gradient (async, softsync with c = 1): the learner knows its gradient's norm over every part and
+  sends it (:attr:`Clipping.norm`); each server scales its part by the same factor. The norm is of the gradient as
+  pushed, before the server's delay compensation (``dc``, ``gap``) changes it, where one server clips after it;
+- softsync with c > 1: servers may average different gradients into their k-th update, so there is no one norm
+  without waiting for each other: refused (:func:`refuse_softsync`).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 CLIP_ALGORITHMS = ("norm", "value")
+_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s, for the same factor
 
 
 @dataclass(frozen=True)
 class Clipping:
     """Clip an update's gradient: its norm over the optimizer's parameters to at most ``value`` (``"norm"``, as
-    ``torch.nn.utils.clip_grad_norm_``), or each element to ``[-value, value]`` (``"value"``)."""
+    ``torch.nn.utils.clip_grad_norm_``), or each element to ``[-value, value]`` (``"value"``). ``servers``: by norm,
+    the servers that hold a part of the optimizer, where they are several (the norm is over every part); ``norm``:
+    then, the norm of the pushing learner's gradient over every part, as this clipping sees it (after the
+    clippings before it)."""
 
     value: float
     algorithm: str = "norm"
+    servers: tuple[int, ...] = ()
+    norm: Optional[float] = None
 
     def __post_init__(self) -> None:
         check(self)
+
+    @property
+    def global_norm(self) -> bool:
+        """By norm over several servers' parts."""
+        return self.algorithm == "norm" and len(self.servers) > 1
 
 
 def check(clipping: Any) -> None:
     """A clipping request as it arrives (unpickling skips ``__post_init__``): refused by name if it is not one."""
     if not isinstance(clipping, Clipping):
-        raise ValueError(f"clipping={clipping!r} is not valid: expected None or a Clipping(value, algorithm).")
+        raise ValueError(f"clipping={clipping!r} is not valid: expected a Clipping(value, algorithm).")
     value = getattr(clipping, "value", None)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
         raise ValueError(f"gradient clipping value {value!r} is not valid: expected a finite number > 0.")
@@ -47,32 +66,117 @@ def check(clipping: Any) -> None:
             f"gradient clipping algorithm {algorithm!r} is not supported: expected one of "
             f"{', '.join(map(repr, CLIP_ALGORITHMS))}."
         )
+    servers = getattr(clipping, "servers", None)
+    if not isinstance(servers, tuple) or not all(isinstance(s, int) and s >= 0 for s in servers):
+        raise ValueError(f"gradient clipping servers {servers!r} are not valid: expected a tuple of server indices.")
+    norm = getattr(clipping, "norm", None)
+    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm >= 0):
+        raise ValueError(f"gradient norm {norm!r} is not valid: expected None or a number >= 0.")
 
 
-def check_clipping(clipping: Optional[Clipping], servers: int, optimizer: int) -> None:
-    """Clipping by norm needs the norm over all of the optimizer's parameters, which ``servers`` servers each
-    holding a cut of them cannot compute alone."""
-    if clipping is None or clipping.algorithm != "norm" or servers <= 1:
-        return
+def check_all(clippings: Any) -> tuple[Clipping, ...]:
+    """A push's clippings as they arrive: a tuple of :class:`Clipping`, at most one of them by norm over several
+    servers (:func:`check_servers`)."""
+    if not isinstance(clippings, tuple):
+        raise ValueError(f"clipping={clippings!r} is not valid: expected a tuple of Clipping(value, algorithm).")
+    for clipping in clippings:
+        check(clipping)
+    return clippings
+
+
+def check_servers(clippings: Sequence[Clipping], servers: int, optimizer: int) -> None:
+    """Across ``servers`` servers, the servers exchange one norm per update: one clipping by norm per step."""
+    by_norm = [c for c in clippings if c.algorithm == "norm"]
+    if servers > 1 and len(by_norm) > 1:
+        raise ValueError(
+            f"{len(by_norm)} gradient clippings by norm in one step (gradient_clip_val="
+            f"{', '.join(str(c.value) for c in by_norm)}) are not supported when the parameters of optimizer "
+            f"{optimizer} are cut between {servers} parameter servers: they exchange one norm per update. Clip by "
+            "norm once per step, or use RudraStrategy(num_servers=1)."
+        )
+
+
+def across_servers(
+    clippings: Sequence[Clipping], servers: Sequence[int], grads: Sequence[Tensor], optimizer: int
+) -> tuple[Clipping, ...]:
+    """A learner's clippings of its gradient ``grads`` of ``optimizer`` (every part), as it pushes them to the
+    ``servers`` that hold a part: where they are several, a clipping by norm names them, with the norm of ``grads``
+    as that clipping sees it (after the clippings by value before it)."""
+    if len(servers) <= 1 or not any(c.algorithm == "norm" for c in clippings):
+        return tuple(clippings)
+    check_servers(clippings, len(servers), optimizer)
+    told: list[Clipping] = []
+    seen = list(grads)
+    for clipping in clippings:
+        if clipping.algorithm == "value":  # a copy: the learner's gradient stays as it is
+            seen = [g.clamp(-clipping.value, clipping.value) for g in seen]
+            told.append(clipping)
+        else:
+            norm = math.sqrt(sum(float(g.detach().float().pow(2).sum()) for g in seen))
+            told.append(replace(clipping, servers=tuple(servers), norm=norm))
+    return tuple(told)
+
+
+def refuse_softsync(value: float, optimizer: int, servers: int, c: int, n: int, learners: int) -> None:
+    """Softsync with c > 1 gradients per update: each server may average other gradients into its k-th update,
+    so clipping by norm over the servers' parts has no one norm."""
     raise ValueError(
-        f"gradient clipping by norm (gradient_clip_val={clipping.value}) is not supported when the parameters of "
-        f"optimizer {optimizer} are cut between {servers} parameter servers: the norm is over all of them, and each "
-        "server holds only its part. Use RudraStrategy(num_servers=1), or clip by value "
-        "(Trainer(gradient_clip_algorithm='value'), or self.clip_gradients(..., gradient_clip_algorithm='value'))."
+        f"gradient clipping by norm (gradient_clip_val={value}) is not supported with softsync averaging c={c} "
+        f"gradients per update (λ={learners}, n={n}) when the parameters of optimizer {optimizer} are cut between "
+        f"{servers} parameter servers: each server may average different gradients into an update, so there is no "
+        f"one norm. Use RudraStrategy(num_servers=1), or n={learners} (c=1), or protocol='hardsync' or 'async', or "
+        "clip by value (Trainer(gradient_clip_algorithm='value'), or self.clip_gradients(..., "
+        "gradient_clip_algorithm='value'))."
     )
 
 
-def clip(params: Sequence[Tensor], clipping: Optional[Clipping], scale: float = 1.0) -> None:
-    """Clip the gradients of ``params`` (one optimizer's, as the server holds them) in place. ``scale``: the mean
-    factor the update's gradients were scaled by (``lr_modulation="per_gradient"``); the limit is scaled alike, so
-    that a stale gradient is clipped as its learner would have clipped it and still modulated (exact for one
-    gradient per update)."""
-    if clipping is None:
-        return
+def squared_norm(params: Sequence[Tensor]) -> float:
+    """The squared norm of the gradients of ``params`` (this server's part of an update's gradient)."""
+    return float(sum(float(p.grad.detach().float().pow(2).sum()) for p in params if p.grad is not None))
+
+
+@dataclass(frozen=True)
+class GlobalNorm:
+    """A hardsync round whose clipping by norm waits for the other servers' parts of the norm: the position of
+    that clipping among the update's, the servers that hold a part, this server's squared norm and the round."""
+
+    step: int
+    servers: tuple[int, ...]
+    partial: float
+    round: int
+
+
+def global_norm_step(clippings: Sequence[Clipping]) -> Optional[int]:
+    """The position of the clipping by norm over several servers, if any (:func:`check_servers`: at most one)."""
+    return next((i for i, c in enumerate(clippings) if c.global_norm), None)
+
+
+def clip(
+    params: Sequence[Tensor],
+    clippings: Sequence[Clipping],
+    scale: float = 1.0,
+    total_norm: Optional[float] = None,
+) -> None:
+    """Clip the gradients of ``params`` (one optimizer's, as the server holds them) in place, by each of
+    ``clippings`` in turn, as Lightning applies successive ``clip_gradients`` calls. ``scale``: the mean factor the
+    update's gradients were scaled by (``lr_modulation="per_gradient"``); the limit is scaled alike, so that a stale
+    gradient is clipped as its learner would have clipped it and still modulated (exact for one gradient per update).
+    A clipping by norm over several servers takes ``total_norm`` (the norm of the update's gradient over every part,
+    exchanged by the servers) or else the learner's :attr:`Clipping.norm`."""
     grads = [p for p in params if p.grad is not None]
     if not grads:  # this server holds none of the optimizer's parameters, or none got a gradient
         return
-    if clipping.algorithm == "norm":
-        torch.nn.utils.clip_grad_norm_(grads, clipping.value * scale)
-    else:
-        torch.nn.utils.clip_grad_value_(grads, clipping.value * scale)
+    for clipping in clippings:
+        if clipping.algorithm == "value":
+            torch.nn.utils.clip_grad_value_(grads, clipping.value * scale)
+        elif not clipping.global_norm:
+            torch.nn.utils.clip_grad_norm_(grads, clipping.value * scale)
+        else:
+            if total_norm is not None:  # of the update's gradient, as scaled
+                factor = clipping.value * scale / (total_norm + _EPS)
+            else:  # of the learner's gradient, before it was scaled: the same factor
+                assert clipping.norm is not None, "the learner sends its gradient's norm with a clipping by norm"
+                factor = clipping.value / (clipping.norm + _EPS)
+            if factor < 1.0:
+                for p in grads:
+                    p.grad.detach().mul_(factor)  # type: ignore[union-attr]  # grads: those with a gradient

@@ -38,7 +38,7 @@ class Pending:
     scales: list[float] = field(default_factory=list)
     learners: set[int] = field(default_factory=set)  # who pushed (hardsync: one gradient each)
     hparams: Optional[list[dict[str, Any]]] = None
-    clipping: Optional[Clipping] = None  # of the update, as the newest push asked
+    clipping: tuple[Clipping, ...] = ()  # of the update, as the newest push asked, in turn
 
     def add(
         self,

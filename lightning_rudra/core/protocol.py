@@ -12,7 +12,15 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_rudra.core.clipping import Clipping, check as check_clipping, clip
+from lightning_rudra.core.clipping import (
+    Clipping,
+    GlobalNorm,
+    check_all as check_clippings,
+    clip,
+    global_norm_step,
+    refuse_softsync,
+    squared_norm,
+)
 from lightning_rudra.core.compensation import (
     StaleWeights,
     compensate,
@@ -97,6 +105,9 @@ class Server:
         )
         # the running means of dc and gap: per optimizer, per parameter (its order), beside its own state
         self.rules_states: list[list[dict[str, Tensor]]] = [[{} for _ in idx] for idx in self.optimizer_params]
+        # hardsync rounds closed per optimizer, and the one whose clipping waits for the other servers' norms
+        self.rounds = [0] * len(optimizers)
+        self.awaiting_norm: dict[int, tuple[GlobalNorm, Pending, float, float]] = {}
 
     @property
     def clock(self) -> int:
@@ -124,7 +135,7 @@ class Server:
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
-        clipping: Optional[Clipping] = None,
+        clipping: Sequence[Clipping] = (),
     ) -> PushResult:
         """Take one gradient. ``grads`` is packed with the gradient layout of ``optimizer`` (zeros where
         ``has_grad`` is False), computed from weights with ``timestamp``; ``hparams`` are the learner's
@@ -140,14 +151,20 @@ class Server:
         ``buffers`` the sum of their floating-point buffers; it counts as the gradient of each of them, so that the
         update is still the mean over every learner's gradient.
 
-        ``clipping``: the learner asks that the gradient its update applies be clipped
-        (:mod:`lightning_rudra.core.clipping`); the newest push's request holds for the update.
+        ``clipping``: the learner asks that the gradient its update applies be clipped, by each in turn
+        (:mod:`lightning_rudra.core.clipping`); the newest push's request holds for the update. A hardsync round
+        clipped by norm over several servers closes without stepping (:attr:`awaiting_norm`) until
+        :meth:`apply_norm`.
         """
         if optimizer in range(len(self.grad_layouts)) and isinstance(grads, (list, tuple)):
             grads = decompress(grads, list(self.grad_layouts[optimizer].groups))
         self._check_push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
-        if clipping is not None:
-            check_clipping(clipping)
+        clipping = check_clippings(clipping)
+        if self.config.protocol == "softsync" and self.gradients_per_update > 1:
+            for request in clipping:
+                if request.global_norm:
+                    c, n, learners = self.gradients_per_update, self.config.n, self.config.num_learners
+                    refuse_softsync(request.value, optimizer, len(request.servers), c, n, learners)
         pending = self._pending[optimizer]
         group = [learner, *members]
         check_node_push(self.config.protocol, group, refused, self._check_learner)
@@ -335,8 +352,10 @@ class Server:
         return "accepted"
 
     def _close(self, optimizer: int) -> Optional[Update]:
-        """Average the pending gradients of ``optimizer`` into one update; None if every one was refused."""
+        """Average the pending gradients of ``optimizer`` into one update; None if every one was refused, or if
+        its clipping waits for the other servers' parts of the norm (:attr:`awaiting_norm`)."""
         pending, self._pending[optimizer] = self._pending[optimizer], Pending()
+        self.rounds[optimizer] += 1
         for gradient in pending.waiting:  # σ counted now, as the update applies
             self._admit(
                 pending,
@@ -352,13 +371,12 @@ class Server:
         if pending.grads is None:
             return None
         # set with the first gradient summed; hparams with every gradient received
-        assert pending.has_grad is not None and pending.buffers is not None and pending.hparams is not None
+        assert pending.has_grad is not None and pending.hparams is not None
         count = len(pending.staleness)
         lr_factor = 1.0
         if self.config.lr_modulation == "mean":
             lr_factor = 1.0 / max(1.0, sum(pending.staleness) / count)
         rule_scale = self._set_hyperparameters(optimizer, pending.hparams, lr_factor, count)
-        opt = self.optimizers[optimizer]
         layout = self.grad_layouts[optimizer]
         if count > 1:  # async and 1-gradient updates: no pass over the model for nothing
             for total in pending.grads:
@@ -367,10 +385,36 @@ class Server:
         indices = self.optimizer_params[optimizer]
         for i, grad, has in zip(indices, layout.unpack(flat_grads), pending.has_grad.tolist()):
             self.params[i].grad = grad if has else None
-        clip([self.params[i] for i in indices], pending.clipping, sum(pending.scales) / len(pending.scales))
+        params = [self.params[i] for i in indices]
+        scale = sum(pending.scales) / len(pending.scales)
+        step = global_norm_step(pending.clipping) if self.config.protocol == "hardsync" else None
+        if step is None:  # one server's norm, by value, or the learner's norm (an update of one gradient)
+            clip(params, pending.clipping, scale)
+            return self._step(optimizer, pending, lr_factor, rule_scale)
+        clip(params, pending.clipping[:step], scale)
+        servers = pending.clipping[step].servers
+        wait = GlobalNorm(step, servers, squared_norm(params), self.rounds[optimizer])
+        assert optimizer not in self.awaiting_norm, "hardsync's learners wait for a round before the next one"
+        self.awaiting_norm[optimizer] = (wait, pending, lr_factor, rule_scale)
+        return None
+
+    def apply_norm(self, optimizer: int, total_norm: float) -> Update:
+        """The hardsync update of ``optimizer`` that waited for the norm of its gradient over every server's part
+        (:attr:`awaiting_norm`): clipped by it, and by the clippings after it, then applied."""
+        wait, pending, lr_factor, rule_scale = self.awaiting_norm.pop(optimizer)
+        params = [self.params[i] for i in self.optimizer_params[optimizer]]
+        scale = sum(pending.scales) / len(pending.scales)
+        clip(params, pending.clipping[wait.step :], scale, total_norm)
+        return self._step(optimizer, pending, lr_factor, rule_scale)
+
+    def _step(self, optimizer: int, pending: Pending, lr_factor: float, rule_scale: float) -> Update:
+        """The optimizer steps with the gradients set on the parameters; the update's buffers are averaged."""
+        assert pending.buffers is not None  # set with the first gradient summed
+        count = len(pending.staleness)
+        indices = self.optimizer_params[optimizer]
         self.store.begin()
         try:
-            opt.step()
+            self.optimizers[optimizer].step()
             for master, total in zip(self.flat_buffers, pending.buffers):
                 master.copy_(total.div_(count) if total.is_floating_point() else total)
             self.stats.clock += 1

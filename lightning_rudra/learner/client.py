@@ -187,14 +187,14 @@ class LearnerClient:
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
-        clipping: Optional[Clipping] = None,
+        clipping: tuple[Clipping, ...] = (),
     ) -> Future:
         """Send a gradient computed from the weights of ``timestamp``; hand the future to :meth:`receive`.
         The tensors must not change until it resolves (RPC reads them when it sends them). ``grads=None``: the
         gradient is in this learner's shared-memory buffer. ``finite``: whether the whole gradient is (None: the
         server checks its part). ``members``, ``refused``: a node's push (:meth:`Server.push
-        <lightning_rudra.core.protocol.Server.push>`); ``clipping``: how the server clips the update's gradient."""
-        node = (list(members), list(refused), clipping) if members or refused or clipping is not None else ()
+        <lightning_rudra.core.protocol.Server.push>`); ``clipping``: how the server clips the update's gradient, by each in turn."""
+        node = (list(members), list(refused), clipping) if members or refused or clipping else ()
         args = (self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, *node)
         if self.deltas is not None:  # the count this learner will have applied when the reply comes
             args = ("push_deltas", self.deltas.compression, self.deltas.count() + self._replies_due, *args)

@@ -18,7 +18,7 @@ from lightning_rudra.core.update import PushReply
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.node import check_in_flight
 from lightning_rudra.learner.shard import Shard
-from lightning_rudra.core.clipping import Clipping, check_clipping
+from lightning_rudra.core.clipping import Clipping, across_servers
 from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
@@ -197,17 +197,19 @@ class Learner:
             else:
                 shard.take(*shard.client.pull())
 
-    def push(self, index: int, optimizer: Optimizer, clipping: Optional[Clipping] = None) -> None:
+    def push(self, index: int, optimizer: Optimizer, clipping: Sequence[Clipping] = ()) -> None:
         """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
         ``overlap`` (Rudra-adv*), continue at once from the newest weights already received: the reply to this
         push is loaded at the next push, so that communication overlaps the next step's computation.
-        ``clipping``: the servers clip the gradient the update applies (:mod:`lightning_rudra.core.clipping`)."""
-        check_clipping(clipping, sum(1 for shard in self.shards if shard.owned[index]), index)
+        ``clipping``: the servers clip the gradient the update applies, by each in turn
+        (:mod:`lightning_rudra.core.clipping`)."""
         params = self.optimizer_params[index]
         # sparse gradients (nn.Embedding(sparse=True)) travel dense: the server's flat buffers are dense
         grads = [
             torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params
         ]
+        holders = [shard.index for shard in self.shards if shard.owned[index]]
+        clipping = across_servers(clipping, holders, grads, index)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
         # of the weights this gradient came from (no hook saw it: a gradient set by hand, from the current ones)
         timestamps = self.grad_timestamps[index] or self._timestamps()
@@ -340,8 +342,8 @@ class LearnerOptimizer(Optimizer):
     """``step(closure)`` runs the closure (forward and backward), pushes the gradient and takes back the
     weights the protocol gives. The wrapped optimizer never updates weights itself: its ``param_groups`` stay
     the handle of LR schedulers (their current values travel with every push), and its state lives on the
-    server (``state_dict`` fetches it). ``clipping``, set before a step (the strategy sets it where Lightning
-    would clip), travels with that step's push: the server clips the gradient its update applies.
+    server (``state_dict`` fetches it). ``clipping``, added to before a step (the strategy adds each clipping
+    Lightning would apply, in turn), travels with that step's push: the server clips the gradient its update applies.
 
     Torch's ``Optimizer.__init__`` is not called: the groups and state are the wrapped optimizer's own.
     """
@@ -350,7 +352,7 @@ class LearnerOptimizer(Optimizer):
         self.local = optimizer
         self.index = index
         self.learner = learner
-        self.clipping: Optional[Clipping] = None
+        self.clipping: tuple[Clipping, ...] = ()
 
     param_groups = property(lambda self: self.local.param_groups)
     state = property(lambda self: self.local.state)
@@ -361,7 +363,7 @@ class LearnerOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        clipping, self.clipping = self.clipping, None
+        clipping, self.clipping = self.clipping, ()
         self.learner.push(self.index, self.local, clipping)
         # what torch's LR schedulers check (a flag torch's Optimizer sets but does not declare): the server stepped
         self.local._opt_called = True  # type: ignore[attr-defined]

@@ -67,12 +67,12 @@ class ServerClient(Protocol):
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
-        clipping: Optional[Clipping] = None,
+        clipping: tuple[Clipping, ...] = (),
     ) -> Future:
         """Push a gradient of ``optimizer`` computed from the weights of ``timestamp``, with the learner's
         hyper-parameters (its LR schedule) and buffers; ``grads=None``: it is in the server's shared memory.
         ``finite``: whether the whole gradient is (None: the server checks); ``members``, ``refused``: a node's
-        push (node-local aggregation); ``clipping``: how the server clips the gradient its update applies
+        push (node-local aggregation); ``clipping``: how the server clips the gradient its update applies, by each in turn
         (:mod:`lightning_rudra.core.clipping`). Hand the future to :meth:`receive`."""
         ...
 

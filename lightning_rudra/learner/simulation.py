@@ -104,7 +104,7 @@ class SimulatedClient:
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
-        clipping: Optional[Clipping] = None,
+        clipping: tuple[Clipping, ...] = (),
     ) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
         there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""

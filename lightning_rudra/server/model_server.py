@@ -12,6 +12,7 @@ fail or block, and must not stop the learners left.
 """
 
 import logging
+import math
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -58,10 +59,12 @@ class ModelServer:
         announce: bool = True,
         comeback: float = 0.0,
         name: str = "the parameter server",
+        shard: int = 0,
     ) -> None:
         """``announce``: log each loss and rejoin at INFO, which a server process writes to its stderr (with several
         servers, the first does; the others at DEBUG); ``comeback``: see
-        :class:`~lightning_rudra.server.membership.Membership`; ``name``: this server, in what it logs."""
+        :class:`~lightning_rudra.server.membership.Membership`; ``name``: this server, in what it logs; ``shard``:
+        which of the servers this is."""
         self.num_learners = num_learners
         self.announce = announce
         self.address: Optional[str] = None  # where the learners reach this process, for their messages
@@ -85,6 +88,12 @@ class ModelServer:
         self._told: list[tuple[int, str]] = []  # (level, message) to log once the lock is released
         self.attaching: set[int] = set()  # learners waiting for the model to be registered
         self.waits = SlowWaits(log, name, waits_after())
+        # hardsync clipping by norm over several servers' parts (core.clipping): per (optimizer, round), each
+        # server's squared norm of its part; and the sending of this server's to another, outside the lock
+        self.shard = shard
+        self.norms: dict[tuple[int, int], dict[int, float]] = {}
+        self.send_norm: Optional[Callable[[int, int, int, float], None]] = None  # (to server, optimizer, round, norm²)
+        self._outbox: list[tuple[int, int, int, float]] = []
 
     def register(
         self,
@@ -153,7 +162,7 @@ class ModelServer:
         finite: Optional[bool] = None,
         members: Sequence[int] = (),
         refused: Sequence[int] = (),
-        clipping=None,
+        clipping=(),
     ) -> Future:
         """``members``, ``refused``: a node's push (:meth:`Server.push`); ``learner`` shares the reply with them.
         ``clipping``: how the update's gradient is clipped (:meth:`Server.push`)."""
@@ -164,19 +173,78 @@ class ModelServer:
                 grads = self.shared.gradient(learner, optimizer, core)
             args = (grads, has_grad, timestamp, hparams, buffers, finite, members, refused, clipping)
             result = core.push(learner, optimizer, *args)
-            in_round = core.config.protocol == "hardsync" and not result.closed
+            applied = self._applied([optimizer] if result.closed else [])
+            in_round = core.config.protocol == "hardsync" and optimizer not in applied
             if in_round:
                 reply: Future = Future()
                 self.round_waiters.setdefault(optimizer, []).append((reply, learner, result.status, result.staleness))
                 outcomes = self._give_up_if_deadlocked()
             else:
-                outcomes, weights = self._release_rounds([optimizer] if result.closed else [], learner)
+                outcomes, weights = self._release_rounds(applied, learner)
                 lr_scale = self._lr_scale(optimizer)
         self._settle(outcomes)
         if not in_round:
             reply = Future()
             reply.set_result(PushReply(result.status, result.staleness, lr_scale, *weights))
         return reply
+
+    def _applied(self, closed: list[int]) -> list[int]:
+        """Of the optimizers whose wait just ``closed``, those whose update applied. A hardsync round clipped by norm
+        over several servers' parts waits for the others' (:meth:`round_norm`): this server's part is sent to them.
+        Called under the lock."""
+        core = self._core()
+        for optimizer in closed:
+            if optimizer in core.awaiting_norm:
+                wait = core.awaiting_norm[optimizer][0]
+                self.norms.setdefault((optimizer, wait.round), {})[self.shard] = wait.partial
+                self._outbox += [
+                    (other, optimizer, wait.round, wait.partial) for other in wait.servers if other != self.shard
+                ]
+        return [optimizer for optimizer in closed if optimizer not in core.awaiting_norm or self._apply_norm(optimizer)]
+
+    def _apply_norm(self, optimizer: int) -> bool:
+        """Apply the update of ``optimizer`` waiting for the other servers' parts of its norm, if all are here."""
+        core = self._core()
+        wait = core.awaiting_norm[optimizer][0]
+        parts = self.norms.get((optimizer, wait.round), {})
+        if not set(wait.servers) <= parts.keys():
+            return False
+        for key in [key for key in self.norms if key[0] == optimizer and key[1] <= wait.round]:
+            del self.norms[key]  # this round's, and any of a round that applied here without waiting (none summed)
+        core.apply_norm(optimizer, sum(parts[server] for server in wait.servers) ** 0.5)
+        return True
+
+    def round_norm(self, shard: int, optimizer: int, round: int, partial: float) -> None:
+        """Server ``shard``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``
+        (:meth:`_applied`); with the last part, the update applies and the round's learners get their replies."""
+        numbers = (shard, optimizer, round)
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in numbers) or not (
+            isinstance(partial, float) and math.isfinite(partial) and partial >= 0
+        ):
+            raise ValueError(
+                f"round_norm{(shard, optimizer, round, partial)!r} is not valid: expected a server, an optimizer and "
+                "a round (integers >= 0) and a squared norm (a finite float >= 0)."
+            )
+        with self.lock:
+            if self.failure is not None or self.core is None:
+                return
+            self.norms.setdefault((optimizer, round), {})[shard] = partial
+            waiting = self.core.awaiting_norm.get(optimizer)
+            outcomes: Outcomes = []
+            if waiting is not None and waiting[0].round == round and self._apply_norm(optimizer):
+                outcomes = self._release_rounds([optimizer])[0]
+        self._settle(outcomes)
+
+    def norm_not_sent(self, shard: int, error: BaseException) -> None:
+        """This server's part of a round's norm did not reach server ``shard``: its round can never apply."""
+        with self.lock:
+            if self.failure is not None or self.membership.members <= self.finished:  # nobody waits any more
+                return
+            outcomes = self._give_up(
+                f"{self.waits.who} could not send its part of the gradient's norm (clipping by norm over several "
+                f"servers) to parameter server {shard}: {error}"
+            )
+        self._settle(outcomes)
 
     def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> tuple[Outcomes, tuple]:
         """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
@@ -199,7 +267,7 @@ class ModelServer:
         """A learner is done training; resolves, once all learners left are, with the final weights."""
         with self.lock:
             self._check_alive()
-            outcomes, _ = self._release_rounds(self._core().finish(learner))
+            outcomes, _ = self._release_rounds(self._applied(self._core().finish(learner)))
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
@@ -243,11 +311,16 @@ class ModelServer:
         """Resolve ``outcomes`` once the lock is released, then log what there is to say and tell :attr:`on_lost`
         of the learners lost since."""
         _settle(outcomes)
-        if not (self._told or self._lost_queue):  # most calls (read without the lock: who adds, settles after)
+        # most calls have nothing more (read without the lock: who adds, settles after)
+        if not (self._told or self._lost_queue or self._outbox):
             return
         with self.lock:
             told, self._told = self._told, []
             lost, self._lost_queue = self._lost_queue, []
+            sends, self._outbox = self._outbox, []
+        for shard, optimizer, round, partial in sends:
+            assert self.send_norm is not None  # the server process sets it where there are several servers
+            self.send_norm(shard, optimizer, round, partial)
         for level, message in told:
             log.log(level, "%s", message)
         for learner, why in lost:
@@ -266,7 +339,7 @@ class ModelServer:
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
         waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
         waiters += self.gatherings.close() + self.finish_waiters
-        self.round_waiters, self.finish_waiters = {}, []
+        self.round_waiters, self.finish_waiters, self.norms, self._outbox = {}, [], {}, []
         waiters += [self.registered] if not self.registered.done() else []
         return [(waiter, RuntimeError(reason)) for waiter in waiters] + self.rejoins.stop(reason)
 

@@ -30,6 +30,7 @@ from lightning_rudra.transport.rpc_world import (
     address_towards,
     init_rpc,
     quiet_peers_leaving,
+    server_name,
     read_rpc_counters,
     rpc_counters,
     set_rpc_counters,
@@ -149,6 +150,7 @@ ENTRY_POINTS: dict[str, Optional[int]] = {
     "snapshot": None,
     "optimizer_state": None,
     "load_optimizer_state": None,
+    "round_norm": None,  # from another server: its part of a hardsync round's gradient norm (clipping by norm)
 }
 
 
@@ -231,6 +233,28 @@ def call_async(method: str, *args: Any) -> Future:
     """As :func:`call`, for the methods that answer with a future (a push, a collective, the end of training):
     the server's thread is free while they wait."""
     return _entry(method, args)(*args)  # raising here, before any future, reaches the caller
+
+
+def _send_norm(timeout: float, shard: int, optimizer: int, round: int, partial: float) -> None:
+    """This server's part of a hardsync round's gradient norm, to server ``shard``
+    (:meth:`~lightning_rudra.server.model_server.ModelServer.round_norm`): not waited for; if it does not arrive
+    within ``timeout`` (that server died), training cannot go on, and this server's waits fail with why."""
+    assert _server is not None
+    server = _server
+    args = ("round_norm", server.shard, optimizer, round, partial)
+    try:
+        sent = rpc.rpc_async(server_name(shard), call, args=args, timeout=timeout)
+    except Exception as error:  # the RPC agent is gone, or does not know the name
+        server.norm_not_sent(shard, error)
+        return
+
+    def delivered(done: Future) -> None:
+        try:
+            done.wait()
+        except Exception as error:
+            server.norm_not_sent(shard, error)
+
+    sent.add_done_callback(delivered)
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -343,7 +367,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         announce=args.shard == 0,
         comeback=args.comeback,
         name=f"parameter server {args.shard}",
+        shard=args.shard,
     )
+    _server.send_norm = lambda *norm: _send_norm(args.timeout, *norm)
     _server.address = address_towards(host)
     set_rpc_counters(counters)
     init_rpc(

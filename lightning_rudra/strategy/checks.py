@@ -7,16 +7,18 @@ case and its test.
 """
 
 import inspect
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import LearningRateFinder, ModelCheckpoint, Timer
 from pytorch_lightning.core.optimizer import _MockOptimizer
-from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities import GradClipAlgorithmType, rank_zero_warn
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
+from lightning_rudra.core.clipping import refuse_softsync
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
 from lightning_rudra.core.node import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
@@ -203,6 +205,28 @@ def check_optimizers(
                 "needs more (an argument without a default, another optimizer it wraps, the model) cannot run there. Use a plain torch optimizer, "
                 "or one whose settings all live in its parameter groups."
             ) from error
+
+
+def check_clipping(
+    value: float, algorithm: str, optimizer: int, protocol: str, n: int, num_learners: int, servers: int
+) -> None:
+    """Clipping by norm where softsync averages c > 1 gradients per update and ``optimizer`` is cut between
+    several ``servers``: refused (:func:`~lightning_rudra.core.clipping.refuse_softsync`), before any push."""
+    c = num_learners // n if protocol == "softsync" else 1
+    if c > 1 and servers > 1 and value > 0 and GradClipAlgorithmType(algorithm) == GradClipAlgorithmType.NORM:
+        refuse_softsync(float(value), optimizer, servers, c, n, num_learners)
+
+
+def check_trainer_clipping(trainer: "pl.Trainer", check: Callable[[float, str, int], None], optimizers: int) -> None:
+    """The Trainer's ``gradient_clip_val``, known at setup: ``check`` (:func:`check_clipping` for this run) on each of
+    the ``optimizers``, before training starts. A module that clips in its own ``configure_gradient_clipping`` is
+    checked at its call, where it shows."""
+    if not trainer.gradient_clip_val:
+        return
+    if trainer.lightning_module is not None and is_overridden("configure_gradient_clipping", trainer.lightning_module):
+        return
+    for optimizer in range(optimizers):
+        check(float(trainer.gradient_clip_val), str(trainer.gradient_clip_algorithm or "norm"), optimizer)
 
 
 def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:

@@ -2,11 +2,11 @@
 each learner's gradient before the step (``Trainer(gradient_clip_val=...)``, or the module's own
 ``self.clip_gradients(...)`` in ``configure_gradient_clipping`` or in manual optimization), and the server would then
 average clipped gradients, where DDP clips the averaged one. Every such call reaches the precision plugin's
-``clip_gradients``: while fitting, it records the request on the wrapped optimizer instead, whose next push carries
-it, and the server clips what its update applies. What a module clips by its own hand (``torch.nn.utils`` in
+``clip_gradients``: while fitting, it adds the request to those of the wrapped optimizer instead, whose next push
+carries them in turn, and the server clips what its update applies. What a module clips by its own hand (``torch.nn.utils`` in
 ``configure_gradient_clipping`` or ``on_before_optimizer_step``) stays on the learner, on its own gradient."""
 
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.utilities import GradClipAlgorithmType
@@ -16,9 +16,10 @@ from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.learner.learner import LearnerOptimizer
 
 
-def clip_on_the_server(precision: Precision) -> None:
+def clip_on_the_server(precision: Precision, check: Callable[[float, str, int], None]) -> None:
     """From now on, ``precision``'s clipping is asked of the server (an instance attribute over the class's method,
-    which :func:`clip_on_the_learner` removes)."""
+    which :func:`clip_on_the_learner` removes); ``check(value, algorithm, optimizer)`` refuses what the servers
+    cannot do (:func:`~lightning_rudra.strategy.checks.check_clipping`), before the push."""
 
     def clip_gradients(
         optimizer: Optimizer,
@@ -30,7 +31,10 @@ def clip_on_the_server(precision: Precision) -> None:
             return type(precision).clip_gradients(precision, optimizer, clip_val, gradient_clip_algorithm)
         if clip_val <= 0:  # Lightning's rule: no clipping
             return
-        wrapped.clipping = Clipping(float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm).value)
+        algorithm = GradClipAlgorithmType(gradient_clip_algorithm).value
+        check(float(clip_val), algorithm, wrapped.index)
+        # after any clipping asked before in this step: Lightning applies successive calls in turn
+        wrapped.clipping += (Clipping(float(clip_val), algorithm),)
 
     precision.clip_gradients = clip_gradients  # type: ignore[method-assign]
 

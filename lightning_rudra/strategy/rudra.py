@@ -30,6 +30,8 @@ from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states,
 from lightning_rudra.strategy.clipping import clip_on_the_learner, clip_on_the_server
 from lightning_rudra.strategy.checks import (
     check_arguments,
+    check_clipping,
+    check_trainer_clipping,
     check_min_learners,
     check_module,
     check_node_aggregation,
@@ -257,7 +259,15 @@ class RudraStrategy(ServerParallelStrategy):
             )
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
         if fitting:
-            clip_on_the_server(self.precision_plugin)  # the server clips what it applies, as DDP
+            # every learner has the same cut: all refuse at once, before training
+            check_trainer_clipping(trainer, self._check_clipping, len(self.optimizers))
+            clip_on_the_server(self.precision_plugin, self._check_clipping)  # the server clips what it applies, as DDP
+
+    def _check_clipping(self, value: float, algorithm: str, optimizer: int) -> None:
+        """:func:`check_clipping` for this run: its protocol and how many servers hold a part of ``optimizer``."""
+        learner = self._training.learner
+        servers = 1 if learner is None else sum(1 for shard in learner.shards if shard.owned[optimizer])
+        check_clipping(value, algorithm, optimizer, self.protocol, self.n, self.num_learners, servers)
 
     @override
     def model_to_device(self) -> None:

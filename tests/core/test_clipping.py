@@ -4,7 +4,7 @@ applies (DDP's averaged gradient), not each learner's (:mod:`lightning_rudra.cor
 import pytest
 import torch
 
-from lightning_rudra.core.clipping import Clipping, check_clipping
+from lightning_rudra.core.clipping import Clipping, across_servers, check_servers
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from tests.lightning_models import flat, regression_data
@@ -49,7 +49,7 @@ def hardsync(clipping: Clipping, learners: int = 2, mu: int = 8, clip_on_learner
                 server.clock,
                 [hyperparameters(g) for g in opt.param_groups],
                 [],
-                clipping=None if clip_on_learners else clipping,
+                clipping=() if clip_on_learners else (clipping,),
             )
         with torch.no_grad():
             for p, w in zip(params, server.params):
@@ -86,7 +86,7 @@ def one_weight_server(protocol: str, learners: int, lr_modulation: str = "none")
     return Server(ProtocolConfig(learners, protocol, lr_modulation=lr_modulation), [w], [], [spec])
 
 
-def push(server: Server, learner: int, grad, timestamp: int, clipping=None):
+def push(server: Server, learner: int, grad, timestamp: int, *clipping):
     return server.push(
         learner,
         0,
@@ -130,7 +130,7 @@ def test_a_push_without_clipping_is_not_clipped():
 @pytest.mark.parametrize(
     "clipping, message",
     [
-        ((0.5, "norm"), "expected None or a Clipping"),
+        ((0.5, "norm"), "expected a Clipping"),
         (Clipping.__new__(Clipping), "gradient clipping value None is not valid"),  # unpickled without fields
     ],
 )
@@ -138,6 +138,10 @@ def test_a_bad_clipping_request_is_refused_and_changes_nothing(clipping, message
     server = one_weight_server("async", 1)
     with pytest.raises(ValueError, match=message):
         push(server, 0, [3.0, 4.0], 0, clipping)
+    with pytest.raises(ValueError, match="expected a tuple of Clipping"):
+        server.push(
+            0, 0, [torch.tensor([3.0, 4.0])], torch.tensor([True]), 0, [{"lr": 0.1}], [], clipping=Clipping(1.0)
+        )
     assert server.clock == 0 and server.params[0].tolist() == [0.0, 0.0] and server.stats.gradients == 0
 
 
@@ -155,11 +159,89 @@ def test_bad_clipping_values_are_refused_by_name(value, algorithm, message):
         Clipping(value, algorithm)
 
 
-def test_clipping_by_norm_is_refused_where_several_servers_hold_an_optimizers_parameters():
-    check_clipping(Clipping(0.5), 1, 0)
-    check_clipping(Clipping(0.5, "value"), 3, 0)  # elementwise: exact at any cut
-    with pytest.raises(ValueError, match=r"optimizer 1 are cut between 2 parameter servers.*num_servers=1.*'value'"):
-        check_clipping(Clipping(0.5), 2, 1)
+def test_one_clipping_by_norm_per_step_where_several_servers_hold_an_optimizers_parameters():
+    check_servers([Clipping(0.5), Clipping(0.5)], 1, 0)  # one server: torch clips each in turn
+    check_servers([Clipping(0.5), Clipping(0.5, "value")], 3, 0)
+    with pytest.raises(
+        ValueError, match=r"2 gradient clippings by norm.*optimizer 1 are cut between 2 .*num_servers=1"
+    ):
+        check_servers([Clipping(0.5), Clipping(0.2)], 2, 1)
+
+
+def hardsync_over_two_servers(clipping: Clipping, learners: int = 2, mu: int = 8) -> torch.Tensor:
+    """As :func:`hardsync`, with the model cut between two servers (the first layer on one, the last on the
+    other); each round's clipping by norm takes the norm over both parts, as the server processes exchange it."""
+    model = net()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    cut = [params[:2], params[2:]]
+    servers = []
+    for part in cut:
+        spec = OptimizerSpec.from_optimizer(torch.optim.SGD(part, lr=0.05, momentum=0.9), part)
+        servers.append(Server(ProtocolConfig(learners, "hardsync"), [p.detach().clone() for p in part], [], [spec]))
+    for x, y, rows in batches(2, mu * learners):
+        for learner in range(learners):
+            part = rows[learner::learners]
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
+            grads = [p.grad for p in params]
+            told = across_servers([clipping], [0, 1], grads, 0)
+            for server, held in zip(servers, cut):
+                hparams = [hyperparameters(g) for g in opt.param_groups]
+                server.push(
+                    learner,
+                    0,
+                    server.grad_layouts[0].pack([p.grad.clone() for p in held]),
+                    torch.ones(len(held), dtype=torch.bool),
+                    server.clock,
+                    hparams,
+                    [],
+                    clipping=told,
+                )
+        if clipping.algorithm == "norm":  # each round waits for the other server's part of the norm
+            assert all(0 in server.awaiting_norm for server in servers)
+            total = sum(server.awaiting_norm[0][0].partial for server in servers) ** 0.5
+            for server in servers:
+                server.apply_norm(0, total)
+        assert not any(server.awaiting_norm for server in servers)
+        with torch.no_grad():
+            for p, w in zip(params, servers[0].params + servers[1].params):
+                p.copy_(w)
+    return flat(params)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_hardsync_over_two_servers_clips_by_the_norm_over_every_part(algorithm):
+    clipping = Clipping(0.5, algorithm)
+    expected = sgd(16, clipping)
+    torch.testing.assert_close(hardsync_over_two_servers(clipping), expected, rtol=0, atol=1e-5)
+
+
+def test_an_update_of_one_gradient_over_two_servers_is_clipped_by_the_learners_norm():
+    # async: the learner's gradient [3, 4 | 0] (norm 5) cut between two servers, each scaling its part alike
+    first, second = one_weight_server("async", 1), one_weight_server("async", 1)
+    told = across_servers([Clipping(1.0)], [0, 1], [torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0])], 0)
+    assert told == (Clipping(1.0, "norm", (0, 1), 5.0),)
+    push(first, 0, [3.0, 4.0], 0, *told)
+    push(second, 0, [0.0, 0.0], 0, *told)
+    assert first.params[0].tolist() == pytest.approx([-0.06, -0.08]) and second.params[0].tolist() == [0.0, 0.0]
+    # a clipping by value before it: the norm is of the gradient as that leaves it
+    told = across_servers([Clipping(2.0, "value"), Clipping(1.0)], [0, 1], [torch.tensor([6.0, 0.0])] * 2, 0)
+    assert told[1].norm == pytest.approx(8**0.5)
+
+
+def test_softsync_with_c_above_one_refuses_clipping_by_norm_over_several_servers():
+    server = one_weight_server("softsync", 2)  # n = 1: c = 2
+    with pytest.raises(ValueError, match=r"softsync averaging c=2 gradients.*λ=2, n=1.*n=2 \(c=1\)"):
+        push(server, 0, [3.0, 4.0], 0, Clipping(1.0, "norm", (0, 1), 5.0))
+    push(server, 0, [3.0, 4.0], 0, Clipping(1.0, "value"))  # by value: exact at any cut
+
+
+def test_successive_clippings_apply_in_turn_as_lightning_applies_successive_calls():
+    # norm 0.3, then value 0.02 (a module's configure_gradient_clipping calling clip_gradients twice)
+    server = one_weight_server("async", 1)
+    push(server, 0, [3.0, 4.0], 0, Clipping(0.3), Clipping(0.02, "value"))  # [0.18, 0.24], then [0.02, 0.02]
+    assert server.params[0].tolist() == pytest.approx([-0.002, -0.002])
 
 
 def test_a_server_that_holds_none_of_an_optimizers_gradients_clips_nothing():
@@ -176,7 +258,7 @@ def test_a_server_that_holds_none_of_an_optimizers_gradients_clips_nothing():
             [{"lr": 0.1}],
             [],
             None,
-            clipping=Clipping(1.0, algorithm),
+            clipping=(Clipping(1.0, algorithm),),
         )
         assert result.update is not None
     assert server.clock == 2 and w.tolist() == [0.0, 0.0]

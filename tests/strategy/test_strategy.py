@@ -14,6 +14,7 @@ from lightning_rudra import RudraStrategy
 from tests.lightning_models import (
     START,
     ClipsInItsHook,
+    ClipsTwiceInItsHook,
     FailingLearner,
     Features,
     Metered,
@@ -59,22 +60,52 @@ def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):
     assert metrics["server_clock"] == steps - 1  # logged before the last step's push
 
 
-# "hook": the module's configure_gradient_clipping calls self.clip_gradients (by norm), no Trainer setting
-@pytest.mark.parametrize("algorithm", ["norm", "value", "hook"])
-def test_hardsync_with_gradient_clipping_equals_a_single_process_trainer_with_batch_mu_lambda(tmp_path, algorithm):
+# "hook": the module's configure_gradient_clipping calls self.clip_gradients (by norm), no Trainer setting; "twice":
+# it calls it twice, by norm then by value, which Lightning applies in turn. 2 servers: the optimizer is cut between
+# them, and the servers exchange their parts of each round's norm.
+@pytest.mark.parametrize(
+    "algorithm, num_servers", [("norm", 1), ("value", 1), ("hook", 1), ("twice", 1), ("norm", 2), ("twice", 2)]
+)
+def test_hardsync_with_gradient_clipping_equals_a_single_process_trainer_with_batch_mu_lambda(
+    tmp_path, algorithm, num_servers
+):
     # DDP clips the averaged gradient: the server must clip what it applies, not each learner its own gradient
     learners, mu, epochs = 2, 8, 2
-    clip = {} if algorithm == "hook" else dict(gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
-    module = ClipsInItsHook if algorithm == "hook" else Regression
+    hooks = {"hook": ClipsInItsHook, "twice": ClipsTwiceInItsHook}
+    clip = {} if algorithm in hooks else dict(gradient_clip_val=0.5, gradient_clip_algorithm=algorithm)
+    module = hooks.get(algorithm, Regression)
     model = module()
-    trainer = quiet_trainer(probed(tmp_path, protocol="hardsync"), learners, max_epochs=epochs, **clip)
+    strategy = probed(tmp_path, protocol="hardsync", num_servers=num_servers)
+    trainer = quiet_trainer(strategy, learners, max_epochs=epochs, **clip)
     trainer.fit(model, loader(mu))
     # one process, batches of μλ in the order of the learners' DistributedSampler shards together, clipped by Lightning
-    reference, data = module(), regression_data()
+
+    def single_process(module, **clip) -> torch.Tensor:
+        reference, data = module(), regression_data()
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+        batches = DataLoader(data, mu * learners, sampler=sampler)
+        quiet_trainer("auto", 1, max_epochs=epochs, **clip).fit(reference, batches)
+        return flat(reference.parameters())
+
+    expected = single_process(module, **clip)
+    assert (expected - single_process_sgd(epochs, mu * learners)).abs().max() > 0.04, "clipping changes this run"
+    if algorithm == "twice":  # both clippings count, not only the last
+        by_value = single_process(Regression, gradient_clip_val=0.02, gradient_clip_algorithm="value")
+        assert (expected - by_value).abs().max() > 0.01
+    torch.testing.assert_close(flat(model.parameters()), expected, rtol=0, atol=1e-5)
+
+
+def test_async_with_one_learner_over_two_servers_clips_by_norm_as_plain_lightning(tmp_path):
+    # an async update applies one learner's gradient: the learner sends its norm over both servers' parts
+    mu, epochs, clip = 8, 2, dict(gradient_clip_val=0.5)
+    model = Regression()
+    strategy = probed(tmp_path, protocol="async", num_servers=2, sampling="static")
+    quiet_trainer(strategy, 1, max_epochs=epochs, **clip).fit(model, loader(mu))
+    reference, data = Regression(), regression_data()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
-    quiet_trainer("auto", 1, max_epochs=epochs, **clip).fit(reference, DataLoader(data, mu * learners, sampler=sampler))
+    quiet_trainer("auto", 1, max_epochs=epochs, **clip).fit(reference, DataLoader(data, mu, sampler=sampler))
     expected = flat(reference.parameters())
-    assert (expected - single_process_sgd(epochs, mu * learners)).abs().max() > 0.04, "clipping at 0.5 changes this run"
+    assert (expected - single_process_sgd(epochs, mu)).abs().max() > 0.04, "clipping at 0.5 changes this run"
     torch.testing.assert_close(flat(model.parameters()), expected, rtol=0, atol=1e-5)
 
 
@@ -225,11 +256,27 @@ def test_manual_optimization_with_two_optimizers(tmp_path, num_servers):
     assert probe["lrs"] == ([[0.01], [0.05]] if num_servers == 1 else None)
 
 
-def test_clipping_by_norm_of_an_optimizer_cut_between_servers_is_refused_with_a_remedy(tmp_path):
-    strategy = RudraStrategy(protocol="softsync", n=2, start_method=START, rpc_timeout=30, num_servers=2)
-    trainer = quiet_trainer(strategy, 2, max_epochs=1)
-    with pytest.raises(Exception, match=r"optimizer 0 are cut between 2 parameter servers.*num_servers=1.*'value'"):
-        trainer.fit(TwoOptimizers("norm"), loader(16))
+class StartsTraining(Regression):
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("training started")
+
+
+# softsync with c = 2 gradients per update: the servers may average different gradients into their k-th update
+def test_clipping_by_norm_of_an_optimizer_cut_between_servers_under_softsync_is_refused_with_a_remedy(monkeypatch):
+    # (no λ in the pattern: a learner told of another's error through RPC may get it mis-decoded)
+    refused = (
+        r"softsync averaging c=2 gradients per update \(.*=2, n=1\).*optimizer 0 are cut between 2 .*num_servers=1"
+    )
+    strategy = RudraStrategy(protocol="softsync", n=1, start_method=START, rpc_timeout=30, num_servers=2)
+    # the Trainer's setting: at setup, before any training step
+    with pytest.raises(Exception, match=refused):
+        quiet_trainer(strategy, 2, max_epochs=1, gradient_clip_val=0.5).fit(StartsTraining(), loader(16))
+    # the module's own call: at its first step, where it shows. On a port of its own: the servers of the refused fit
+    # may still hold the first one (the learners left at once, without waiting for them to end)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    strategy = RudraStrategy(protocol="softsync", n=1, start_method=START, rpc_timeout=30, num_servers=2)
+    with pytest.raises(Exception, match=refused + r".*'value'"):
+        quiet_trainer(strategy, 2, max_epochs=1).fit(TwoOptimizers("norm"), loader(16))
 
 
 def test_forkserver_learners_start_with_the_callers_environment_random_state_and_own_memory(monkeypatch):

@@ -43,7 +43,8 @@ def test_a_frame_carries_tensors_of_every_dtype_and_shape_bit_for_bit_inside_the
     ]
     hparams = [{"lr": 0.1, "betas": (0.9, 0.99), "nesterov": False, "name": "head", "decay": None, "c": 1j}]
     reply = PushReply("accepted", 1, 0.5, WeightMessage(False, tensors), [], 9)
-    sent = ("push", LearnerId(3, 2), hparams, reply, Clipping(0.5, "value"))
+    clippings = (Clipping(0.5, "value"), Clipping(1.0, "norm", (0, 1), 2.5))  # a push's, in turn (core.clipping)
+    sent = ("push", LearnerId(3, 2), hparams, reply, clippings)
     left, right = socket.socketpair()
     with left, right:
         sender = threading.Thread(target=send_frame, args=(left, sent))
@@ -52,7 +53,7 @@ def test_a_frame_carries_tensors_of_every_dtype_and_shape_bit_for_bit_inside_the
         sender.join()
     method, learner, hparams_got, reply, clipping = got
     assert (method, learner, learner.incarnation, hparams_got) == ("push", 3, 2, hparams)
-    assert clipping == Clipping(0.5, "value")  # a push's clipping request (core.clipping)
+    assert clipping == clippings
     assert reply.status == "accepted" and reply.clock == 9 and reply.params.whole is False
     for a, b in zip(reply.params.flats, tensors):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -13,7 +13,7 @@ import math
 import pickle
 import socket
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from lightning_rudra.core.update import PushReply
 from lightning_rudra.transport.elastic import LearnerId
 
 _HEADER = struct.Struct("!QQ")  # the pickled part's length, the tensors' total bytes
+_NUMBER = struct.Struct("!Q")  # a call's number ahead of its frame: known even when the frame cannot be decoded
 _KEEPALIVE = _HEADER.pack(0, 0)  # a frame of nothing: "still working on your call" (no frame pickles to 0 bytes)
 _PICKLED_LIMIT = 1 << 20  # a push's pickled part is its hyper-parameters and numbers: kilobytes
 _TENSOR_SLACK = 1 << 20  # beyond twice the model: a push's has_grad flags, a reply's clock
@@ -78,7 +79,23 @@ class Frame(NamedTuple):
         total = sum(t.numel() * t.element_size() for t in pickler.tensors)
         return cls(_HEADER.pack(len(pickled), total) + pickled, pickler.tensors)
 
-    def send(self, sock: socket.socket) -> None:
+    def over(self, limits: FrameLimits) -> Optional[str]:
+        """Why the receiver would refuse this frame as over ``limits`` (None: it would not)."""
+        pickled = len(self.head) - _HEADER.size
+        total = sum(t.numel() * t.element_size() for t in self.tensors)
+        if pickled > limits.pickled or total > limits.tensors:
+            return (
+                f"{pickled} pickled bytes and {total} bytes of tensors, over the stream's {limits.pickled} and "
+                f"{limits.tensors} (twice the model)"
+            )
+        if len(self.tensors) > _TENSORS_LIMIT:
+            return f"{len(self.tensors)} tensors, over the stream's {_TENSORS_LIMIT}"
+        return None
+
+    def send(self, sock: socket.socket, number: Optional[int] = None) -> None:
+        """Send, behind the call's ``number`` if it is one."""
+        if number is not None:
+            sock.sendall(_NUMBER.pack(number))
         _send(sock, memoryview(self.head))
         for tensor in self.tensors:
             if tensor.numel():
@@ -91,6 +108,11 @@ def send_frame(sock: socket.socket, obj: Any) -> None:
 
 def send_keepalive(sock: socket.socket) -> None:
     sock.sendall(_KEEPALIVE)
+
+
+def recv_number(sock: socket.socket) -> int:
+    """The number of the next call (a learner may take its time between two calls)."""
+    return _NUMBER.unpack(_read(sock, memoryview(bytearray(_NUMBER.size)), patient=True))[0]
 
 
 def recv_frame(sock: socket.socket, limits: FrameLimits, patient: bool = False) -> Any:

@@ -14,25 +14,20 @@ before anything of it is unpickled, and until then the server reads only the fix
 their type's name and message (:class:`ServerError`), never as pickled exceptions.
 
 A connection that breaks (reset by a firewall or ``ss -K``, aborted by the kernel) is opened again and the call in
-progress sent again, within ``rpc_timeout``. That call may or may not have reached the server, so each call carries
-its number in the client's session (named in the handshake): the server answers a number it has seen with the reply
-it made, and never runs a push twice.
+progress sent again, within ``rpc_timeout``. That call may or may not have reached the server, so each call goes
+with its number in the client's session (named in the handshake), ahead of its frame: the server answers a number
+it has seen with the reply it made, and never runs a push twice. One connection of a session is served at a time.
 """
 
 import hashlib
 import hmac
-import logging
 import math
 import socket
 import time
 from typing import NamedTuple
 
 
-from lightning_rudra.transport.frames import (
-    FrameLimits,
-)
-
-log = logging.getLogger(__name__)
+from lightning_rudra.transport.frames import FrameLimits
 
 MAGIC = b"rudra-s2"  # the protocol and its version, first on the wire both ways
 NONCE = 32

@@ -39,14 +39,23 @@ class _Refused(ConnectionError):
     """A connection the other side turned down for good (a proof refused or not given): trying again cannot help."""
 
 
+class _GaveUp(ConnectionError):
+    """The stream broke and could not be opened again: ``timed_out`` when time ran out (the host may be cut off),
+    rather than a server that no longer listens or refuses."""
+
+    def __init__(self, message: str, timed_out: bool) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
 class StreamClient:
     """A learner's connection to the :class:`StreamServer` of ``offer`` (connecting and the handshake wait
     ``timeout`` seconds at most). :meth:`call` returns a future at once; the calls go in order. A reply may take as
     long as the call does (a hardsync round): the server sends a keepalive frame meanwhile, and a connection that
     stays silent for ``timeout`` (half-open: a dropped NAT entry, a firewall that lets RPC through but not this port)
     fails the call, naming the server. A connection that breaks is opened again, and the call in progress sent again
-    (the server runs it once), for ``timeout`` seconds at most; a server that no longer listens ends it at once.
-    Every call ends, with its value or an error, whatever ends the connection."""
+    (the server runs it once), for ``timeout`` seconds at most from the first break; a server that no longer listens
+    ends it at once. Every call ends, with its value or an error, whatever ends the connection."""
 
     def __init__(self, offer: StreamOffer, timeout: float, what: str) -> None:
         self.what = what  # for messages: "parameter server 1 (on 10.0.0.2)"
@@ -55,7 +64,7 @@ class StreamClient:
         self.session = secrets.token_bytes(SESSION)
         self._closing = False
         self.sock = self._open(time.monotonic() + timeout)
-        self._sent = 0  # calls sent in this session: each carries its number
+        self._sent = 0  # calls sent in this session: each goes with its number
         self._lock = threading.Lock()
         self._closed: Optional[str] = None  # why, once no call can go through any more
         self._calls: queue.Queue = queue.Queue()
@@ -66,22 +75,27 @@ class StreamClient:
         """A proven connection, tried every half second until ``deadline`` (a link down, the server's handshake
         slots taken by strangers); at once an error where no retry can help (nobody listens, a refused proof)."""
         while True:
+            if self._closing:
+                raise ConnectionError("this learner closed it")
             try:
-                sock = self._connect()
+                sock = self._connect(max(0.1, min(self.timeout, deadline - time.monotonic())))
                 log.debug("stream to %s at %s:%d opened", self.what, self.offer.address, self.offer.port)
                 return sock
-            except (ConnectionRefusedError, _Refused):
+            except ConnectionRefusedError as error:
+                raise _GaveUp(f"nobody listens there any more ({error})", timed_out=False) from error
+            except _Refused:
                 raise
             except OSError as error:
-                if time.monotonic() + 0.5 > deadline or self._closing:
-                    raise ConnectionError(
-                        f"could not open it within {self.timeout:g} s (rpc_timeout): {error}"
+                if time.monotonic() + 0.5 >= deadline:
+                    raise _GaveUp(
+                        f"could not open it within {self.timeout:g} s (rpc_timeout): {error}", timed_out=True
                     ) from error
                 time.sleep(0.5)
 
-    def _connect(self) -> socket.socket:
-        sock = socket.create_connection((self.offer.address, self.offer.port), timeout=self.timeout)
+    def _connect(self, timeout: float) -> socket.socket:
+        sock = socket.create_connection((self.offer.address, self.offer.port), timeout=timeout)
         try:
+            sock.settimeout(self.timeout)
             keep_alive(sock, keepalive_interval(self.timeout))
             self._handshake(sock)
         except BaseException:
@@ -97,7 +111,9 @@ class StreamClient:
         sock.sendall(MAGIC + answer + handshake_proof(self.offer.secret, b"learner", challenge, answer))
         try:
             shown = read_exactly(sock, PROOF_SIZE)
-        except ConnectionError as error:
+        except (ConnectionResetError, ConnectionAbortedError):  # broken, not refused: worth another try
+            raise
+        except ConnectionError as error:  # closed without a word: the proof was refused
             raise _Refused(f"{self.what} refused this learner's proof that it belongs to the run") from error
         if not hmac.compare_digest(shown, handshake_proof(self.offer.secret, b"server", answer, challenge)):
             raise _Refused(f"what listens there could not prove it is {self.what} (it does not know the secret)")
@@ -121,8 +137,7 @@ class StreamClient:
                 if item is None:
                     return
                 request, current = item
-                self._sent += 1
-                self._through_breaks(self._sent, request, current)
+                self._send(request, current)
                 current = None
         except socket.timeout:
             why = (
@@ -130,6 +145,10 @@ class StreamClient:
                 "connection: a dropped NAT entry, a firewall that lets RPC through but not the stream's port?)"
             )
             if current is not None:  # the call that waited: worded as RPC's own timeouts are (learner/client.py)
+                current.set_exception(RuntimeError(f"the stream to {self.what} timed out: {why}"))
+        except _GaveUp as error:
+            why = str(error)
+            if error.timed_out and current is not None:  # as above: the host may be cut off, not the server gone
                 current.set_exception(RuntimeError(f"the stream to {self.what} timed out: {why}"))
         except BaseException as error:
             why = str(error) or type(error).__name__
@@ -144,42 +163,50 @@ class StreamClient:
                 if future is not None and not future.done():
                     future.set_exception(RuntimeError(f"the stream to {self.what} closed: {why}"))
 
-    def _through_breaks(self, number: int, request: tuple, future: Future) -> None:
-        """One call, sent again on a new connection each time one breaks, for ``timeout`` seconds at most."""
+    def _send(self, request: tuple, future: Future) -> None:
+        """One call, pickled once and sent again on a new connection each time one breaks, for ``timeout`` seconds
+        at most from the first break; its future ends here, or the error raised (no connection to be had) ends it."""
+        method = request[0]
+        try:
+            frame = Frame.encode(request)
+        except Exception as error:
+            future.set_exception(RuntimeError(f"{method} cannot be sent to {self.what}: {error}"))
+            return
+        over = frame.over(self.offer.limits)
+        if over is not None:  # the server would refuse it, and close the connection
+            future.set_exception(RuntimeError(f"{method} cannot be sent to {self.what}: {over}"))
+            return
+        self._sent += 1
         deadline = None
         while True:
             try:
-                return self._call(number, request, future)
+                return self._call(self._sent, method, frame, future)
             except (socket.timeout, FrameError):  # silence, or a peer out of step: no new connection mends those
                 raise
             except OSError as error:  # reset, aborted, end of file: the connection broke, maybe not the server
                 if self._closing:
                     raise
-                deadline = deadline or time.monotonic() + self.timeout
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout
+                else:  # broken again: not at once
+                    time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
                 self._reconnect(error, deadline)
 
     def _reconnect(self, broken: OSError, deadline: float) -> None:
         log.info("the stream to %s broke (%s): opening it again", self.what, broken)
         self.sock.close()
         try:
-            sock = self._open(deadline)
-        except OSError as error:  # refused: nobody listens there any more, the server's process ended
-            raise ConnectionError(f"it broke ({broken}) and was not opened again: {error}") from error
-        self.sock = sock
+            self.sock = self._open(deadline)
+        except _GaveUp as error:
+            raise _GaveUp(f"it broke ({broken}) and {error}", error.timed_out) from error
+        except _Refused as error:
+            raise _GaveUp(f"it broke ({broken}) and {error}", timed_out=False) from error
         if self._closing:  # close() shut the old socket while this one was being opened
-            sock.close()
+            self.sock.close()
             raise ConnectionError("this learner closed it")
 
-    def _call(self, number: int, request: tuple, future: Future) -> None:
-        """One call: its future ends here, or the error raised (the connection unusable) ends it."""
-        method = request[0]
-        try:
-            frame = Frame.encode((number, *request))
-        except Exception as error:
-            self._sent -= 1  # never sent: the next call takes its number
-            future.set_exception(RuntimeError(f"{method} cannot be sent to {self.what}: {error}"))
-            return
-        frame.send(self.sock)
+    def _call(self, number: int, method: str, frame: Frame, future: Future) -> None:
+        frame.send(self.sock, number)
         while True:
             try:
                 reply = recv_frame(self.sock, self.offer.limits)

@@ -7,7 +7,6 @@ import secrets
 import socket
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,6 +17,7 @@ from lightning_rudra.transport.frames import (
     FrameError,
     FrameLimits,
     recv_frame,
+    recv_number,
     send_keepalive,
 )
 from lightning_rudra.transport.stream import (
@@ -42,21 +42,23 @@ _HANDSHAKE_S = 10.0  # the most a connection has to prove itself, all its handsh
 
 
 class _Session:
-    """A client's calls as the server saw them: the number of the last, and its reply once made (kept until the next
-    call shows it arrived)."""
+    """A client's calls as the server saw them: the number of the last and its reply once made (kept until the next
+    call shows it arrived), and the one connection that serves it."""
 
     def __init__(self) -> None:
+        self.changed = threading.Condition()  # a reply made, or the connection replaced
         self.number = 0
-        self.replied = threading.Event()
-        self.reply: Optional[Frame] = None
-        self.connection: Optional[socket.socket] = None  # the newest: an older one is broken, its client says
+        self.reply: Optional[Frame] = None  # of call ``number``
+        self.connection: Optional[socket.socket] = None
+        self.free = threading.Event()  # no thread serves it
+        self.free.set()
+        self.idle_since = time.monotonic()  # when its last connection ended
 
-    def begin(self, number: int) -> None:
-        self.number, self.replied, self.reply = number, threading.Event(), None
-
-    def settle(self, reply: Frame) -> None:
-        self.reply = reply
-        self.replied.set()
+    def settle(self, number: int, reply: Frame) -> None:
+        with self.changed:
+            if number == self.number:  # else a later call began: its client had this reply already
+                self.reply = reply
+                self.changed.notify_all()
 
 
 class StreamServer:
@@ -64,7 +66,8 @@ class StreamServer:
     are answered in order on a thread of its own: ``answer(method, args)`` gives a value or a future, whose value goes
     back (a raised exception as a :class:`ServerError`; a future is waited for with a keepalive frame every
     ``timeout / 4`` seconds, at most 5). A call sent again on a new connection of its session gets the reply made
-    to it, not a second run. ``limits``: the largest frame taken; ``max_peers``: connections at once that proved
+    to it, not a second run; a session whose connection has been gone for twice ``timeout`` (its client has given
+    up) is forgotten. ``limits``: the largest frame taken; ``max_peers``: connections at once that proved
     themselves (a learner per server, with room for a lost one's)."""
 
     def __init__(
@@ -91,9 +94,7 @@ class StreamServer:
         self._peers = threading.BoundedSemaphore(max_peers)
         self._lock = threading.Lock()
         self._unproven: dict[str, int] = {}  # source address -> its connections in their handshake
-        # the sessions of the clients that proved themselves, the least recently used first: as many as connections
-        # may be open, and as many again of clients gone (a lost learner's)
-        self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
+        self._sessions: dict[bytes, _Session] = {}
         threading.Thread(target=self._accept, name="rudra-stream-accept", daemon=True).start()
 
     def offer(self) -> StreamOffer:
@@ -139,27 +140,60 @@ class StreamServer:
                 try:
                     conn.settimeout(self.timeout)
                     keep_alive(conn, keepalive_interval(self.timeout))
-                    session = self._handshake(conn)
+                    name = self._handshake(conn)
                 finally:
                     self._proven(source)
-                if session is None:
-                    return
-                if not self._peers.acquire(blocking=False):
-                    error = ("error", "RuntimeError", f"the stream takes {self.max_peers} {_FULL}")
-                    self._encode("a call", error).send(conn)
-                    return
-                try:
-                    self._calls(conn, session)
-                finally:
-                    self._peers.release()
+                if name is not None:
+                    self._serve_session(conn, name)
             except (OSError, EOFError):  # the learner left or was lost, or a stranger hung up
                 return
             except BaseException as error:
                 log.warning("lightning_rudra: a stream connection ended on an unexpected error: %r", error)
 
-    def _handshake(self, conn: socket.socket) -> Optional[_Session]:
-        """The session of a peer that proved it knows the secret (it then gets the server's proof); None for one
-        that did not. Reads a fixed 88 bytes."""
+    def _serve_session(self, conn: socket.socket, name: bytes) -> None:
+        """The calls of session ``name`` on ``conn``, its newest connection: an older one's thread ends first."""
+        session = self._attach(name, conn)
+        try:
+            # the older connection's thread sees it was replaced at once, or its socket fail
+            if not session.free.wait(self.timeout) or not self._peers.acquire(blocking=False):
+                self._refuse(conn, f"the stream takes {self.max_peers} {_FULL}")
+                return
+            session.free.clear()
+            try:
+                self._calls(conn, session)
+            finally:
+                self._peers.release()
+                session.free.set()
+        finally:
+            with session.changed:
+                if session.connection is conn:
+                    session.connection = None
+                    session.idle_since = time.monotonic()
+
+    def _attach(self, name: bytes, conn: socket.socket) -> _Session:
+        """Session ``name``, served by ``conn`` from now on; sessions whose client gave up are forgotten."""
+        now = time.monotonic()
+        with self._lock:
+            for gone in [
+                key
+                for key, session in self._sessions.items()
+                if session.connection is None and session.free.is_set() and now - session.idle_since > 2 * self.timeout
+            ]:
+                del self._sessions[gone]
+            session = self._sessions.setdefault(name, _Session())
+        with session.changed:
+            replaced, session.connection = session.connection, conn
+            session.changed.notify_all()
+        if replaced is not None:  # broken, its client says: its thread need not wait for TCP to find out
+            try:
+                replaced.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return session
+
+    def _handshake(self, conn: socket.socket) -> Optional[bytes]:
+        """The session's name of a peer that proved it knows the secret (it then gets the server's proof); None for
+        one that did not. Reads a fixed 88 bytes."""
         challenge = secrets.token_bytes(NONCE)
         conn.sendall(MAGIC + challenge)
         size = len(MAGIC) + NONCE + SESSION + PROOF_SIZE
@@ -171,62 +205,82 @@ class StreamServer:
         ):
             return None
         conn.sendall(handshake_proof(self.secret, b"server", answer, challenge))
-        name = answer[NONCE:]
-        with self._lock:
-            session = self._sessions.pop(name, None) or _Session()
-            self._sessions[name] = session
-            if len(self._sessions) > 2 * self.max_peers:
-                self._sessions.popitem(last=False)
-            broken, session.connection = session.connection, conn
-        if broken is not None:  # its thread ends now rather than when TCP's keepalive gives up on it
-            try:
-                broken.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        return session
+        return answer[NONCE:]
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        """Say ``why`` and close, letting the peer read it: what it still sends is read and dropped for a while
+        (closing with unread bytes would reset the connection, and the answer with it)."""
+        self._encode("a call", ("error", "RuntimeError", why)).send(conn)
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + min(self.timeout, _HANDSHAKE_S)
+        while time.monotonic() < deadline:
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            if not conn.recv(1 << 16):
+                return
 
     def _calls(self, conn: socket.socket, session: _Session) -> None:
         while True:
+            number = recv_number(conn)
             try:
-                call = recv_frame(conn, self.limits, patient=True)
-            except DecodeError as error:  # read whole, so in step: the session's next call. Say why, and go on
-                reply = self._encode(
-                    "a call", ("error", "RuntimeError", f"the server could not decode a call: {error}")
-                )
-                session.begin(session.number + 1)
-                session.settle(reply)
-                reply.send(conn)
-                continue
-            except FrameError as error:  # out of step: say why before closing (the peer may still read it)
-                self._encode("a call", ("error", "RuntimeError", str(error))).send(conn)
+                call: Any = recv_frame(conn, self.limits)
+            except DecodeError as error:  # read whole, so in step
+                call = error
+            except FrameError as error:  # out of step: say why (the peer may still read it) and close
+                self._refuse(conn, str(error))
                 raise
-            if not (isinstance(call, tuple) and len(call) > 1 and type(call[0]) is int and isinstance(call[1], str)):
-                self._encode("a call", ("error", "ValueError", "a call is (number, method, *args)")).send(conn)
+            with session.changed:
+                last, fresh = session.number, number == session.number + 1
+                if fresh:
+                    session.number, session.reply = number, None
+            if not fresh and (number != last or not number):  # numbered one by one from 1, whatever the connection
+                why = f"call {number} out of order: the last call of this learner's session was {last}"
+                self._encode("a call", ("error", "RuntimeError", why)).send(conn)
                 continue
-            number, method, *args = call
-            if number == session.number + 1:
-                session.begin(number)
-                self._start(session, method, tuple(args))
-            elif number != session.number or not number:  # numbered one by one from 1, whatever the connection
-                why = f"call {number} out of order: the last call of this learner's session was {session.number}"
-                self._encode(method, ("error", "RuntimeError", why)).send(conn)
-                continue
-            # a number seen already: sent again after its connection broke, answered with the reply made to it
-            while not session.replied.wait(keepalive_interval(self.timeout)):
-                send_keepalive(conn)  # the learner learns the server is alive (an OSError here: the connection is gone)
-            assert session.reply is not None
-            session.reply.send(conn)
+            # a number seen already was sent again after its connection broke: it gets the reply made to it
+            if fresh:
+                self._start(session, number, call)
+            reply = self._reply_of(session, number, conn)
+            if reply is None:
+                return
+            reply.send(conn)
 
-    def _start(self, session: _Session, method: str, args: tuple) -> None:
-        """Run a call; its reply settles ``session`` whenever it is made, whatever becomes of the connection."""
+    def _reply_of(self, session: _Session, number: int, conn: socket.socket) -> Optional[Frame]:
+        """The reply to call ``number`` once made, with a keepalive frame meanwhile that tells the learner the
+        server is alive (an OSError there: the connection is gone); None once ``conn`` no longer serves the
+        session."""
+        while True:
+            with session.changed:
+                made = session.changed.wait_for(
+                    lambda: session.connection is not conn or session.reply is not None,
+                    keepalive_interval(self.timeout),
+                )
+                if session.connection is not conn:
+                    return None
+                if made:
+                    return session.reply
+            send_keepalive(conn)
+
+    def _start(self, session: _Session, number: int, call: Any) -> None:
+        """Run call ``number``; its reply settles ``session`` whenever it is made, whatever becomes of the
+        connection."""
+        if isinstance(call, DecodeError):
+            session.settle(
+                number, self._encode("a call", ("error", "RuntimeError", f"the server could not decode a call: {call}"))
+            )
+            return
+        if not (isinstance(call, tuple) and call and isinstance(call[0], str)):
+            why = f"a call is (method, *args), not {type(call).__name__}"
+            session.settle(number, self._encode("a call", ("error", "ValueError", why)))
+            return
+        method, *args = call
         try:
-            value = self.answer(method, args)
+            value = self.answer(method, tuple(args))
         except BaseException as error:
-            session.settle(self._encode(method, ("error", type(error).__name__, str(error))))
+            session.settle(number, self._encode(method, ("error", type(error).__name__, str(error))))
             return
         # Future.then gives torch's C future, which torch.futures.Future only derives from
         if not isinstance(value, torch._C.Future):
-            session.settle(self._encode(method, ("ok", value)))
+            session.settle(number, self._encode(method, ("ok", value)))
             return
 
         def settle(done: Any) -> None:
@@ -235,7 +289,7 @@ class StreamServer:
                 reply = ("ok", done.wait())
             except BaseException as error:
                 reply = ("error", type(error).__name__, str(error))
-            session.settle(self._encode(method, reply))
+            session.settle(number, self._encode(method, reply))
 
         value.add_done_callback(settle)
 
@@ -247,4 +301,8 @@ class StreamServer:
             return Frame.encode(("error", "RuntimeError", f"the server's reply to {method} cannot be sent: {error}"))
 
     def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept(), which close alone would not
+        except OSError:
+            pass
         self.sock.close()

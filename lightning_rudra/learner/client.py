@@ -117,16 +117,17 @@ class LearnerClient:
     def _lost(self, error: Exception) -> Optional[str]:
         """What a failed call says about the server, or None if it says nothing (the heartbeat and every
         call name a lost server the same way)."""
-        if _CONNECTION_LOST.search(str(error)):
-            return (
-                f"{self.what} (on {self.server_host}) is gone: its connection closed "
-                f"({error}). Its process died or was killed; its own output may say why."
-            )
+        # a timeout first: its message may quote the error that broke the connection before ("Broken pipe")
         if _TIMED_OUT.search(str(error)):
             return (
                 f"{self.what} (on {self.server_host}) did not answer within "
                 f"{self.timeout:g} s (rpc_timeout): {error}. Its host may be unreachable, or the "
                 "server stopped; its own output may say why."
+            )
+        if _CONNECTION_LOST.search(str(error)):
+            return (
+                f"{self.what} (on {self.server_host}) is gone: its connection closed "
+                f"({error}). Its process died or was killed; its own output may say why."
             )
         return None
 

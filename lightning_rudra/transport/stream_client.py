@@ -35,6 +35,9 @@ from lightning_rudra.transport.stream import (
 log = logging.getLogger(__name__)
 
 
+_CONNECT_S = 2.0  # the longest a try at connecting takes
+
+
 class _Refused(ConnectionError):
     """A connection the other side turned down for good (a proof refused or not given): trying again cannot help."""
 
@@ -63,6 +66,7 @@ class StreamClient:
         self.offer = offer
         self.session = secrets.token_bytes(SESSION)
         self._closing = False
+        self._opening: Optional[socket.socket] = None  # the connection being opened, if one is
         self.sock = self._open(time.monotonic() + timeout)
         self._sent = 0  # calls sent in this session: each goes with its number
         self._lock = threading.Lock()
@@ -78,7 +82,8 @@ class StreamClient:
             if self._closing:
                 raise ConnectionError("this learner closed it")
             try:
-                sock = self._connect(max(0.1, min(self.timeout, deadline - time.monotonic())))
+                # a connect in short tries: close() cannot cut one short, and a link still down answers none
+                sock = self._connect(max(0.1, min(_CONNECT_S, self.timeout, deadline - time.monotonic())))
                 log.debug("stream to %s at %s:%d opened", self.what, self.offer.address, self.offer.port)
                 return sock
             except ConnectionRefusedError as error:
@@ -94,7 +99,10 @@ class StreamClient:
 
     def _connect(self, timeout: float) -> socket.socket:
         sock = socket.create_connection((self.offer.address, self.offer.port), timeout=timeout)
+        self._opening = sock  # close() shuts it too, rather than wait for its handshake's timeout
         try:
+            if self._closing:
+                raise ConnectionError("this learner closed it")
             sock.settimeout(self.timeout)
             keep_alive(sock, keepalive_interval(self.timeout))
             self._handshake(sock)
@@ -227,10 +235,12 @@ class StreamClient:
     def close(self) -> None:
         """Stop: a call in progress fails (its socket is shut), later ones too."""
         self._closing = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        for sock in (self.sock, self._opening):
+            try:
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self.sock.close()
         self._calls.put(None)
         self._thread.join(timeout=5.0)

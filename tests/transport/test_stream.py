@@ -17,8 +17,8 @@ from torch.futures import Future
 from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.compression import WeightMessage
 from lightning_rudra.core.update import PushReply
-from lightning_rudra.learner.client import _CONNECTION_LOST, _TIMED_OUT
-from lightning_rudra.transport import frames, stream, stream_server
+from lightning_rudra.learner.client import _CONNECTION_LOST, _TIMED_OUT, LearnerClient
+from lightning_rudra.transport import frames, stream, stream_client, stream_server
 from lightning_rudra.transport.elastic import LearnerId
 from lightning_rudra.transport.frames import FrameLimits, recv_frame, send_frame
 from lightning_rudra.transport.stream import ServerError, StreamOffer
@@ -502,3 +502,115 @@ def test_a_stranger_dripping_bytes_is_closed_when_its_whole_handshake_is_due(ser
             if closed:
                 break
         assert closed, "a stranger sending a byte every 0.2 s kept its handshake open"
+
+
+class _BrokenHere:
+    """A connection the learner sees break (``ss -K`` on its side) while the server's side stays open and silent."""
+
+    def __init__(self, sock):
+        self.sock = sock  # held: the server's side of it stays open
+
+    def sendall(self, data):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def shutdown(self, how):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_reconnect_takes_over_its_session_while_the_server_still_holds_the_broken_connection():
+    """Review (issue 32): the broken connection's thread held the only peer slot, and the new connection was refused
+    as one too many."""
+    _RUNS.clear()
+    server = StreamServer("127.0.0.1", _answer, SECRET, LIMITS, timeout=10.0, max_peers=1)
+    client = _client(server)
+    try:
+        assert client.call("run", "first", 0.0).wait() == 1
+        client.sock = _BrokenHere(client.sock)
+        assert client.call("run", "second", 0.0).wait() == 2
+        assert _RUNS == ["first", "second"]
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_re_sent_call_that_cannot_be_decoded_is_answered_from_its_session(server, tmp_path):
+    """Review (issue 32): a re-sent push that failed to decode was answered "could not decode" though it had been
+    applied, and the next push got its reply."""
+    session = b"d" * stream.SESSION
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        _prove(sock, session=session)
+        _send_call(sock, 1, ("echo", "first"))
+        assert recv_frame(sock, LIMITS) == ("ok", ("first",))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        _prove(sock, session=session)
+        _send_call(sock, 1, ("echo", _RunsCode(tmp_path / "ran")))  # the same number: its body is not needed
+        assert recv_frame(sock, LIMITS) == ("ok", ("first",))
+        _send_call(sock, 2, ("echo", "second"))
+        assert recv_frame(sock, LIMITS) == ("ok", ("second",))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_connected_session_outlives_any_number_of_others(server):
+    """Review (issue 32): sessions were dropped in the order they connected, a live learner's with them, and its
+    next call after a break was refused as out of order (or its first push applied twice)."""
+    _RUNS.clear()
+    client = _client(server)
+    try:
+        assert client.call("run", "first", 0.0).wait() == 1
+        for _ in range(4 * server.max_peers):
+            _client(server).close()
+        client.sock.shutdown(socket.SHUT_RDWR)
+        assert client.call("run", "second", 0.0).wait() == 2
+        assert _RUNS == ["first", "second"]
+    finally:
+        client.close()
+
+
+def test_a_call_over_the_stream_s_limits_fails_before_it_is_sent_and_the_connection_goes_on(server):
+    """Review (issue 32): the server closed the connection on it, and the client reconnected and sent it again,
+    thousands of times."""
+    client = _client(server)
+    try:
+        with pytest.raises(RuntimeError, match="echo cannot be sent to the test's server: .* over the stream's"):
+            client.call("echo", torch.ones(LIMITS.tensors // 4 + 1)).wait()
+        assert client.call("echo", 1).wait() == (1,)
+    finally:
+        client.close()
+
+
+def test_a_reconnect_that_runs_out_of_time_is_reported_as_a_timeout(monkeypatch):
+    """Review (issue 32): it read as a server whose process died ("Broken pipe" in its message)."""
+    listener, connections, offer = _half_open_server(lambda conn: conn.close())
+    client = StreamClient(offer, 1.0, "parameter server 1 (on 127.0.0.1)")
+    try:
+        with pytest.raises(RuntimeError, match="timed out: it broke .* could not open it within 1 s") as err:
+            client.call("echo", 1).wait()
+        lost = object.__new__(LearnerClient)
+        lost.what, lost.server_host, lost.timeout = "parameter server 1", "127.0.0.1", 1.0
+        assert "did not answer within 1 s (rpc_timeout)" in lost._lost(err.value)
+    finally:
+        client.close()
+        listener.close()
+
+
+def test_closing_while_a_connect_hangs_ends_the_client_s_thread(server, monkeypatch):
+    """Review (issue 32): close() waited its 5 s for a connect that took rpc_timeout, and returned with the thread
+    still trying."""
+    client = _client(server, timeout=30.0)
+    assert client.call("echo", 1).wait() == (1,)
+
+    def unanswered(address, timeout=None):  # SYNs nobody answers
+        time.sleep(timeout)
+        raise socket.timeout("timed out")
+
+    monkeypatch.setattr(stream_client.socket, "create_connection", unanswered)
+    client.sock.shutdown(socket.SHUT_RDWR)
+    pending = client.call("echo", 2)
+    time.sleep(0.2)
+    client.close()
+    assert not client._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        pending.wait()

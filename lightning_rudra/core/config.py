@@ -57,6 +57,9 @@ class ProtocolConfig:
     max_staleness: Optional[int] = None
     nonfinite: str = "skip"
     compensation: str = "none"  # see :mod:`lightning_rudra.core.compensation`
+    # the learners push while their next step computes (Rudra-adv*): their own last updates may be missing from the
+    # weights a gradient came from, so none of them is exempt from its staleness (core/staleness.py)
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.num_learners, bool) or not isinstance(self.num_learners, int) or self.num_learners < 1:

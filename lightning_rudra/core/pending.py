@@ -37,6 +37,9 @@ class Pending:
     staleness: list[int] = field(default_factory=list)  # of the gradients summed
     scales: list[float] = field(default_factory=list)
     learners: set[int] = field(default_factory=set)  # who pushed (hardsync: one gradient each)
+    # the learner whose own push closed this update of its gradients alone: no staleness to its other optimizers'
+    # gradients pushed after (core/staleness.py); None for any other update
+    author: Optional[int] = None
     hparams: Optional[list[dict[str, Any]]] = None
     clipping: tuple[Clipping, ...] = ()  # of the update, as the newest push asked, in turn
 

@@ -206,7 +206,7 @@ class Server:
             self.clocks.pushed(who, optimizer, timestamp, self.clock)
         if not self._ready(pending):
             return PushResult(status, sigma)
-        update = self._close(optimizer)
+        update = self._close(optimizer, learner)
         if status == "queued":  # applied just now, with the σ it arrived with
             status = "dropped" if self._too_stale(sigma) else "accepted"
         return PushResult(status, sigma, closed=True, update=update)
@@ -351,10 +351,15 @@ class Server:
         self.stats.count_staleness(optimizer, sigma, count)
         return "accepted"
 
-    def _close(self, optimizer: int) -> Optional[Update]:
+    def _close(self, optimizer: int, pusher: Optional[int] = None) -> Optional[Update]:
         """Average the pending gradients of ``optimizer`` into one update; None if every one was refused, or if
-        its clipping waits for the other servers' parts of the norm (:attr:`awaiting_norm`)."""
+        its clipping waits for the other servers' parts of the norm (:attr:`awaiting_norm`). ``pusher``: the
+        learner whose push closed it (None: a learner leaving did)."""
         pending, self._pending[optimizer] = self._pending[optimizer], Pending()
+        # its learner made this step itself, in its program's order, if its own push closed it: unless its weights
+        # may lag its pushes (overlap), or a learner leaving closed it (its weights came before, or after)
+        if pending.learners == {pusher} and not self.config.overlap:
+            pending.author = pusher
         self.rounds[optimizer] += 1
         for gradient in pending.waiting:  # σ counted now, as the update applies
             self._admit(
@@ -420,9 +425,7 @@ class Server:
             self.stats.clock += 1
         finally:
             self.store.end(self.clock)
-        # an update of one learner's gradients alone is no staleness to that learner's next steps of other optimizers
-        author = next(iter(pending.learners)) if len(pending.learners) == 1 else None
-        self.clocks.updated(optimizer, self.clock, author)
+        self.clocks.updated(optimizer, self.clock, pending.author)
         if self.history is not None:
             if "gap" in self.rules:
                 before = self.param_layout.unpack(self.history.at(self.clock - 1))

@@ -70,6 +70,8 @@ class Stats:
             int(k): {int(s): int(c) for s, c in counts.items()}
             for k, counts in data.get("optimizer_staleness", {}).items()
         }
+        if "optimizer_staleness" not in data and counts["staleness"]:  # saved before σ was counted per optimizer:
+            per_optimizer = {0: dict(counts["staleness"])}  # the run's, exactly so with one optimizer
         lost = {int(k): str(why) for k, why in data.get("lost", {}).items()}
         events = [dict(event) for event in data.get("events", [])]
         return cls(**{**data, **counts, "optimizer_staleness": per_optimizer, "lost": lost, "events": events})

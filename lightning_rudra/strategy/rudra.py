@@ -243,6 +243,7 @@ class RudraStrategy(ServerParallelStrategy):
                     self.max_staleness,
                     self.nonfinite,
                     self.compensation,
+                    self.overlap,
                 )
             self.optimizers = self._training.setup(
                 self.model,

@@ -5,6 +5,7 @@ import torch
 
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.stats import Stats
 
 
 def three_optimizer_server(config, momentum=0.0):
@@ -147,3 +148,31 @@ def test_the_momentum_rule_of_an_optimizer_follows_its_own_gradients_staleness()
     result = push(server, 0, 2, 2, momentum=0.9)
     assert result.staleness == 0 and result.update.rule_scale == 0.5
     assert server.optimizers[2].param_groups[0]["momentum"] == 0.9
+
+
+def test_with_overlap_a_learner_s_own_updates_missing_from_its_weights_are_staleness():
+    """Review (issue 32): with overlap (Rudra-adv*) gradient n comes from the weights of reply n - 2, which lack
+    the learner's own previous update; the own-steps exemption made every such gradient fresh (σ = 0), where one
+    optimizer holding every parameter counts them 1 stale."""
+    server = three_optimizer_server(ProtocolConfig(1, "async", overlap=True))
+    replies, sigmas = [], []
+    for n in range(12):  # backward, then a step of optimizer 0 and one of optimizer 1, in turn
+        sigmas.append(push(server, 0, n % 2, replies[n - 2] if n >= 2 else 0).staleness)
+        replies.append(server.clock)
+    assert sigmas == [0, 1] + [1] * 10
+
+
+def test_an_update_a_learner_s_loss_closes_is_no_own_step_of_the_learner_left():
+    """Review (issue 32): softsync c = 2, learner 0's gradient waits; learner 1's loss closes the update (c = 1).
+    Learner 0 did not make that step after its gradient of optimizer 1 was computed: that gradient is 1 stale."""
+    server = three_optimizer_server(ProtocolConfig(2, "softsync", 1))
+    assert push(server, 0, 0, 0).status == "queued"
+    assert server.remove(1) == [0] and server.clock == 1
+    assert push(server, 0, 1, 0).staleness == 1
+
+
+def test_a_checkpoint_saved_before_per_optimizer_counts_keeps_the_momentum_rule_s_mean():
+    """Review (issue 32): a run resumed from an older checkpoint read ⟨σ⟩ = 0 for its optimizer (momentum kept)."""
+    old = {"clock": 10, "gradients": 10, "staleness": {"0": 3, "3": 7}}
+    stats = Stats.from_dict(old)
+    assert stats.mean_staleness_of(0) == stats.mean_staleness == 2.1

@@ -38,7 +38,8 @@ class Pending:
     scales: list[float] = field(default_factory=list)
     learners: set[int] = field(default_factory=set)  # who pushed (hardsync: one gradient each)
     hparams: Optional[list[dict[str, Any]]] = None
-    clipping: tuple[Clipping, ...] = ()  # of the update, as the newest push asked, in turn
+    clipping: tuple[Clipping, ...] = ()  # of the update, as the newest push asked, in turn (hardsync: the first)
+    asked_by: Optional[int] = None  # hardsync: the learner whose push came first, whose clipping every push asks
 
     def add(
         self,

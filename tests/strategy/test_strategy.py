@@ -244,7 +244,9 @@ def test_automatic_optimization_features_callbacks_and_test_after_fit(tmp_path):
 # 2 servers: the first holds part of the Adam optimizer's first weight only, the second all the rest
 @pytest.mark.parametrize("num_servers", [1, 2])
 def test_manual_optimization_with_two_optimizers(tmp_path, num_servers):
-    model = TwoOptimizers("norm" if num_servers == 1 else "value")  # by norm over 2 servers: refused (below)
+    model = TwoOptimizers(
+        "norm" if num_servers == 1 else "value"
+    )  # 2 servers: by value (by norm over servers: tests/core/test_clipping.py)
     strategy = probed(tmp_path, protocol="softsync", n=2, lr_modulation="none", num_servers=num_servers)
     trainer = quiet_trainer(strategy, 2, max_epochs=1)
     trainer.fit(model, loader(16))

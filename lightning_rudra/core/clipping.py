@@ -12,7 +12,8 @@ parameters, which several servers may each hold a part of (:attr:`Clipping.serve
 over all of them (:class:`GlobalNorm`):
 
 - hardsync: every server's round averages the same gradients; each sends the squared norm of its part to the others
-  (:meth:`GlobalNorm.partial`, the server process) and scales its part once it has them all;
+  (:attr:`GlobalNorm.partial`, the server process) and scales its part once it has them all; every push of a round
+  must ask for the same clippings (:func:`check_same`);
 - an update of one gradient (async, softsync with c = 1): the learner knows its gradient's norm over every part and
   sends it (:attr:`Clipping.norm`); each server scales its part by the same factor. The norm is of the gradient as
   pushed, before the server's delay compensation (``dc``, ``gap``) changes it, where one server clips after it;
@@ -96,12 +97,37 @@ def check_servers(clippings: Sequence[Clipping], servers: int, optimizer: int) -
         )
 
 
+def check_same(clippings: Sequence[Clipping], learner: int, first: Sequence[Clipping], by: int, optimizer: int) -> None:
+    """Hardsync: ``learner``'s push asks for ``clippings``, the round's first push (``by``) for ``first``. One update,
+    one clipping: the newest push's request would hold, and push order differs per server."""
+    if _requests(clippings) != _requests(first):
+        raise ValueError(
+            f"learner {learner} asked for {describe(clippings)} of optimizer {optimizer}'s gradient, and learner {by} "
+            f"for {describe(first)} in the same hardsync round: the round averages every learner's gradient into one "
+            "update, clipped one way. Ask for the same clipping on every learner (the same gradient_clip_val and "
+            "gradient_clip_algorithm, the same clip_gradients calls in every step)."
+        )
+
+
+def describe(clippings: Sequence[Clipping]) -> str:
+    """Clippings in words: ``clipping by norm to 1.0, then by value to 0.5``, or ``no clipping``."""
+    if not clippings:
+        return "no clipping"
+    return "clipping " + ", then ".join(f"by {c.algorithm} to {c.value}" for c in clippings)
+
+
+def _requests(clippings: Sequence[Clipping]) -> tuple[Clipping, ...]:
+    """What the clippings ask, without the learner's norm of its own gradient."""
+    return tuple(replace(c, norm=None) for c in clippings)
+
+
 def across_servers(
-    clippings: Sequence[Clipping], servers: Sequence[int], grads: Sequence[Tensor], optimizer: int
+    clippings: Sequence[Clipping], servers: Sequence[int], grads: Sequence[Tensor], optimizer: int, norm: bool = True
 ) -> tuple[Clipping, ...]:
     """A learner's clippings of its gradient ``grads`` of ``optimizer`` (every part), as it pushes them to the
-    ``servers`` that hold a part: where they are several, a clipping by norm names them, with the norm of ``grads``
-    as that clipping sees it (after the clippings by value before it)."""
+    ``servers`` that hold a part: where they are several, a clipping by norm names them, with (``norm``: where an
+    update applies this gradient alone, and it is finite) the norm of ``grads`` as that clipping sees it (after the
+    clippings by value before it)."""
     if len(servers) <= 1 or not any(c.algorithm == "norm" for c in clippings):
         return tuple(clippings)
     check_servers(clippings, len(servers), optimizer)
@@ -112,8 +138,7 @@ def across_servers(
             seen = [g.clamp(-clipping.value, clipping.value) for g in seen]
             told.append(clipping)
         else:
-            norm = math.sqrt(sum(float(g.detach().float().pow(2).sum()) for g in seen))
-            told.append(replace(clipping, servers=tuple(servers), norm=norm))
+            told.append(replace(clipping, servers=tuple(servers), norm=math.sqrt(squares(seen)) if norm else None))
     return tuple(told)
 
 
@@ -130,9 +155,14 @@ def refuse_softsync(value: float, optimizer: int, servers: int, c: int, n: int, 
     )
 
 
+def squares(tensors: Sequence[Tensor]) -> float:
+    """The sum of the squares of every element of ``tensors`` (a squared norm), in float."""
+    return float(sum(float(t.detach().float().pow(2).sum()) for t in tensors))
+
+
 def squared_norm(params: Sequence[Tensor]) -> float:
     """The squared norm of the gradients of ``params`` (this server's part of an update's gradient)."""
-    return float(sum(float(p.grad.detach().float().pow(2).sum()) for p in params if p.grad is not None))
+    return squares([p.grad for p in params if p.grad is not None])
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ class Pending:
     # gradients pushed after (core/staleness.py); None for any other update
     author: Optional[int] = None
     hparams: Optional[list[dict[str, Any]]] = None
-    clipping: tuple[Clipping, ...] = ()  # of the update, as the newest push asked, in turn
+    clipping: tuple[Clipping, ...] = ()  # of the update, as the newest push asked, in turn (hardsync: the first)
+    asked_by: Optional[int] = None  # hardsync: the learner whose push came first, whose clipping every push asks
 
     def add(
         self,

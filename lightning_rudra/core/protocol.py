@@ -16,6 +16,8 @@ from lightning_rudra.core.clipping import (
     Clipping,
     GlobalNorm,
     check_all as check_clippings,
+    check_same,
+    check_servers,
     clip,
     global_norm_step,
     refuse_softsync,
@@ -152,14 +154,16 @@ class Server:
         update is still the mean over every learner's gradient.
 
         ``clipping``: the learner asks that the gradient its update applies be clipped, by each in turn
-        (:mod:`lightning_rudra.core.clipping`); the newest push's request holds for the update. A hardsync round
-        clipped by norm over several servers closes without stepping (:attr:`awaiting_norm`) until
-        :meth:`apply_norm`.
+        (:mod:`lightning_rudra.core.clipping`); the newest push's request holds for the update. Under hardsync every
+        push of a round must ask what its first push asked (refused otherwise), and a round clipped by norm over
+        several servers closes without stepping (:attr:`awaiting_norm`) until :meth:`apply_norm`.
         """
         if optimizer in range(len(self.grad_layouts)) and isinstance(grads, (list, tuple)):
             grads = decompress(grads, list(self.grad_layouts[optimizer].groups))
         self._check_push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
         clipping = check_clippings(clipping)
+        servers = max((len(request.servers) for request in clipping if request.global_norm), default=1)
+        check_servers(clipping, servers, optimizer)
         if self.config.protocol == "softsync" and self.gradients_per_update > 1:
             for request in clipping:
                 if request.global_norm:
@@ -174,6 +178,8 @@ class Server:
                     f"learner {who} pushed twice for optimizer {optimizer} in one hardsync round "
                     f"(clock {self.clock}): hardsync takes one gradient from every learner per update."
                 )
+        if self.config.protocol == "hardsync" and pending.asked_by is not None:
+            check_same(clipping, learner, pending.clipping, pending.asked_by, optimizer)
         if refused and self.config.nonfinite == "raise":
             finite = False
         own = self.clocks.own_steps(learner, optimizer, self.clock)
@@ -201,6 +207,8 @@ class Server:
             else:
                 status = self._admit(pending, optimizer, grads, has_grad, buffers, timestamp, sigma, count)
         self.stats.gradients += len(group)
+        if self.config.protocol == "hardsync" and pending.asked_by is None:  # what the round's pushes must ask
+            pending.asked_by, pending.clipping = learner, clipping
         pending.learners.update(group)
         for who in group:
             self.clocks.pushed(who, optimizer, timestamp, self.clock)
@@ -392,7 +400,8 @@ class Server:
             self.params[i].grad = grad if has else None
         params = [self.params[i] for i in indices]
         scale = sum(pending.scales) / len(pending.scales)
-        step = global_norm_step(pending.clipping) if self.config.protocol == "hardsync" else None
+        # a server that holds none of the optimizer's parameters has no part of its norm: nobody waits for it
+        step = global_norm_step(pending.clipping) if self.config.protocol == "hardsync" and params else None
         if step is None:  # one server's norm, by value, or the learner's norm (an update of one gradient)
             clip(params, pending.clipping, scale)
             return self._step(optimizer, pending, lr_factor, rule_scale)

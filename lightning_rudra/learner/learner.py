@@ -64,6 +64,9 @@ class Learner:
         self._hooks: list[Any] = []
         # (optimizer, status, staleness, lr_scale) of every push: see ServerClient.receive
         self.on_push: Optional[Callable[[int, str, int, float], None]] = None
+        # whether an update applies one learner's gradient alone (async, softsync with c = 1): a clipping by norm over
+        # several servers then takes the norm the learner sends; hardsync's servers exchange their parts of it
+        self.sends_norm = True
 
     def wrap(self, optimizers: Sequence[Optimizer]) -> list[Optimizer]:
         """The learner's optimizers, each wrapped in a :class:`LearnerOptimizer` that stands in for it (in a
@@ -208,15 +211,16 @@ class Learner:
         grads = [
             torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params
         ]
+        # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
+        finite = None if len(self.shards) == 1 else all_finite(grads)
         holders = [shard.index for shard in self.shards if shard.owned[index]]
-        clipping = across_servers(clipping, holders, grads, index)
+        # the norm where an update applies this gradient alone; none for a gradient the servers refuse (not finite)
+        clipping = across_servers(clipping, holders, grads, index, norm=self.sends_norm and finite is not False)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
         # of the weights this gradient came from (no hook saw it: a gradient set by hand, from the current ones)
         timestamps = self.grad_timestamps[index] or self._timestamps()
         self.grad_timestamps[index] = None
         hparams = [hyperparameters(g) for g in optimizer.param_groups]
-        # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
-        finite = None if len(self.shards) == 1 else all_finite(grads)
         # packed before the reply in flight is loaded: its buffers predate this step's forward
         all_buffers = [shard.buffer_layout.pack(shard.buffers, _CPU) for shard in self.shards]
         if any(shard.shm is not None for shard in self.shards):
@@ -370,7 +374,10 @@ class LearnerOptimizer(Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The gradient ends, and the clippings asked of it with it (a step skipped by zero_grad: the next step asks
+        anew). Lightning's automatic optimization zeroes in the step's closure, before the clipping it asks."""
         self.local.zero_grad(set_to_none=set_to_none)
+        self.clipping = ()
         self.learner.grad_timestamps[self.index] = None
 
     def state_dict(self) -> dict[str, Any]:

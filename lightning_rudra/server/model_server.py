@@ -1,7 +1,8 @@
 """The model's data path of the parameter server, over futures: :class:`~lightning_rudra.core.protocol.Server` shared
 by concurrent learners (the model's registration, pulls, pushes and hardsync rounds, the collectives, the shared
 epoch, the end of training, what a checkpoint holds), plus the shared epoch's pools (``shared_epochs.py``), its shared
-memory (``shared_side.py``) and the learners' rendezvous for collectives (``gatherings.py``).
+memory (``shared_side.py``), the learners' rendezvous for collectives (``gatherings.py``) and the servers' exchange
+of their parts of a hardsync round's gradient norm (``norm_exchange.py``).
 :class:`~lightning_rudra.server.parameter_server.ParameterServer` adds who is alive. No RPC here.
 
 Nothing blocks: whatever must wait (a hardsync round, a collective, the end of training) gets a
@@ -12,7 +13,6 @@ fail or block, and must not stop the learners left.
 """
 
 import logging
-import math
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,6 +21,7 @@ from torch.futures import Future
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
+from lightning_rudra.server.norm_exchange import NormExchange, check_part
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.compression import WeightDeltas
@@ -88,12 +89,11 @@ class ModelServer:
         self._told: list[tuple[int, str]] = []  # (level, message) to log once the lock is released
         self.attaching: set[int] = set()  # learners waiting for the model to be registered
         self.waits = SlowWaits(log, name, waits_after())
-        # hardsync clipping by norm over several servers' parts (core.clipping): per (optimizer, round), each
-        # server's squared norm of its part; and the sending of this server's to another, outside the lock
+        # hardsync clipping by norm over several servers' parts (core.clipping), and the sending of this server's
+        # part to another, outside the lock
         self.shard = shard
-        self.norms: dict[tuple[int, int], dict[int, float]] = {}
+        self.norm_exchange = NormExchange(shard)
         self.send_norm: Optional[Callable[[int, int, int, float], None]] = None  # (to server, optimizer, round, norm²)
-        self._outbox: list[tuple[int, int, int, float]] = []
 
     def register(
         self,
@@ -173,6 +173,7 @@ class ModelServer:
                 grads = self.shared.gradient(learner, optimizer, core)
             args = (grads, has_grad, timestamp, hparams, buffers, finite, members, refused, clipping)
             result = core.push(learner, optimizer, *args)
+            self.norm_exchange.pushed(optimizer, clipping)
             applied = self._applied([optimizer] if result.closed else [])
             in_round = core.config.protocol == "hardsync" and optimizer not in applied
             if in_round:
@@ -189,50 +190,20 @@ class ModelServer:
         return reply
 
     def _applied(self, closed: list[int]) -> list[int]:
-        """Of the optimizers whose wait just ``closed``, those whose update applied. A hardsync round clipped by norm
-        over several servers' parts waits for the others' (:meth:`round_norm`): this server's part is sent to them.
-        Called under the lock."""
-        core = self._core()
-        for optimizer in closed:
-            if optimizer in core.awaiting_norm:
-                wait = core.awaiting_norm[optimizer][0]
-                self.norms.setdefault((optimizer, wait.round), {})[self.shard] = wait.partial
-                self._outbox += [
-                    (other, optimizer, wait.round, wait.partial) for other in wait.servers if other != self.shard
-                ]
-        return [optimizer for optimizer in closed if optimizer not in core.awaiting_norm or self._apply_norm(optimizer)]
-
-    def _apply_norm(self, optimizer: int) -> bool:
-        """Apply the update of ``optimizer`` waiting for the other servers' parts of its norm, if all are here."""
-        core = self._core()
-        wait = core.awaiting_norm[optimizer][0]
-        parts = self.norms.get((optimizer, wait.round), {})
-        if not set(wait.servers) <= parts.keys():
-            return False
-        for key in [key for key in self.norms if key[0] == optimizer and key[1] <= wait.round]:
-            del self.norms[key]  # this round's, and any of a round that applied here without waiting (none summed)
-        core.apply_norm(optimizer, sum(parts[server] for server in wait.servers) ** 0.5)
-        return True
+        """Of the optimizers whose wait just ``closed``, those whose update applied (:class:`NormExchange`). Called
+        under the lock."""
+        return self.norm_exchange.applied(self._core(), closed)
 
     def round_norm(self, shard: int, optimizer: int, round: int, partial: float) -> None:
         """Server ``shard``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``
-        (:meth:`_applied`); with the last part, the update applies and the round's learners get their replies."""
-        numbers = (shard, optimizer, round)
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in numbers) or not (
-            isinstance(partial, float) and math.isfinite(partial) and partial >= 0
-        ):
-            raise ValueError(
-                f"round_norm{(shard, optimizer, round, partial)!r} is not valid: expected a server, an optimizer and "
-                "a round (integers >= 0) and a squared norm (a finite float >= 0)."
-            )
+        (:meth:`NormExchange.add`); with the last part, the update applies and the round's learners get their
+        replies."""
+        check_part(shard, optimizer, round, partial)
         with self.lock:
             if self.failure is not None or self.core is None:
                 return
-            self.norms.setdefault((optimizer, round), {})[shard] = partial
-            waiting = self.core.awaiting_norm.get(optimizer)
-            outcomes: Outcomes = []
-            if waiting is not None and waiting[0].round == round and self._apply_norm(optimizer):
-                outcomes = self._release_rounds([optimizer])[0]
+            applied = self.norm_exchange.add(self.core, shard, optimizer, round, partial)
+            outcomes: Outcomes = self._release_rounds([optimizer])[0] if applied else []
         self._settle(outcomes)
 
     def norm_not_sent(self, shard: int, error: BaseException) -> None:
@@ -312,12 +283,12 @@ class ModelServer:
         of the learners lost since."""
         _settle(outcomes)
         # most calls have nothing more (read without the lock: who adds, settles after)
-        if not (self._told or self._lost_queue or self._outbox):
+        if not (self._told or self._lost_queue or self.norm_exchange.outbox):
             return
         with self.lock:
             told, self._told = self._told, []
             lost, self._lost_queue = self._lost_queue, []
-            sends, self._outbox = self._outbox, []
+            sends = self.norm_exchange.take_outbox()
         for shard, optimizer, round, partial in sends:
             assert self.send_norm is not None  # the server process sets it where there are several servers
             self.send_norm(shard, optimizer, round, partial)
@@ -339,7 +310,8 @@ class ModelServer:
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
         waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
         waiters += self.gatherings.close() + self.finish_waiters
-        self.round_waiters, self.finish_waiters, self.norms, self._outbox = {}, [], {}, []
+        self.round_waiters, self.finish_waiters = {}, []
+        self.norm_exchange.clear()
         waiters += [self.registered] if not self.registered.done() else []
         return [(waiter, RuntimeError(reason)) for waiter in waiters] + self.rejoins.stop(reason)
 

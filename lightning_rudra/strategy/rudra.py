@@ -262,6 +262,8 @@ class RudraStrategy(ServerParallelStrategy):
         if fitting:
             # every learner has the same cut: all refuse at once, before training
             check_trainer_clipping(trainer, self._check_clipping, len(self.optimizers))
+            if self._training.learner is not None:  # hardsync's servers exchange their parts of the norm
+                self._training.learner.sends_norm = self.protocol != "hardsync"
             clip_on_the_server(self.precision_plugin, self._check_clipping)  # the server clips what it applies, as DDP
 
     def _check_clipping(self, value: float, algorithm: str, optimizer: int) -> None:

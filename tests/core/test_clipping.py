@@ -185,7 +185,7 @@ def hardsync_over_two_servers(clipping: Clipping, learners: int = 2, mu: int = 8
             model.zero_grad()
             torch.nn.functional.mse_loss(model(x[part]), y[part]).backward()
             grads = [p.grad for p in params]
-            told = across_servers([clipping], [0, 1], grads, 0)
+            told = across_servers([clipping], [0, 1], grads, 0, norm=False)  # hardsync: the servers exchange it
             for server, held in zip(servers, cut):
                 hparams = [hyperparameters(g) for g in opt.param_groups]
                 server.push(
@@ -262,3 +262,47 @@ def test_a_server_that_holds_none_of_an_optimizers_gradients_clips_nothing():
         )
         assert result.update is not None
     assert server.clock == 2 and w.tolist() == [0.0, 0.0]
+
+
+def test_hardsync_refuses_a_push_whose_clippings_differ_from_the_rounds_first_and_changes_nothing():
+    # the newest push's request cannot hold: push order differs per server, so the servers would clip differently
+    server = one_weight_server("hardsync", 2)
+    push(server, 1, [3.0, 4.0], 0)  # learner 1 asks for no clipping
+    with pytest.raises(
+        ValueError,
+        match=r"learner 0 asked for clipping by norm to 1.0 of optimizer 0's gradient, and learner 1 for no clipping in "
+        r"the same hardsync round.*same gradient_clip_val",
+    ):
+        push(server, 0, [3.0, 4.0], 0, Clipping(1.0, "norm", (0, 1)))
+    assert server.awaited(0) == {0} and server.clock == 0  # learner 0 may still push what learner 1 asked
+    push(server, 0, [3.0, 4.0], 0)
+    assert server.clock == 1
+    # the same request, with a learner's norm or without: the same clipping
+    push(server, 0, [3.0, 4.0], 1, Clipping(1.0, "norm", (0, 1), 5.0))
+    push(server, 1, [3.0, 4.0], 1, Clipping(1.0, "norm", (0, 1)))
+    assert 0 in server.awaiting_norm
+
+
+def test_the_server_refuses_two_clippings_by_norm_over_several_servers_in_one_push():
+    server = one_weight_server("hardsync", 2)
+    two = (Clipping(1.0, "norm", (0, 1)), Clipping(0.5, "norm", (0, 1)))
+    with pytest.raises(ValueError, match=r"2 gradient clippings by norm in one step .*between 2 parameter servers"):
+        push(server, 0, [3.0, 4.0], 0, *two)
+    assert server.awaited(0) == {0, 1}
+    push(server, 0, [3.0, 4.0], 0, Clipping(1.0, "norm"), Clipping(0.5, "norm"))  # one server: torch's, in turn
+
+
+def test_a_hardsync_server_that_holds_none_of_an_optimizers_parameters_does_not_wait_for_the_norm():
+    w = torch.zeros(2)
+    spec = OptimizerSpec(torch.optim.SGD, [([], {"lr": 0.1})])  # held by servers 0 and 2, not this one
+    server = Server(ProtocolConfig(2, "hardsync"), [w], [], [spec])
+    for learner in (0, 1):
+        args = ([], torch.zeros(0, dtype=torch.bool), server.clock, [{"lr": 0.1}], [], None)
+        result = server.push(learner, 0, *args, clipping=(Clipping(1.0, "norm", (0, 2)),))
+    assert result.update is not None and not server.awaiting_norm and server.clock == 1
+
+
+def test_across_servers_names_the_servers_and_sends_a_norm_only_where_asked():
+    grads = [torch.tensor([3.0, 4.0])]
+    assert across_servers([Clipping(1.0)], [0, 1], grads, 0, norm=False) == (Clipping(1.0, "norm", (0, 1)),)
+    assert across_servers([Clipping(1.0)], [0, 1], grads, 0) == (Clipping(1.0, "norm", (0, 1), 5.0),)

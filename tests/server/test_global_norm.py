@@ -28,7 +28,7 @@ def two_servers() -> tuple[list[ParameterServer], list[tuple]]:
     return servers, sent
 
 
-def push(ps: ParameterServer, learner: int, value: float):
+def push(ps: ParameterServer, learner: int, value: float, clipping=CLIPPING):
     return ps.push(
         learner,
         0,
@@ -38,7 +38,7 @@ def push(ps: ParameterServer, learner: int, value: float):
         [{"lr": 1.0}],
         [],
         True,
-        clipping=CLIPPING,
+        clipping=clipping,
     )
 
 
@@ -59,7 +59,7 @@ def test_a_round_waits_for_the_other_servers_part_of_the_norm_then_clips_by_the_
     # the round's gradient [3 | 4] has norm 5: clipped to 1, each server's part by the same factor
     assert servers[0].core.pull()[0][0].tolist() == pytest.approx([-0.6])
     assert servers[1].core.pull()[0][0].tolist() == pytest.approx([-0.8])
-    assert servers[0].norms == {} == servers[1].norms
+    assert servers[0].norm_exchange.norms == {} == servers[1].norm_exchange.norms
 
 
 @pytest.mark.parametrize("call", [("1", 0, 1, 9.0), (1, 0, 1, float("nan")), (1, True, 1, 9.0), (1, 0, -1, 9.0)])
@@ -67,7 +67,7 @@ def test_a_bad_part_of_a_norm_is_refused_by_name_and_changes_nothing(call):
     servers, sent = two_servers()
     with pytest.raises(ValueError, match=r"round_norm.* is not valid: expected a server, an optimizer and a round"):
         servers[0].round_norm(*call)
-    assert servers[0].norms == {}
+    assert servers[0].norm_exchange.norms == {}
 
 
 def test_a_part_that_cannot_be_sent_ends_training_with_why_and_a_lost_learner_releases_the_other_server():
@@ -86,3 +86,65 @@ def test_a_part_that_cannot_be_sent_ends_training_with_why_and_a_lost_learner_re
     for reply in replies[2:]:
         with pytest.raises(RuntimeError, match="learner 0"):
             reply.wait()
+
+
+def test_learners_whose_clippings_differ_are_refused_instead_of_waiting_forever():
+    # the newest push's request held, and push order differs per server: server 0 waited for a norm server 1 never
+    # sent (it applied its round without clipping). Now each server refuses the push that differs from its first.
+    servers, sent = two_servers()
+    replies = [push(servers[0], 1, 3.0, ())]
+    with pytest.raises(ValueError, match=r"learner 0 asked for clipping by norm to 1.0 .* learner 1 for no clipping"):
+        push(servers[0], 0, 3.0)
+    replies.append(push(servers[1], 0, 4.0))
+    with pytest.raises(ValueError, match=r"learner 1 asked for no clipping .* learner 0 for clipping by norm to 1.0"):
+        push(servers[1], 1, 4.0, ())
+    deliver(servers, sent)
+    assert not any(r.done() for r in replies) and not sent  # the refused learners fail: their loss ends the rounds
+    for ps in servers:
+        with ps.lock:
+            outcomes = ps._lose(0, "failed")
+        _settle(outcomes)
+    for reply in replies:
+        with pytest.raises(RuntimeError, match="learner 0"):
+            reply.wait()
+
+
+def rounds_waiting_for_parts() -> tuple[list[ParameterServer], list[tuple], list]:
+    """Both servers' first rounds closed, each waiting for the other's part (undelivered, in ``sent``)."""
+    servers, sent = two_servers()
+    replies = [push(ps, learner, value) for ps, value in zip(servers, (3.0, 4.0)) for learner in (0, 1)]
+    return servers, sent, replies
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        ((0, 0, 1, 1e6), r"from server 0 .* expected another server among \(0, 1\)"),  # its own shard
+        ((2, 0, 1, 1.0), r"from server 2 .* expected another server among \(0, 1\)"),
+        ((1, 7, 1, 1.0), r"optimizer 7 .* expected one of 0 to 0"),
+        ((1, 0, 10**9, 1.0), r"round 1000000000 .* expected round 1 or 2"),
+    ],
+)
+def test_a_part_of_a_norm_from_elsewhere_or_for_another_round_is_refused_and_kept_nowhere(call, message):
+    servers, sent, replies = rounds_waiting_for_parts()
+    with pytest.raises(ValueError, match=message):
+        servers[0].round_norm(*call)
+    deliver(servers, sent)
+    assert servers[0].core.pull()[0][0].tolist() == pytest.approx([-0.6])  # clipped by the norm 5 of [3 | 4]
+    assert all(r.wait().status == "accepted" for r in replies)
+    assert servers[0].norm_exchange.norms == {} == servers[1].norm_exchange.norms
+
+
+def test_the_first_part_of_a_norm_holds_and_a_late_one_for_a_round_that_applied_is_refused():
+    servers, sent = two_servers()
+    replies = [push(servers[0], learner, 3.0) for learner in (0, 1)] + [push(servers[1], 0, 4.0)]
+    deliver([servers[0], servers[1]], sent)  # server 0's part (9) reaches server 1 before its round closes
+    with pytest.raises(ValueError, match=r"server 0 .* round 1 .* sent already \(9.0\); the first holds"):
+        servers[1].round_norm(0, 0, 1, 0.0)
+    replies.append(push(servers[1], 1, 4.0))
+    deliver(servers, sent)
+    assert all(r.wait().status == "accepted" for r in replies)
+    assert servers[1].core.pull()[0][0].tolist() == pytest.approx([-0.8])  # clipped by the norm 5 of [3 | 4]
+    with pytest.raises(ValueError, match=r"round 1 .* expected round 2 or 3"):  # that round applied
+        servers[0].round_norm(1, 0, 1, 16.0)
+    assert servers[0].norm_exchange.norms == {} == servers[1].norm_exchange.norms

@@ -109,6 +109,24 @@ def test_async_with_one_learner_over_two_servers_clips_by_norm_as_plain_lightnin
     torch.testing.assert_close(flat(model.parameters()), expected, rtol=0, atol=1e-5)
 
 
+class NotFiniteAtSteps(Regression):
+    """A NaN loss at batch 2, an Inf one at batch 4: their gradients are not finite."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * {2: float("nan"), 4: float("inf")}.get(batch_idx, 1.0)
+
+
+@pytest.mark.parametrize("protocol", ["async", "hardsync"])
+def test_a_gradient_that_is_not_finite_is_skipped_when_clipping_by_norm_over_two_servers(protocol):
+    # nonfinite="skip" (the default): each is refused and training goes on, as with one server
+    strategy = RudraStrategy(protocol=protocol, start_method=START, rpc_timeout=60, num_servers=2, sampling="static")
+    trainer = quiet_trainer(strategy, 1, max_epochs=1, gradient_clip_val=0.5, limit_train_batches=6)
+    trainer.fit(NotFiniteAtSteps(), loader(8))
+    stats = trainer.strategy.stats
+    assert stats.rejected == 2 and stats.gradients == 6 and stats.clock == 4
+
+
 @pytest.mark.parametrize(
     "protocol, n, learners, overlap", [("softsync", 1, 3, False), ("softsync", 3, 3, False), ("async", 1, 2, True)]
 )
@@ -244,7 +262,8 @@ def test_automatic_optimization_features_callbacks_and_test_after_fit(tmp_path):
 # 2 servers: the first holds part of the Adam optimizer's first weight only, the second all the rest
 @pytest.mark.parametrize("num_servers", [1, 2])
 def test_manual_optimization_with_two_optimizers(tmp_path, num_servers):
-    model = TwoOptimizers("norm" if num_servers == 1 else "value")  # by norm over 2 servers: refused (below)
+    # 2 servers: by value (clipping by norm over several servers: tests/core/test_clipping.py)
+    model = TwoOptimizers("norm" if num_servers == 1 else "value")
     strategy = probed(tmp_path, protocol="softsync", n=2, lr_modulation="none", num_servers=num_servers)
     trainer = quiet_trainer(strategy, 2, max_epochs=1)
     trainer.fit(model, loader(16))

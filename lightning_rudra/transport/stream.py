@@ -33,6 +33,9 @@ MAGIC = b"rudra-s2"  # the protocol and its version, first on the wire both ways
 NONCE = 32
 SESSION = 16  # a client's calls are numbered within its session, whatever connection carries them
 PROOF_SIZE = hashlib.sha256().digest_size
+# on a call's number: sent again after its connection broke (a number the server has forgotten is then refused,
+# since it may have run; a first sending runs)
+RESENT = 1 << 63
 
 
 class StreamOffer(NamedTuple):

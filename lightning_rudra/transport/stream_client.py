@@ -23,6 +23,7 @@ from lightning_rudra.transport.stream import (
     MAGIC,
     NONCE,
     PROOF_SIZE,
+    RESENT,
     SESSION,
     ServerError,
     StreamOffer,
@@ -188,7 +189,7 @@ class StreamClient:
         deadline = None
         while True:
             try:
-                return self._call(self._sent, method, frame, future)
+                return self._call(self._sent if deadline is None else self._sent | RESENT, method, frame, future)
             except (socket.timeout, FrameError):  # silence, or a peer out of step: no new connection mends those
                 raise
             except OSError as error:  # reset, aborted, end of file: the connection broke, maybe not the server
@@ -196,8 +197,12 @@ class StreamClient:
                     raise
                 if deadline is None:
                     deadline = time.monotonic() + self.timeout
-                else:  # broken again: not at once
-                    time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                else:  # broken again: not at once, and never past the deadline
+                    if time.monotonic() + 0.5 >= deadline:
+                        raise _GaveUp(
+                            f"it broke ({error}) again and again for {self.timeout:g} s (rpc_timeout)", timed_out=True
+                        ) from error
+                    time.sleep(0.5)
                 self._reconnect(error, deadline)
 
     def _reconnect(self, broken: OSError, deadline: float) -> None:

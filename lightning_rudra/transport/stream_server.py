@@ -24,6 +24,7 @@ from lightning_rudra.transport.stream import (
     MAGIC,
     NONCE,
     PROOF_SIZE,
+    RESENT,
     SESSION,
     StreamOffer,
     handshake_proof,
@@ -50,8 +51,7 @@ class _Session:
         self.number = 0
         self.reply: Optional[Frame] = None  # of call ``number``
         self.connection: Optional[socket.socket] = None
-        self.free = threading.Event()  # no thread serves it
-        self.free.set()
+        self.busy = False  # a thread serves it
         self.idle_since = time.monotonic()  # when its last connection ended
 
     def settle(self, number: int, reply: Frame) -> None:
@@ -151,45 +151,60 @@ class StreamServer:
                 log.warning("lightning_rudra: a stream connection ended on an unexpected error: %r", error)
 
     def _serve_session(self, conn: socket.socket, name: bytes) -> None:
-        """The calls of session ``name`` on ``conn``, its newest connection: an older one's thread ends first."""
-        session = self._attach(name, conn)
+        """The calls of session ``name`` on ``conn``, its newest connection: an older one is broken, its client
+        says, and its thread ends first (freeing its peer slot). A connection refused leaves no session."""
+        self._replace(name, None)
+        if not self._peers.acquire(timeout=min(self.timeout, _HANDSHAKE_S)):
+            self._refuse(conn, f"the stream takes {self.max_peers} {_FULL}")
+            return
         try:
-            # the older connection's thread sees it was replaced at once, or its socket fail
-            if not session.free.wait(self.timeout) or not self._peers.acquire(blocking=False):
-                self._refuse(conn, f"the stream takes {self.max_peers} {_FULL}")
-                return
-            session.free.clear()
+            with self._lock:
+                session = self._sessions.setdefault(name, _Session())
+            self._replace(name, conn)
+            with session.changed:  # one thread serves a session at a time
+                session.changed.wait_for(lambda: not session.busy or session.connection is not conn, self.timeout)
+                if session.connection is not conn or session.busy:  # a newer one came, or the older never ended
+                    return
+                session.busy = True
             try:
                 self._calls(conn, session)
             finally:
-                self._peers.release()
-                session.free.set()
+                with session.changed:
+                    session.busy = False
+                    if session.connection is conn:
+                        session.connection = None
+                        session.idle_since = time.monotonic()
+                    session.changed.notify_all()
         finally:
-            with session.changed:
-                if session.connection is conn:
-                    session.connection = None
-                    session.idle_since = time.monotonic()
+            self._peers.release()
+            self._forget_idle()
 
-    def _attach(self, name: bytes, conn: socket.socket) -> _Session:
-        """Session ``name``, served by ``conn`` from now on; sessions whose client gave up are forgotten."""
+    def _replace(self, name: bytes, conn: Optional[socket.socket]) -> None:
+        """``conn`` serves session ``name`` from now on (None: none yet): the connection it had ends now, rather
+        than when TCP finds out."""
+        with self._lock:
+            session = self._sessions.get(name)
+        if session is None:
+            return
+        with session.changed:
+            replaced, session.connection = session.connection, conn
+            session.changed.notify_all()  # its thread, if it waits for a reply, stops waiting
+        if replaced is not None and replaced is not conn:
+            try:
+                replaced.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _forget_idle(self) -> None:
+        """Forget the sessions whose connection ended over twice ``timeout`` ago: their clients gave up."""
         now = time.monotonic()
         with self._lock:
             for gone in [
                 key
                 for key, session in self._sessions.items()
-                if session.connection is None and session.free.is_set() and now - session.idle_since > 2 * self.timeout
+                if session.connection is None and not session.busy and now - session.idle_since > 2 * self.timeout
             ]:
                 del self._sessions[gone]
-            session = self._sessions.setdefault(name, _Session())
-        with session.changed:
-            replaced, session.connection = session.connection, conn
-            session.changed.notify_all()
-        if replaced is not None:  # broken, its client says: its thread need not wait for TCP to find out
-            try:
-                replaced.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        return session
 
     def _handshake(self, conn: socket.socket) -> Optional[bytes]:
         """The session's name of a peer that proved it knows the secret (it then gets the server's proof); None for
@@ -221,6 +236,7 @@ class StreamServer:
     def _calls(self, conn: socket.socket, session: _Session) -> None:
         while True:
             number = recv_number(conn)
+            resent, number = bool(number & RESENT), number & ~RESENT
             try:
                 call: Any = recv_frame(conn, self.limits)
             except DecodeError as error:  # read whole, so in step
@@ -229,11 +245,18 @@ class StreamServer:
                 self._refuse(conn, str(error))
                 raise
             with session.changed:
-                last, fresh = session.number, number == session.number + 1
+                last = session.number
+                # numbered one by one from 1, whatever the connection; a session forgotten here (its learner idle
+                # past twice the timeout) goes on with its next call
+                fresh = number == last + 1 or (not last and not resent and number > 0)
                 if fresh:
                     session.number, session.reply = number, None
-            if not fresh and (number != last or not number):  # numbered one by one from 1, whatever the connection
-                why = f"call {number} out of order: the last call of this learner's session was {last}"
+            if not fresh and not (resent and number == last and number):
+                why = (
+                    f"the server no longer keeps the reply to call {number}, sent again: its session was forgotten"
+                    if resent and not last
+                    else f"call {number} out of order: the last call of this learner's session was {last}"
+                )
                 self._encode("a call", ("error", "RuntimeError", why)).send(conn)
                 continue
             # a number seen already was sent again after its connection broke: it gets the reply made to it

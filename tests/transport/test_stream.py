@@ -7,6 +7,7 @@ error that names the server when the connection closes, goes silent or cannot ca
 import pickle
 import secrets
 import socket
+import struct
 import threading
 import time
 
@@ -381,7 +382,7 @@ def test_a_call_sent_again_is_answered_from_its_session_and_out_of_order_numbers
         assert recv_frame(sock, LIMITS) == ("ok", ("first",))
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         _prove(sock, session=b"s" * stream.SESSION)
-        _send_call(sock, 1, ("echo", "sent again: not run"))
+        _send_call(sock, 1 | stream.RESENT, ("echo", "sent again: not run"))
         assert recv_frame(sock, LIMITS) == ("ok", ("first",))
         for number in (0, 3, 1 << 40):
             _send_call(sock, number, ("echo", "x"))
@@ -546,7 +547,7 @@ def test_a_re_sent_call_that_cannot_be_decoded_is_answered_from_its_session(serv
         assert recv_frame(sock, LIMITS) == ("ok", ("first",))
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         _prove(sock, session=session)
-        _send_call(sock, 1, ("echo", _RunsCode(tmp_path / "ran")))  # the same number: its body is not needed
+        _send_call(sock, 1 | stream.RESENT, ("echo", _RunsCode(tmp_path / "ran")))  # its body is not needed
         assert recv_frame(sock, LIMITS) == ("ok", ("first",))
         _send_call(sock, 2, ("echo", "second"))
         assert recv_frame(sock, LIMITS) == ("ok", ("second",))
@@ -614,3 +615,62 @@ def test_closing_while_a_connect_hangs_ends_the_client_s_thread(server, monkeypa
     assert not client._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         pending.wait()
+
+
+def test_a_call_whose_every_new_connection_breaks_ends_within_the_timeout():
+    """Second review (issue 32): a connection that broke right after each handshake (a middlebox resetting what
+    the call carries) was opened again thousands of times, for good."""
+    opened = []
+
+    def handshake_then_reset(conn):
+        opened.append(conn)
+        frames.recv_number(conn)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            challenge = secrets.token_bytes(stream.NONCE)
+            conn.sendall(stream.MAGIC + challenge)
+            said = stream.read_exactly(conn, len(stream.MAGIC) + stream.NONCE + stream.SESSION + stream.PROOF_SIZE)
+            conn.sendall(
+                stream.handshake_proof(SECRET, b"server", said[len(stream.MAGIC) : -stream.PROOF_SIZE], challenge)
+            )
+            handshake_then_reset(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = StreamClient(StreamOffer("127.0.0.1", listener.getsockname()[1], SECRET, LIMITS), 2.0, "the test's server")
+    try:
+        with pytest.raises(RuntimeError, match="timed out: it broke .* again and again for 2 s"):
+            client.call("echo", 1).wait()
+        assert len(opened) <= 2.0 / 0.5 + 1  # a try every half second
+    finally:
+        client.close()
+        listener.close()
+
+
+def test_a_learner_idle_past_its_forgotten_session_goes_on_and_a_call_sent_again_then_is_refused():
+    """Second review (issue 32): a learner whose connection ended on the server's side, idle for over twice the
+    timeout (a validation loop), was refused every later call as out of order."""
+    server = StreamServer("127.0.0.1", _answer, SECRET, LIMITS, timeout=0.2, max_peers=2)
+    client = _client(server, timeout=0.2)
+    try:
+        assert client.call("echo", 1).wait() == (1,)
+        (session,) = server._sessions.values()
+        session.connection.shutdown(socket.SHUT_RDWR)  # the server's side ends (ss -K there)
+        time.sleep(0.6)  # idle past twice the timeout: the session is forgotten when the learner comes back
+        assert client.call("echo", 2).wait() == (2,)
+    finally:
+        client.close()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:  # a session the server never saw
+        _prove(sock)
+        _send_call(sock, 7 | stream.RESENT, ("echo", "may have run"))
+        status, _, message = recv_frame(sock, LIMITS)
+        assert status == "error" and "no longer keeps the reply to call 7, sent again" in message
+    server.close()

@@ -212,9 +212,9 @@ class Fuzzer:
         )
         self._refused(sock, call, "")
 
-    def case_call_out_of_order(self, sock):  # a session's first call is number 1
-        number = self.random.choice([0, 2, 1 << 40])
-        self._refused(sock, self._push(LearnerId(0)), "out of order", number)
+    def case_call_out_of_order(self, sock):  # calls are numbered from 1; a new session cannot have sent one again
+        number, expected = self.random.choice([(0, "out of order"), (stream.RESENT | 5, "no longer keeps the reply")])
+        self._refused(sock, self._push(LearnerId(0)), expected, number)
 
     def case_code_in_a_member_s_frame(self, sock):
         call = ("push", LearnerId(0), _RunsCode(self.marker), torch.ones(3))

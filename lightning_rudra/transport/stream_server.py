@@ -176,8 +176,8 @@ class StreamServer:
                         session.idle_since = time.monotonic()
                     session.changed.notify_all()
         finally:
-            self._peers.release()
             self._forget_idle()
+            self._peers.release()
 
     def _replace(self, name: bytes, conn: Optional[socket.socket]) -> None:
         """``conn`` serves session ``name`` from now on (None: none yet): the connection it had ends now, rather
@@ -188,6 +188,7 @@ class StreamServer:
             return
         with session.changed:
             replaced, session.connection = session.connection, conn
+            session.idle_since = time.monotonic()  # in use: not to be forgotten while the new connection comes
             session.changed.notify_all()  # its thread, if it waits for a reply, stops waiting
         if replaced is not None and replaced is not conn:
             try:

@@ -674,3 +674,26 @@ def test_a_learner_idle_past_its_forgotten_session_goes_on_and_a_call_sent_again
         status, _, message = recv_frame(sock, LIMITS)
         assert status == "error" and "no longer keeps the reply to call 7, sent again" in message
     server.close()
+
+
+def test_a_session_older_than_twice_the_timeout_survives_its_connection_being_taken_over():
+    """A newer connection set the session's connection aside before the older one's thread ended, which then found
+    it idle since its start and forgot it: the call sent again was refused as no longer kept."""
+    _RUNS.clear()
+    server = StreamServer("127.0.0.1", _answer, SECRET, LIMITS, timeout=10.0, max_peers=1)
+    client = _client(server)
+    try:
+        assert client.call("run", "first", 0.0).wait() == 1
+        (session,) = server._sessions.values()
+        session.idle_since -= 100  # made long ago, connected since
+        second = client.call("run", "second", 1.0)
+        for _ in range(100):
+            if len(_RUNS) == 2:
+                break
+            time.sleep(0.02)
+        client.sock.shutdown(socket.SHUT_RDWR)  # the learner's side breaks; the server's waits for the reply
+        assert second.wait() == 2
+        assert _RUNS == ["first", "second"]
+    finally:
+        client.close()
+        server.close()

@@ -23,12 +23,16 @@ PROTOTYPES = [  # label, pool, server patches, server-only environment, learner 
 
 STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy options)
     "ddp": ("ddp", 1, [], {}),
+    # DDP's own compression, beside Rudra's bf16 rows: torch refuses its bf16_compress_hook without CUDA/NCCL (or
+    # XPU), so the fp16 one, which puts the same 2 bytes per parameter on the link
+    "ddp+fp16": ("ddp", 1, [], {"ddp_comm_hook": "fp16_compress_hook"}),
     "hardsync": ("hardsync", 1, [], {}),
     "softsync1": ("softsync", 1, [], {}),
     "softsync2": ("softsync", 2, [], {}),
     "async": ("async", 1, [], {}),
     "async+overlap": ("async", 1, [], {"overlap": True}),
     "async+rpc": ("async", 1, [], {"shared_memory": False}),
+    "hardsync+rpc": ("hardsync", 1, [], {"shared_memory": False}),
     "hardsync+2servers": ("hardsync", 1, [], {"num_servers": 2}),
     "async+2servers": ("async", 1, [], {"num_servers": 2}),
     "async+quiet_log": ("async", 1, ["quiet_log"], {}),
@@ -43,12 +47,14 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
 }
 STRATEGY_LABELS = {  # key -> how the report names it
     "ddp": "DDP (gloo)",
+    "ddp+fp16": "DDP (gloo), fp16_compress_hook",
     "hardsync": "Rudra hardsync",
     "softsync1": "Rudra 1-softsync",
     "softsync2": "Rudra 2-softsync",
     "async": "Rudra async",
     "async+overlap": "Rudra async, overlap=True",
-    "async+rpc": "Rudra async, shared_memory=False (all through RPC)",
+    "async+rpc": "Rudra async, RPC, no shared memory (shared_memory=False)",
+    "hardsync+rpc": "Rudra hardsync, RPC, no shared memory (shared_memory=False)",
     "hardsync+2servers": "Rudra hardsync, num_servers=2",
     "async+2servers": "Rudra async, num_servers=2",
     "async+quiet_log": "Rudra async, staleness logged every 50 steps (prototype)",
@@ -83,10 +89,11 @@ DEFAULT = {
         "async",
         "async+overlap",
         "async+overlap+quiet_log",
+        "async+rpc",
     ],
     "straggler_reps": 3,
     "straggler_window_s": 2.5,
-    "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap"],
+    "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap", "async+rpc"],
     "epoch_learners": [2, 4],
     "epoch_slowdowns": [3, 8],
     "epochs_per_run": 4,
@@ -111,7 +118,15 @@ DEFAULT = {
             "rate": "1gbit",
             "learners_per_host": 2,
             "reps": 2,
-            "strategies": ["ddp", "hardsync", "hardsync+no_aggregation", "async", "hardsync+bf16", "async+bf16"],
+            "strategies": [
+                "ddp",
+                "hardsync",
+                "hardsync+no_aggregation",
+                "async",
+                "hardsync+bf16",
+                "async+bf16",
+                "ddp+fp16",
+            ],
         },
         {"rate": "10gbit", "learners_per_host": 1, "reps": 1},
         # a configuration's own model size ("params"; network_params without it)
@@ -126,7 +141,7 @@ DEFAULT = {
     "network_params": 10 * M,
     "network_steps": 6,
     "network_epochs": 3,
-    "network_strategies": ["ddp", "hardsync", "async", "hardsync+bf16", "async+bf16"],
+    "network_strategies": ["ddp", "hardsync", "async", "hardsync+bf16", "async+bf16", "ddp+fp16"],
 }
 QUICK = {
     "sizes": [10 * M],
@@ -142,10 +157,10 @@ QUICK = {
     "target_accuracy": 0.4,
     "snapshot_every": 5,
     "ddp_every": 3,
-    "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async"],
+    "e2e_strategies": ["ddp", "hardsync", "softsync1", "softsync2", "async", "async+rpc"],
     "straggler_reps": 2,
     "straggler_window_s": 1.0,
-    "straggler_strategies": ["ddp", "async", "softsync2"],
+    "straggler_strategies": ["ddp", "async", "softsync2", "async+rpc"],
     "epoch_learners": [2, 4],
     "epoch_slowdowns": [3],
     "epochs_per_run": 3,
@@ -163,15 +178,16 @@ QUICK = {
     "network_params": 10 * M,
     "network_steps": 4,
     "network_epochs": 2,
-    "network_strategies": ["ddp", "hardsync", "async+bf16"],
+    "network_strategies": ["ddp", "hardsync", "async+bf16", "ddp+fp16"],
 }
 PHASES = ("transport", "variants", "prototypes", "e2e", "straggler", "epochs", "models", "accuracy", "network")
 TRAINING = {"batch_size": 32, "lr": 0.1, "momentum": 0.5, "seed": 42, "num_samples": 4000, "warmup": 10}
 # models phase: μ per learner, whatever λ; samples/s and step times after 2 warm-up batches (the first
 # allocations, DDP's buckets, the server's first reply), as the runs are short
 MODEL_TRAINING = {"batch_size": 32, "warmup": 2}
-MODEL_STRATEGIES = ["ddp", "hardsync", "async", "async+rpc", "hardsync+2servers", "async+2servers"]  # no straggler
-MODEL_STRAGGLER_STRATEGIES = ["ddp", "async", "async+2servers"]
+# no straggler; every single-host Rudra default beside the same without shared memory (RPC over loopback, as gloo)
+MODEL_STRATEGIES = ["ddp", "hardsync", "async", "async+rpc", "hardsync+rpc", "hardsync+2servers", "async+2servers"]
+MODEL_STRAGGLER_STRATEGIES = ["ddp", "async", "async+rpc", "async+2servers"]
 MODEL_SLOWDOWN = 3
 EPOCH_BATCH = 64  # μ·λ in the epochs phase, the same for every λ (the paper's rule): μ = 32 at λ = 2, 16 at 4
 TRAINING_PRELOAD = (

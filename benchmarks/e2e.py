@@ -8,6 +8,13 @@ from typing import Any
 from benchmarks import stats
 from benchmarks.config import TRAINING
 
+# the job wall time, of every phase of whole runs (e2e, straggler, models, network)
+JOB_TEXT = (
+    "*job s*: the job's wall time, from the suite's handing it to the workers to their results, so the Trainer's "
+    "set-up, the rendezvous, Rudra's server start and the teardown are in (median over runs); *job / DDP*: each "
+    "run's against the mean of the DDP runs just before and after it, median (lowest–highest)."
+)
+
 
 def e2e(suite: Any) -> None:
     runs = []
@@ -43,7 +50,9 @@ def e2e(suite: Any) -> None:
             f"median (lowest–highest) over runs. *Time to accuracy*: from the start of training to the "
             f"first rank-0 snapshot (every {suite.cfg['snapshot_every']} steps) at or above "
             f"{suite.cfg['target_accuracy']} test accuracy (800 test samples). mean σ: staleness in server "
-            f"updates."
+            f"updates. {JOB_TEXT} *RPC, no shared memory*: async with `shared_memory=False`, gradients and "
+            f"weights through RPC over loopback as DDP's go through gloo over loopback: what of a single-host "
+            f"gain is the protocol's, not shared memory's."
         ),
     }
 
@@ -77,6 +86,7 @@ def straggler(suite: Any) -> None:
             f"Same module and settings; learner 1 sleeps {1e3 * sleep:.1f} ms per batch (2x the median DDP step "
             f"time of section 2, {ddp_step:.1f} ms), so it is 3x slower. DDP runs {ddp_steps} steps per learner; "
             f"Rudra learners run {window:g} s each after warm-up. {suite.cfg['straggler_reps']} runs of each, "
-            f"ratios against the DDP runs just before and after, as in section 2."
+            f"ratios against the DDP runs just before and after, as in section 2. *job s* as there; here DDP runs a "
+            f"number of steps and Rudra a time, so *job / DDP* is not a ratio of equal work."
         )
     }

@@ -6,6 +6,7 @@ from typing import Any
 
 from benchmarks import stats
 from benchmarks.config import M, MODEL_SLOWDOWN, MODEL_STRAGGLER_STRATEGIES, MODEL_STRATEGIES, MODEL_TRAINING, TRAINING
+from benchmarks.e2e import JOB_TEXT
 from benchmarks.report import _f, _size_label
 
 
@@ -25,7 +26,9 @@ def phase(suite: Any) -> None:
             f"with `shared_memory=False` (everything through RPC). *vs DDP*: each run against the mean of the DDP "
             f"(gloo) runs just before and after it, median (lowest–highest) over runs. *Straggler*: the last "
             f"learner sleeps ({MODEL_SLOWDOWN} − 1)·t before every batch, t being the median DDP step time of the "
-            f"runs without a straggler above it."
+            f"runs without a straggler above it. *RPC, no shared memory*: `shared_memory=False`, everything through "
+            f"RPC over loopback as DDP's all-reduce goes through gloo over loopback (hardsync and async without a "
+            f"straggler, async with one): what of a single-host gain is the protocol's. {JOB_TEXT}"
         ),
     )
     for spec in suite.cfg["models"]:

@@ -23,6 +23,7 @@ import re
 from typing import Any
 
 from benchmarks import stats
+from benchmarks.e2e import JOB_TEXT
 from benchmarks.config import MODEL_TRAINING, STRATEGIES, TRAINING, TRAINING_PRELOAD
 from benchmarks.hosts import two_hosts, why_no_hosts
 from benchmarks.pool import Pool
@@ -56,7 +57,10 @@ def phase(suite: Any) -> None:
             f"*MB per step*: what host 1's end of the link sent / received between two of its first learner's "
             f"batch ends (past warm-up), over the steps taken meanwhile (every learner's batches / λ); median over "
             f"runs; *× model*: the same in units of the model's float32 size. Counted by the interface, so headers "
-            f"and control messages are in."
+            f"and control messages are in. *DDP (gloo), fp16_compress_hook*: DDP with its own compression "
+            f"(`DDPStrategy(ddp_comm_hook=fp16_compress_hook)`: gradients all-reduced in float16, 2 bytes per "
+            f"parameter as Rudra's bf16; torch refuses its bf16 hook without CUDA and NCCL), beside the bf16 rows. "
+            f"{JOB_TEXT}"
         ),
     )
     if any(spec.get("server_node") for spec in cfg["network"]):
@@ -125,6 +129,33 @@ def phase(suite: Any) -> None:
                 "runs": summary,
             }
         )
+
+
+def train_with_comm_hook(rank: int, *, ddp_comm_hook: str, **kwargs: Any) -> dict[str, Any]:
+    """``training.train`` of DDP with one of torch's ``default_hooks`` (``ddp_comm_hook``, its name) registered
+    through Lightning's ``DDPStrategy(ddp_comm_hook=...)``: ``training.train`` builds its DDPStrategy from
+    ``pytorch_lightning.strategies`` when it runs, so the class there is replaced for this job by one that passes
+    the hook. Raises if no DDPStrategy was built that way (a run without the hook must not pass for one with it)."""
+    import pytorch_lightning.strategies as strategies
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from benchmarks import training
+
+    plain = strategies.DDPStrategy
+    built: list[Any] = []
+
+    def with_hook(*args: Any, **options: Any) -> Any:
+        built.append(plain(*args, ddp_comm_hook=getattr(default_hooks, ddp_comm_hook), **options))
+        return built[-1]
+
+    strategies.DDPStrategy = with_hook
+    try:
+        result = training.train(rank, **kwargs)
+    finally:
+        strategies.DDPStrategy = plain
+    if not built:
+        raise RuntimeError(f"training.train built no DDPStrategy: {ddp_comm_hook} was not registered")
+    return result
 
 
 def parse_spec(text: str) -> dict[str, Any]:

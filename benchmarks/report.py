@@ -52,6 +52,11 @@ def _vs(entry: dict[str, Any], key: str = "vs_ddp") -> str:
     return f"{_f(entry.get(key))}{_spread(entry.get(f'{key}_reps'))}"
 
 
+def _job(entry: dict[str, Any]) -> list[str]:
+    """The job's wall time (start-up and teardown included) and its ratio to DDP's, as cells."""
+    return [_f(entry.get("job_wall_s"), "{:.1f}"), _vs(entry, "job_vs_ddp")]
+
+
 def _reached(ddp: dict[str, Any], rudra: dict[str, Any]) -> str:
     return f"{ddp.get('tta_reached', 0)}/{ddp.get('runs', 0)}, {rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)}"
 
@@ -89,7 +94,7 @@ def _epochs_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
 def _models_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     columns = (
         "model | learners (μ) | straggler (sleep ms) | strategy | samples/s | vs DDP (runs) | target | "
-        "step ms (rank 0) | epoch s"
+        "step ms (rank 0) | epoch s | job s | job / DDP (runs)"
     )
     rows = []
     for c in configs:
@@ -110,6 +115,7 @@ def _models_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
                     target,
                     _f(e["step_ms"], "{:.1f}"),
                     _f(e.get("epoch_s")),
+                    *_job(e),
                 ]
             )
     return _section("6. Real model sizes", info, columns, rows)
@@ -149,7 +155,7 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
 def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     columns = (
         "link | model | learners per host (μ) | strategy | samples/s | vs DDP (runs) | epoch s | "
-        "host 1 MB per step, sent / received | × model"
+        "host 1 MB per step, sent / received | × model | job s | job / DDP (runs)"
     )
     rows = []
     for c in configs:
@@ -169,6 +175,7 @@ def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[
                     _f(e.get("epoch_s")),
                     f"{_f(mb[0], '{:.1f}')} / {_f(mb[1], '{:.1f}')}",
                     f"{_f(share[0])} / {_f(share[1])}",
+                    *_job(e),
                 ]
             )
     return _section("8. Across two hosts, the link shaped", info, columns, rows)
@@ -279,7 +286,9 @@ def _prototypes_table(tr: dict[str, Any]) -> list[str]:
 
 def _runs_table(title: str, info: dict[str, Any], entries: dict[str, Any], with_tta: bool) -> list[str]:
     """Sections 2 to 4: per strategy, samples/s against DDP (and the time to accuracy)."""
-    columns = "strategy | samples/s | vs DDP (lowest–highest run) | step ms (rank 0) | mean σ"
+    columns = (
+        "strategy | samples/s | vs DDP (lowest–highest run) | step ms (rank 0) | mean σ | job s | job / DDP (runs)"
+    )
     if with_tta:
         columns += (
             f" | time to {info.get('target', '?')} test acc. (s) | vs DDP (time; < 1 is faster) | reached | best acc."
@@ -292,6 +301,7 @@ def _runs_table(title: str, info: dict[str, Any], entries: dict[str, Any], with_
             _vs(e),
             _f(e["step_ms"], "{:.1f}"),
             _f(e.get("mean_staleness")),
+            *_job(e),
         ]
         if with_tta:
             cells += [

@@ -129,6 +129,9 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
         else:
             vs = ratios(sps, [bracket(r, "samples_per_s") for r in mine])
             tta_vs = ratios([r.get("tta_s") for r in mine], [bracket(r, "tta_s") for r in mine])
+        # the whole job, start-up and teardown included (< 1: shorter than DDP's), bracketed as the other ratios
+        job = [r.get("job_wall_s") for r in mine]
+        job_vs = [1.0] * len(mine) if strategy == baseline else ratios(job, [bracket(r, "job_wall_s") for r in mine])
         entry = {
             "runs": len(mine),
             "samples_per_s": median(sps),
@@ -136,6 +139,9 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
             "vs_ddp": median(vs),
             "vs_ddp_reps": vs,
             "step_ms": median([r.get("step_ms") for r in mine]),
+            "job_wall_s": median(job),
+            "job_vs_ddp": median(job_vs),
+            "job_vs_ddp_reps": job_vs,
         }
         if any(r.get("tta_target") is not None for r in mine):
             tta = [r.get("tta_s") for r in mine]

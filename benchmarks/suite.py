@@ -98,11 +98,19 @@ class Suite:
         target known only later."""
         strategy, n, protos, options = STRATEGIES[key]
         t = {**TRAINING, **kwargs}
+        fn, hook = "benchmarks.training:train", {}
+        if "ddp_comm_hook" in options:  # DDP with a compression hook: training.train's DDP has none
+            fn, hook, options = (
+                "benchmarks.network:train_with_comm_hook",
+                {"ddp_comm_hook": options["ddp_comm_hook"]},
+                {},
+            )
         start = time.monotonic()
         result = self.job(
             pool,
-            "benchmarks.training:train",
+            fn,
             timeout,
+            **hook,
             strategy=strategy,
             n=n,
             protos=protos,

@@ -314,14 +314,22 @@ def _runs_table(title: str, info: dict[str, Any], entries: dict[str, Any], with_
     return _section(title, info, columns, rows)
 
 
+def _commit(meta: dict[str, Any]) -> str:
+    """The commit, and the files modified (older results files say only whether lightning_rudra/ was)."""
+    if meta.get("modified", meta.get("package_modified")):
+        return (
+            f"{meta.get('commit', '?')[:12]} (modified: {', '.join(meta.get('modified_files') or ['lightning_rudra'])})"
+        )
+    return meta.get("commit", "?")[:12]
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     meta = result["meta"]
     lines = [
         f"# lightning_rudra benchmark ({meta['mode']})",
         "",
-        f"{meta['date']} · lightning_rudra at {meta.get('commit', '?')}"
-        f"{' (modified)' if meta.get('package_modified') else ''} · {meta['nproc']} CPUs ({meta['cpu_model']}) · "
+        f"{meta['date']} · lightning_rudra at {_commit(meta)} · {meta['nproc']} CPUs ({meta['cpu_model']}) · "
         f"torch {meta['torch']} · pytorch-lightning {meta['lightning']} · python {meta['python']} · "
         f"{meta['duration_s']:.0f} s · load average {meta['loadavg_start'][0]:.1f} at the start, "
         f"{meta['loadavg_end'][0]:.1f} at the end",

@@ -24,61 +24,14 @@ See ``benchmarks/README.md``.
 """
 
 import argparse
-import datetime
-import importlib.metadata
-import json
 import os
-import platform
 import time
 import traceback
 from typing import Any, Optional
 
-from benchmarks import network, report, targets
+from benchmarks import network, provenance, report, targets
 from benchmarks.config import DEFAULT, PHASES, QUICK, TRAINING
 from benchmarks.suite import Suite
-
-
-def _meta(quick: bool) -> dict[str, Any]:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-
-    def version(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "?"
-
-    def git(*args: str) -> str:
-        try:
-            import subprocess
-
-            return subprocess.run(
-                ["git", *args],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            ).stdout.strip()
-        except Exception:
-            return "?"
-
-    return {
-        "mode": "quick" if quick else "default",
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "package_modified": bool(git("status", "--porcelain", "--", "lightning_rudra")),
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "torch": version("torch"),
-        "lightning": version("pytorch-lightning"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "loadavg_start": os.getloadavg(),
-    }
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
@@ -86,8 +39,15 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="fewer sizes, settings and repeats: about 2 minutes")
     parser.add_argument(
         "--out",
-        default=os.path.join("benchmarks", "results"),
-        help="folder for latest.json and latest.md (default: benchmarks/results)",
+        default=os.path.join(provenance.ROOT, provenance.RESULTS),
+        help="folder for NAME.json and NAME.md (default: benchmarks/results, where only a commit's code may write)",
+    )
+    parser.add_argument("--name", default="latest", help="the results files' name (default: latest)")
+    parser.add_argument(
+        "--allow-modified",
+        action="store_true",
+        help="write into benchmarks/results even if the code differs from HEAD: the results say modified, and "
+        "`git diff HEAD` goes beside them (NAME.diff)",
     )
     parser.add_argument(
         "--only",
@@ -111,7 +71,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         except ValueError as error:
             parser.error(str(error))
     phases = [p for p in args.only.split(",") if p]
-    meta = _meta(args.quick)
+    try:  # before hours of running, not after
+        tree = provenance.check_tree(args.out, args.allow_modified)
+    except provenance.ModifiedTree as error:
+        parser.exit(2, f"benchmarks.run: refused: {error}\n")
+    meta = provenance.meta("quick" if args.quick else "default", tree)
     suite = Suite(cfg, args.quick)
     suite.log(f"lightning_rudra benchmark, {meta['mode']} mode, phases: {', '.join(phases)}")
     try:
@@ -131,13 +95,12 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     suite.summary["targets"] = targets.check_targets(suite.summary)
     result = {"meta": meta, "summary": suite.summary, "raw": suite.raw, "failures": suite.failures}
     markdown = report.render_markdown(result)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latest.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "latest.md"), "w") as f:
-        f.write(markdown)
     print(markdown)
-    suite.log(f"wrote {os.path.join(args.out, 'latest.json')} and latest.md")
+    try:
+        provenance.write(args.out, args.name, result, markdown, tree)
+    except provenance.ModifiedTree as error:
+        parser.exit(2, f"benchmarks.run: refused: {error}\n")
+    suite.log(f"wrote {os.path.join(args.out, args.name)}.json and .md")
     return result
 
 

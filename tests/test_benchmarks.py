@@ -6,6 +6,7 @@ bytes per step are counted over the right steps, and a configuration's model siz
 
 import multiprocessing
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -228,3 +229,76 @@ def test_a_network_configuration_names_its_model_size_and_only_10_m_counts_for_t
     assert by_key["network_aggregation_vs_ddp"]["value"] == 0.8
     by_key = {t["key"]: t for t in check_targets({"network": [{**config, "target_params": 50_000_000}]})}
     assert by_key["network_aggregation_vs_ddp"]["value"] is None
+
+
+def _repo(path) -> str:
+    """A git repository with the folders a run's numbers depend on, one commit; returns its root."""
+    for name in ("lightning_rudra/core.py", "benchmarks/results/old.md", "docs/notes.md"):
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text("one\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(path)]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"]):
+        subprocess.run(git + args, check=True, timeout=30)
+    return str(path)
+
+
+def test_a_run_of_modified_code_is_refused_in_the_results_folder_naming_the_files(tmp_path, monkeypatch, capsys):
+    """Before anything runs (no phase here): refused where results are published, with the files and what to do;
+    the results folder's own files and files outside the code do not count; elsewhere the run writes, marked."""
+    from benchmarks import provenance, run
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    monkeypatch.setattr(provenance, "ROOT", _repo(root))
+    results = root / "benchmarks" / "results"
+    for name in ("benchmarks/results/old.md", "docs/notes.md"):
+        (root / name).write_text("changed\n")
+    run.main(["--only", ""])  # neither counts: published
+    assert (results / "latest.json").exists()
+    (root / "lightning_rudra" / "core.py").write_text("two\n")
+    with pytest.raises(SystemExit) as refused:
+        run.main(["--only", "", "--name", "again"])
+    assert refused.value.code == 2 and not (results / "again.json").exists()
+    error = capsys.readouterr().err
+    assert "refused" in error and "lightning_rudra/core.py" in error and "docs/notes.md" not in error
+    assert "--out DIR" in error and "--allow-modified" in error and "commit" in error
+    elsewhere = tmp_path / "elsewhere"
+    meta = run.main(["--only", "", "--out", str(elsewhere)])["meta"]
+    assert meta["modified"] and meta["modified_files"] == ["lightning_rudra/core.py"]
+    assert "-one\n+two" in (elsewhere / "latest.diff").read_text()
+
+
+def test_allow_modified_publishes_marked_with_the_diff_and_a_clean_run_names_the_full_commit(tmp_path, monkeypatch):
+    from benchmarks import provenance, run
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    monkeypatch.setattr(provenance, "ROOT", _repo(root))
+    results = root / "benchmarks" / "results"
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    meta = run.main(["--only", "", "--name", "clean"])["meta"]
+    assert meta["commit"] == head.strip() and len(meta["commit"]) == 40 and not meta["modified"]
+    assert not (results / "clean.diff").exists() and "(modified" not in (results / "clean.md").read_text()
+    (root / "lightning_rudra" / "core.py").write_text("two\n")
+    meta = run.main(["--only", "", "--name", "dirty", "--allow-modified"])["meta"]
+    assert meta["modified"] and "-one\n+two" in (results / "dirty.diff").read_text()
+    assert f"{head[:12]} (modified: lightning_rudra/core.py)" in (results / "dirty.md").read_text()
+
+
+def test_results_of_code_changed_during_the_run_are_not_published(tmp_path, monkeypatch):
+    from benchmarks import provenance
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    monkeypatch.setattr(provenance, "ROOT", _repo(root))
+    results = root / "benchmarks" / "results"
+    start = provenance.check_tree(str(results), allow_modified=False)
+    (root / "lightning_rudra" / "core.py").write_text("two\n")
+    with pytest.raises(provenance.ModifiedTree, match="changed during the run") as refused:
+        provenance.write(str(results), "late", {"meta": {}}, "# late\n", start)
+    assert not (results / "late.json").exists()
+    kept = str(refused.value).rsplit(" ", 1)[-1]
+    assert os.path.exists(os.path.join(kept, "late.json"))
+    shutil.rmtree(kept)
+    provenance.write(str(tmp_path / "elsewhere"), "late", {"meta": {}}, "# late\n", start)  # not published: written
+    assert (tmp_path / "elsewhere" / "late.json").exists()

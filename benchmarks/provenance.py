@@ -12,7 +12,9 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import tempfile
 from typing import Any, Optional
 
@@ -69,8 +71,9 @@ def check_tree(out: str, allow_modified: bool, root: Optional[str] = None) -> di
     return state
 
 
-def meta(mode: str, state: dict[str, Any]) -> dict[str, Any]:
-    """The run's metadata: mode, date, the commit (full hash) and whether the code was modified, the machine."""
+def meta(mode: str, state: dict[str, Any], module: str, argv: Optional[list[str]]) -> dict[str, Any]:
+    """The run's metadata: mode, its command (``python -m MODULE ARGV``), date, the commit (full hash) and whether
+    the code was modified, the machine."""
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -86,6 +89,7 @@ def meta(mode: str, state: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "mode": mode,
+        "command": shlex.join(["python", "-m", module, *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "commit": state["commit"],
         "modified": bool(state["modified_files"]),

@@ -75,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         tree = provenance.check_tree(args.out, args.allow_modified)
     except provenance.ModifiedTree as error:
         parser.exit(2, f"benchmarks.run: refused: {error}\n")
-    meta = provenance.meta("quick" if args.quick else "default", tree)
+    meta = provenance.meta("quick" if args.quick else "default", tree, "benchmarks.run", argv)
     suite = Suite(cfg, args.quick)
     suite.log(f"lightning_rudra benchmark, {meta['mode']} mode, phases: {', '.join(phases)}")
     try:

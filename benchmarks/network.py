@@ -30,6 +30,9 @@ from benchmarks.pool import Pool
 from benchmarks.report import _f, _size_label
 
 
+COMPRESSED_DDP = "ddp+fp16"  # the baseline of the bf16 rows besides plain DDP
+
+
 def phase(suite: Any) -> None:
     """The benchmark phase (``suite``: ``benchmarks.suite.Suite``): per link rate and learners per host, two hosts
     and a pool of workers on them, made for its runs and removed after them, also when one fails."""
@@ -59,7 +62,9 @@ def phase(suite: Any) -> None:
             f"runs; *× model*: the same in units of the model's float32 size. Counted by the interface, so headers "
             f"and control messages are in. *DDP (gloo), fp16_compress_hook*: DDP with its own compression "
             f"(`DDPStrategy(ddp_comm_hook=fp16_compress_hook)`: gradients all-reduced in float16, 2 bytes per "
-            f"parameter as Rudra's bf16; torch refuses its bf16 hook without CUDA and NCCL), beside the bf16 rows. "
+            f"parameter as Rudra's bf16; torch refuses its bf16 hook without CUDA and NCCL), beside the bf16 rows; *vs DDP fp16*: a bf16 run against the mean of the "
+            f"compressed DDP runs nearest before and after it (they are not scheduled around every run, as plain "
+            f"DDP's are), median (lowest–highest). "
             f"{JOB_TEXT}"
         ),
     )
@@ -112,6 +117,10 @@ def phase(suite: Any) -> None:
             finally:
                 suite.pools.pop(name).close()
         summary = stats.summarize_runs(runs)
+        if any(r["strategy"] == COMPRESSED_DDP for r in runs):  # compressed against compressed
+            against = stats.summarize_runs(runs, baseline=COMPRESSED_DDP)
+            for key in (k for k in summary if "+bf16" in k):
+                summary[key].update(vs_ddp_fp16=against[key]["vs_ddp"], vs_ddp_fp16_reps=against[key]["vs_ddp_reps"])
         for key, entry in summary.items():
             links = [r["link_per_step"] for r in runs if r["strategy"] == key and r.get("link_per_step")]
             entry["link_per_step"] = [

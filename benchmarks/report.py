@@ -154,7 +154,7 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
 
 def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     columns = (
-        "link | model | learners per host (μ) | strategy | samples/s | vs DDP (runs) | epoch s | "
+        "link | model | learners per host (μ) | strategy | samples/s | vs DDP (runs) | vs DDP fp16 (runs) | epoch s | "
         "host 1 MB per step, sent / received | × model | job s | job / DDP (runs)"
     )
     rows = []
@@ -172,6 +172,7 @@ def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[
                     STRATEGY_LABELS.get(key, key),
                     _f(e["samples_per_s"], "{:.0f}"),
                     _vs(e),
+                    _vs(e, "vs_ddp_fp16"),
                     _f(e.get("epoch_s")),
                     f"{_f(mb[0], '{:.1f}')} / {_f(mb[1], '{:.1f}')}",
                     f"{_f(share[0])} / {_f(share[1])}",
@@ -179,6 +180,15 @@ def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[
                 ]
             )
     return _section("8. Across two hosts, the link shaped", info, columns, rows)
+
+
+def _placement(config: dict[str, Any], key: str) -> Any:
+    """Learners per host of a network row; the server-node layout's own runs say where theirs are."""
+    return (
+        "2 on host 0, 0 on host 1"
+        if config.get("server_node") and "server_node" in key
+        else config["learners_per_host"]
+    )
 
 
 def _transport_tables(tr: dict[str, Any]) -> list[str]:
@@ -378,12 +388,3 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _placement(config: dict[str, Any], key: str) -> Any:
-    """Learners per host of a network row; the server-node layout's own runs say where theirs are."""
-    return (
-        "2 on host 0, 0 on host 1"
-        if config.get("server_node") and "server_node" in key
-        else config["learners_per_host"]
-    )

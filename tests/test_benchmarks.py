@@ -4,6 +4,7 @@ renamed internal breaks a test, not the next benchmark run; the accuracy phase's
 computed on recorded snapshots (its runs take minutes); the network phase's hosts leave nothing behind, its
 bytes per step are counted over the right steps, and a configuration's model size is read from ``--network``."""
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -302,3 +303,74 @@ def test_results_of_code_changed_during_the_run_are_not_published(tmp_path, monk
     shutil.rmtree(kept)
     provenance.write(str(tmp_path / "elsewhere"), "late", {"meta": {}}, "# late\n", start)  # not published: written
     assert (tmp_path / "elsewhere" / "late.json").exists()
+
+
+def _results(root, name: str, summary: dict, **meta) -> None:
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    meta = {"commit": commit.strip(), "modified": False, "command": f"python -m benchmarks.run --name {name}", **meta}
+    (root / "benchmarks" / "results" / f"{name}.json").write_text(json.dumps({"meta": meta, "summary": summary}))
+
+
+def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_history(tmp_path, monkeypatch, capsys):
+    """Rows from fixture results files, each with its ideal and job ratio, results file, commit and command; rows
+    without a results file (or configuration) noted; --check fails until written; refused: a results file of
+    modified code, or of a commit not in HEAD's history (nothing written)."""
+    from benchmarks import provenance, readme
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    (root / "README.md").write_text(
+        f"# Title\n\nprose\n\n{readme.START}\n| old | table |\n{readme.END}\n\nmore prose\n"
+    )
+    monkeypatch.setattr(provenance, "ROOT", _repo(root))
+    ratio = {"epoch_vs_ddp": 0.63, "epoch_vs_ddp_reps": [0.56, 0.69], "job_vs_ddp": 1.8, "job_vs_ddp_reps": [1.7, 2]}
+    epochs = {"learners": 2, "slowdown": 3, "ideal": 0.5, "runs": {"async": ratio}}
+    _results(root, "epochs", {"epochs": [epochs], "epochs_info": {}})
+    bf16 = {"vs_ddp": 1.1, "vs_ddp_fp16": 0.9, "vs_ddp_fp16_reps": [0.8, 1.0], "job_vs_ddp": 0.95}
+    network = {"rate": "1gbit", "learners_per_host": 1, "target_params": 10**7, "server_node": False}
+    network["runs"] = {"ddp": {"vs_ddp": 1.0}, "ddp+fp16": {"vs_ddp": 1.2}, "hardsync+bf16": bf16}
+    _results(root, "network", {"network": [network]})
+    _results(
+        root,
+        "simulation",
+        {
+            "simulation": {
+                "learners": 30,
+                "vs_plain": {"hardsync": 1.13},
+                "vs_plain_reps": {"hardsync": [1.1, 1.2, 1.13]},
+            }
+        },
+    )
+    assert readme.main(["--check"]) == 1
+    assert readme.main([]) == 0 and readme.main(["--check"]) == 0
+    text = (root / "README.md").read_text()
+    commit = json.loads((root / "benchmarks/results/epochs.json").read_text())["meta"]["commit"]
+    assert text.startswith("# Title\n\nprose\n\n") and text.endswith(f"{readme.END}\n\nmore prose\n")
+    assert "| old | table |" not in text
+    assert (
+        "| epoch time, MNIST-1D, 2 learners, one 3× slower, async (shared epoch) / DDP | 0.63× (0.56–0.69) | 0.50× | "
+        f"1.80× (1.70–2.00) | [`epochs`](benchmarks/results/epochs.md) at {commit[:10]} | "
+        "`python -m benchmarks.run --name epochs` |"
+    ) in text
+    assert "DDP (gloo), fp16_compress_hook 1.20×" in text
+    assert 'against DDP with fp16_compress_hook: hardsync, compression="bf16" 0.90× (0.80–1.00)' in text
+    assert (
+        "| λ = 30 simulated learners in one process, time / one plain Lightning process's | hardsync 1.13× (1.10–1.20) |"
+        in text
+    )
+    assert "4 learners, one 3× slower, async (shared epoch) / DDP (not in `benchmarks/results/epochs.json`)" in text
+    assert (
+        "(no `benchmarks/results/accuracy.json`)" in text and "2 learners per host, samples/s / DDP's (not in" in text
+    )
+
+    (root / "README.md").write_text(text.replace("0.63×", "0.60×"))  # edited by hand
+    assert readme.main(["--check"]) == 1
+    _results(root, "epochs", {"epochs": [epochs]}, modified=True, modified_files=["lightning_rudra/core.py"])
+    assert readme.main([]) == 2 and "0.60×" in (root / "README.md").read_text()
+    assert "epochs.json was measured on modified code (lightning_rudra/core.py" in capsys.readouterr().err
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run(git + ["commit", "-qam", "gone", "--allow-empty"], check=True, timeout=30)
+    _results(root, "epochs", {"epochs": [epochs]})  # names the commit about to leave the history
+    subprocess.run(git + ["reset", "-q", "--hard", "HEAD~1"], check=True, timeout=30)
+    assert readme.main([]) == 2
+    assert "which is not in HEAD's history" in capsys.readouterr().err

@@ -61,8 +61,8 @@ def phase(suite: Any) -> None:
             f"batch ends (past warm-up), over the steps taken meanwhile (every learner's batches / λ); median over "
             f"runs; *× model*: the same in units of the model's float32 size. Counted by the interface, so headers "
             f"and control messages are in. *DDP (gloo), fp16_compress_hook*: DDP with its own compression "
-            f"(`DDPStrategy(ddp_comm_hook=fp16_compress_hook)`: gradients all-reduced in float16, 2 bytes per "
-            f"parameter as Rudra's bf16; torch refuses its bf16 hook without CUDA and NCCL), beside the bf16 rows; *vs DDP fp16*: a bf16 run against the mean of the "
+            f"(`DDPStrategy(ddp_comm_hook=fp16_compress_hook)`, registered on CPU too, where Lightning would ignore it: "
+            f"gradients all-reduced in float16, 2 bytes per parameter as Rudra's bf16; torch refuses its bf16 hook without CUDA and NCCL), beside the bf16 rows; *vs DDP fp16*: a bf16 run against the mean of the "
             f"compressed DDP runs nearest before and after it (they are not scheduled around every run, as plain "
             f"DDP's are), median (lowest–highest). "
             f"{JOB_TEXT}"
@@ -141,29 +141,42 @@ def phase(suite: Any) -> None:
 
 
 def train_with_comm_hook(rank: int, *, ddp_comm_hook: str, **kwargs: Any) -> dict[str, Any]:
-    """``training.train`` of DDP with one of torch's ``default_hooks`` (``ddp_comm_hook``, its name) registered
-    through Lightning's ``DDPStrategy(ddp_comm_hook=...)``: ``training.train`` builds its DDPStrategy from
-    ``pytorch_lightning.strategies`` when it runs, so the class there is replaced for this job by one that passes
-    the hook. Raises if no DDPStrategy was built that way (a run without the hook must not pass for one with it)."""
+    """``training.train`` of DDP with one of torch's ``default_hooks`` (``ddp_comm_hook``, its name), given to
+    Lightning's ``DDPStrategy(ddp_comm_hook=...)``. Lightning registers a hook on CUDA only and ignores it on CPU
+    without a word (a first check run put a float32 model's bytes on the link), though gloo all-reduces the fp16
+    buckets: here it is registered on CPU too, as Lightning registers it on CUDA. ``training.train`` builds its
+    DDPStrategy from ``pytorch_lightning.strategies`` when it runs, so the class there is replaced for this job.
+    Raises if the hook never ran: a run without it must not pass for one with it."""
     import pytorch_lightning.strategies as strategies
+    import torch
+    import torch.distributed as dist
+    from pytorch_lightning.overrides.distributed import _register_ddp_comm_hook
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from benchmarks import training
 
+    hook, calls = getattr(default_hooks, ddp_comm_hook), [0]
+
+    def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # DDP checks these
+        calls[0] += 1
+        return hook(state, bucket)
+
     plain = strategies.DDPStrategy
-    built: list[Any] = []
 
-    def with_hook(*args: Any, **options: Any) -> Any:
-        built.append(plain(*args, ddp_comm_hook=getattr(default_hooks, ddp_comm_hook), **options))
-        return built[-1]
+    class WithHook(plain):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **options: Any) -> None:
+            super().__init__(*args, ddp_comm_hook=counted, **options)
 
-    strategies.DDPStrategy = with_hook
+        def _register_ddp_hooks(self) -> None:
+            _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state, ddp_comm_hook=counted)
+
+    strategies.DDPStrategy = WithHook
     try:
         result = training.train(rank, **kwargs)
     finally:
         strategies.DDPStrategy = plain
-    if not built:
-        raise RuntimeError(f"training.train built no DDPStrategy: {ddp_comm_hook} was not registered")
+    if not calls[0]:
+        raise RuntimeError(f"{ddp_comm_hook} never ran: this DDP run all-reduced without it")
     return result
 
 

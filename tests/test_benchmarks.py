@@ -374,3 +374,25 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     subprocess.run(git + ["reset", "-q", "--hard", "HEAD~1"], check=True, timeout=30)
     assert readme.main([]) == 2
     assert "which is not in HEAD's history" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_with_a_compression_hook_runs_the_hook_on_cpu_and_gloo(monkeypatch):
+    """Lightning registers a DDP comm hook on CUDA only: the benchmark's ``ddp+fp16`` must run its hook on CPU (the
+    job raises if it never ran), through the pool's workers as the suite runs it."""
+    from benchmarks.config import STRATEGIES
+    from benchmarks.pool import Pool
+    from benchmarks.suite import Suite
+
+    monkeypatch.setenv("PYTHONPATH", os.getcwd())  # the workers import this checkout's benchmarks
+    suite = Suite({}, quick=True)
+    suite.pools["main"] = Pool("hooktest", size=2, preload=("pytorch_lightning", "benchmarks.training"))
+    try:
+        suite.pools["main"].start()
+        kwargs = dict(mlp_params=20_000, num_learners=2, num_samples=256, max_steps=[4, 4], sleep_s=[0.0, 0.0])
+        run = suite._train("ddp+fp16", 0, 0, batch_size=16, warmup=2, **kwargs)
+    finally:
+        suite.close()
+    assert STRATEGIES["ddp+fp16"][3] == {"ddp_comm_hook": "fp16_compress_hook"}
+    assert suite.failures == [] and run is not None and run["samples_per_s"] > 0

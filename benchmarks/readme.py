@@ -3,8 +3,8 @@
     python -m benchmarks.readme           # rewrites README.md between the perf-table markers
     python -m benchmarks.readme --check   # exits 1 if README.md differs from what it would write
 
-Each row reads one results file, ``benchmarks/results/NAME.json`` (``ROWS``), and cites it with the commit and the
-command it names. A results file of modified code, or of a commit not in HEAD's history, is refused: an error, and
+Each row reads one results file, ``benchmarks/results/NAME.json`` (``ROWS``), and cites it with the commit it names
+(the file's report names its command). A results file of modified code, or of a commit not in HEAD's history, is refused: an error, and
 nothing is written. A row whose results file (or whose configuration in it) is missing is left out, with a note
 under the table. Beside every training ratio: the *ideal* one where there is one (no overhead, a straggler's bound)
 and the ratio of the jobs' wall times (``job_vs_ddp``: start-up and teardown included).
@@ -18,8 +18,8 @@ import sys
 from typing import Any, Callable, Optional
 
 from benchmarks import provenance, stats
-from benchmarks.config import M, STRATEGY_LABELS
-from benchmarks.report import _f, _spread
+from benchmarks.config import M
+from benchmarks.report import _f
 
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 SLOWDOWN = 3  # the straggler of the README's rows
@@ -29,20 +29,34 @@ class Refused(Exception):
     """A results file the README must not cite, or a README without its markers."""
 
 
-def _ratio(entry: dict[str, Any], key: str) -> str:
-    """``0.63× (0.56–0.69)``: the median and the lowest and highest run's; ``–`` if not measured."""
-    value = entry.get(key)
-    return "–" if value is None else f"{value:.2f}×{_spread(entry.get(f'{key}_reps'))}"
+# how a row names a strategy (short: README.md is read in ten minutes, at most 12 KiB)
+NAMES = {
+    "hardsync": "hardsync",
+    "async": "async",
+    "hardsync+rpc": "hardsync without shared memory",
+    "async+rpc": "async without shared memory",
+    "ddp+fp16": "DDP fp16",
+    "hardsync+bf16": "hardsync bf16",
+    "async+bf16": "async bf16",
+}
 
 
-def _each(runs: dict[str, Any], keys: tuple[str, ...], key: str) -> str:
-    """The ratio ``key`` of each strategy of ``keys`` that ran, named."""
-    cells = [f"{_name(k)} {_ratio(runs[k], key)}" for k in keys if k in runs]
-    return "; ".join(cells) or "–"
+def _x(value: Optional[float]) -> str:
+    return _f(value, "{:.2f}×")
 
 
-def _name(key: str) -> str:
-    return STRATEGY_LABELS.get(key, key).removeprefix("Rudra ")
+def _each(runs: dict[str, Any], keys: tuple[str, ...], key: str, more: str = "") -> str:
+    """The ratio ``key`` of each strategy of ``keys`` that ran, named (and ``more``: a second ratio, in brackets)."""
+    cells = []
+    for k in (k for k in keys if k in runs):
+        extra = runs[k].get(more) if more else None
+        cells.append(f"{NAMES[k]} {_x(runs[k].get(key))}" + (f" ({_x(extra)} DDP fp16)" if extra is not None else ""))
+    return ", ".join(cells) or "–"
+
+
+def _jobs(runs: dict[str, Any], keys: tuple[str, ...]) -> str:
+    """``job_vs_ddp`` of the strategies ``_each`` names, in its order (unnamed: the README's bytes are few)."""
+    return ", ".join(_x(runs[k].get("job_vs_ddp")) for k in keys if k in runs) or "–"
 
 
 def _find(configs: list[dict[str, Any]], **fields: Any) -> Optional[dict[str, Any]]:
@@ -58,102 +72,83 @@ Row = list[str]  # what, measured, ideal, job / DDP's
 def _epochs(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     out = []
     for learners in (2, 4):
-        what = f"epoch time, MNIST-1D, {learners} learners, one {SLOWDOWN}× slower, async (shared epoch) / DDP"
+        what = f"epoch time, MNIST-1D, {learners} learners, one {SLOWDOWN}× slower"
         c = _find(s.get("epochs", []), learners=learners, slowdown=SLOWDOWN)
         if c is None:
             out.append((what, None))
             continue
         a = c["runs"].get("async", {})
-        tta = (
-            f"; to {s['epochs_info']['target']} test accuracy: {_ratio(a, 'tta_vs_ddp')}"
-            if "target" in s.get("epochs_info", {})
-            else ""
-        )
-        out.append((what, [what, _ratio(a, "epoch_vs_ddp") + tta, f"{c['ideal']:.2f}×", _ratio(a, "job_vs_ddp")]))
+        target = s.get("epochs_info", {}).get("target")
+        tta = f"; to {target} accuracy {_x(a.get('tta_vs_ddp'))}" if target is not None else ""
+        out.append((what, [what, f"async {_x(a.get('epoch_vs_ddp'))}{tta}", _x(c["ideal"]), _x(a.get("job_vs_ddp"))]))
     return out
 
 
 def _accuracy(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     out = []
     for learners in (4, 2):
-        what = (
-            f"time to the accuracy phase's target, MNIST-1D, {learners} learners, one {SLOWDOWN}× slower, async / DDP"
-        )
+        what = f"time to DDP's accuracy, {learners} learners, one {SLOWDOWN}× slower"
         c = _find(s.get("accuracy", []), learners=learners, slowdown=SLOWDOWN)
         if c is None:
             out.append((what, None))
             continue
         a = c["runs"].get("async", {})
         never = a.get("tta_vs_ddp") is None and bool(a.get("tta_s_reps"))
-        measured = (
-            "never" if never else _ratio(a, "tta_vs_ddp")
-        ) + f" (target {_f(c.get('target'), '{:.3f}')} test accuracy)"
-        ideal = _f(c.get("ideal"), "{:.2f}×")
-        out.append((what, [what, measured, ideal, _ratio(a, "job_vs_ddp")]))
+        measured = f"async {'never' if never else _x(a.get('tta_vs_ddp'))} (to {_f(c.get('target'), '{:.3f}')})"
+        out.append((what, [what, measured, _x(c.get("ideal")), _x(a.get("job_vs_ddp"))]))
     return out
 
 
 def _transport(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
-    what = "push+pull of 10 M parameters, 2 learners / a gloo all-reduce of the same bytes"
+    what = "push+pull, 10 M, 2 learners / gloo all-reduce"
     one = s.get("transport", {}).get("rudra", {}).get(str(10 * M))
     if one is None:
         return [(what, None)]
     two = s["transport"].get("servers", {}).get("2", {}).get(str(10 * M), {})
-    measured = _f(one.get("both_vs_gloo"), "{:.2f}×") + (
-        f" (two servers: {two['both_vs_gloo']:.2f}×)" if two.get("both_vs_gloo") is not None else ""
-    )
+    measured = _x(one.get("both_vs_gloo")) + (f", 2 servers {_x(two['both_vs_gloo'])}" if "both_vs_gloo" in two else "")
     return [(what, [what, measured, "–", "–"])]
 
 
 def _models(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
-    keys = ("hardsync", "async", "hardsync+rpc", "async+rpc", "hardsync+2servers", "async+2servers")
-    what = "10 M-parameter MLP through the Trainer, 2 learners, samples/s / DDP's"
-    straggling = f"the same with one learner {SLOWDOWN}× slower"
+    keys = ("hardsync", "async", "hardsync+rpc", "async+rpc")
+    what = "10 M MLP, 2 learners, samples/s"
+    straggling = f"the same, one {SLOWDOWN}× slower"
     c = _find(s.get("models", []), target_params=10 * M, learners=2)
     if c is None:
         return [(what, None), (straggling, None)]
     rows: list[tuple[str, Optional[Row]]] = [
-        (what, [what, _each(c["runs"], keys, "vs_ddp"), "–", _each(c["runs"], keys, "job_vs_ddp")])
+        (what, [what, _each(c["runs"], keys, "vs_ddp"), "–", _jobs(c["runs"], keys)])
     ]
     if not c.get("straggler") or c.get("slowdown") != SLOWDOWN:
         return rows + [(straggling, None)]
     ideal = 1 / stats.ideal_epoch_ratio(c["learners"], c["slowdown"])  # the fast learner's rate and a third more
     st = c["straggler"]
-    return rows + [
-        (straggling, [straggling, _each(st, keys, "vs_ddp"), f"{ideal:.2f}×", _each(st, keys, "job_vs_ddp")])
-    ]
+    return rows + [(straggling, [straggling, _each(st, keys, "vs_ddp"), _x(ideal), _jobs(st, keys)])]
 
 
 def _network(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     keys = ("hardsync", "async", "ddp+fp16", "hardsync+bf16", "async+bf16")
     out = []
     for per_host in (1, 2):
-        what = f"10 M MLP, 2 hosts, link shaped to 1 Gbit/s, {per_host} learner{'s' * (per_host > 1)} per host, samples/s / DDP's"
+        what = f"2 hosts, 1 Gbit/s, 10 M MLP, {per_host} learner{'s' * (per_host > 1)} per host, samples/s"
         c = _find(
             s.get("network", []), rate="1gbit", learners_per_host=per_host, target_params=10 * M, server_node=False
         )
         if c is None:
             out.append((what, None))
             continue
-        runs = c["runs"]
-        measured = _each(runs, keys, "vs_ddp")
-        compressed = [
-            f"{_name(k)} {_ratio(runs[k], 'vs_ddp_fp16')}" for k in keys if runs.get(k, {}).get("vs_ddp_fp16")
-        ]
-        if compressed:
-            measured += f"; against DDP with fp16_compress_hook: {'; '.join(compressed)}"
-        out.append((what, [what, measured, "–", _each(runs, keys, "job_vs_ddp")]))
+        measured = _each(c["runs"], keys, "vs_ddp", more="vs_ddp_fp16")
+        out.append((what, [what, measured, "–", _jobs(c["runs"], keys)]))
     return out
 
 
 def _simulation(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     sim = s.get("simulation")
-    what = "simulated learners in one process, time / one plain Lightning process's"
+    what = "simulated learners in one process, time / one process"
     if sim is None:
         return [(what, None)]
     what = f"λ = {sim['learners']} {what}"
-    measured = "; ".join(f"{name} {v:.2f}×{_spread(sim['vs_plain_reps'][name])}" for name, v in sim["vs_plain"].items())
-    return [(what, [what, measured, "–", "–"])]
+    return [(what, [what, ", ".join(f"{name} {_x(v)}" for name, v in sim["vs_plain"].items()), "–", "–"])]
 
 
 # results file -> its rows; a row None: its configuration is not in the file
@@ -196,32 +191,30 @@ def load(name: str) -> Optional[dict[str, Any]]:
 def table() -> str:
     """The markdown between the markers: the table, then a note of the rows left out."""
     lines = [
-        "| what (against DDP, gloo) | measured | ideal | job wall time / DDP's | results file | command |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| what | against DDP (gloo) | ideal | job wall time / DDP's | results |",
+        "| --- | --- | --- | --- | --- |",
     ]
     missing = []
     results = {name: load(name) for name in dict.fromkeys(name for name, _ in ROWS)}
     for name, rows in ROWS:
         result = results[name]
+        file = f"{provenance.RESULTS}/{name}"
         if result is None:
-            missing += [f"{what} (no `{provenance.RESULTS}/{name}.json`)" for what, _ in rows({})]
+            missing += [f"{what} (`{file}.json`)" for what, _ in rows({})]
             continue
-        meta = result["meta"]
-        source = f"[`{name}`]({provenance.RESULTS}/{name}.md) at {meta['commit'][:10]}"
-        command = f"`{meta['command']}`" if meta.get("command") else "not recorded"
+        source = f"[{name}]({file}.md) {result['meta']['commit'][:7]}"
         for what, cells in rows(result["summary"]):
             if cells is None:
-                missing.append(f"{what} (not in `{provenance.RESULTS}/{name}.json`)")
+                missing.append(f"{what} (not in `{file}.json`)")
             else:
-                lines.append("| " + " | ".join(cells + [source, command]) + " |")
+                lines.append("| " + " | ".join(cells + [source]) + " |")
     lines += [
         "",
-        "Made by `python -m benchmarks.readme` from the results files named. Medians of per-run ratios, in brackets "
-        "the lowest and highest run; *ideal*: the ratio without overhead; *job wall time*: each job's, start-up "
-        "and teardown included, against DDP's (< 1: shorter).",
+        "Made by `python -m benchmarks.readme`; *ideal*: without overhead; *job wall time*: the whole job, start-up "
+        "included, in the order of the strategies before it; each results file names its command.",
     ]
     if missing:
-        lines += ["", "Left out, not measured: " + "; ".join(missing) + "."]
+        lines += ["", "Not measured: " + "; ".join(missing) + "."]
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """lightning_rudra benchmark suite: one command, a table on stdout, the numbers as JSON.
 
-    python -m benchmarks.run [--quick] [--out benchmarks/results]
+    python -m benchmarks.run [--quick] [--only PHASES] [--out benchmarks/results] [--name latest] [--allow-modified]
 
 1. Transport: a push+pull round trip through the real server (async) for 10 k, 1 M, 10 M and 50 M float32, against
    a gloo all-reduce of the same buffer between the same 2 processes and a memcpy; TensorPipe settings for a
@@ -17,6 +17,9 @@
 8. Across hosts (``benchmarks.network``, needs root): two hosts as network namespaces, the link shaped to 1 and
    10 Gbit/s, the 10 M MLP with 1 and 2 learners per host: samples/s and bytes on the link per step of DDP, Rudra
    hardsync and async, with and without compressed pushes.
+
+Results go to ``benchmarks/results`` only from a commit's code (``benchmarks.provenance``); the README's table is made
+from them by ``python -m benchmarks.readme``.
 
 Everything runs in long-lived worker processes (``benchmarks.pool``) so that process start-up is paid once;
 each comparison is measured in the same run, repeated, and reported as the median of per-round ratios.

@@ -215,7 +215,8 @@ def phase(suite: Any) -> None:
             f"learner in the first column), SGD momentum {MOMENTUM}, lr {chosen['lr']:g} for both DDP and async: "
             f"the best of a sweep for DDP's budget (DDP with μ·λ = {BATCH} does the arithmetic of plain SGD with "
             f"batch {BATCH}, so the sweep trains that in one process per rate, from the same initial weights, "
-            f"{epochs} epochs in {chosen['orders']} data orders), by mean validation accuracy of the final weights; "
+            f"{epochs} epochs in {chosen['orders']} data order(s)), by mean validation accuracy of the final "
+            f"weights; "
             f"rates {grid}"
             + (" (the best still on the grid's edge after extending it)" if chosen["edge"] else "")
             + f", in the table below. DDP (gloo) and Rudra async with its default options (shared epoch, "

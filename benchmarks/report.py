@@ -159,7 +159,7 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
         lines += _table(
             [
                 f"DDP's rate sweep: validation accuracy of the final weights after {sweep['epochs']} epochs, mean "
-                f"(lowest–highest) over {sweep['orders']} data orders"
+                f"(lowest–highest) over {sweep['orders']} data order(s)"
             ],
             "lr | validation accuracy",
             [

@@ -206,6 +206,25 @@ def test_ddps_rate_sweep_extends_its_grid_past_an_edge_winner_and_splits_the_wor
     assert accuracy.past_edge([{"lr": 0.1, "val_accuracy": 0.8}, {"lr": 0.2, "val_accuracy": 0.8}]) == 0.05
 
 
+def test_an_epochs_row_names_its_stragglers_kind_and_prints_the_ideal_and_the_job_ratio_beside_its_ratios():
+    runs = [
+        {"strategy": "ddp", "seq": 0, "epoch_s": 3.0, "tta_target": 0.4, "tta_s": 6.0, "job_wall_s": 20.0},
+        {"strategy": "async", "seq": 1, "epoch_s": 1.8, "tta_target": 0.4, "tta_s": 4.8, "job_wall_s": 30.0},
+        {"strategy": "ddp", "seq": 2, "epoch_s": 3.0, "tta_target": 0.4, "tta_s": 6.0, "job_wall_s": 20.0},
+    ]
+    row = {"learners": 2, "batch_size": 32, "slowdown": 3, "sleep_ms": 24.0, "ideal": 0.5}
+    busy = {**row, "straggle": "busy", "runs": stats.summarize_runs(runs)}
+    assert busy["runs"]["async"]["job_vs_ddp"] == pytest.approx(1.5)
+    table = "\n".join(report._epochs_table([busy], {"target": 0.4}))
+    assert "| 2 (32) | 3x busy (24.0) | 3.00 | 1.80 | 0.60 | 0.500 | <= 0.6 |" in table
+    assert "| 6.00 | 4.80 | 0.80 | 0.500 | <= 0.7 | 2/2, 1/1 | 1.50 |" in table
+    targets = {t["key"]: t for t in check_targets({"epochs": [busy]})}
+    assert targets["epochs_2x3_busy"]["value"] == pytest.approx(0.6) and targets["epochs_2x3"]["value"] is None
+    old = {**row, "runs": stats.summarize_runs(runs)}  # a results file from before busy-waiting stragglers
+    assert {t["key"]: t for t in check_targets({"epochs": [old]})}["epochs_2x3"]["value"] == pytest.approx(0.6)
+    assert "| 3x sleep (24.0) |" in "\n".join(report._epochs_table([old], {}))
+
+
 def test_a_busy_straggler_holds_its_core_where_a_sleeping_one_frees_it():
     """The straggler's delay before a batch, through the job's callback: CPU time of this process, not wall time."""
     import time

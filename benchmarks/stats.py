@@ -162,6 +162,19 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
                     "epoch_vs_ddp_reps": epoch_vs,
                 }
             )
+        jobs = [r.get("job_wall_s") for r in mine]
+        if any(j is not None for j in jobs):  # start-up and teardown included: what a user waits for
+            job_vs = (
+                [1.0] * len(mine) if strategy == baseline else ratios(jobs, [bracket(r, "job_wall_s") for r in mine])
+            )
+            entry.update(
+                {
+                    "job_wall_s": median(jobs),
+                    "job_wall_s_runs": jobs,
+                    "job_vs_ddp": median(job_vs),
+                    "job_vs_ddp_reps": job_vs,
+                }
+            )
         share = [r.get("straggler_share") for r in mine]
         if any(s is not None for s in share):
             entry["straggler_share"] = median(share)

@@ -22,27 +22,10 @@ MAX_EXTENSIONS = 3  # a sweep whose best rate is on the grid's edge adds a rate 
 DROP = 0.01  # the target: DDP's plateau test accuracy minus one point
 
 
-def series(run: dict[str, Any]) -> list[tuple[float, float]]:
-    """A run's (seconds since rank 0's training start, test accuracy) snapshots, its final weights last."""
-    return list(run.get("accuracy") or []) + ([tuple(run["final_accuracy"])] if run.get("final_accuracy") else [])
-
-
 def final_accuracy(run: dict[str, Any]) -> Optional[float]:
     """The test accuracy of the final weights (of the last snapshot if there are none)."""
-    points = series(run)
+    points = stats.series(run)
     return points[-1][1] if points else None
-
-
-def stays_from(points: list[tuple[float, float]], target: float) -> Optional[float]:
-    """The time of the first point from which every later point, the last (the final weights) included, is at or
-    above ``target``: one lucky snapshot on a noisy curve does not count. None if the last point is below it."""
-    since = None
-    for t, accuracy in points:
-        if accuracy < target:
-            since = None
-        elif since is None:
-            since = t
-    return since
 
 
 def epoch_accuracy(run: dict[str, Any], epoch: int) -> Optional[float]:
@@ -54,7 +37,7 @@ def epoch_accuracy(run: dict[str, Any], epoch: int) -> Optional[float]:
     low = ends[epoch - 2] if epoch > 1 else -math.inf
     high = ends[epoch - 1] if epoch < len(ends) else math.inf
     offset = run.get("rank0_start_s", 0.0)
-    values = [a for t, a in series(run) if low < t + offset <= high]
+    values = [a for t, a in stats.series(run) if low < t + offset <= high]
     return statistics.mean(values) if values else None
 
 
@@ -88,11 +71,11 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
     plateau = stats.median([r["plateau"] for r in ddp])
     target = None if plateau is None else round(plateau - drop, 6)
     for run in runs:
-        points = series(run)
+        points = stats.series(run)
         run["final_acc"] = final_accuracy(run)
         run["tta_target"] = target
         run["best_accuracy"] = max((a for _, a in points), default=None)
-        run["tta_s"] = None if target is None else stays_from(points, target)
+        run["tta_s"] = None if target is None else stats.stays_from(points, target)
         run["tta_first_s"] = None if target is None else next((t for t, a in points if a >= target), None)
         run["tta_epochs"] = epochs_at(run, run["tta_s"])
     out = stats.summarize_runs(runs)
@@ -280,7 +263,7 @@ def phase(suite: Any) -> None:
                 suite.log(
                     f"accuracy {learners} learners, {label}, rep {rep} {key}: final accuracy "
                     f"{_f(final_accuracy(run), '{:.3f}')}, best "
-                    f"{_f(max((a for _, a in series(run)), default=None), '{:.3f}')}, epoch "
+                    f"{_f(max((a for _, a in stats.series(run)), default=None), '{:.3f}')}, epoch "
                     f"{_f(run.get('epoch_s'))} s (job {run['job_wall_s']:.1f} s)"
                 )
             summary = summarize(runs)

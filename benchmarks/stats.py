@@ -39,11 +39,28 @@ def throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     }
 
 
+def series(run: dict[str, Any]) -> list[tuple[float, float]]:
+    """A run's (seconds since rank 0's training start, test accuracy) snapshots, its final weights last."""
+    return list(run.get("accuracy") or []) + ([tuple(run["final_accuracy"])] if run.get("final_accuracy") else [])
+
+
+def stays_from(points: list[tuple[float, float]], target: float) -> Optional[float]:
+    """The time of the first point from which every later point, the last (the final weights) included, is at or
+    above ``target``: one lucky snapshot on a noisy curve does not count. None if the last point is below it."""
+    since = None
+    for t, accuracy in points:
+        if accuracy < target:
+            since = None
+        elif since is None:
+            since = t
+    return since
+
+
 def time_to_accuracy(rank0: dict[str, Any], target: float) -> tuple[Optional[float], Optional[float]]:
-    """(seconds from the start of training to the first snapshot at or above ``target``, best accuracy)."""
-    acc = rank0.get("accuracy") or []
-    reached = next((t for t, a in acc if a >= target), None)
-    return reached, max((a for _, a in acc), default=None)
+    """(seconds from the start of training to when rank 0's accuracy reaches ``target`` for good (``stays_from``:
+    its snapshots, then its final weights), best accuracy)."""
+    points = series(rank0)
+    return stays_from(points, target), max((a for _, a in points), default=None)
 
 
 def epoch_times(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:

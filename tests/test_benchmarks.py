@@ -115,11 +115,11 @@ def _config(async_snapshots: list[tuple[float, float]], straggle: str = "sleep")
 
 def test_accuracy_is_reached_when_it_stays_at_or_above_the_target_not_at_a_lucky_snapshot():
     # touches the target early, drops below it, then stays: from the third point on
-    assert accuracy.stays_from([(1.0, 0.91), (2.0, 0.85), (3.0, 0.92), (4.0, 0.93)], 0.9) == 3.0
-    assert accuracy.stays_from([(1.0, 0.85), (2.0, 0.9)], 0.9) == 2.0  # at the target counts
+    assert stats.stays_from([(1.0, 0.91), (2.0, 0.85), (3.0, 0.92), (4.0, 0.93)], 0.9) == 3.0
+    assert stats.stays_from([(1.0, 0.85), (2.0, 0.9)], 0.9) == 2.0  # at the target counts
     # above it all along but the last point (the final weights) below it: never
-    assert accuracy.stays_from([(1.0, 0.91), (2.0, 0.95), (3.0, 0.89)], 0.9) is None
-    assert accuracy.stays_from([], 0.9) is None
+    assert stats.stays_from([(1.0, 0.91), (2.0, 0.95), (3.0, 0.89)], 0.9) is None
+    assert stats.stays_from([], 0.9) is None
 
 
 def test_the_accuracy_phase_sets_the_target_from_ddps_plateau_and_reads_each_runs_time_to_stay_above_it():

@@ -1,10 +1,11 @@
 """Time to accuracy (``python -m benchmarks.run --only accuracy``): samples/s say how fast a strategy goes, not how
 soon it has a model as good as the synchronous one. Real learners (the benchmark's workers), the MNIST-1D example
-CNN, μ·λ = ``BATCH``, momentum SGD at the rate that is best for that batch (``OPTIMIZER``), λ = 2 and 4, with one
-3x straggler and without: DDP (gloo) trains E epochs, and its final test accuracy minus ``DROP`` is the target;
-``RudraStrategy(protocol="async")`` with its default options trains up to 2E epochs. Both keep rank 0's weights
-every few batches (``benchmarks.training``), so the target is set after the runs and the time to it read from each
-run's recorded (time, accuracy) snapshots: one async run serves whatever the target.
+CNN, μ·λ = ``BATCH``, momentum SGD at the rate a sweep on the validation split chose for DDP's budget (``sweep``),
+λ = 2 and 4, with one 3x straggler (sleeping, or busy-waiting: holding its core) and without: DDP (gloo) and
+``RudraStrategy(protocol="async")`` with its default options train the same epochs; DDP's plateau (its mean test
+accuracy over its last epoch) minus ``DROP`` is the target, and a run's time to it is when its accuracy reaches it
+for good (``stays_from``). Both keep rank 0's weights every few batches (``benchmarks.training``), so the target is
+set after the runs and the times read from each run's recorded (time, accuracy) snapshots.
 """
 
 import math
@@ -12,23 +13,32 @@ import statistics
 from typing import Any, Optional
 
 from benchmarks import stats
+from benchmarks.config import TRAINING
 from benchmarks.report import _f
 
 BATCH = 128  # μ·λ, the same for every λ: μ = 64 at λ = 2, 32 at λ = 4
-OPTIMIZER = {"lr": 0.1, "momentum": 0.9}  # the rate that is best for batch 128 in the project's simulations
-DROP = 0.01  # the target: DDP's final test accuracy minus one point
-STALE_EPOCHS = 2  # async may train this many times DDP's epochs (its epochs are the cheaper ones)
-
-
-def series(run: dict[str, Any]) -> list[tuple[float, float]]:
-    """A run's (seconds since rank 0's training start, test accuracy) snapshots, its final weights last."""
-    return list(run.get("accuracy") or []) + ([tuple(run["final_accuracy"])] if run.get("final_accuracy") else [])
+MOMENTUM = 0.9
+MAX_EXTENSIONS = 3  # a sweep whose best rate is on the grid's edge adds a rate past it, this many times at most
+DROP = 0.01  # the target: DDP's plateau test accuracy minus one point
 
 
 def final_accuracy(run: dict[str, Any]) -> Optional[float]:
     """The test accuracy of the final weights (of the last snapshot if there are none)."""
-    points = series(run)
+    points = stats.series(run)
     return points[-1][1] if points else None
+
+
+def epoch_accuracy(run: dict[str, Any], epoch: int) -> Optional[float]:
+    """The mean test accuracy of rank 0's weights during its epoch ``epoch`` (from 1): its snapshots taken in it
+    and, for its last epoch, its final weights. None without snapshots in it."""
+    ends = (run.get("epoch_ends_s") or [[]])[0]  # rank 0's, on the clock of the first rank's training start
+    if not 1 <= epoch <= len(ends):
+        return None
+    low = ends[epoch - 2] if epoch > 1 else -math.inf
+    high = ends[epoch - 1] if epoch < len(ends) else math.inf
+    offset = run.get("rank0_start_s", 0.0)
+    values = [a for t, a in stats.series(run) if low < t + offset <= high]
+    return statistics.mean(values) if values else None
 
 
 def epochs_at(run: dict[str, Any], t: Optional[float]) -> Optional[float]:
@@ -48,20 +58,26 @@ def epochs_at(run: dict[str, Any], t: Optional[float]) -> Optional[float]:
 
 def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
     """Target, times and ratios of one configuration's runs (``ddp`` and ``async``, in the order ``seq`` they ran).
-    The target is the median of the DDP runs' final accuracies minus ``drop``; every run's time to it is the first
-    snapshot at or above it (None: never). Each async run's ratio is to the mean of the DDP runs just before and
-    after it (``stats.summarize_runs``); one that never reached the target counts as infinitely slow, so the
-    median ratio is None (never) when half the async runs or more never reached it."""
-    ddp_final = stats.median([final_accuracy(r) for r in runs if r["strategy"] == "ddp"])
-    target = None if ddp_final is None else round(ddp_final - drop, 6)
+    DDP's plateau is the median over its runs of their mean test accuracy over their last epoch; the target is
+    that minus ``drop``; every run's time to it is when it reaches it for good (``stays_from``; None: never).
+    Each async run's ratio is to the mean of the DDP runs just before and after it (``stats.summarize_runs``);
+    one that never reached the target counts as infinitely slow, so the median ratio is None (never) when half
+    the async runs or more never reached it."""
     for run in runs:
+        run["epochs_trained"] = min((len(r) for r in run.get("epoch_ends_s") or []), default=None)
+        run["plateau"] = epoch_accuracy(run, run["epochs_trained"] or 0)
+        run["half_accuracy"] = epoch_accuracy(run, (run["epochs_trained"] or 0) // 2)
+    ddp = [r for r in runs if r["strategy"] == "ddp"]
+    plateau = stats.median([r["plateau"] for r in ddp])
+    target = None if plateau is None else round(plateau - drop, 6)
+    for run in runs:
+        points = stats.series(run)
         run["final_acc"] = final_accuracy(run)
         run["tta_target"] = target
-        run["tta_s"], run["best_accuracy"] = (
-            (None, None) if target is None else stats.time_to_accuracy({"accuracy": series(run)}, target)
-        )
+        run["best_accuracy"] = max((a for _, a in points), default=None)
+        run["tta_s"] = None if target is None else stats.stays_from(points, target)
+        run["tta_first_s"] = None if target is None else next((t for t, a in points if a >= target), None)
         run["tta_epochs"] = epochs_at(run, run["tta_s"])
-        run["epochs_trained"] = min((len(r) for r in run.get("epoch_ends_s") or []), default=None)
     out = stats.summarize_runs(runs)
     for strategy, entry in out.items():
         mine = [r for r in runs if r["strategy"] == strategy]
@@ -70,8 +86,8 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
             final_accuracy_runs=[r["final_acc"] for r in mine],
             tta_epochs=stats.median([r["tta_epochs"] for r in mine]),
             tta_epochs_runs=[r["tta_epochs"] for r in mine],
+            tta_first_s_runs=[r["tta_first_s"] for r in mine],
             epochs_trained=stats.median([r["epochs_trained"] for r in mine]),
-            job_wall_s=stats.median([r.get("job_wall_s") for r in mine]),
         )
         if strategy != "ddp" and target is not None:
             reps = [math.inf if t is None else r for r, t in zip(entry["tta_vs_ddp_reps"], entry["tta_s_reps"])]
@@ -79,55 +95,153 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
             ratio = statistics.median(known) if known else None
             entry["tta_vs_ddp"] = None if ratio is None or math.isinf(ratio) else ratio
             entry["tta_vs_ddp_reps"] = [None if r is not None and math.isinf(r) else r for r in reps]
-    return {"ddp_final_accuracy": ddp_final, "target": target, "runs": out}
+    return {
+        "ddp_plateau": plateau,
+        "ddp_plateau_runs": [r["plateau"] for r in ddp],
+        "ddp_half_accuracy": stats.median([r["half_accuracy"] for r in ddp]),
+        "target": target,
+        "runs": out,
+    }
+
+
+def rate_scores(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per rate of a sweep (``results``: every (lr, order) trained), the mean validation accuracy over its data
+    orders, by rate."""
+    rates = sorted({r["lr"] for r in results})
+    return [
+        {
+            "lr": lr,
+            "val_accuracy": statistics.mean(r["val_accuracy"] for r in results if r["lr"] == lr),
+            "val_accuracy_runs": [r["val_accuracy"] for r in results if r["lr"] == lr],
+        }
+        for lr in rates
+    ]
+
+
+def best_rate(scores: list[dict[str, Any]]) -> float:
+    """The rate of the best mean validation accuracy (the lowest such rate on a tie)."""
+    return max(scores, key=lambda s: s["val_accuracy"])["lr"]
+
+
+def past_edge(scores: list[dict[str, Any]]) -> Optional[float]:
+    """The rate to add when the best one is on the grid's edge: twice the highest, or half the lowest; None when
+    the best has a rate on either side of it."""
+    best, rates = best_rate(scores), [s["lr"] for s in scores]
+    if best == max(rates):
+        return 2 * best
+    if best == min(rates):
+        return best / 2
+    return None
+
+
+def sweep(suite: Any, learners: int) -> Optional[dict[str, Any]]:
+    """DDP's rate for this phase's budget: plain SGD with batch ``BATCH`` (DDP's arithmetic) from the phase's
+    initial weights, ``accuracy_epochs`` epochs, every rate of ``accuracy_rates`` in ``accuracy_sweep_orders``
+    data orders, split between the pool's ``learners`` workers; scored on the validation split. A best rate on the
+    grid's edge adds the rate past it (``past_edge``) and trains that, up to ``MAX_EXTENSIONS`` times."""
+    cfg = suite.cfg
+    epochs, orders, samples = cfg["accuracy_epochs"], cfg["accuracy_sweep_orders"], cfg["accuracy_samples"]
+    rates: list[float] = list(cfg["accuracy_rates"])
+    results: list[dict[str, Any]] = []
+    for _ in range(1 + MAX_EXTENSIONS):
+        tasks = [(lr, order) for lr in rates for order in range(orders)]
+        steps = len(tasks) / learners * epochs * samples / BATCH
+        out = suite.job(
+            "main",
+            "benchmarks.training:sweep",
+            120 + 0.1 * steps,  # 0.1 s a step: about 10 times what one takes on this machine
+            tasks=[tasks[rank::learners] for rank in range(learners)],
+            epochs=epochs,
+            batch_size=BATCH,
+            momentum=MOMENTUM,
+            seed=TRAINING["seed"],  # the runs' initial weights
+            num_samples=samples,
+        )
+        if out is None:
+            return None
+        results += [r for rank in out for r in rank]
+        scores = rate_scores(results)
+        extra = past_edge(scores)
+        if extra is None:
+            break
+        rates = [extra]
+    best = best_rate(scores)
+    measured = ", ".join(f"{s['lr']:g}: {s['val_accuracy']:.3f}" for s in scores)
+    suite.log(f"accuracy: DDP's rate, validation accuracy after {epochs} epochs: {measured}; chosen {best:g}")
+    return {
+        "lr": best,
+        "edge": past_edge(scores) is not None,
+        "epochs": epochs,
+        "orders": orders,
+        "scores": scores,
+    }
 
 
 def phase(suite: Any) -> None:
-    """The benchmark phase (``suite``: ``benchmarks.suite.Suite``): per λ, one DDP calibration run (its median step
-    time t scales the straggler's sleep, (k − 1)·t per batch on the last rank, as the epochs phase does), then per
-    slowdown k DDP and async alternated as ``Suite._schedule`` orders them."""
+    """The benchmark phase (``suite``: ``benchmarks.suite.Suite``): DDP's rate (``sweep``); per λ, one DDP
+    calibration run (its median step time t scales the straggler's delay, (k − 1)·t per batch on the last rank,
+    slept or busy-waited, as the epochs phase does), then per straggler DDP and async alternated as
+    ``Suite._schedule`` orders them."""
     cfg = suite.cfg
     epochs, reps = cfg["accuracy_epochs"], cfg["accuracy_reps"]
+    chosen = sweep(suite, suite.pools["main"].size)
+    if chosen is None:
+        suite.failures.append("accuracy: no rate sweep, so no rate for DDP")
+        return
+    optimizer = {"lr": chosen["lr"], "momentum": MOMENTUM}
+    grid = ", ".join(f"{s['lr']:g}" for s in chosen["scores"])
     raw, configs = suite.publish(
         "accuracy",
         (
-            f"MNIST-1D example CNN, {cfg['accuracy_samples']} samples (72 % of them the train split, 20 % the test "
-            f"split the accuracy is of), μ·λ = {BATCH} (μ per learner in the first column), SGD lr {OPTIMIZER['lr']} "
-            f"momentum {OPTIMIZER['momentum']} (the rate that is best for batch {BATCH} in the project's simulations). "
-            f"DDP (gloo) trains {epochs} epochs; the median of its runs' final test accuracies (of the final weights) "
-            f"minus {100 * DROP:g} point is the *target*. Rudra async with its default options (shared epoch, "
-            f'`compensation="momentum"`) trains {STALE_EPOCHS * epochs} epochs, from the same initial weights. '
-            f"*Time to target*: from rank 0's training start (process start, rendezvous and the server's start left "
-            f"out, as in section 5) to its first weights (snapshots every "
-            f"{cfg['snapshot_every']} of its batches, then the final weights) at or above the target, read after the "
-            f"runs; in brackets the epochs done by then (an epoch ends when its last learner ends it). *Straggler*: the "
-            f"last learner sleeps (k − 1)·t before every batch, t being the median DDP step time without a straggler "
-            f"for that λ and μ, measured in this run ({cfg['epoch_calibration_steps']} steps); k = 1: none. Runs per "
-            f"row: {reps} of async, each between two DDP runs; *async / DDP*: each async run's time against the mean "
-            f'of those two DDP runs\' times, median (lowest–highest) over runs, "never" if async did not reach the '
-            f"target in half its runs or more. Times are wall clock on a small machine shared with other jobs (see "
-            f"the load average above): they are noisy, the ratios of runs side by side less so."
+            f"MNIST-1D example CNN, {cfg['accuracy_samples']} samples (72 % of them the train split, 8 % the "
+            f"validation split the rate is chosen on, 20 % the test split the accuracy is of), μ·λ = {BATCH} (μ per "
+            f"learner in the first column), SGD momentum {MOMENTUM}, lr {chosen['lr']:g} for both DDP and async: "
+            f"the best of a sweep for DDP's budget (DDP with μ·λ = {BATCH} does the arithmetic of plain SGD with "
+            f"batch {BATCH}, so the sweep trains that in one process per rate, from the same initial weights, "
+            f"{epochs} epochs in {chosen['orders']} data order(s)), by mean validation accuracy of the final "
+            f"weights; "
+            f"rates {grid}"
+            + (" (the best still on the grid's edge after extending it)" if chosen["edge"] else "")
+            + f", in the table below. DDP (gloo) and Rudra async with its default options (shared epoch, "
+            f'`compensation="momentum"`) both train {epochs} epochs from the same initial weights. *DDP plateau*: '
+            f"the mean test accuracy of rank 0's weights over DDP's last epoch (its snapshots then and its final "
+            f"weights), median over DDP runs; beside it the same over epoch {epochs // 2}, to show whether it still "
+            f"improved. *Target*: the plateau minus {100 * DROP:g} point. *Time to target*: from rank 0's training "
+            f"start (process start, rendezvous and the server's start left out; they are in *job*) to the first "
+            f"snapshot (every {cfg['snapshot_every']} of rank 0's batches) from which every later snapshot and the "
+            f"final weights are at or above the target (never if the final weights are below it), read after the "
+            f"runs; in brackets the epochs done by then (an epoch ends when its last learner ends it). *Straggler*: "
+            f"the last learner spends (k − 1)·t before every batch, t being the median DDP step time without a "
+            f"straggler for that λ and μ, measured in this run ({cfg['epoch_calibration_steps']} steps), either "
+            f"asleep (its core free for the others) or busy-waiting (holding its core, as a slow device's compute "
+            f"would); k = 1: none. Runs per row: {reps} of async, each between two DDP runs; *async / DDP*: each "
+            f"async run's time against the mean of those two DDP runs' times, median (lowest–highest) over runs, "
+            f'"never" if async did not reach the target in half its runs or more. *Ideal (epoch time)*: the ratio '
+            f"of epoch times without overhead, λ / (k·(λ − 1) + 1) (section 5); time to target would meet it only if "
+            f"async needed no more epochs than DDP. *Job*: each async job's wall time (start-up, the {epochs} "
+            f"epochs, teardown) against the mean of the DDP jobs around it. Times are wall clock on a small machine "
+            f"shared with other jobs (see the load average above): they are noisy, the ratios of runs side by side "
+            f"less so."
         ),
+        sweep=chosen,
     )
     for learners in cfg["accuracy_learners"]:
         pool = suite._pool_for(learners)
-        setup = {
-            "num_learners": learners,
-            "batch_size": BATCH // learners,
-            "num_samples": cfg["accuracy_samples"],
-            **OPTIMIZER,
-        }
-        calibration = suite._calibrate(pool, setup, phase="accuracy")
+        setup = {"num_learners": learners, "batch_size": BATCH // learners, "num_samples": cfg["accuracy_samples"]}
+        calibration = suite._calibrate(pool, {**setup, **optimizer}, phase="accuracy")
         if calibration is None:
             continue
         step_s = calibration["step_ms"] / 1e3
         raw.append({"learners": learners, "calibration": calibration, "runs": {}})
-        for slowdown in cfg["accuracy_slowdowns"]:
-            sleep = [0.0] * (learners - 1) + [(slowdown - 1) * step_s]  # the last rank is the straggler
-            # the longest run: async's 2E epochs, or DDP's E with every step as slow as the straggler's
-            timeout = 120 + 3 * STALE_EPOCHS * epochs * cfg["accuracy_samples"] / BATCH * max(slowdown, 2) * step_s
+        for slowdown, straggle in cfg["accuracy_stragglers"]:
+            if straggle == "busy" and learners not in cfg["accuracy_busy_learners"]:
+                continue
+            straggle = straggle if slowdown > 1 else None
+            label = f"{slowdown:g}x" + (f" {straggle}" if straggle else "")
+            # the longest run: DDP's, every step as slow as the straggler's
+            timeout = 120 + 3 * epochs * cfg["accuracy_samples"] / BATCH * max(slowdown, 2) * step_s
             runs: list[dict[str, Any]] = []
-            raw[-1]["runs"][f"{slowdown:g}x"] = runs
+            raw[-1]["runs"][label] = runs
             for seq, (key, rep) in enumerate(suite._schedule(["ddp", "async"], reps)):
                 run = suite._train(
                     key,
@@ -135,19 +249,21 @@ def phase(suite: Any) -> None:
                     seq,
                     pool=pool,
                     timeout=timeout,
-                    sleep_s=sleep,
+                    sleep_s=[0.0] * (learners - 1) + [(slowdown - 1) * step_s],  # the last rank is the straggler
+                    straggle=straggle or "sleep",
                     snapshots=True,
-                    max_epochs=epochs * (1 if key == "ddp" else STALE_EPOCHS),
+                    max_epochs=epochs,
                     snapshot_every=cfg["snapshot_every"],
                     **setup,
+                    **optimizer,
                 )
                 if run is None:
                     continue
                 runs.append(run)
                 suite.log(
-                    f"accuracy {learners} learners, {slowdown:g}x, rep {rep} {key}: final accuracy "
+                    f"accuracy {learners} learners, {label}, rep {rep} {key}: final accuracy "
                     f"{_f(final_accuracy(run), '{:.3f}')}, best "
-                    f"{_f(max((a for _, a in series(run)), default=None), '{:.3f}')}, epoch "
+                    f"{_f(max((a for _, a in stats.series(run)), default=None), '{:.3f}')}, epoch "
                     f"{_f(run.get('epoch_s'))} s (job {run['job_wall_s']:.1f} s)"
                 )
             summary = summarize(runs)
@@ -156,17 +272,19 @@ def phase(suite: Any) -> None:
                     "learners": learners,
                     "batch_size": BATCH // learners,
                     "slowdown": slowdown,
+                    "straggle": straggle,
                     "step_ms": 1e3 * step_s,
                     "sleep_ms": 1e3 * (slowdown - 1) * step_s,
                     "epochs": epochs,
-                    "stale_epochs": STALE_EPOCHS * epochs,
+                    "lr": chosen["lr"],
+                    "ideal": stats.ideal_epoch_ratio(learners, slowdown),
                     **summary,
                 }
             )
             rudra, ddp = summary["runs"].get("async", {}), summary["runs"].get("ddp", {})
             suite.log(
-                f"accuracy {learners} learners, {slowdown:g}x: target {_f(summary['target'], '{:.3f}')}"
-                f", time to it DDP {_f(ddp.get('tta_s'))} s, async {_f(rudra.get('tta_s'))} s, "
-                f"async / DDP {_f(rudra.get('tta_vs_ddp'))}"
+                f"accuracy {learners} learners, {label}: target {_f(summary['target'], '{:.3f}')}, time to it "
+                f"DDP {_f(ddp.get('tta_s'))} s, async {_f(rudra.get('tta_s'))} s, async / DDP "
+                f"{_f(rudra.get('tta_vs_ddp'))}, job {_f(rudra.get('job_vs_ddp'))}"
             )
     suite._close_extra_pools()

@@ -95,7 +95,8 @@ DEFAULT = {
     "straggler_window_s": 2.5,
     "straggler_strategies": ["ddp", "async", "softsync2", "async+overlap", "async+rpc"],
     "epoch_learners": [2, 4],
-    "epoch_slowdowns": [3, 8],
+    # (k, how the straggler spends its delay): a sleeping one frees its core, a busy-waiting one holds it
+    "epoch_stragglers": [(3, "sleep"), (3, "busy"), (8, "sleep")],
     "epochs_per_run": 4,
     "epoch_reps": 2,
     "epoch_samples": 6000,
@@ -107,10 +108,14 @@ DEFAULT = {
         {"params": 10 * M, "learners": 4, "samples": 768, "epochs": 3, "reps": 1},
     ],
     "accuracy_learners": [2, 4],
-    "accuracy_slowdowns": [3, 1],
-    "accuracy_epochs": 10,
-    "accuracy_reps": 2,
+    "accuracy_stragglers": [(3, "sleep"), (3, "busy"), (1, "sleep")],  # k = 1: no straggler
+    # the λ that get the busy-waiting straggler's row: not λ = 2, to keep the phase near half an hour on 2 cores
+    "accuracy_busy_learners": [4],
+    "accuracy_epochs": 20,  # DDP's and async's: DDP to its plateau, async as many epochs
+    "accuracy_reps": 5,
     "accuracy_samples": 6000,
+    "accuracy_rates": [0.025, 0.05, 0.1, 0.2, 0.4],  # DDP's rate sweep, extended past an edge winner
+    "accuracy_sweep_orders": 3,
     "network": [
         {"rate": "1gbit", "learners_per_host": 1, "reps": 2},
         # hardsync there aggregates on the node by default: against the same without it
@@ -162,7 +167,7 @@ QUICK = {
     "straggler_window_s": 1.0,
     "straggler_strategies": ["ddp", "async", "softsync2", "async+rpc"],
     "epoch_learners": [2, 4],
-    "epoch_slowdowns": [3],
+    "epoch_stragglers": [(3, "sleep"), (3, "busy")],
     "epochs_per_run": 3,
     "epoch_reps": 1,
     "epoch_samples": 3000,
@@ -170,10 +175,13 @@ QUICK = {
     "epoch_target_accuracy": 0.3,
     "models": [{"params": 10 * M, "learners": 2, "samples": 384, "epochs": 3, "reps": 1}],
     "accuracy_learners": [2, 4],
-    "accuracy_slowdowns": [3, 1],
-    "accuracy_epochs": 2,
+    "accuracy_stragglers": [(3, "sleep"), (3, "busy"), (1, "sleep")],
+    "accuracy_busy_learners": [4],
+    "accuracy_epochs": 4,
     "accuracy_reps": 1,
     "accuracy_samples": 3000,
+    "accuracy_rates": [0.025, 0.05, 0.1, 0.2, 0.4],
+    "accuracy_sweep_orders": 1,
     "network": [{"rate": "1gbit", "learners_per_host": 1, "reps": 1}],
     "network_params": 10 * M,
     "network_steps": 4,

@@ -17,8 +17,10 @@ def phase(suite: Any) -> None:
             f"MNIST-1D example module, {suite.cfg['epoch_samples']} samples (72 % of them the train split), "
             f"μ·λ = {EPOCH_BATCH} (μ per learner in the first column), SGD lr {TRAINING['lr']} momentum "
             f"{TRAINING['momentum']}, {suite.cfg['epochs_per_run']} epochs per run, no step limit. The last learner "
-            f"sleeps (k − 1)·t before every batch, t being the median DDP step time without a straggler for that λ "
-            f"and μ, measured in this run ({suite.cfg['epoch_calibration_steps']} steps). *Epoch s*: an epoch ends "
+            f"spends (k − 1)·t before every batch, t being the median DDP step time without a straggler for that λ "
+            f"and μ, measured in this run ({suite.cfg['epoch_calibration_steps']} steps): asleep (*sleep*: its core "
+            f"free for the others) or busy-waiting (*busy*: holding its core, as a slow device's compute would). "
+            f"*Epoch s*: an epoch ends "
             f"when its last learner ends it (`on_train_epoch_end`, host monotonic clock); median of the times "
             f"between consecutive epoch ends, the first epoch left out as warm-up. Rudra async with its default "
             f"shared epoch, DDP (gloo) with Lightning's DistributedSampler. Runs of async per row: "
@@ -27,7 +29,9 @@ def phase(suite: Any) -> None:
             f"the batches the server dealt over the run (`stats.batches`); ideal 1 / (k·(λ − 1) + 1). *Time to "
             f"accuracy*: from the start of training to the first rank-0 snapshot (every "
             f"{suite.cfg['snapshot_every']} of its batches) at or above {suite.cfg['epoch_target_accuracy']} test "
-            f"accuracy."
+            f"accuracy; beside its ratio the epoch-time ideal again (time to accuracy meets it only if async needs "
+            f"no more epochs than DDP). *Job*: each async job's wall time (start-up, the epochs, teardown) against "
+            f"the mean of the DDP jobs around it."
         ),
         target=suite.cfg["epoch_target_accuracy"],
     )
@@ -43,14 +47,15 @@ def phase(suite: Any) -> None:
             continue
         step_s = calibration["step_ms"] / 1e3
         raw.append({"learners": learners, "calibration": calibration, "runs": {}})
-        for slowdown in suite.cfg["epoch_slowdowns"]:
-            runs = _epoch_runs(suite, pool, setup, step_s, slowdown)
-            raw[-1]["runs"][f"{slowdown:g}x"] = runs
+        for slowdown, straggle in suite.cfg["epoch_stragglers"]:
+            runs = _epoch_runs(suite, pool, setup, step_s, slowdown, straggle)
+            raw[-1]["runs"][f"{slowdown:g}x {straggle}"] = runs
             configs.append(
                 {
                     "learners": learners,
                     "batch_size": setup["batch_size"],
                     "slowdown": slowdown,
+                    "straggle": straggle,
                     "step_ms": 1e3 * step_s,
                     "sleep_ms": 1e3 * (slowdown - 1) * step_s,
                     "ideal": stats.ideal_epoch_ratio(learners, slowdown),
@@ -60,7 +65,9 @@ def phase(suite: Any) -> None:
     suite._close_extra_pools()
 
 
-def _epoch_runs(suite: Any, pool: str, setup: dict[str, Any], step_s: float, slowdown: float) -> list[dict[str, Any]]:
+def _epoch_runs(
+    suite: Any, pool: str, setup: dict[str, Any], step_s: float, slowdown: float, straggle: str
+) -> list[dict[str, Any]]:
     learners = setup["num_learners"]
     epochs = suite.cfg["epochs_per_run"]
     sleep = [0.0] * (learners - 1) + [(slowdown - 1) * step_s]  # the last rank is the straggler
@@ -76,6 +83,7 @@ def _epoch_runs(suite: Any, pool: str, setup: dict[str, Any], step_s: float, slo
             timeout=120 + 3 * ddp_s,
             max_epochs=epochs,
             sleep_s=sleep,
+            straggle=straggle,
             snapshot_every=suite.cfg["snapshot_every"],
             target=suite.cfg["epoch_target_accuracy"],
             **setup,
@@ -86,7 +94,7 @@ def _epoch_runs(suite: Any, pool: str, setup: dict[str, Any], step_s: float, slo
             run["straggler_share"] = stats.straggler_share(run["batches"], learners - 1)
         runs.append(run)
         suite.log(
-            f"epochs {learners} learners, {slowdown:g}x, rep {rep} {key}: epoch {_f(run['epoch_s'])} "
+            f"epochs {learners} learners, {slowdown:g}x {straggle}, rep {rep} {key}: epoch {_f(run['epoch_s'])} "
             f"s ({', '.join(f'{x:.2f}' for x in run['epoch_times_s'])}), straggler's share "
             f"{_f(run.get('straggler_share'))}, time to {run['tta_target']}: {_f(run['tta_s'])} "
             f"s (best {_f(run['best_accuracy'], '{:.3f}')}; job {run['job_wall_s']:.1f} s)"

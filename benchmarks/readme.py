@@ -61,42 +61,49 @@ def _jobs(runs: dict[str, Any], keys: tuple[str, ...]) -> str:
 
 def _find(configs: list[dict[str, Any]], **fields: Any) -> Optional[dict[str, Any]]:
     """The configuration with these fields (older results files have no ``target_params``: 10 M, nor
-    ``server_node``)."""
-    older = {"target_params": 10 * M, "server_node": False}
+    ``server_node``, nor ``straggle``: their stragglers slept)."""
+    older = {"target_params": 10 * M, "server_node": False, "straggle": "sleep"}
     return next((c for c in configs if all(c.get(k, older.get(k)) == v for k, v in fields.items())), None)
 
 
 Row = list[str]  # what, measured, ideal, job / DDP's
 
 
+def _stragglers(configs: list[dict[str, Any]], learners: int, what: str, key: str) -> tuple[str, Optional[Row]]:
+    """A row of async against DDP with one ``SLOWDOWN``× straggler that sleeps, and one that busy-waits (holds its
+    core, as a slow device would) where the file has it: ``key``, the ideal and the job wall time ratio."""
+    found = [_find(configs, learners=learners, slowdown=SLOWDOWN, straggle=how) for how in ("sleep", "busy")]
+    if found[0] is None:
+        return what, None
+    runs = [c["runs"].get("async", {}) for c in found if c is not None]
+    never = [key == "tta_vs_ddp" and r.get(key) is None and bool(r.get("tta_s_reps")) for r in runs]
+    ratios = ["never" if n else _x(r.get(key)) for r, n in zip(runs, never)]
+    measured = f"async {ratios[0]}" + (f" sleeping, {ratios[1]} busy-waiting" if len(runs) > 1 else "")
+    return what, [what, measured, _x(found[0].get("ideal")), ", ".join(_x(r.get("job_vs_ddp")) for r in runs)]
+
+
 def _epochs(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
-    out = []
-    for learners in (2, 4):
-        what = f"epoch time, MNIST-1D, {learners} learners, one {SLOWDOWN}× slower"
-        c = _find(s.get("epochs", []), learners=learners, slowdown=SLOWDOWN)
-        if c is None:
-            out.append((what, None))
-            continue
-        a = c["runs"].get("async", {})
-        target = s.get("epochs_info", {}).get("target")
-        tta = f"; to {target} accuracy {_x(a.get('tta_vs_ddp'))}" if target is not None else ""
-        out.append((what, [what, f"async {_x(a.get('epoch_vs_ddp'))}{tta}", _x(c["ideal"]), _x(a.get("job_vs_ddp"))]))
-    return out
+    return [
+        _stragglers(
+            s.get("epochs", []),
+            learners,
+            f"epoch time, MNIST-1D, {learners} learners, one {SLOWDOWN}× slower",
+            "epoch_vs_ddp",
+        )
+        for learners in (2, 4)
+    ]
 
 
 def _accuracy(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
-    out = []
-    for learners in (4, 2):
-        what = f"time to DDP's accuracy, {learners} learners, one {SLOWDOWN}× slower"
-        c = _find(s.get("accuracy", []), learners=learners, slowdown=SLOWDOWN)
-        if c is None:
-            out.append((what, None))
-            continue
-        a = c["runs"].get("async", {})
-        never = a.get("tta_vs_ddp") is None and bool(a.get("tta_s_reps"))
-        measured = f"async {'never' if never else _x(a.get('tta_vs_ddp'))} (to {_f(c.get('target'), '{:.3f}')})"
-        out.append((what, [what, measured, _x(c.get("ideal")), _x(a.get("job_vs_ddp"))]))
-    return out
+    return [
+        _stragglers(
+            s.get("accuracy", []),
+            learners,
+            f"time to DDP's accuracy, {learners} learners, one {SLOWDOWN}× slower",
+            "tta_vs_ddp",
+        )
+        for learners in (4, 2)
+    ]
 
 
 def _transport(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:

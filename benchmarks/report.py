@@ -8,7 +8,7 @@ import json
 from typing import Any, Optional
 
 from benchmarks.config import STRATEGY_LABELS
-from benchmarks.targets import TARGETS, check_targets, model_key
+from benchmarks.targets import TARGETS, check_targets, model_key, straggler_key
 
 
 def _f(value: Optional[float], fmt: str = "{:.2f}") -> str:
@@ -61,20 +61,27 @@ def _reached(ddp: dict[str, Any], rudra: dict[str, Any]) -> str:
     return f"{ddp.get('tta_reached', 0)}/{ddp.get('runs', 0)}, {rudra.get('tta_reached', 0)}/{rudra.get('runs', 0)}"
 
 
+def _straggler(config: dict[str, Any]) -> str:
+    """A row's straggler: k, how it spends its delay (results from before busy-waiting ones slept) and the delay."""
+    if config["slowdown"] <= 1:
+        return "none"
+    return f"{config['slowdown']:g}x {config.get('straggle') or 'sleep'} ({config['sleep_ms']:.1f})"
+
+
 def _epochs_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     columns = (
-        "learners (μ) | slowdown (sleep ms) | DDP epoch s | async epoch s | async / DDP (runs) | ideal | "
+        "learners (μ) | straggler (delay ms) | DDP epoch s | async epoch s | async / DDP (runs) | ideal | "
         f"target | straggler's share of batches (ideal) | time to {info.get('target', '?')} acc.: DDP s | "
-        "async s | async / DDP (runs) | target | reached (DDP, async)"
+        "async s | async / DDP (runs) | ideal (epoch time) | target | reached (DDP, async) | job: async / DDP (runs)"
     )
     rows = []
     for c in configs:
         ddp, rudra = c["runs"].get("ddp", {}), c["runs"].get("async", {})
-        name = f"{c['learners']}x{c['slowdown']:g}"
+        name = straggler_key(c)
         rows.append(
             [
                 f"{c['learners']} ({c['batch_size']})",
-                f"{c['slowdown']:g}x ({c['sleep_ms']:.1f})",
+                _straggler(c),
                 _f(ddp.get("epoch_s")),
                 _f(rudra.get("epoch_s")),
                 _vs(rudra, "epoch_vs_ddp"),
@@ -84,8 +91,10 @@ def _epochs_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
                 _f(ddp.get("tta_s")),
                 _f(rudra.get("tta_s")),
                 _vs(rudra, "tta_vs_ddp"),
+                f"{c['ideal']:.3f}",
                 _threshold(f"epochs_tta_{name}"),
                 _reached(ddp, rudra),
+                _vs(rudra, "job_vs_ddp"),
             ]
         )
     return _section("5. Epochs with one straggler", info, columns, rows)
@@ -123,9 +132,9 @@ def _models_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
 
 def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     columns = (
-        "learners (μ) | straggler (sleep ms) | DDP final acc. (runs) | target | DDP s to target (epochs) | "
-        "async s to target (epochs) | async / DDP (runs) | needed | async best acc. | "
-        "async final acc. (runs) | reached (DDP, async) | epochs run (DDP, async)"
+        "learners (μ) | straggler (delay ms) | DDP plateau (runs) | DDP, half the epochs | target | "
+        "DDP s to target (epochs) | async s to target (epochs) | async / DDP (runs) | ideal (epoch time) | needed | "
+        "job: async / DDP (runs) | async final acc. (runs) | reached (DDP, async)"
     )
     rows = []
     for c in configs:
@@ -135,21 +144,37 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
         rows.append(
             [
                 f"{c['learners']} ({c['batch_size']})",
-                f"{c['slowdown']:g}x ({c['sleep_ms']:.1f})" if c["slowdown"] > 1 else "none",
-                acc(c, "ddp_final_accuracy") + _spread(ddp.get("final_accuracy_runs")),
+                _straggler(c),
+                acc(c, "ddp_plateau") + _spread(c.get("ddp_plateau_runs")),
+                acc(c, "ddp_half_accuracy"),
                 acc(c, "target"),
                 f"{_f(ddp.get('tta_s'))} ({_f(ddp.get('tta_epochs'), '{:.1f}')})",
                 f"{_f(rudra.get('tta_s')) if rudra.get('tta_s') is not None else 'never'} "
                 f"({_f(rudra.get('tta_epochs'), '{:.1f}')})",
                 ("never" if never else _f(rudra.get("tta_vs_ddp"))) + _spread(rudra.get("tta_vs_ddp_reps")),
-                _threshold(f"accuracy_{c['learners']}x{c['slowdown']:g}"),
-                acc(rudra, "best_accuracy"),
+                _f(c.get("ideal"), "{:.3f}"),
+                _threshold(f"accuracy_{straggler_key(c)}"),
+                _vs(rudra, "job_vs_ddp"),
                 acc(rudra, "final_accuracy") + _spread(rudra.get("final_accuracy_runs")),
                 _reached(ddp, rudra),
-                f"{_f(ddp.get('epochs_trained'), '{:g}')}, {_f(rudra.get('epochs_trained'), '{:g}')}",
             ]
         )
-    return _section("7. Time to DDP's accuracy, momentum SGD", info, columns, rows)
+    lines = _section("7. Time to DDP's accuracy, momentum SGD", info, columns, rows)
+    sweep = info.get("sweep")
+    if sweep:  # DDP's rate: every rate tried, the chosen one in bold
+        lines += _table(
+            [
+                f"DDP's rate sweep: validation accuracy of the final weights after {sweep['epochs']} epochs, mean "
+                f"(lowest–highest) over {sweep['orders']} data order(s)"
+            ],
+            "lr | validation accuracy",
+            [
+                [f"**{s['lr']:g}**" if s["lr"] == sweep["lr"] else f"{s['lr']:g}"]
+                + [f"{s['val_accuracy']:.3f}{_spread(s['val_accuracy_runs'])}"]
+                for s in sweep["scores"]
+            ],
+        )
+    return lines
 
 
 def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:

@@ -17,11 +17,27 @@ TARGETS = [
     ("epochs_2x3", "2 learners, one 3x slower: async epoch time / DDP", 0.6, "<="),
     ("epochs_tta_2x3", "2 learners, one 3x slower: async time to accuracy / DDP", 0.7, "<="),
     ("epochs_4x3", "4 learners, one 3x slower: async epoch time / DDP", 0.5, "<="),
+    # the same with the straggler busy-waiting (holding its core, as a slow device would) instead of sleeping
+    ("epochs_2x3_busy", "2 learners, one 3x slower, busy-waiting: async epoch time / DDP", 0.6, "<="),
+    ("epochs_tta_2x3_busy", "2 learners, one 3x slower, busy-waiting: async time to accuracy / DDP", 0.7, "<="),
+    ("epochs_4x3_busy", "4 learners, one 3x slower, busy-waiting: async epoch time / DDP", 0.5, "<="),
     ("models_10M_2_hardsync", "10 M MLP, 2 learners, no straggler: hardsync samples/s / DDP", 0.9, ">="),
     ("models_10M_2_async", "10 M MLP, 2 learners, no straggler: async samples/s / DDP", 1.0, ">="),
     ("models_10M_2_straggler_async", "10 M MLP, 2 learners, one 3x straggler: async samples/s / DDP", 2.0, ">="),
     ("accuracy_4x3", "4 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
     ("accuracy_2x3", "2 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
+    (
+        "accuracy_4x3_busy",
+        "4 learners, one 3x slower, busy-waiting, momentum SGD: async time to DDP's accuracy / DDP",
+        0.6,
+        "<=",
+    ),
+    (
+        "accuracy_2x3_busy",
+        "2 learners, one 3x slower, busy-waiting, momentum SGD: async time to DDP's accuracy / DDP",
+        0.6,
+        "<=",
+    ),
     (
         "network_aggregation_bytes",
         "2 hosts x 2 learners, 10 M, 1 Gbit/s: hardsync link bytes per step, node aggregation / without",
@@ -40,6 +56,13 @@ TARGETS = [
 def model_key(config: dict[str, Any]) -> str:
     """The models phase's name for a configuration in ``TARGETS``: ``models_10M_2`` for 10 M, 2 learners."""
     return f"models_{config['target_params'] // M}M_{config['learners']}"
+
+
+def straggler_key(config: dict[str, Any]) -> str:
+    """An epochs or accuracy row's name in ``TARGETS``: ``2x3`` for 2 learners, one 3x slower straggler that
+    sleeps (as in results from before busy-waiting ones), ``2x3_busy`` for one that busy-waits."""
+    busy = "_busy" if config.get("straggle") == "busy" else ""
+    return f"{config['learners']}x{config['slowdown']:g}{busy}"
 
 
 def _link_total(entry: dict[str, Any]) -> Optional[float]:
@@ -62,7 +85,7 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         values[f"straggler_{key}"] = strag.get(key, {}).get("vs_ddp")
     for config in summary.get("epochs", []):
         rudra = config["runs"].get("async", {})
-        name = f"{config['learners']}x{config['slowdown']:g}"
+        name = straggler_key(config)
         values[f"epochs_{name}"] = rudra.get("epoch_vs_ddp")
         values[f"epochs_tta_{name}"] = rudra.get("tta_vs_ddp")
     for config in summary.get("models", []):
@@ -86,7 +109,7 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             values["network_aggregation_bytes"] = with_ / without
     never = set()  # measured, but the target accuracy never reached
     for config in summary.get("accuracy", []):
-        name = f"accuracy_{config['learners']}x{config['slowdown']:g}"
+        name = f"accuracy_{straggler_key(config)}"
         values[name] = config["runs"].get("async", {}).get("tta_vs_ddp")
         if values[name] is None and config["runs"].get("async", {}).get("tta_s_reps"):
             never.add(name)

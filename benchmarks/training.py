@@ -24,7 +24,7 @@ _DATA: dict[str, Any] = {}
 
 def _data(mlp_params: Optional[int], num_samples: int, seed: int) -> dict[str, torch.Tensor]:
     """Train and test tensors, made once per worker: MNIST-1D as the example datamodule splits it (test 20%, the
-    last 10% of the rest held out), or the MLP's synthetic task."""
+    last 10% of the rest the validation split, ``x_val``: no job trains on it), or the MLP's synthetic task."""
     key = f"{'mnist1d' if mlp_params is None else 'synthetic'}-{num_samples}-{seed}"
     if key not in _DATA:
         if mlp_params is None:
@@ -35,6 +35,8 @@ def _data(mlp_params: Optional[int], num_samples: int, seed: int) -> dict[str, t
             _DATA[key] = {
                 "x": dm.train_set.tensors[0],
                 "y": dm.train_set.tensors[1],
+                "x_val": dm.val_set.tensors[0],
+                "y_val": dm.val_set.tensors[1],
                 "x_test": dm.test_set.tensors[0],
                 "y_test": dm.test_set.tensors[1],
             }
@@ -56,8 +58,21 @@ def _model(mlp_params: Optional[int], **hparams: Any):
     return MLPClassifier(mlp_params, **hparams)
 
 
+def _busy_wait(seconds: float) -> None:
+    """Hold the core for ``seconds``, as a slower device's compute would (a sleep would free it for the others)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def _callback(
-    rank: int, sleep_s: float, snapshot_every: int, warmup: int, stop_after_s: Optional[float], link: Optional[str]
+    rank: int,
+    sleep_s: float,
+    straggle: str,
+    snapshot_every: int,
+    warmup: int,
+    stop_after_s: Optional[float],
+    link: Optional[str],
 ):
     import pytorch_lightning as pl
 
@@ -78,7 +93,7 @@ def _callback(
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if sleep_s > 0:  # the straggler: slower by this much per batch
-                time.sleep(sleep_s)
+                (_busy_wait if straggle == "busy" else time.sleep)(sleep_s)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             now = time.monotonic()
@@ -152,6 +167,7 @@ def train(
     strategy: str,
     port: int,
     sleep_s: list[float],
+    straggle: str = "sleep",
     max_steps: Optional[list[int]] = None,
     max_epochs: int = -1,
     num_learners: int = 2,
@@ -173,7 +189,9 @@ def train(
 ) -> dict[str, Any]:
     """``strategy``: ``ddp`` or a Rudra protocol (``hardsync``, ``softsync`` with ``n``, ``async``).
     ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank (``num_learners`` of them; no ``max_steps``: no
-    step limit, ``max_epochs`` ends the run); ``protos``: prototype changes to RudraStrategy; ``options``: more
+    step limit, ``max_epochs`` ends the run); ``straggle``: how a rank spends its ``sleep_s`` before every batch,
+    ``"sleep"`` (its core free for the others) or ``"busy"`` (a busy wait that holds its core, as a slow device's
+    compute would); ``protos``: prototype changes to RudraStrategy; ``options``: more
     keyword arguments of RudraStrategy (``overlap``, ``shared_memory``); ``mlp_params``: train an MLP of about
     this many parameters on synthetic data instead of the MNIST-1D example; ``num_nodes``: the pool's hosts
     (``num_learners`` over all of them); ``layout="spare"``: the network phase's server-node layout (2 workers per
@@ -198,7 +216,7 @@ def train(
     # one reader of the link per host: its first learner
     link = os.environ.get("RUDRA_BENCH_LINK") if os.environ.get("LOCAL_RANK") == "0" else None
     recorder = _callback(
-        rank, sleep_s[rank], snapshot_every, warmup, (stop_after_s or [None] * num_learners)[rank], link
+        rank, sleep_s[rank], straggle, snapshot_every, warmup, (stop_after_s or [None] * num_learners)[rank], link
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -256,3 +274,39 @@ def train(
     del trainer, model, recorder
     gc.collect()
     return result
+
+
+def sweep(
+    rank: int,
+    *,
+    tasks: list[list[tuple[float, int]]],
+    epochs: int,
+    batch_size: int,
+    momentum: float,
+    seed: int,
+    num_samples: int,
+) -> list[dict[str, Any]]:
+    """This rank's share (``tasks[rank]``: (lr, data order) pairs) of a rate sweep for DDP: DDP with μ·λ =
+    ``batch_size`` does the arithmetic of plain SGD with that batch, so each pair trains the MNIST-1D CNN in this
+    process, from the initial weights of :func:`train` (same ``seed``), ``epochs`` epochs of its train split in a
+    random order (drawn from the order's seed), and is scored on the validation split, never the test split."""
+    import pytorch_lightning as pl
+
+    data = _data(None, num_samples, seed)
+    x, y = data["x"], data["y"]
+    out = []
+    for lr, order in tasks[rank]:
+        pl.seed_everything(seed, verbose=False)
+        model = _model(None, lr=lr, momentum=momentum)
+        optimizer = model.configure_optimizers()
+        generator = torch.Generator().manual_seed(order)
+        for _ in range(epochs):
+            for batch in torch.randperm(len(y), generator=generator).split(batch_size):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+                optimizer.step()
+        weights = [p.detach() for p in model.parameters()]
+        out.append(
+            {"lr": lr, "order": order, "val_accuracy": _accuracy(_model(None), weights, data["x_val"], data["y_val"])}
+        )
+    return out

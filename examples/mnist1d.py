@@ -13,7 +13,6 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
-from mnist1d.data import get_dataset_args, make_dataset
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -26,6 +25,8 @@ def generate_mnist1d(num_samples: int, seed: int, test_fraction: float) -> dict:
     Returns mnist1d's dict with ``x`` [N, 40] float64, ``y`` [N] int64 and ``x_test``/``y_test``;
     mnist1d makes ``num_samples // 10`` samples per class.
     """
+    from mnist1d.data import get_dataset_args, make_dataset  # here: the model alone needs no data package
+
     args = get_dataset_args()
     args.num_samples, args.seed, args.train_split = num_samples, seed, 1.0 - test_fraction
     # make_dataset reseeds the global `random` and NumPy generators: restore them afterwards so that

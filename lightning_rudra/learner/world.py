@@ -172,7 +172,7 @@ def _incarnation(store: RunStore, rank: int, where: str) -> int:
         if (here and not ended(int(process[1]))) or time.monotonic() > deadline:
             raise RuntimeError(
                 f"learner {rank} of the run at {where} is alive (process {process[1]}), so this process cannot take its "
-                "place: start one only for a learner that was lost (see docs/faults.md)."
+                "place: start one only for a learner that was lost (see docs/rejoin.md)."
             )
         time.sleep(0.2)
 

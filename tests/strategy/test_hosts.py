@@ -155,7 +155,7 @@ def test_a_learner_started_again_on_its_host_joins_across_the_link(tmp_path):
 
         def replace_learner_1(logs):
             deadline = time.monotonic() + 120
-            # started once the server has counted it lost (rpc_timeout of silence), as docs/faults.md says to
+            # started once the server has counted it lost (rpc_timeout of silence), as docs/rejoin.md says to
             while not re.search(r"learner 1 \(on \S+\) was lost", logs[0].read_text()) and time.monotonic() < deadline:
                 time.sleep(0.2)
             # each host has a pid namespace of its own: both processes may have the same pid, so count batches

@@ -295,7 +295,7 @@ def servers_in(directory: Path) -> list[int]:
 
 
 def test_under_slurm_a_task_started_again_for_a_lost_learner_joins(tmp_path):
-    """docs/faults.md's SLURM recipe on one host: srun's variables for two tasks; learner 1 dies; the same script
+    """docs/rejoin.md's SLURM recipe on one host: srun's variables for two tasks; learner 1 dies; the same script
     with learner 1's SLURM_PROCID and SLURM_LOCALID (as ``srun --overlap`` would start it) joins the run."""
     base = {
         key: value

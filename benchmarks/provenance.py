@@ -111,7 +111,11 @@ def write(out: str, name: str, result: dict[str, Any], markdown: str, start: dic
     since the run started (``start``: its ``tree_state``) and ``out`` is published: then into a temporary folder,
     and ``ModifiedTree`` is raised after, naming it. Returns the folder written."""
     end = tree_state()
-    changed = (end["commit"], end["diff"]) != (start["commit"], start["diff"])
+    # a commit of results or docs meanwhile is no change of the code
+    moved = end["commit"] != start["commit"] and git(
+        "diff", "--name-only", start["commit"], end["commit"], *_pathspec()
+    )
+    changed = end["diff"] != start["diff"] or bool(moved)
     folder = tempfile.mkdtemp(prefix="rudra-bench-") if changed and publishes(out) else out
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"{name}.json"), "w") as f:

@@ -406,6 +406,11 @@ def test_results_of_code_changed_during_the_run_are_not_published(tmp_path, monk
     monkeypatch.setattr(provenance, "ROOT", _repo(root))
     results = root / "benchmarks" / "results"
     start = provenance.check_tree(str(results), allow_modified=False)
+    (root / "docs" / "notes.md").write_text("two\n")  # a commit of docs (or results) meanwhile changes no code
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run(git + ["commit", "-qam", "docs"], check=True, timeout=30)
+    provenance.write(str(results), "docs", {"meta": {}}, "# docs\n", start)
+    assert (results / "docs.json").exists()
     (root / "lightning_rudra" / "core.py").write_text("two\n")
     with pytest.raises(provenance.ModifiedTree, match="changed during the run") as refused:
         provenance.write(str(results), "late", {"meta": {}}, "# late\n", start)
@@ -413,6 +418,10 @@ def test_results_of_code_changed_during_the_run_are_not_published(tmp_path, monk
     kept = str(refused.value).rsplit(" ", 1)[-1]
     assert os.path.exists(os.path.join(kept, "late.json"))
     shutil.rmtree(kept)
+    subprocess.run(git + ["commit", "-qam", "code"], check=True, timeout=30)  # committed: no diff, another code
+    with pytest.raises(provenance.ModifiedTree, match="changed during the run") as refused:
+        provenance.write(str(results), "late", {"meta": {}}, "# late\n", start)
+    shutil.rmtree(str(refused.value).rsplit(" ", 1)[-1])
     provenance.write(str(tmp_path / "elsewhere"), "late", {"meta": {}}, "# late\n", start)  # not published: written
     assert (tmp_path / "elsewhere" / "late.json").exists()
 

@@ -140,46 +140,6 @@ def phase(suite: Any) -> None:
         )
 
 
-def train_with_comm_hook(rank: int, *, ddp_comm_hook: str, **kwargs: Any) -> dict[str, Any]:
-    """``training.train`` of DDP with one of torch's ``default_hooks`` (``ddp_comm_hook``, its name), given to
-    Lightning's ``DDPStrategy(ddp_comm_hook=...)``. Lightning registers a hook on CUDA only and ignores it on CPU
-    without a word (a first check run put a float32 model's bytes on the link), though gloo all-reduces the fp16
-    buckets: here it is registered on CPU too, as Lightning registers it on CUDA. ``training.train`` builds its
-    DDPStrategy from ``pytorch_lightning.strategies`` when it runs, so the class there is replaced for this job.
-    Raises if the hook never ran: a run without it must not pass for one with it."""
-    import pytorch_lightning.strategies as strategies
-    import torch
-    import torch.distributed as dist
-    from pytorch_lightning.overrides.distributed import _register_ddp_comm_hook
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    from benchmarks import training
-
-    hook, calls = getattr(default_hooks, ddp_comm_hook), [0]
-
-    def counted(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # DDP checks these
-        calls[0] += 1
-        return hook(state, bucket)
-
-    plain = strategies.DDPStrategy
-
-    class WithHook(plain):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any, **options: Any) -> None:
-            super().__init__(*args, ddp_comm_hook=counted, **options)
-
-        def _register_ddp_hooks(self) -> None:
-            _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state, ddp_comm_hook=counted)
-
-    strategies.DDPStrategy = WithHook
-    try:
-        result = training.train(rank, **kwargs)
-    finally:
-        strategies.DDPStrategy = plain
-    if not calls[0]:
-        raise RuntimeError(f"{ddp_comm_hook} never ran: this DDP run all-reduced without it")
-    return result
-
-
 def parse_spec(text: str) -> dict[str, Any]:
     """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS], PARAMS the
     model's size (``50M``, ``500k`` or a number of parameters; the mode's ``network_params`` without it);

@@ -98,19 +98,11 @@ class Suite:
         target known only later."""
         strategy, n, protos, options = STRATEGIES[key]
         t = {**TRAINING, **kwargs}
-        fn, hook = "benchmarks.training:train", {}
-        if "ddp_comm_hook" in options:  # DDP with a compression hook: training.train's DDP has none
-            fn, hook, options = (
-                "benchmarks.network:train_with_comm_hook",
-                {"ddp_comm_hook": options["ddp_comm_hook"]},
-                {},
-            )
         start = time.monotonic()
         result = self.job(
             pool,
-            fn,
+            "benchmarks.training:train",
             timeout,
-            **hook,
             strategy=strategy,
             n=n,
             protos=protos,

@@ -141,6 +141,32 @@ def _rudra_class(protos: list[str]):
     return QuietLogRudra
 
 
+def _ddp(hook_name: Optional[str]):
+    """Lightning's DDP on gloo; with ``hook_name`` (one of torch's ``default_hooks``) its gradients are all-reduced
+    through that compression hook. Lightning registers a hook on CUDA only and ignores it on CPU without a word (a
+    first check run put a float32 model's bytes on the link), though gloo all-reduces the compressed buckets: here it
+    is registered on CPU too, and counted, so that a run without it cannot pass for one with it."""
+    from pytorch_lightning.overrides.distributed import _register_ddp_comm_hook
+    from pytorch_lightning.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if hook_name is None:
+        return DDPStrategy(process_group_backend="gloo")
+    hook = getattr(default_hooks, hook_name)
+
+    class CompressedDDP(DDPStrategy):
+        calls = 0
+
+        def _register_ddp_hooks(self) -> None:
+            _register_ddp_comm_hook(model=self.model, ddp_comm_state=None, ddp_comm_hook=self.counted)
+
+        def counted(self, state, bucket):  # no annotations: DDP checks any it finds against its own types
+            self.calls += 1
+            return hook(state, bucket)
+
+    return CompressedDDP(process_group_backend="gloo")
+
+
 @torch.no_grad()
 def _accuracy(model: torch.nn.Module, weights: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
     for p, w in zip(model.parameters(), weights):
@@ -197,7 +223,6 @@ def train(
     (``num_learners`` over all of them); ``layout="spare"``: the network phase's server-node layout (2 workers per
     host, :func:`_spare`)."""
     import pytorch_lightning as pl
-    from pytorch_lightning.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     os.environ["MASTER_PORT"] = str(port)  # read by the Trainer's cluster environment (RPC or gloo rendezvous)
@@ -210,7 +235,7 @@ def train(
     pl.seed_everything(seed, verbose=False)
     model = _model(mlp_params, lr=lr, momentum=momentum)
     if strategy == "ddp":
-        strat: Any = DDPStrategy(process_group_backend="gloo")
+        strat: Any = _ddp((options or {}).get("ddp_comm_hook"))
     else:
         strat = _rudra_class(protos or [])(protocol=strategy, n=n, rpc_timeout=rpc_timeout, **(options or {}))
     # one reader of the link per host: its first learner
@@ -241,6 +266,8 @@ def train(
             torch.distributed.destroy_process_group()
     if layout == "spare" and role == "server node":  # its fit served the servers and returned
         return {"idle": True}
+    if getattr(strat, "calls", None) == 0:
+        raise RuntimeError(f"{options['ddp_comm_hook']} never ran: this DDP run all-reduced without it")
     result: dict[str, Any] = {
         "times": recorder.times,
         "link": recorder.link,

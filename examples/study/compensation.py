@@ -1,7 +1,7 @@
 """Which staleness compensation to use: simulated learners, μλ constant, the rules compared, tuned on validation only.
 
-    python -m examples.study.compensation --grid reduced --out docs/study/compensation --resume
-    python -m examples.study.compensation --out docs/study/compensation --report-only     # findings.md again
+    python -m examples.study.compensation --grid reduced --out docs/study/compensation      # add --resume to go on
+    python -m examples.study.compensation --grid reduced --out docs/study/compensation --report-only  # findings.md
 
 λ virtual learners in one process, driven against the package's own :class:`lightning_rudra.Server` (the rules
 the parameter server runs) with no Lightning around it: each learner computes its gradient on the weights it
@@ -33,10 +33,11 @@ the server answers at once and communication costs nothing. Every epoch starts w
 and softsync no learner waits, so an epoch lasts as long as the learner whose steps add up longest.
 
 Grids: ``full`` (the default: async at λ = 4, 8, 16, 30, 4-softsync at 16 and 1-softsync at 4; four rules; 30
-epochs; every rule on test; about 210 runs, some 4 to 5 hours on one core: not run) and
-``reduced`` (async at λ = 4 and 16, 1-softsync at 4; three rules chosen on the λ = 4 configurations; 20 epochs;
-the default and the chosen rule on test; 3 seeds; about 40 minutes on one busy core). One JSON line per run in
-``<out>/runs.jsonl``; ``--resume`` skips runs already there; ``--report-only`` rewrites ``findings.md`` from it.
+epochs; every rule on test; about 210 runs, some 4 to 5 hours on one core, estimated from the per-epoch times of
+these runs: not run) and ``reduced`` (async at λ = 4 and 16, 1-softsync at 4; three rules, chosen on the λ = 4
+configurations; 20 epochs, to fit in well under an hour; the default and the chosen rule on test; 3 seeds: 54
+runs, 25 minutes on one core of a busy 2-core machine). One JSON line per run in ``<out>/runs.jsonl``, with the
+commit it trained at; ``--resume`` skips runs already there; ``--report-only`` rewrites ``findings.md`` from it.
 """
 
 import argparse

@@ -176,7 +176,7 @@ def plot(rows: list[dict[str, Any]], chosen: dict[str, dict[str, Any]], out: Pat
             xlabel="simulated time (mean step = 1)",
             ylabel="test error",
             title=f"{optimizer}, lr {chosen[optimizer]['rate']:g}, {study.DEFAULT}",
-            ylim=(0, 0.6),
+            ylim=(0, 1),
         )
         ax.legend(fontsize=7)
     fig.tight_layout()

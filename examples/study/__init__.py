@@ -4,5 +4,6 @@
   ``grid.py`` (configurations and grids), ``runner.py`` (one configuration, in its own subprocess), ``runs.py``
   (running them, ``runs.csv``), ``report.py`` (``results.md``, plots) and ``findings.py`` (the paper-scale
   grid's ``findings.md``);
-- ``python -m examples.study.compensation``: which staleness compensation rule to use, with simulated learners.
+- ``python -m examples.study.compensation``: which staleness compensation rule to use, with simulated learners
+  (``compensation.py``: the runs and the choices on validation; ``compensation_report.py``: ``findings.md``).
 """

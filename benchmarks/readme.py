@@ -13,6 +13,7 @@ and the ratio of the jobs' wall times (``job_vs_ddp``: start-up and teardown inc
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from typing import Any, Callable, Optional
@@ -22,6 +23,7 @@ from benchmarks.config import M
 from benchmarks.report import _f
 
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+STUDY = "docs/study/compensation/runs.jsonl"  # the compensation study's runs (examples/study/compensation.py)
 SLOWDOWN = 3  # the straggler of the README's rows
 
 
@@ -169,15 +171,8 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], list[tuple[str, Optional[Row]]]
 ]
 
 
-def load(name: str) -> Optional[dict[str, Any]]:
-    """A results file (None if there is none), refused if its code was modified or its commit is not HEAD's or
-    an ancestor of it."""
-    path = os.path.join(provenance.RESULTS, f"{name}.json")
-    if not os.path.exists(os.path.join(provenance.ROOT, path)):
-        return None
-    with open(os.path.join(provenance.ROOT, path)) as f:
-        result = json.load(f)
-    meta = result.get("meta", {})
+def _cited(path: str, meta: dict[str, Any]) -> None:
+    """Refuses what ``path`` holds if it was measured on modified code or names a commit outside HEAD's history."""
     if meta.get("modified", meta.get("package_modified")):
         raise Refused(
             f"{path} was measured on modified code ({', '.join(meta.get('modified_files') or ['lightning_rudra'])} "
@@ -192,7 +187,53 @@ def load(name: str) -> Optional[dict[str, Any]]:
             f"{path} names commit {commit}, which is not in HEAD's history: its numbers are of code this "
             "repository does not have; rerun its command"
         )
+
+
+def load(name: str) -> Optional[dict[str, Any]]:
+    """A results file (None if there is none), refused as :func:`_cited` says."""
+    path = os.path.join(provenance.RESULTS, f"{name}.json")
+    if not os.path.exists(os.path.join(provenance.ROOT, path)):
+        return None
+    with open(os.path.join(provenance.ROOT, path)) as f:
+        result = json.load(f)
+    _cited(path, result.get("meta", {}))
     return result
+
+
+def study_row() -> tuple[str, Optional[Row], str]:
+    """The compensation study's row (``STUDY``: one JSON line per run, each naming its commit): the default rule's
+    test error against hardsync's at equal simulated time, per optimizer, for every stale configuration reported."""
+    from examples.study import compensation as study
+    from examples.study.compensation_report import compare
+
+    what = "simulated λ learners, MNIST-1D, μλ = 128, default compensation: test error − hardsync's, equal time"
+    path = os.path.join(provenance.ROOT, STUDY)
+    if not os.path.exists(path):
+        return what, None, STUDY
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for commit, modified in sorted({(r.get("commit"), bool(r.get("modified"))) for r in rows}, key=str):
+        _cited(STUDY, {"commit": commit, "modified": modified})
+    reported = [r for r in rows if r["seed"] in study.SEEDS]
+    hardsync = {(r["optimizer"], r["seed"]): r for r in reported if r["protocol"] == "hardsync"}
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for r in reported:
+        base = hardsync.get((r["optimizer"], r["seed"]))
+        if r["protocol"] == "hardsync" or r["rule"] != study.DEFAULT or base is None:
+            continue
+        gap = compare(r, base, len(base["errors"]))["time_gap"]
+        name = "async" if r["protocol"] == "async" else f"{r['n']}-softsync"
+        if gap is not None:
+            gaps.setdefault((r["optimizer"], f"{name} λ = {r['learners']}"), []).append(gap)
+    if not gaps:
+        return what, None, STUDY
+    optimizers = dict.fromkeys(o for o, _ in gaps)
+    cells = [
+        f"{o}: " + ", ".join(f"{c} {statistics.mean(g):+.0f}" for (oo, c), g in gaps.items() if oo == o)
+        for o in optimizers
+    ]
+    commits = ", ".join(sorted({str(r.get("commit"))[:7] for r in rows}))
+    return what, [what, "; ".join(cells) + f" (mean of {len(study.SEEDS)} seeds)", "0", "–"], commits
 
 
 def table() -> str:
@@ -215,6 +256,11 @@ def table() -> str:
                 missing.append(f"{what} (not in `{file}.json`)")
             else:
                 lines.append("| " + " | ".join(cells + [source]) + " |")
+    what, cells, commits = study_row()
+    if cells is None:
+        missing.append(f"{what} (`{STUDY}`)")
+    else:
+        lines.append("| " + " | ".join(cells + [f"[study](docs/study/compensation/findings.md) {commits}"]) + " |")
     lines += [
         "",
         "Made by `python -m benchmarks.readme`; *ideal*: without overhead; *job wall time*: the whole job, start-up "

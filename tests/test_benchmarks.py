@@ -491,6 +491,37 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     assert "which is not in HEAD's history" in capsys.readouterr().err
 
 
+def test_the_readmes_study_row_is_the_default_rules_gap_at_equal_time_of_the_reported_seeds_only(tmp_path, monkeypatch):
+    """The compensation study's row: the default rule's test error minus hardsync's of the same seed, at equal
+    simulated time, mean over the reported seeds; the tuning seed and other rules left out; refused when a run
+    names modified code."""
+    from benchmarks import provenance, readme
+    from examples.study import compensation as study
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    monkeypatch.setattr(provenance, "ROOT", _repo(root))
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    run = dict(optimizer="sgd", learners=4, n=1, train_samples=2880, commit=commit.strip(), modified=False)
+    rows = []
+    for seed, final in zip(study.SEEDS, (0.10, 0.20, 0.30)):
+        rows.append({**run, "protocol": "hardsync", "rule": "none", "seed": seed, "errors": [0.5, 0.1]})
+        # the stale run's epochs take no simulated time: at hardsync's end it has done all 4, its last error counts
+        stale = dict(protocol="async", seed=seed, errors=[0.9, 0.8, 0.7, final], times=[0.0] * 4)
+        rows.append({**run, **stale, "rule": study.DEFAULT})
+        rows.append({**run, **stale, "rule": "paper", "errors": [0.9] * 4})
+    rows.append({**run, "protocol": "async", "rule": study.DEFAULT, "seed": study.TUNE_SEED, "errors": [0.9] * 4})
+    path = root / readme.STUDY
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    what, cells, commits = readme.study_row()
+    assert cells is not None and cells[1] == "sgd: async λ = 4 +10 (mean of 3 seeds)", cells  # (0 + 10 + 20) / 3
+    assert commits == commit.strip()[:7]
+    path.write_text(path.read_text() + json.dumps({**rows[0], "modified": True}) + "\n")
+    with pytest.raises(readme.Refused, match="modified code"):
+        readme.study_row()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ddp_with_a_compression_hook_runs_the_hook_on_cpu_and_gloo(monkeypatch):

@@ -60,9 +60,8 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
     """Target, times and ratios of one configuration's runs (``ddp`` and ``async``, in the order ``seq`` they ran).
     DDP's plateau is the median over its runs of their mean test accuracy over their last epoch; the target is
     that minus ``drop``; every run's time to it is when it reaches it for good (``stays_from``; None: never).
-    Each async run's ratio is to the mean of the DDP runs just before and after it (``stats.summarize_runs``);
-    one that never reached the target counts as infinitely slow, so the median ratio is None (never) when half
-    the async runs or more never reached it."""
+    Each async run's ratio is to the mean of the DDP runs just before and after it, and one that never reached
+    the target counts as infinitely slow (``stats.summarize_runs``, ``stats.never_median``)."""
     for run in runs:
         run["epochs_trained"] = min((len(r) for r in run.get("epoch_ends_s") or []), default=None)
         run["plateau"] = epoch_accuracy(run, run["epochs_trained"] or 0)
@@ -89,12 +88,6 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
             tta_first_s_runs=[r["tta_first_s"] for r in mine],
             epochs_trained=stats.median([r["epochs_trained"] for r in mine]),
         )
-        if strategy != "ddp" and target is not None:
-            reps = [math.inf if t is None else r for r, t in zip(entry["tta_vs_ddp_reps"], entry["tta_s_reps"])]
-            known = [r for r in reps if r is not None]
-            ratio = statistics.median(known) if known else None
-            entry["tta_vs_ddp"] = None if ratio is None or math.isinf(ratio) else ratio
-            entry["tta_vs_ddp_reps"] = [None if r is not None and math.isinf(r) else r for r in reps]
     return {
         "ddp_plateau": plateau,
         "ddp_plateau_runs": [r["plateau"] for r in ddp],

@@ -190,7 +190,8 @@ def _markdown(result: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results", help="where gpu.json and gpu.md go")
+    # not benchmarks/results: its files come from benchmarks.run's checked, clean trees; copy these there by hand
+    parser.add_argument("--out", default="/tmp/rudra-gpu", help="where gpu.json and gpu.md go")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu to check the script where no GPU is")
     parser.add_argument("--quick", action="store_true", help="small sizes and few steps: a check, not a result")
     args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ import tempfile
 from typing import Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECKOUT = ROOT  # where this module is: the code that runs must come from here too (ROOT is a tests' scratch repo)
 CODE = ("lightning_rudra", "benchmarks", "examples")  # what a run's numbers depend on
 RESULTS = os.path.join("benchmarks", "results")
 
@@ -41,13 +42,33 @@ def _pathspec() -> list[str]:
 
 
 def tree_state(root: Optional[str] = None) -> dict[str, Any]:
-    """HEAD's full hash, the tracked files under ``CODE`` that differ from it (staged or not), and the diff."""
+    """HEAD's full hash, the files under ``CODE`` that differ from it (staged or not), untracked Python files
+    there or at the root (an untracked ``examples/mnist1d/__init__.py`` shadows ``examples/mnist1d.py``, a
+    ``sitecustomize.py`` runs in every worker), the packages imported from another checkout, and the diff. Where
+    git cannot answer, the tree counts as modified: unknown code is not a commit's."""
     files = git("diff", "HEAD", "--name-only", *_pathspec(), root=root)
+    untracked = git("ls-files", "--others", "--exclude-standard", "--", *CODE, "*.py", root=root)
+    modified = [] if files == "" else ["(git could not say)"] if files == "?" else files.splitlines()
+    modified += [f for f in untracked.splitlines() if f.endswith(".py") and f != "?"]
+    if untracked == "?" and not modified:
+        modified = ["(git could not say)"]
+    modified += _foreign()
     return {
         "commit": git("rev-parse", "HEAD", root=root),
-        "modified_files": [] if files in ("", "?") else files.splitlines(),
+        "modified_files": modified,
         "diff": git("diff", "HEAD", *_pathspec(), root=root),
     }
+
+
+def _foreign() -> list[str]:
+    """The packages of ``CODE`` that this process imported from outside this checkout (``CHECKOUT``: PYTHONPATH
+    naming another one), each as its file."""
+    out = []
+    for name in CODE:
+        where = getattr(sys.modules.get(name), "__file__", None)
+        if where and not os.path.realpath(where).startswith(os.path.realpath(CHECKOUT) + os.sep):
+            out.append(f"{name} from {os.path.realpath(where)}")
+    return out
 
 
 def publishes(out: str, root: Optional[str] = None) -> bool:

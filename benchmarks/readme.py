@@ -173,7 +173,7 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], list[tuple[str, Optional[Row]]]
 
 def _cited(path: str, meta: dict[str, Any]) -> None:
     """Refuses what ``path`` holds if it was measured on modified code or names a commit outside HEAD's history."""
-    if meta.get("modified", meta.get("package_modified")):
+    if meta.get("modified") is not False:  # older files knew only whether lightning_rudra/ was modified
         raise Refused(
             f"{path} was measured on modified code ({', '.join(meta.get('modified_files') or ['lightning_rudra'])} "
             f"differed from {meta.get('commit')}): rerun its command at a commit"
@@ -189,13 +189,21 @@ def _cited(path: str, meta: dict[str, Any]) -> None:
         )
 
 
+def committed(path: str) -> Optional[str]:
+    """``path`` as HEAD has it (None: not committed): the README cites committed results, not the working tree's."""
+    done = subprocess.run(
+        ["git", "show", f"HEAD:{path}"], cwd=provenance.ROOT, capture_output=True, text=True, timeout=30
+    )
+    return done.stdout if done.returncode == 0 else None
+
+
 def load(name: str) -> Optional[dict[str, Any]]:
-    """A results file (None if there is none), refused as :func:`_cited` says."""
-    path = os.path.join(provenance.RESULTS, f"{name}.json")
-    if not os.path.exists(os.path.join(provenance.ROOT, path)):
+    """A committed results file (None if there is none), refused as :func:`_cited` says."""
+    path = f"{provenance.RESULTS}/{name}.json"
+    text = committed(path)
+    if text is None:
         return None
-    with open(os.path.join(provenance.ROOT, path)) as f:
-        result = json.load(f)
+    result = json.loads(text)
     _cited(path, result.get("meta", {}))
     return result
 
@@ -207,12 +215,11 @@ def study_row() -> tuple[str, Optional[Row], str]:
     from examples.study.compensation_report import compare
 
     what = "simulated λ learners, MNIST-1D, μλ = 128, default compensation: test error − hardsync's, equal time"
-    path = os.path.join(provenance.ROOT, STUDY)
-    if not os.path.exists(path):
+    text = committed(STUDY)
+    if text is None:
         return what, None, STUDY
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    for commit, modified in sorted({(r.get("commit"), bool(r.get("modified"))) for r in rows}, key=str):
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    for commit, modified in sorted({(r.get("commit"), r.get("modified")) for r in rows}, key=str):
         _cited(STUDY, {"commit": commit, "modified": modified})
     reported = [r for r in rows if r["seed"] in study.SEEDS]
     hardsync = {(r["optimizer"], r["seed"]): r for r in reported if r["protocol"] == "hardsync"}

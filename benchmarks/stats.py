@@ -49,7 +49,7 @@ def stays_from(points: list[tuple[float, float]], target: float) -> Optional[flo
     above ``target``: one lucky snapshot on a noisy curve does not count. None if the last point is below it."""
     since = None
     for t, accuracy in points:
-        if accuracy < target:
+        if not accuracy >= target:  # NaN too
             since = None
         elif since is None:
             since = t
@@ -125,6 +125,17 @@ def ideal_epoch_ratio(learners: int, slowdown: float) -> float:
     return learners / (slowdown * (learners - 1) + 1)
 
 
+def never_median(values: list[Optional[float]], times: list[Optional[float]]) -> Optional[float]:
+    """The median of ``values`` (times to a target, or their ratios) where a run whose time is None never reached
+    the target and counts as infinitely slow: None ("never") when half the runs or more never reached it, so that
+    a run that never gets there cannot make the median look better by being left out. A value that is None for
+    another reason (no DDP run beside it reached the target) is left out."""
+    known = [math.inf if t is None else v for v, t in zip(values, times)]
+    known = [v for v in known if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    middle = statistics.median(known) if known else None
+    return None if middle is None or math.isinf(middle) else middle
+
+
 def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[str, Any]:
     """``runs``: {strategy, seq (order of the run), samples_per_s, tta_s, epoch_s, ...}. Per strategy: medians
     over its runs, and the median of its per-run ratios to the mean of the baseline runs just before and after
@@ -158,9 +169,9 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
             tta = [r.get("tta_s") for r in mine]
             entry.update(
                 {
-                    "tta_s": median(tta),
+                    "tta_s": never_median(tta, tta),
                     "tta_s_reps": tta,
-                    "tta_vs_ddp": median(tta_vs),
+                    "tta_vs_ddp": never_median(tta_vs, tta),
                     "tta_vs_ddp_reps": tta_vs,
                     "tta_reached": sum(t is not None for t in tta),
                     "best_accuracy": median([r.get("best_accuracy") for r in mine]),

@@ -15,11 +15,21 @@ TARGETS = [
     ("straggler_async", "one 3x straggler: async samples/s / DDP", 1.5, ">="),
     ("straggler_softsync2", "one 3x straggler: 2-softsync samples/s / DDP", 1.5, ">="),
     ("epochs_2x3", "2 learners, one 3x slower: async epoch time / DDP", 0.6, "<="),
-    ("epochs_tta_2x3", "2 learners, one 3x slower: async time to accuracy / DDP", 0.7, "<="),
+    (
+        "epochs_tta_2x3",
+        "2 learners, one 3x slower: async time to a fixed 0.4 accuracy (DDP unconverged) / DDP",
+        0.7,
+        "<=",
+    ),
     ("epochs_4x3", "4 learners, one 3x slower: async epoch time / DDP", 0.5, "<="),
     # the same with the straggler busy-waiting (holding its core, as a slow device would) instead of sleeping
     ("epochs_2x3_busy", "2 learners, one 3x slower, busy-waiting: async epoch time / DDP", 0.6, "<="),
-    ("epochs_tta_2x3_busy", "2 learners, one 3x slower, busy-waiting: async time to accuracy / DDP", 0.7, "<="),
+    (
+        "epochs_tta_2x3_busy",
+        "2 learners, one 3x slower, busy-waiting: async time to a fixed 0.4 accuracy / DDP",
+        0.7,
+        "<=",
+    ),
     ("epochs_4x3_busy", "4 learners, one 3x slower, busy-waiting: async epoch time / DDP", 0.5, "<="),
     ("models_10M_2_hardsync", "10 M MLP, 2 learners, no straggler: hardsync samples/s / DDP", 0.9, ">="),
     ("models_10M_2_async", "10 M MLP, 2 learners, no straggler: async samples/s / DDP", 1.0, ">="),
@@ -77,6 +87,7 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     tr = summary.get("transport", {}).get("rudra", {}).get(str(10 * M), {})
     values["transport_vs_gloo"] = tr.get("both_vs_gloo")
     values["transport_vs_memcpy"] = tr.get("both_vs_memcpy")
+    never = set()  # measured, but the target accuracy never reached
     e2e = summary.get("e2e", {})
     for key in ("hardsync", "softsync1", "softsync2", "async"):
         values[f"e2e_{key}"] = e2e.get(key, {}).get("vs_ddp")
@@ -88,6 +99,8 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         name = straggler_key(config)
         values[f"epochs_{name}"] = rudra.get("epoch_vs_ddp")
         values[f"epochs_tta_{name}"] = rudra.get("tta_vs_ddp")
+        if rudra.get("tta_vs_ddp") is None and rudra.get("tta_s_reps"):
+            never.add(f"epochs_tta_{name}")
     for config in summary.get("models", []):
         name = model_key(config)
         for key, entry in config["runs"].items():
@@ -107,7 +120,6 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         with_, without = (_link_total(runs.get(key, {})) for key in ("hardsync", "hardsync+no_aggregation"))
         if with_ and without:
             values["network_aggregation_bytes"] = with_ / without
-    never = set()  # measured, but the target accuracy never reached
     for config in summary.get("accuracy", []):
         name = f"accuracy_{straggler_key(config)}"
         values[name] = config["runs"].get("async", {}).get("tta_vs_ddp")

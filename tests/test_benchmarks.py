@@ -381,6 +381,30 @@ def test_a_run_of_modified_code_is_refused_in_the_results_folder_naming_the_file
     assert "-one\n+two" in (elsewhere / "latest.diff").read_text()
 
 
+def test_untracked_code_a_package_from_another_checkout_and_a_tree_git_cannot_read_count_as_modified(
+    tmp_path, monkeypatch
+):
+    import lightning_rudra
+    from benchmarks import provenance
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    _repo(root)
+    assert provenance.tree_state(str(root))["modified_files"] == []
+    (root / "examples" / "mnist1d").mkdir(parents=True)
+    (root / "examples" / "mnist1d" / "__init__.py").write_text("")  # would shadow a tracked examples/mnist1d.py
+    (root / "sitecustomize.py").write_text("")  # runs in every worker
+    (root / "notes.txt").write_text("")
+    assert provenance.tree_state(str(root))["modified_files"] == ["examples/mnist1d/__init__.py", "sitecustomize.py"]
+    (tmp_path / "plain").mkdir()
+    assert provenance.tree_state(str(tmp_path / "plain"))["modified_files"] == ["(git could not say)"]
+    monkeypatch.setattr(provenance, "CHECKOUT", str(tmp_path / "another"))
+    (root / "examples" / "mnist1d" / "__init__.py").unlink()
+    (root / "sitecustomize.py").unlink()
+    foreign = provenance.tree_state(str(root))["modified_files"]
+    assert "lightning_rudra from " + os.path.realpath(lightning_rudra.__file__) in foreign
+
+
 def test_allow_modified_publishes_marked_with_the_diff_and_a_clean_run_names_the_full_commit(tmp_path, monkeypatch):
     from benchmarks import provenance, run
 
@@ -426,10 +450,19 @@ def test_results_of_code_changed_during_the_run_are_not_published(tmp_path, monk
     assert (tmp_path / "elsewhere" / "late.json").exists()
 
 
+def _commit(root, *paths) -> None:
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
+    subprocess.run(git + ["add", *map(str, paths)], check=True, timeout=30)
+    subprocess.run(git + ["commit", "-qm", "results"], check=True, timeout=30)
+
+
 def _results(root, name: str, summary: dict, **meta) -> None:
+    """A results file of HEAD's code, committed (the README cites committed results only)."""
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     meta = {"commit": commit.strip(), "modified": False, "command": f"python -m benchmarks.run --name {name}", **meta}
-    (root / "benchmarks" / "results" / f"{name}.json").write_text(json.dumps({"meta": meta, "summary": summary}))
+    path = root / "benchmarks" / "results" / f"{name}.json"
+    path.write_text(json.dumps({"meta": meta, "summary": summary}))
+    _commit(root, path)
 
 
 def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_history(tmp_path, monkeypatch, capsys):
@@ -483,12 +516,12 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     _results(root, "epochs", {"epochs": [epochs]}, modified=True, modified_files=["lightning_rudra/core.py"])
     assert readme.main([]) == 2 and "0.60×" in (root / "README.md").read_text()
     assert "epochs.json was measured on modified code (lightning_rudra/core.py" in capsys.readouterr().err
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(root)]
-    subprocess.run(git + ["commit", "-qam", "gone", "--allow-empty"], check=True, timeout=30)
-    _results(root, "epochs", {"epochs": [epochs]})  # names the commit about to leave the history
-    subprocess.run(git + ["reset", "-q", "--hard", "HEAD~1"], check=True, timeout=30)
+    _results(root, "epochs", {"epochs": [epochs]}, commit="1" * 40)  # code this repository does not have
     assert readme.main([]) == 2
     assert "which is not in HEAD's history" in capsys.readouterr().err
+    (root / "benchmarks/results/epochs.json").write_text("{}")  # the working tree's file is not the one cited
+    _results(root, "epochs", {"epochs": [epochs]}, modified=None)  # an old file: not known to be unmodified
+    assert readme.main([]) == 2 and "modified code" in capsys.readouterr().err
 
 
 def test_the_readmes_study_row_is_the_default_rules_gap_at_equal_time_of_the_reported_seeds_only(tmp_path, monkeypatch):
@@ -514,10 +547,13 @@ def test_the_readmes_study_row_is_the_default_rules_gap_at_equal_time_of_the_rep
     path = root / readme.STUDY
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert readme.study_row()[1] is None  # not committed: not cited
+    _commit(root, path)
     what, cells, commits = readme.study_row()
     assert cells is not None and cells[1] == "sgd: async λ = 4 +10 (mean of 3 seeds)", cells  # (0 + 10 + 20) / 3
     assert commits == commit.strip()[:7]
     path.write_text(path.read_text() + json.dumps({**rows[0], "modified": True}) + "\n")
+    _commit(root, path)
     with pytest.raises(readme.Refused, match="modified code"):
         readme.study_row()
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+import pytorch_lightning as pl
+
 from lightning_rudra import RudraStrategy
 from tests.lightning_models import (
     START,
-    ProbedRudra,
     Regression,
     flat,
     loader,
@@ -31,23 +32,31 @@ pytestmark = [
 ATOL = 1e-5  # float32 on the GPU sums in another order than the CPU reference
 
 
+class TrainsOnTheDevice(pl.Callback):
+    """Fails the learner whose module or batch is not on the device while it trains: each learner runs it in its
+    own process, and a learner's error ends the run (the test's module is on the CPU again after fit: Lightning's
+    teardown moves it there)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        where = {p.device.type for p in pl_module.parameters()} | {batch[0].device.type}
+        assert where == {DEVICE}, f"learner {trainer.global_rank} trains on {where}, not on {DEVICE}"
+
+
 def on_device(strategy, devices: int = 1, **kwargs):
-    return quiet_trainer(strategy, devices, accelerator=ACCELERATOR, **kwargs)
+    callbacks = [TrainsOnTheDevice(), *kwargs.pop("callbacks", [])]
+    return quiet_trainer(strategy, devices, accelerator=ACCELERATOR, callbacks=callbacks, **kwargs)
 
 
 def trained_on_device(model) -> torch.Tensor:
-    weights = flat(model.parameters())
-    assert weights.device.type == DEVICE, f"the module ended on {weights.device}, not on the learner's {DEVICE}"
-    return weights.cpu()
+    return flat(model.parameters()).cpu()
 
 
-def test_async_with_one_learner_process_is_plain_lightning_on_the_gpu(tmp_path):
+def test_async_with_one_learner_process_is_plain_lightning_on_the_gpu():
     # one real learner process on the GPU and a server process: the gradient crosses to the server's CPU tensors
     # and the weights come back to the device, every step
     mu, epochs = 8, 2
     model = Regression()
-    strategy = ProbedRudra(protocol="async", sampling="static", start_method=START, rpc_timeout=60)
-    strategy.probe_path = str(tmp_path / "probe.pt")
+    strategy = RudraStrategy(protocol="async", sampling="static", start_method=START, rpc_timeout=60)
     on_device(strategy, max_epochs=epochs).fit(model, loader(mu))
     reference, data = Regression(), regression_data()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -58,7 +67,7 @@ def test_async_with_one_learner_process_is_plain_lightning_on_the_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("shared_memory", [True, False])
-def test_hardsync_with_two_learner_processes_on_one_gpu_equals_sgd_with_batch_mu_lambda(tmp_path, shared_memory):
+def test_hardsync_with_two_learner_processes_on_one_gpu_equals_sgd_with_batch_mu_lambda(shared_memory):
     # Lightning refuses devices=2 on a machine with one GPU; two learners can share it as parallel_devices
     learners, mu, epochs = 2, 8, 2
     device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu")

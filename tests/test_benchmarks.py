@@ -550,7 +550,8 @@ def test_the_readmes_study_row_is_the_default_rules_gap_at_equal_time_of_the_rep
     assert readme.study_row()[1] is None  # not committed: not cited
     _commit(root, path)
     what, cells, commits = readme.study_row()
-    assert cells is not None and cells[1] == "sgd: async λ = 4 +10 (mean of 3 seeds)", cells  # (0 + 10 + 20) / 3
+    # at equal epochs (2): 0.8 − 0.1; at equal time (all 4 epochs done): (0 + 10 + 20) / 3, sd 10
+    assert cells is not None and cells[1].startswith("sgd: async λ = 4 +70 / +10 ±10 (equal epochs / equal"), cells
     assert commits == commit.strip()[:7]
     path.write_text(path.read_text() + json.dumps({**rows[0], "modified": True}) + "\n")
     _commit(root, path)

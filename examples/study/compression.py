@@ -7,7 +7,7 @@ package's own server, pushes in the order ``Jittered(0.3)`` gives), at λ = 4, e
 rounded to bfloat16 with each learner's own error feedback (``lightning_rudra.core.compression``, what a learner does
 for a server on another host), the server widening them as it does. Every push is compressed, as if each learner were
 on another host than the server: the most a run can be. SGD with momentum 0.9 at rate 0.1 and Adam at 0.01 (the
-rates the compensation study chose on hardsync); hardsync, async and 1-softsync with the default compensation;
+rates the first compensation study chose on hardsync's test error, kept so that runs compare with the committed ones); hardsync, async and 1-softsync with the default compensation;
 hardsync trains ``EPOCHS`` epochs, the others twice as many; 6 seeds. A pair of runs differs only in the
 compression (same data order, same push order), so the report gives each pair's difference of test error: of the
 final weights, and averaged over the last ``LAST`` epochs (less of one epoch's luck: any change to a run, however

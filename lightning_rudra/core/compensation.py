@@ -12,9 +12,9 @@ min(c/λ, 1/(2⟨σ⟩ + 1)) instead. Why: a gradient τ updates late makes heav
 exceeds about π/(2τ + 1), whatever the momentum, and the largest stable step is reached with no momentum; a
 synchronous run with momentum 0.9 tolerates 38, so a rate tuned for it goes over the stale edge (asynchrony is
 itself a momentum: Mitliagkas et al., "Asynchrony begets momentum", 2016). With the step scaled by
-1/(2⟨σ⟩ + 1), every protocol stays stable wherever the synchronous run's stiffest direction has step × curvature
-below π. Adam and the other adaptive optimizers keep their moments: their step is bounded by about lr whatever the
-curvature, and switching β1 off measured worse (docs/study/compensation/findings.md).
+1/(2⟨σ⟩ + 1), a stale update stays stable where the synchronous run's stiffest direction has step × curvature
+below π (a rate tuned to the synchronous run's edge can exceed it: docs/study/compensation/findings.md). Adam and
+the other adaptive optimizers keep their moments: their step is bounded by about lr whatever the curvature.
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with

@@ -80,7 +80,7 @@ def _stragglers(configs: list[dict[str, Any]], learners: int, what: str, key: st
     runs = [c["runs"].get("async", {}) for c in found if c is not None]
     never = [key == "tta_vs_ddp" and r.get(key) is None and bool(r.get("tta_s_reps")) for r in runs]
     ratios = ["never" if n else _x(r.get(key)) for r, n in zip(runs, never)]
-    measured = f"async {ratios[0]} sleeping" + (f", {ratios[1]} busy-waiting" if len(runs) > 1 else "")
+    measured = f"async {ratios[0]} (sleeping)" + (f", {ratios[1]} (busy-waiting)" if len(runs) > 1 else "")
     ideal = _x(found[0].get("ideal")) + (" (epoch time)" if key == "tta_vs_ddp" else "")
     return what, [what, measured, ideal, ", ".join(_x(r.get("job_vs_ddp")) for r in runs)]
 

@@ -503,7 +503,7 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     assert text.startswith("# Title\n\nprose\n\n") and text.endswith(f"{readme.END}\n\nmore prose\n")
     assert "| old | table |" not in text
     assert (
-        "| epoch time, MNIST-1D, 2 learners, one 3× slower | async 0.63× sleeping, 0.70× busy-waiting | 0.50× | "
+        "| epoch time, MNIST-1D, 2 learners, one 3× slower | async 0.63× (sleeping), 0.70× (busy-waiting) | 0.50× | "
         f"1.80×, 1.90× | [epochs](benchmarks/results/epochs.md) {commit[:7]} |"
     ) in text
     assert "| DDP fp16 1.20×, hardsync bf16 1.10× (0.90× DDP fp16) | – | –, 0.95× | [network](" in text

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks import stats
+from benchmarks.training import QUIET
 
 WARMUP = 5  # batches left out of every step time and window
 
@@ -101,13 +102,8 @@ def _fit(model: pl.LightningModule, data: TensorDataset, batch: int, strategy: A
         devices=1,
         strategy=strategy,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[Times(folder)],
+        **QUIET,
     )
     trainer.fit(model, DataLoader(data, batch_size=batch, shuffle=True))
     return [json.loads(p.read_text()) for p in sorted(Path(folder).glob("times-*.json"))]

@@ -20,6 +20,15 @@ from typing import Any, Optional
 import torch
 
 _DATA: dict[str, Any] = {}
+# a benchmark's Trainer: nothing logged, saved, printed or validated, so that only training is timed
+QUIET = dict(
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    num_sanity_val_steps=0,
+    limit_val_batches=0,
+)
 
 
 def _data(mlp_params: Optional[int], num_samples: int, seed: int) -> dict[str, torch.Tensor]:
@@ -250,13 +259,8 @@ def train(
         strategy=strat,
         max_steps=max_steps[rank] if max_steps else -1,
         max_epochs=max_epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[recorder],
+        **QUIET,
     )
     loader = DataLoader(TensorDataset(data["x"], data["y"]), batch_size=batch_size, shuffle=True)
     try:

@@ -1,8 +1,9 @@
 """A learner: a module whose optimizer steps go through the parameter server (push, then pull).
 
 On the server's host, gradients and weights move through shared memory (:mod:`lightning_rudra.transport.shm`) and RPC
-carries only control; elsewhere, or with ``shared_memory=False``, they travel in the RPC messages (the gradients in
-bfloat16 with ``compression``: :mod:`lightning_rudra.core.compression`).
+carries only control; to a server on another host they go over the push stream (:mod:`lightning_rudra.transport.stream`),
+and with ``shared_memory=False`` in the RPC messages (the gradients in bfloat16 with ``compression``:
+:mod:`lightning_rudra.core.compression`).
 Lightning-free: :class:`LearnerOptimizer` wraps any torch optimizer, so a plain training loop can use it
 as well as the strategy.
 """

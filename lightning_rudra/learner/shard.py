@@ -21,8 +21,8 @@ _CPU = torch.device("cpu")
 
 class Shard:
     """What one learner exchanges with one server process: its part of the module's weights and gradients
-    (:class:`~lightning_rudra.core.shards.ShardPlan`), and how they travel (shared memory on that server's host, RPC
-    elsewhere)."""
+    (:class:`~lightning_rudra.core.shards.ShardPlan`), and how they travel (shared memory on that server's host, the
+    push stream to another host, RPC with ``shared_memory=False``)."""
 
     def __init__(self, index: int, client: ServerClient, params: list[Tensor], buffers: list[Tensor]) -> None:
         self.index = index

@@ -39,7 +39,7 @@ def check_arguments(
     num_servers: Optional[int] = None,
     max_restarts: int = 0,
 ) -> None:
-    """RudraStrategy's own arguments, as it is built (the protocol's are :func:`protocol.validate_options`)."""
+    """RudraStrategy's own arguments, as it is built (the protocol's are :func:`lightning_rudra.core.config.validate_options`)."""
     if start_method not in START_METHODS:
         raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or 'forkserver'.")
     if overlap and protocol == "hardsync":

@@ -4,6 +4,7 @@ argument of ``RudraStrategy.__init__`` has its entry in docs/options.md, and the
 
 import inspect
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,17 @@ def test_every_argument_of_the_strategy_is_in_the_options_reference():
 def test_the_readme_reads_in_ten_minutes():
     size = len((ROOT / "README.md").read_bytes())
     assert size <= 12 * 1024, f"README.md is {size} bytes: move the reference to docs/ (at most 12288)"
+
+
+def test_the_readmes_performance_table_is_what_the_committed_results_files_make():
+    # python -m benchmarks.readme wrote it: a results file rerun (or a hand edit of the table) without rewriting it
+    # fails here; a shallow clone lacks the commits the results name
+    shallow = subprocess.run(
+        ["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("needs the repository's history (not a shallow clone)")
+    from benchmarks import readme
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.render(text) == text, "README.md's table is stale: run python -m benchmarks.readme and commit it"

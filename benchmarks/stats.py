@@ -177,11 +177,16 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
                     "best_accuracy": median([r.get("best_accuracy") for r in mine]),
                 }
             )
-        if any(r.get("epoch_s") is not None for r in mine):
-            epoch = [r.get("epoch_s") for r in mine]
-            epoch_vs = (
-                [1.0] * len(mine) if strategy == baseline else ratios(epoch, [bracket(r, "epoch_s") for r in mine])
-            )
+
+        def against(field: str) -> tuple[list[Optional[float]], list[Optional[float]]]:
+            """Each run's ``field`` and its ratio to the baseline runs around it (1 for the baseline's own)."""
+            values = [r.get(field) for r in mine]
+            if strategy == baseline:
+                return values, [1.0] * len(mine)
+            return values, ratios(values, [bracket(r, field) for r in mine])
+
+        epoch, epoch_vs = against("epoch_s")
+        if any(e is not None for e in epoch):
             entry.update(
                 {
                     "epoch_s": median(epoch),
@@ -190,11 +195,8 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
                     "epoch_vs_ddp_reps": epoch_vs,
                 }
             )
-        jobs = [r.get("job_wall_s") for r in mine]
+        jobs, job_vs = against("job_wall_s")
         if any(j is not None for j in jobs):  # start-up and teardown included: what a user waits for
-            job_vs = (
-                [1.0] * len(mine) if strategy == baseline else ratios(jobs, [bracket(r, "job_wall_s") for r in mine])
-            )
             entry.update(
                 {
                     "job_wall_s": median(jobs),

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from lightning_rudra.core.update import Push
 
 NUM_LEARNERS = 2
 
@@ -160,7 +161,7 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
     for _ in range(iters):
         received = grad.clone()  # what TensorPipe hands the server: a new tensor, owned by the push
         start = time.perf_counter()
-        server.push(0, 0, [received], has_grad, server.clock, hparams, [])
+        server.push(Push(0, 0, [received], has_grad, server.clock, hparams, []))
         server.pull()
         times.append(time.perf_counter() - start)
     out["server_update"].append(statistics.median(times))

@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 from contextlib import contextmanager
-from typing import Any, Hashable, Iterator, Optional, Sequence
+from typing import Any, Hashable, Iterator, Optional
 
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -18,10 +18,9 @@ from lightning_rudra.server import process as _server
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import this_process
-from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 from lightning_rudra.transport.rpc_world import address_towards, server_name
 from lightning_rudra.transport.shm import SharedNames
@@ -177,31 +176,20 @@ class LearnerClient:
         params, buffers, self.timestamp = self._wait("the weights", "pull")
         return params, buffers
 
-    def push(
-        self,
-        optimizer: int,
-        grads: Optional[list[Tensor]],
-        has_grad: Tensor,
-        hparams: list[dict[str, Any]],
-        buffers: list[Tensor],
-        timestamp: int,
-        finite: Optional[bool] = None,
-        members: Sequence[int] = (),
-        refused: Sequence[int] = (),
-        clipping: tuple[Clipping, ...] = (),
-    ) -> Future:
-        """Send a gradient computed from the weights of ``timestamp``; hand the future to :meth:`receive`.
-        The tensors must not change until it resolves (RPC reads them when it sends them). ``grads=None``: the
-        gradient is in this learner's shared-memory buffer. ``finite``: whether the whole gradient is (None: the
-        server checks its part). ``members``, ``refused``: a node's push (:meth:`Server.push
-        <lightning_rudra.core.protocol.Server.push>`); ``clipping``: how the server clips the update's gradient, by each in turn."""
-        node = (list(members), list(refused), clipping) if members or refused or clipping else ()
-        args = (self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, *node)
+    def push(self, push: Push) -> Future:
+        """Send a gradient (:class:`~lightning_rudra.core.update.Push`); hand the future to :meth:`receive`. Its
+        tensors must not change until it resolves (RPC reads them when it sends them).
+
+        Args:
+            push: this learner's gradient for this server (``grads=None``: in its shared-memory buffer).
+
+        Returns:
+            the future of the server's :class:`PushReply`.
+        """
+        args: tuple = ("push", push)
         if self.deltas is not None:  # the count this learner will have applied when the reply comes
-            args = ("push_deltas", self.deltas.compression, self.deltas.count() + self._replies_due, *args)
+            args = ("push_deltas", self.deltas.compression, self.deltas.count() + self._replies_due, push)
             self._replies_due += 1
-        else:
-            args = ("push", *args)
         if self.stream is not None:
             return self.stream.call(*args)
         return rpc.rpc_async(self.server, _server.call_async, timeout=_NO_TIME_LIMIT, args=args)

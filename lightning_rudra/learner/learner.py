@@ -8,14 +8,15 @@ Lightning-free: :class:`LearnerOptimizer` wraps any torch optimizer, so a plain 
 as well as the strategy.
 """
 
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.futures import Future
 from torch.optim import Optimizer
 
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.node import check_in_flight
 from lightning_rudra.learner.shard import Shard
@@ -30,6 +31,28 @@ from lightning_rudra.core.stats import Stats
 
 _CPU = torch.device("cpu")
 _SEVERITY = ("accepted", "queued", "dropped", "rejected")  # a push's status over shards: the worst of theirs
+
+
+class InFlight(NamedTuple):
+    """A push to one server not yet settled: through which shard, its reply's future (None: a node member's, read
+    from the board) and the buffers it carried."""
+
+    shard: Shard
+    future: Optional[Future]
+    buffers: list[Tensor]
+
+
+class Pushes(NamedTuple):
+    """The pushes of one step in flight, one per server, and their optimizer."""
+
+    pushed: list[InFlight]
+    optimizer: int
+
+
+def _whose(client: ServerClient) -> int:
+    """The learner whose step pushes through ``client``: simulated learners share one client (it says whose step
+    runs now)."""
+    return getattr(client, "learner", client.rank)
 
 
 class Learner:
@@ -52,8 +75,8 @@ class Learner:
         self.shared_memory = shared_memory
         # gradients pushed in RPC messages, with their rounding errors (None: in full precision)
         self.feedback = ErrorFeedback(compression) if compression is not None else None
-        # (pushes in flight: shard, future and the buffers sent; their optimizer) not yet settled
-        self._in_flight: Optional[tuple[list[tuple[Shard, Optional[Future], list[Tensor]]], int]] = None
+        self._in_flight: Optional[Pushes] = None  # not yet settled
+
         self.params = list(module.parameters())
         self.buffers = list(module.buffers())
         self._cut(whole=False)
@@ -226,71 +249,51 @@ class Learner:
         all_buffers = [shard.buffer_layout.pack(shard.buffers, _CPU) for shard in self.shards]
         if any(shard.shm is not None for shard in self.shards):
             self.settle()  # a server may still read this buffer for the push in flight
-        pushed: list[tuple[Shard, Optional[Future], list[Tensor]]] = []
+        pushed: list[InFlight] = []
         # a node's leader waits for its members' gradients (node-local aggregation): the other pushes go first
         for shard, buffers in sorted(zip(self.shards, all_buffers), key=lambda sb: sb[0].link is not None):
             owned = shard.owned[index]
-            grad_parts = parts(grads, owned)
             positions = [position for position, _ in owned]
-            if shard.link is not None:
-                check = lambda: check_in_flight(pushed)  # noqa: E731  (the list as it grows)
-                future = self._push_node(
-                    shard, index, grad_parts, has_grad[positions], hparams, buffers, timestamps, finite, check, clipping
-                )
-                pushed.append((shard, future, buffers))
-                continue
-            if shard.shm is not None:
-                shard.grad_layouts[index].pack_into(grad_parts, shard.shm.grads[index])
-                packed = None
-            else:
-                packed = self._compressed(shard, index, shard.grad_layouts[index].pack(grad_parts, _CPU))
-            pushed.append(
-                (
-                    shard,
-                    shard.client.push(
-                        index,
-                        packed,
-                        has_grad[positions],
-                        hparams,
-                        buffers,
-                        timestamps[shard.index],
-                        finite,
-                        clipping=clipping,
-                    ),
-                    buffers,
-                )
-            )
+            whose = _whose(shard.client)
+            stamp = timestamps[shard.index]
+            packed = self._packed(shard, index, parts(grads, owned))
+            push = Push(whose, index, packed, has_grad[positions], stamp, hparams, buffers, finite, clipping=clipping)
+            future = shard.client.push(push) if shard.link is None else self._push_node(shard, push, pushed)
+            pushed.append(InFlight(shard, future, buffers))
         self.settle()
-        self._in_flight = (pushed, index)
+        self._in_flight = Pushes(pushed, index)
         if not self.overlap:
             self.settle()
 
-    def _compressed(self, shard: Shard, index: int, packed: list[Tensor]) -> list[Tensor]:
+    def _packed(self, shard: Shard, index: int, grad_parts: list[Tensor]) -> Optional[list[Tensor]]:
+        """The gradient's part for ``shard``'s server, flat: None where it is packed into shared memory; for a node's
+        push, whole (the node's sum is compressed); else compressed, if pushes are."""
+        layout = shard.grad_layouts[index]
+        if shard.link is None and shard.shm is not None:
+            layout.pack_into(grad_parts, shard.shm.grads[index])
+            return None
+        packed = layout.pack(grad_parts, _CPU)
+        return packed if shard.link is not None else self._compressed(shard, index, packed)
+
+    def _compressed(self, shard: Shard, index: int, packed: Sequence[Tensor]) -> list[Tensor]:
         if self.feedback is None:
-            return packed
+            return list(packed)
         # simulated learners share this Learner: each keeps its own error (its client says whose step)
-        whose = getattr(shard.client, "learner", shard.client.rank)
-        return self.feedback.compress((shard.index, index, whose), packed)
+        return self.feedback.compress((shard.index, index, _whose(shard.client)), list(packed))
 
-    def _push_node(
-        self, shard: Shard, index: int, grad_parts, has_grad, hparams, buffers, timestamps, finite, check, clipping
-    ) -> Optional[Future]:
+    def _push_node(self, shard: Shard, push: Push, pushed: list["InFlight"]) -> Optional[Future]:
         """This learner's part of its node's push to ``shard``'s server (:mod:`lightning_rudra.learner.node`).
-        ``finite``: of the whole gradient (None: one server, this part is the whole)."""
-        assert shard.link is not None
-        packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
-        finite = all_finite(packed) if finite is None else finite
+        ``push.finite``: of the whole gradient (None: one server, this part is the whole)."""
+        link = shard.link
+        assert link is not None and push.grads is not None
+        finite = all_finite(push.grads) if push.finite is None else push.finite
 
-        def send(grads, has, summed, members, refused) -> Future:
-            grads = self._compressed(shard, index, grads)
-            stamp = timestamps[shard.index]
-            return shard.client.push(index, grads, has, hparams, summed, stamp, True, members, refused, clipping)
+        def send(node: Push) -> Future:
+            assert node.grads is not None
+            return shard.client.push(replace(node, grads=self._compressed(shard, push.optimizer, node.grads)))
 
-        return self._failing_node(
-            lambda: shard.link.push(  # type: ignore[union-attr]
-                index, packed, has_grad, buffers, finite, send, check
-            )
-        )
+        check = lambda: check_in_flight(pushed)  # noqa: E731  (the list as it grows)
+        return self._failing_node(lambda: link.push(replace(push, finite=finite), send, check))
 
     def _failing_node(self, step: Callable[[], Any]) -> Any:
         """Run a step of node-local aggregation; if anything fails, this learner's node peers stop waiting."""
@@ -306,19 +309,19 @@ class Learner:
         """Wait for the pushes in flight, if any, and load the weights they brought."""
         if self._in_flight is None:
             return
-        (pushed, index), self._in_flight = self._in_flight, None
-        replies = [(shard, self._receive(shard, future, pushed), sent) for shard, future, sent in pushed]
-        for shard, reply, sent in replies:
-            shard.take(reply.params, reply.buffers, sent if self.overlap else None)
+        in_flight, self._in_flight = self._in_flight, None
+        replies = [self._receive(p.shard, p.future, in_flight.pushed) for p in in_flight.pushed]
+        for p, reply in zip(in_flight.pushed, replies):
+            p.shard.take(reply.params, reply.buffers, p.buffers if self.overlap else None)
         if self.on_push is not None:
             self.on_push(
-                index,
-                max((reply.status for _, reply, _ in replies), key=_SEVERITY.index),
-                max(reply.staleness for _, reply, _ in replies),
-                min(reply.lr_scale for _, reply, _ in replies),
+                in_flight.optimizer,
+                max((reply.status for reply in replies), key=_SEVERITY.index),
+                max(reply.staleness for reply in replies),
+                min(reply.lr_scale for reply in replies),
             )
 
-    def _receive(self, shard: Shard, future: Optional[Future], pushed: list) -> PushReply:
+    def _receive(self, shard: Shard, future: Optional[Future], pushed: list["InFlight"]) -> PushReply:
         if shard.link is None:
             assert future is not None
             return shard.client.receive(future)

@@ -13,13 +13,13 @@ import socket
 import threading
 import time
 import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from torch import Tensor
 from torch.futures import Future
 
 from lightning_rudra.core.node import LearnerPlace, NodeGroup, plan_nodes, sum_node
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.server.membership import ended
 from lightning_rudra.transport.node_shm import (
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from lightning_rudra.learner.learner import Learner
 
 STATUSES = ("accepted", "queued", "dropped", "rejected")
-Send = Callable[[list[Tensor], Tensor, list[Tensor], list[int], list[int]], Future]
+Send = Callable[[Push], Future]
 
 
 class NodeLink:
@@ -72,30 +72,32 @@ class NodeLink:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             self.slot.control[BEAT] += 1
 
-    def push(
-        self,
-        optimizer: int,
-        grads: list[Tensor],
-        has_grad: Tensor,
-        buffers: list[Tensor],
-        finite: bool,
-        send: Send,
-        check: Callable[[], None],
-    ) -> Optional[Future]:
-        """This learner's gradient for this round (flat, the server's part). The leader waits for the others',
-        sums and sends (``send(grads, has_grad, buffers, members, refused)``) and returns the future; another
-        member posts its own and returns None."""
+    def push(self, push: Push, send: Send, check: Callable[[], None]) -> Optional[Future]:
+        """This learner's gradient for this round (``push``: flat, the server's part, ``finite`` said). The leader
+        waits for the others', sums them and sends the node's push (``send``: the sum, as its members' push) and
+        returns the future; another member posts its own and returns None.
+
+        Args:
+            push: this learner's push to the node's server, its ``finite`` a bool.
+            send: sends the node's push to the server, returns the future of its reply.
+            check: raises what another server's reply failed with (a learner lost there).
+
+        Returns:
+            the leader's future of the server's reply; None for another member.
+        """
+        assert push.grads is not None and push.finite is not None
         self.round += 1
-        self.finite = finite
+        self.finite = push.finite
+        optimizer = push.optimizer
         if not self.leader:
             slot = self.slot
-            for flat, grad in zip(slot.grads[optimizer], grads):
+            for flat, grad in zip(slot.grads[optimizer], push.grads):
                 flat.copy_(grad)
-            slot.has_grad[optimizer].copy_(has_grad)
-            for flat, buffer in zip(slot.buffers, buffers):
+            slot.has_grad[optimizer].copy_(push.has_grad)
+            for flat, buffer in zip(slot.buffers, push.buffers):
                 flat.copy_(buffer)
             slot.control[OPTIMIZER] = optimizer
-            slot.control[FINITE] = int(finite)
+            slot.control[FINITE] = int(push.finite)
             slot.control[POSTED] = self.round  # last: the data it announces is in place
             return None
         others = [m for m in self.group.members if m != self.rank]
@@ -110,13 +112,17 @@ class NodeLink:
                 )
         slots = [self.board.slots[m] for m in others]
         total, has, summed, refused = sum_node(
-            [grads] + [s.grads[optimizer] for s in slots],
-            [has_grad] + [s.has_grad[optimizer].bool() for s in slots],
-            [buffers] + [s.buffers for s in slots],
-            [finite] + [bool(s.control[FINITE]) for s in slots],
+            [push.grads] + [s.grads[optimizer] for s in slots],
+            [push.has_grad] + [s.has_grad[optimizer].bool() for s in slots],
+            [push.buffers] + [s.buffers for s in slots],
+            [push.finite] + [bool(s.control[FINITE]) for s in slots],
         )
         ranks = [self.rank] + others
-        return send(total, has, summed, others, [ranks[i] for i in refused])
+        refused_ranks = [ranks[i] for i in refused]
+        # the sum is finite: who is not was left out of it (refused)
+        return send(
+            replace(push, grads=total, has_grad=has, buffers=summed, finite=True, members=others, refused=refused_ranks)
+        )
 
     def receive(self, client: ServerClient, future: Optional[Future], check: Callable[[], None]) -> PushReply:
         """The reply for this round: the leader's from the server (its weights written to the board for the

@@ -19,10 +19,9 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_rudra.core.compression import WeightDeltas
-from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import TimingModel, push_order
 
@@ -93,23 +92,12 @@ class SimulatedClient:
         self.timestamp = self._loaded = self._server().clock
         return self._weights(self.timestamp)
 
-    def push(
-        self,
-        optimizer: int,
-        grads: Optional[list[Tensor]],
-        has_grad: Tensor,
-        hparams: list[dict[str, Any]],
-        buffers: list[Tensor],
-        timestamp: int,
-        finite: Optional[bool] = None,
-        members: Sequence[int] = (),
-        refused: Sequence[int] = (),
-        clipping: tuple[Clipping, ...] = (),
-    ) -> Future:
+    def push(self, push: Push) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
         there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
-        assert grads is not None, "no shared memory to read a gradient from: a Learner sends it in the push"
-        assert not members and not refused, "simulated learners push alone: no node-local aggregation"
+        assert push.grads is not None, "no shared memory to read a gradient from: a Learner sends it in the push"
+        assert not push.members and not push.refused, "simulated learners push alone: no node-local aggregation"
+        optimizer = push.optimizer
         server = self._server()
         hardsync = server.config.protocol == "hardsync"
         if hardsync and any(self.learner in parked for parked in self._parked.values()):
@@ -120,9 +108,7 @@ class SimulatedClient:
                 "optimizers, manual optimization) cannot be simulated under hardsync. Use softsync or async, or real "
                 "learners (devices=λ)."
             )
-        result = server.push(
-            self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, clipping=clipping
-        )
+        result = server.push(push)
         received = []
         if hardsync and not result.closed:
             self._parked.setdefault(optimizer, []).append(self.learner)

@@ -14,7 +14,8 @@ fail or block, and must not stop the learners left.
 
 import logging
 import threading
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Optional
 
 from torch.futures import Future
 
@@ -25,7 +26,7 @@ from lightning_rudra.server.norm_exchange import NormExchange, check_part
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.compression import WeightDeltas
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.server.shared_side import SharedSide
@@ -150,30 +151,24 @@ class ModelServer:
         self._check_alive()
         return self.registered.then(lambda registered: registered.wait() or self._locked(self._core().pull))
 
-    def push(
-        self,
-        learner: int,
-        optimizer: int,
-        grads,
-        has_grad,
-        timestamp: int,
-        hparams,
-        buffers,
-        finite: Optional[bool] = None,
-        members: Sequence[int] = (),
-        refused: Sequence[int] = (),
-        clipping=(),
-    ) -> Future:
-        """``members``, ``refused``: a node's push (:meth:`Server.push`); ``learner`` shares the reply with them.
-        ``clipping``: how the update's gradient is clipped (:meth:`Server.push`)."""
+    def push(self, push: Push) -> Future:
+        """A learner's gradient (:meth:`Server.push`); a node's push (``push.members``) shares its reply with them.
+        ``push.grads=None``: the gradient is in the learner's shared memory.
+
+        Args:
+            push: the learner's gradient for this server, as it sent it.
+
+        Returns:
+            a future of the :class:`PushReply`, which a hardsync round resolves once it closes.
+        """
         with self.lock:
             self._check_alive()
             core = self._core()
-            if grads is None:
-                grads = self.shared.gradient(learner, optimizer, core)
-            args = (grads, has_grad, timestamp, hparams, buffers, finite, members, refused, clipping)
-            result = core.push(learner, optimizer, *args)
-            self.norm_exchange.pushed(optimizer, clipping)
+            if push.grads is None:
+                push = replace(push, grads=self.shared.gradient(push.learner, push.optimizer, core))
+            result = core.push(push)
+            learner, optimizer = push.learner, push.optimizer
+            self.norm_exchange.pushed(optimizer, push.clipping)
             applied = self._applied([optimizer] if result.closed else [])
             in_round = core.config.protocol == "hardsync" and optimizer not in applied
             if in_round:

@@ -10,6 +10,7 @@ from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.server.model_server import _settle
 from lightning_rudra.server.parameter_server import ParameterServer
+from lightning_rudra.core.update import Push
 
 CLIPPING = (Clipping(1.0, "norm", (0, 1), None),)
 
@@ -30,15 +31,17 @@ def two_servers() -> tuple[list[ParameterServer], list[tuple]]:
 
 def push(ps: ParameterServer, learner: int, value: float, clipping=CLIPPING):
     return ps.push(
-        learner,
-        0,
-        [torch.full((1,), value)],
-        torch.ones(1, dtype=torch.bool),
-        0,
-        [{"lr": 1.0}],
-        [],
-        True,
-        clipping=clipping,
+        Push(
+            learner,
+            0,
+            [torch.full((1,), value)],
+            torch.ones(1, dtype=torch.bool),
+            0,
+            [{"lr": 1.0}],
+            [],
+            True,
+            clipping=clipping,
+        )
     )
 
 

@@ -17,6 +17,7 @@ from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.server.membership import Membership, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.update import Push
 from lightning_rudra.transport.elastic import LearnerId
 
 
@@ -31,7 +32,8 @@ def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n:
 
 def push(learner: int, value: float, timestamp: int = 0):
     return server.call_async(
-        "push", learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool), timestamp, [{"lr": 1.0}], []
+        "push",
+        Push(learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool), timestamp, [{"lr": 1.0}], []),
     )
 
 

@@ -8,6 +8,7 @@ from lightning_rudra.server import process as server
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.update import Push
 
 
 @pytest.fixture
@@ -21,7 +22,9 @@ def parameter_server(monkeypatch):
 
 
 def push(learner):
-    return server.call_async("push", learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], [])
+    return server.call_async(
+        "push", Push(learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], [])
+    )
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.update import Push
 from lightning_rudra.learner import shard as shard_module
 from lightning_rudra.transport import frames, stream
 from lightning_rudra.transport.elastic import LearnerId
@@ -178,7 +179,7 @@ class Fuzzer:
 
     def case_truncated_frame(self, sock):
         self._prove(sock)
-        frame = frames.Frame.encode(("push", LearnerId(0), 0, [torch.ones(self.shapes[0])]))
+        frame = frames.Frame.encode(self._push(LearnerId(0), [torch.ones(self.shapes[0])]))
         data = frames._NUMBER.pack(1) + frame.head + b"".join(bytes(frames._bytes(t)) for t in frame.tensors)
         sock.sendall(data[: self.random.randrange(1, len(data))])
 
@@ -190,7 +191,7 @@ class Fuzzer:
 
     def _push(self, learner, grads=None):
         grads = grads if grads is not None else [torch.zeros(self.shapes[0])]
-        return ("push", learner, 0, grads, torch.ones(len(self.shapes), dtype=torch.bool), 0, [{"lr": LR}], [])
+        return ("push", Push(learner, 0, grads, torch.ones(len(self.shapes), dtype=torch.bool), 0, [{"lr": LR}], []))
 
     def case_wrong_learner(self, sock):
         learner, expected = self.random.choice(

@@ -18,8 +18,7 @@ from lightning_rudra.server import process as _server
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import this_process
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 from lightning_rudra.transport.rpc_world import address_towards, server_name
@@ -27,6 +26,7 @@ from lightning_rudra.transport.shm import SharedNames
 from lightning_rudra.transport.stream import StreamOffer
 from lightning_rudra.transport.stream_client import StreamClient
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.weights import Snapshot
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
 # heartbeat watch fails them instead when a learner is lost.
@@ -152,18 +152,8 @@ class LearnerClient:
             raise value
         return value
 
-    def register(
-        self,
-        config: ProtocolConfig,
-        params: list[Tensor],
-        buffers: list[Tensor],
-        specs: list[OptimizerSpec],
-        stats: Optional[Stats],
-        shared_memory: bool,
-        optimizer_states: Optional[list[dict[str, Any]]] = None,
-        module: Optional[dict[str, Any]] = None,
-    ) -> None:
-        self._sync("register", config, params, buffers, specs, stats, shared_memory, optimizer_states, module)
+    def register(self, registration: Registration) -> None:
+        self._sync("register", registration)
 
     def attach(self) -> tuple[Optional[SharedNames], Optional[str]]:
         """Once the model is registered: the server's shared memory (None without it) and why it is missing."""
@@ -288,10 +278,9 @@ class LearnerClient:
     def stats(self) -> Stats:
         return Stats.from_dict(self._sync("stats"))
 
-    def snapshot(self) -> tuple[list[Tensor], list[Tensor], int, list[dict[str, Any]], Stats]:
+    def snapshot(self) -> Snapshot:
         """Weights, buffers (flat), clock, optimizer states and statistics, all of one clock."""
-        params, buffers, clock, states, stats = self._sync("snapshot")
-        return params, buffers, clock, states, Stats.from_dict(stats)
+        return self._sync("snapshot")
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self._sync("optimizer_state", optimizer)

@@ -25,6 +25,7 @@ from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
 from lightning_rudra.core.protocol import ProtocolConfig, all_finite
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.shards import ShardPlan, cuts_parameters, parts
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.core.stats import Stats
@@ -186,7 +187,9 @@ class Learner:
                 else None
             )
             params, buffers = ([t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers))
-            shard.client.register(config, params, buffers, shard_specs, stats, self.shared_memory, states, module)
+            shard.client.register(
+                Registration(config, params, buffers, shard_specs, stats, self.shared_memory, states, module)
+            )
 
     def snapshot(self) -> tuple[list[dict[str, Any]], Stats]:
         """Load the servers' weights, and return the optimizer states (merged over the servers) and the
@@ -194,9 +197,10 @@ class Learner:
         self.settle()
         states, stats = {}, []
         for shard in self.shards:
-            params, buffers, shard.client.timestamp, states[shard.index], shard_stats = shard.client.snapshot()
-            shard.load(params, buffers)
-            stats.append(shard_stats)
+            snapshot = shard.client.snapshot()
+            shard.client.timestamp, states[shard.index] = snapshot.clock, snapshot.states
+            shard.load(snapshot.params, snapshot.buffers)
+            stats.append(snapshot.stats)
         merged = [
             self._merge(index, {s: shard_states[index] for s, shard_states in states.items()})
             for index in range(len(self.orders))

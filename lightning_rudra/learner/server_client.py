@@ -13,10 +13,9 @@ from typing import Any, Optional, Protocol
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.update import Push, PushReply
-from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.weights import Snapshot
 
 
 class ServerClient(Protocol):
@@ -32,17 +31,7 @@ class ServerClient(Protocol):
         """The learner this client speaks for (learner 0 registers the model and restores checkpoints)."""
         ...
 
-    def register(
-        self,
-        config: ProtocolConfig,
-        params: list[Tensor],
-        buffers: list[Tensor],
-        specs: list[OptimizerSpec],
-        stats: Optional[Stats],
-        shared_memory: bool,
-        optimizer_states: Optional[list[dict[str, Any]]] = None,
-        module: Optional[dict[str, Any]] = None,
-    ) -> None:
+    def register(self, registration: Registration) -> None:
         """Learner 0 only: the server's starting weights and the optimizers it rebuilds to apply the updates (on
         resume, with their saved states and the statistics), and what a learner that rejoins must match."""
         ...
@@ -81,7 +70,7 @@ class ServerClient(Protocol):
         memory)."""
         ...
 
-    def snapshot(self) -> tuple[list[Tensor], list[Tensor], int, list[dict[str, Any]], Stats]:
+    def snapshot(self) -> Snapshot:
         """Weights, buffers, clock, optimizer states and statistics, all of one clock (a checkpoint's)."""
         ...
 

@@ -19,10 +19,11 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_rudra.core.compression import WeightDeltas
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.update import Push, PushReply
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.weights import Snapshot
 from lightning_rudra.core.timing import TimingModel, push_order
 
 
@@ -45,23 +46,16 @@ class SimulatedClient:
         # compression: (the server's, the learners') records of the weights each learner holds, sent as differences
         self._deltas: Optional[tuple[WeightDeltas, WeightDeltas]] = None
 
-    def register(
-        self,
-        config: ProtocolConfig,
-        params: list[Tensor],
-        buffers: list[Tensor],
-        specs: list[OptimizerSpec],
-        stats: Optional[Stats],
-        shared_memory: bool = False,
-        optimizer_states: Optional[list[dict[str, Any]]] = None,
-        module: Optional[dict[str, Any]] = None,  # no process rejoins a simulated run
-    ) -> None:
-        if config.num_learners != self.num_learners:
+    def register(self, registration: Registration) -> None:
+        """The in-process server, of the ``registration``'s model (its weights in this process: no shared memory;
+        no process rejoins a simulated run: no ``module``)."""
+        r = registration
+        if r.config.num_learners != self.num_learners:
             raise ValueError(
-                f"a protocol for λ={config.num_learners} learners cannot run {self.num_learners} simulated learners."
+                f"a protocol for λ={r.config.num_learners} learners cannot run {self.num_learners} simulated learners."
             )
-        self.server = Server(config, params, buffers, specs, stats)
-        self.server.load_optimizer_states(optimizer_states or [])
+        self.server = Server(r.config, r.params, r.buffers, r.specs, r.stats)
+        self.server.load_optimizer_states(r.optimizer_states or [])
         self._held = [self.server.clock] * self.num_learners
 
     def attached(self, mapped: bool) -> None:
@@ -159,12 +153,12 @@ class SimulatedClient:
     def stats(self) -> Stats:
         return self._server().stats
 
-    def snapshot(self) -> tuple[list[Tensor], list[Tensor], int, list[dict[str, Any]], Stats]:
+    def snapshot(self) -> Snapshot:
         server = self._server()
         params, buffers, clock = server.pull()
         self._loaded = clock  # the Learner loads these into the module now
         states = [server.optimizer_state(i) for i in range(len(server.optimizers))]
-        return params, buffers, clock, states, Stats.from_dict(server.stats.to_dict())
+        return Snapshot(params, buffers, clock, states, Stats.from_dict(server.stats.to_dict()))
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self._server().optimizer_state(optimizer)

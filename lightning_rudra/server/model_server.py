@@ -15,7 +15,7 @@ fail or block, and must not stop the learners left.
 import logging
 import threading
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from torch.futures import Future
 
@@ -23,19 +23,37 @@ from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.server.norm_exchange import NormExchange, check_part
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.server.shared_side import SharedSide
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.weights import Snapshot, Weights
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 
 log = logging.getLogger(__name__)
 
 Outcomes = list[tuple[Future, Any]]  # futures to resolve once the lock is released: a value, or an exception
+
+
+class RoundWaiter(NamedTuple):
+    """A push that waits for the end of its hardsync round: its reply, its learner, and what became of its
+    gradient (:class:`~lightning_rudra.core.update.PushResult`'s ``status`` and ``staleness``)."""
+
+    reply: Future
+    learner: int
+    status: str
+    staleness: int
+
+
+class Released(NamedTuple):
+    """The replies to the pushes that waited in closed hardsync rounds, and the weights they carry."""
+
+    outcomes: Outcomes
+    weights: Weights
 
 
 def _settle(outcomes: Outcomes) -> None:
@@ -53,7 +71,7 @@ class ModelServer:
     wait for the end of the round. Learners that mapped the server's shared memory push ``grads=None`` (the gradient
     is in their buffer) and get ``None`` for the weights, which they read themselves."""
 
-    def __init__(
+    def __init__(  # 7 params: the server process's settings, each its own option
         self,
         num_learners: int,
         timeout: float = 60.0,
@@ -74,7 +92,7 @@ class ModelServer:
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
-        self.round_waiters: dict[int, list[tuple[Future, int, str, int]]] = {}  # (reply, learner, status, σ)
+        self.round_waiters: dict[int, list[RoundWaiter]] = {}  # per optimizer
         self.gatherings = Gatherings()
         self.finished: set[int] = set()
         self.finish_waiters: list[Future] = []
@@ -96,31 +114,28 @@ class ModelServer:
         self.norm_exchange = NormExchange(shard)
         self.send_norm: Optional[Callable[[int, int, int, float], None]] = None  # (to server, optimizer, round, norm²)
 
-    def register(
-        self,
-        config: ProtocolConfig,
-        params,
-        buffers,
-        specs: list[OptimizerSpec],
-        stats: Optional[Stats],
-        shared_memory: bool = True,
-        optimizer_states: Optional[list[dict[str, Any]]] = None,
-        module: Optional[dict[str, Any]] = None,
-    ) -> None:
+    def register(self, registration: Registration) -> None:
         """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics and the
         optimizers' states: all in place before any learner pulls. With ``shared_memory`` the weights live in
         shared memory, or, if it cannot be allocated, in plain memory (the learners are told why). ``module``:
-        what a learner that rejoins must match (:func:`~lightning_rudra.server.rejoins.describe_module`)."""
+        what a learner that rejoins must match (:func:`~lightning_rudra.server.rejoins.describe_module`).
+
+        Args:
+            registration: this server's part of the model, as learner 0 sends it.
+        """
+        config = registration.config
         with self.lock:
             if self.registered.done():  # learner 0 was lost first: its process, woken up, is refused
                 self.registered.wait()
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
-            self.rejoins.module = module
-            core = self.shared.server(config, params, buffers, specs, stats) if shared_memory else None
+            self.rejoins.module = registration.module
+            core = self.shared.server(registration) if registration.shared_memory else None
             try:
-                core = core or Server(config, params, buffers, specs, stats)
-                core.load_optimizer_states(optimizer_states or [])
+                core = core or Server(
+                    config, registration.params, registration.buffers, registration.specs, registration.stats
+                )
+                core.load_optimizer_states(registration.optimizer_states or [])
             except BaseException:
                 self.shared.release()  # learner 0 leaves with this error: its loss fails the waits for the model
                 raise
@@ -173,7 +188,9 @@ class ModelServer:
             in_round = core.config.protocol == "hardsync" and optimizer not in applied
             if in_round:
                 reply: Future = Future()
-                self.round_waiters.setdefault(optimizer, []).append((reply, learner, result.status, result.staleness))
+                self.round_waiters.setdefault(optimizer, []).append(
+                    RoundWaiter(reply, learner, result.status, result.staleness)
+                )
                 outcomes = self._give_up_if_deadlocked()
             else:
                 outcomes, weights = self._release_rounds(applied, learner)
@@ -181,7 +198,9 @@ class ModelServer:
         self._settle(outcomes)
         if not in_round:
             reply = Future()
-            reply.set_result(PushReply(result.status, result.staleness, lr_scale, *weights))
+            reply.set_result(
+                PushReply(result.status, result.staleness, lr_scale, weights.params, weights.buffers, weights.clock)
+            )
         return reply
 
     def _applied(self, closed: list[int]) -> list[int]:
@@ -198,7 +217,7 @@ class ModelServer:
             if self.failure is not None or self.core is None:
                 return
             applied = self.norm_exchange.add(self.core, shard, optimizer, round, partial)
-            outcomes: Outcomes = self._release_rounds([optimizer])[0] if applied else []
+            outcomes: Outcomes = self._release_rounds([optimizer]).outcomes if applied else []
         self._settle(outcomes)
 
     def norm_not_sent(self, shard: int, error: BaseException) -> None:
@@ -212,28 +231,41 @@ class ModelServer:
             )
         self._settle(outcomes)
 
-    def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> tuple[Outcomes, tuple]:
+    def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> Released:
         """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
         weights they carry (also for ``pusher``, which did not wait). Called under the lock."""
         released = [(waiter, optimizer) for optimizer in closed for waiter in self.round_waiters.pop(optimizer, [])]
-        weights = self._weights(([] if pusher is None else [pusher]) + [waiter[1] for waiter, _ in released])
-        return [
-            (future, PushReply(status, staleness, self._lr_scale(optimizer), *weights))
-            for (future, _, status, staleness), optimizer in released
-        ], weights
+        weights = self._weights(([] if pusher is None else [pusher]) + [waiter.learner for waiter, _ in released])
+        return Released(
+            [
+                (
+                    waiter.reply,
+                    PushReply(
+                        waiter.status,
+                        waiter.staleness,
+                        self._lr_scale(optimizer),
+                        weights.params,
+                        weights.buffers,
+                        weights.clock,
+                    ),
+                )
+                for waiter, optimizer in released
+            ],
+            weights,
+        )
 
     def _lr_scale(self, optimizer: int) -> float:
         update = self._core().last_updates[optimizer]
         return update.lr_scale if update is not None else 1.0
 
-    def _weights(self, learners: list[int]) -> tuple:
+    def _weights(self, learners: list[int]) -> Weights:
         return self.shared.reply(learners, self._core())
 
     def finish(self, learner: int) -> Future:
         """A learner is done training; resolves, once all learners left are, with the final weights."""
         with self.lock:
             self._check_alive()
-            outcomes, _ = self._release_rounds(self._applied(self._core().finish(learner)))
+            outcomes = self._release_rounds(self._applied(self._core().finish(learner))).outcomes
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
@@ -303,7 +335,7 @@ class ModelServer:
         self.failure = reason
         self.shared.release()  # nobody maps the files any more
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
-        waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
+        waiters = [waiter.reply for waiting in self.round_waiters.values() for waiter in waiting]
         waiters += self.gatherings.close() + self.finish_waiters
         self.round_waiters, self.finish_waiters = {}, []
         self.norm_exchange.clear()
@@ -313,7 +345,7 @@ class ModelServer:
     def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
         the learner waiting in the round can never join the collective. Called under the lock."""
-        in_round = sorted({w[1] for ws in self.round_waiters.values() for w in ws})
+        in_round = sorted({waiter.learner for waiting in self.round_waiters.values() for waiter in waiting})
         at_collective = sorted(self.gatherings.waiting() & (self.core.active if self.core is not None else set()))
         if not (in_round and at_collective):
             return []
@@ -322,15 +354,15 @@ class ModelServer:
     def stats(self) -> dict[str, Any]:
         return self._locked(lambda: self._core().stats.to_dict())
 
-    def snapshot(self) -> tuple:
+    def snapshot(self) -> Snapshot:
         """What a checkpoint holds, all of one clock: weights and buffers (flat), the clock, every optimizer's
         state and the statistics."""
 
-        def take() -> tuple:
+        def take() -> Snapshot:
             core = self._core()
             params, buffers, clock = core.pull()
             states = [core.optimizer_state(i) for i in range(len(core.optimizers))]
-            return params, buffers, clock, states, core.stats.to_dict()
+            return Snapshot(params, buffers, clock, states, Stats.from_dict(core.stats.to_dict()))
 
         return self._locked(take)
 

@@ -8,6 +8,7 @@ import torch
 from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.server.model_server import _settle
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.core.update import Push
@@ -24,7 +25,7 @@ def two_servers() -> tuple[list[ParameterServer], list[tuple]]:
         ps.send_norm = lambda to, *norm, shard=shard: sent.append((to, shard, *norm))
         params = [torch.zeros(1)]
         spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-        ps.register(ProtocolConfig(2, "hardsync"), params, [], [spec], None, False)
+        ps.register(Registration(ProtocolConfig(2, "hardsync"), params, [], [spec], None, False))
         servers.append(ps)
     return servers, sent
 

@@ -31,14 +31,8 @@ from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, shar
 from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
 from lightning_rudra.core.stats import Stats
-from lightning_rudra.core.push_checks import check_clipping, check_fields, check_round
+from lightning_rudra.core.push_checks import all_finite, check_clipping, check_fields, check_optimizer, check_round
 from lightning_rudra.core.update import Push, PushResult, Update
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """No NaN or Inf: a finite sum means every element is finite (NaN and Inf propagate); only check each element
-    if not."""
-    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 class Server:
@@ -168,11 +162,7 @@ class Server:
         if optimizer in range(len(self.grad_layouts)) and isinstance(push.grads, (list, tuple)):
             push = replace(push, grads=decompress(push.grads, list(self.grad_layouts[optimizer].groups)))
         self._check_learner(push.learner)
-        if optimizer not in range(len(self.optimizers)):
-            raise ValueError(
-                f"optimizer index {optimizer!r} is unknown: the server holds "
-                f"{len(self.optimizers)} optimizer(s), indices 0..{len(self.optimizers) - 1}."
-            )
+        check_optimizer(optimizer, len(self.optimizers))
         num_groups = len(self.optimizers[optimizer].param_groups)
         check_fields(push, self.grad_layouts[optimizer], num_groups, self.buffer_layout, self.clock)
         clipping = check_clipping(push, self.config, self.gradients_per_update)

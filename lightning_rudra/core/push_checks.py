@@ -15,6 +15,20 @@ from lightning_rudra.core.pending import Pending
 from lightning_rudra.core.update import Push
 
 
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """No NaN or Inf: a finite sum means every element is finite (NaN and Inf propagate); only check each element
+    if not."""
+    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def check_optimizer(optimizer: int, count: int) -> None:
+    """``optimizer`` is the index of one of the server's ``count`` optimizers."""
+    if optimizer not in range(count):
+        raise ValueError(
+            f"optimizer index {optimizer!r} is unknown: the server holds {count} optimizer(s), indices 0..{count - 1}."
+        )
+
+
 def check_fields(push: Push, grad_layout: FlatLayout, num_groups: int, buffer_layout: FlatLayout, clock: int) -> None:
     """The gradient, its flags, timestamp, hyper-parameters and buffers of ``push``: laid out as the server holds its
     optimizer (``grad_layout``, ``num_groups`` parameter groups) and buffers, from weights the server made by

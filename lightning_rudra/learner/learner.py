@@ -19,15 +19,16 @@ from torch.optim import Optimizer
 from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.node import check_in_flight
+from lightning_rudra.learner.optimizer import LearnerOptimizer
 from lightning_rudra.learner.shard import Shard
 from lightning_rudra.core.clipping import Clipping, across_servers
 from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
-from lightning_rudra.core.protocol import ProtocolConfig, all_finite
+from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.push_checks import all_finite
 from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.shards import ShardPlan, cuts_parameters, parts
-from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.core.stats import Stats
 
 _CPU = torch.device("cpu")
@@ -48,6 +49,14 @@ class Pushes(NamedTuple):
 
     pushed: list[InFlight]
     optimizer: int
+
+
+def _dense(params: list[Tensor]) -> list[Tensor]:
+    """The parameters' gradients, zeros for none; sparse ones (nn.Embedding(sparse=True)) travel dense: the server's
+    flat buffers are dense."""
+    return [
+        torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params
+    ]
 
 
 def _whose(client: ServerClient) -> int:
@@ -194,7 +203,7 @@ class Learner:
     def snapshot(self) -> tuple[list[dict[str, Any]], Stats]:
         """Load the servers' weights, and return the optimizer states (merged over the servers) and the
         statistics of the first server; each server's part is of one clock, its own."""
-        self.settle()
+        self.wait_for_replies()
         states, stats = {}, []
         for shard in self.shards:
             snapshot = shard.client.snapshot()
@@ -219,7 +228,7 @@ class Learner:
             shard.client.load_optimizer_state(index, self.plan.split_state(shard.index, self.orders[index], state))
 
     def pull(self) -> None:
-        self.settle()
+        self.wait_for_replies()
         for shard in self.shards:
             if not shard.attached:
                 shard.attach(self.shared_memory, self.feedback.compression if self.feedback else None)
@@ -235,39 +244,63 @@ class Learner:
         ``clipping``: the servers clip the gradient the update applies, by each in turn
         (:mod:`lightning_rudra.core.clipping`)."""
         params = self.optimizer_params[index]
-        # sparse gradients (nn.Embedding(sparse=True)) travel dense: the server's flat buffers are dense
-        grads = [
-            torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params
-        ]
+        grads = _dense(params)
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
         finite = None if len(self.shards) == 1 else all_finite(grads)
         holders = [shard.index for shard in self.shards if shard.owned[index]]
         # the norm where an update applies this gradient alone; none for a gradient the servers refuse (not finite)
         clipping = across_servers(clipping, holders, grads, index, norm=self.sends_norm and finite is not False)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
-        # of the weights this gradient came from (no hook saw it: a gradient set by hand, from the current ones)
-        timestamps = self.grad_timestamps[index] or self._timestamps()
-        self.grad_timestamps[index] = None
+        timestamps = self._gradient_timestamps(index)
         hparams = [hyperparameters(g) for g in optimizer.param_groups]
-        # packed before the reply in flight is loaded: its buffers predate this step's forward
-        all_buffers = [shard.buffer_layout.pack(shard.buffers, _CPU) for shard in self.shards]
-        if any(shard.shm is not None for shard in self.shards):
-            self.settle()  # a server may still read this buffer for the push in flight
+        all_buffers = self._packed_buffers()
         pushed: list[InFlight] = []
-        # a node's leader waits for its members' gradients (node-local aggregation): the other pushes go first
-        for shard, buffers in sorted(zip(self.shards, all_buffers), key=lambda sb: sb[0].link is not None):
+        for shard in self._push_order():
             owned = shard.owned[index]
             positions = [position for position, _ in owned]
-            whose = _whose(shard.client)
-            stamp = timestamps[shard.index]
             packed = self._packed(shard, index, parts(grads, owned))
-            push = Push(whose, index, packed, has_grad[positions], stamp, hparams, buffers, finite, clipping=clipping)
-            future = shard.client.push(push) if shard.link is None else self._push_node(shard, push, pushed)
-            pushed.append(InFlight(shard, future, buffers))
-        self.settle()
+            stamp, buffers = timestamps[shard.index], all_buffers[shard.index]
+            push = Push(
+                _whose(shard.client),
+                index,
+                packed,
+                has_grad[positions],
+                stamp,
+                hparams,
+                buffers,
+                finite,
+                clipping=clipping,
+            )
+            pushed.append(InFlight(shard, self._send(shard, push, pushed), buffers))
+        self.wait_for_replies()
         self._in_flight = Pushes(pushed, index)
         if not self.overlap:
-            self.settle()
+            self.wait_for_replies()
+
+    def _gradient_timestamps(self, index: int) -> tuple[int, ...]:
+        """The timestamps (one per server) of the weights the gradient of optimizer ``index`` came from (no hook saw
+        it: a gradient set by hand, from the current ones); the next gradient starts afresh."""
+        timestamps = self.grad_timestamps[index] or self._timestamps()
+        self.grad_timestamps[index] = None
+        return timestamps
+
+    def _packed_buffers(self) -> list[list[Tensor]]:
+        """Each server's part of the buffers, flat: packed before the reply in flight is loaded (its buffers predate
+        this step's forward), then that reply settled if a server may still read a shared-memory gradient buffer for
+        it."""
+        buffers = [shard.buffer_layout.pack(shard.buffers, _CPU) for shard in self.shards]
+        if any(shard.shm is not None for shard in self.shards):
+            self.wait_for_replies()
+        return buffers
+
+    def _push_order(self) -> list[Shard]:
+        """A node's leader waits for its members' gradients (node-local aggregation): the other pushes go first."""
+        return sorted(self.shards, key=lambda shard: shard.link is not None)
+
+    def _send(self, shard: Shard, push: Push, pushed: list[InFlight]) -> Optional[Future]:
+        """Send ``push`` to ``shard``'s server, alone or as this learner's part of its node's push (``pushed``: this
+        step's pushes so far, whose failures end the node's waits)."""
+        return shard.client.push(push) if shard.link is None else self._push_node(shard, push, pushed)
 
     def _packed(self, shard: Shard, index: int, grad_parts: list[Tensor]) -> Optional[list[Tensor]]:
         """The gradient's part for ``shard``'s server, flat: None where it is packed into shared memory; for a node's
@@ -285,7 +318,7 @@ class Learner:
         # simulated learners share this Learner: each keeps its own error (its client says whose step)
         return self.feedback.compress((shard.index, index, _whose(shard.client)), list(packed))
 
-    def _push_node(self, shard: Shard, push: Push, pushed: list["InFlight"]) -> Optional[Future]:
+    def _push_node(self, shard: Shard, push: Push, pushed: list[InFlight]) -> Optional[Future]:
         """This learner's part of its node's push to ``shard``'s server (:mod:`lightning_rudra.learner.node`).
         ``push.finite``: of the whole gradient (None: one server, this part is the whole)."""
         link = shard.link
@@ -309,7 +342,7 @@ class Learner:
                     shard.link.close(failed=True)
             raise
 
-    def settle(self) -> None:
+    def wait_for_replies(self) -> None:
         """Wait for the pushes in flight, if any, and load the weights they brought."""
         if self._in_flight is None:
             return
@@ -325,7 +358,7 @@ class Learner:
                 min(reply.lr_scale for reply in replies),
             )
 
-    def _receive(self, shard: Shard, future: Optional[Future], pushed: list["InFlight"]) -> PushReply:
+    def _receive(self, shard: Shard, future: Optional[Future], pushed: list[InFlight]) -> PushReply:
         if shard.link is None:
             assert future is not None
             return shard.client.receive(future)
@@ -336,7 +369,7 @@ class Learner:
         """Stop pushing and take the final weights, once every learner has stopped. Every server hears it at
         once: a learner still training waits in a hardsync round on one server only until this one is done
         there too."""
-        self.settle()
+        self.wait_for_replies()
         for shard in self.shards:
             if shard.link is not None:
                 shard.link.close(failed=False)
@@ -348,81 +381,3 @@ class Learner:
         """Copy flat weights and buffers (laid out as the first server keeps them) into the module: with one
         server, all of them."""
         self.shards[0].load(flat_params, flat_buffers)
-
-
-class LearnerOptimizer(Optimizer):
-    """``step(closure)`` runs the closure (forward and backward), pushes the gradient and takes back the
-    weights the protocol gives. The wrapped optimizer never updates weights itself: its ``param_groups`` stay
-    the handle of LR schedulers (their current values travel with every push), and its state lives on the
-    server (``state_dict`` fetches it). ``clipping``, added to before a step (the strategy adds each clipping
-    Lightning would apply, in turn), travels with that step's push: the server clips the gradient its update applies.
-
-    Torch's ``Optimizer.__init__`` is not called: the groups and state are the wrapped optimizer's own.
-    """
-
-    def __init__(self, optimizer: Optimizer, index: int, learner: Learner) -> None:
-        self.local = optimizer
-        self.index = index
-        self.learner = learner
-        self.clipping: tuple[Clipping, ...] = ()
-
-    param_groups = property(lambda self: self.local.param_groups)
-    state = property(lambda self: self.local.state)
-    defaults = property(lambda self: self.local.defaults)
-
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        clipping, self.clipping = self.clipping, ()
-        self.learner.push(self.index, self.local, clipping)
-        # what torch's LR schedulers check (a flag torch's Optimizer sets but does not declare): the server stepped
-        self.local._opt_called = True  # type: ignore[attr-defined]
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The gradient ends, and the clippings asked of it with it (a step skipped by zero_grad: the next step asks
-        anew). Lightning's automatic optimization zeroes in the step's closure, before the clipping it asks."""
-        self.local.zero_grad(set_to_none=set_to_none)
-        self.clipping = ()
-        self.learner.grad_timestamps[self.index] = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The server's state (momentum, moments...) with this learner's parameter groups: their learning rate
-        is the one the learner's schedule set, not the server's modulated one."""
-        return with_groups(self.learner.optimizer_state(self.index), self.local)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore this learner's parameter groups and the server's state (learner 0's first process sends it: a
-        new one that takes its place, resuming from the same checkpoint, must not reset the running server's)."""
-        self.load_groups(state_dict)
-        rank = self.learner.client.rank
-        if rank == 0 and not incarnation_of(rank):
-            self.learner.load_optimizer_state(self.index, state_dict)
-
-    def load_groups(self, state_dict: dict[str, Any]) -> None:
-        """Only the hyper-parameters of the parameter groups (where LR schedulers step from)."""
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.local.param_groups):
-            raise ValueError(
-                f"the saved state of optimizer {self.index} has {len(saved)} parameter groups: its "
-                f"optimizer {type(self.local).__name__} has {len(self.local.param_groups)}."
-            )
-        for group, values in zip(self.local.param_groups, saved):
-            group.update({k: v for k, v in values.items() if k != "params"})
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise RuntimeError(
-            "parameter groups cannot be added once training under RudraStrategy has started: the "
-            "server built its copy of the optimizer from the groups that existed at setup."
-        )
-
-    def __repr__(self) -> str:
-        return f"LearnerOptimizer({self.local!r})"
-
-
-def with_groups(state: dict[str, Any], optimizer: Optimizer) -> dict[str, Any]:
-    """An optimizer state dict from the server (``state``) with the parameter groups of the learner's
-    ``optimizer``: what a checkpoint holds."""
-    return {"state": state["state"], "param_groups": optimizer.state_dict()["param_groups"]}

@@ -23,7 +23,7 @@ from lightning_rudra.core.config import ProtocolConfig, validate_n, validate_opt
 from lightning_rudra.core.node import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
-from lightning_rudra.learner.learner import LearnerOptimizer
+from lightning_rudra.learner.optimizer import LearnerOptimizer
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states, load_groups

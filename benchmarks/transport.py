@@ -144,7 +144,7 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
     hyperparameters = protocol.hyperparameters
 
     grad = learner.params[0].grad
-    layout = learner.shards[0].grad_layouts[0]
+    layout = learner.links[0].grad_layouts[0]
     out["pack"].append(_median_time(lambda: layout.pack([grad], torch.device("cpu")), iters))
     reused = torch.empty_like(grad)  # the same packing into a buffer kept from one push to the next
     out.setdefault("pack_reuse", []).append(_median_time(lambda: torch.cat([grad.reshape(-1)], out=reused), iters))

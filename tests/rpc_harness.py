@@ -124,8 +124,8 @@ def train(
         "params": [p.detach().clone() for p in net.parameters()],
         "stats": stats,
         "pushes": pushes,
-        "owned": [len(shard.params) for shard in learner.shards],
-        "shared_memory": all(shard.shm is not None for shard in learner.shards),
+        "owned": [len(link.params) for link in learner.links],
+        "shared_memory": all(link.shm is not None for link in learner.links),
     }
 
 

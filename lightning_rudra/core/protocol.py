@@ -26,7 +26,7 @@ from lightning_rudra.core.compensation import (
 from lightning_rudra.core.compression import decompress
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
-from lightning_rudra.core.node import check_node_push
+from lightning_rudra.core.node_plan import check_node_push
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
 from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
@@ -120,7 +120,7 @@ class Server:
         Everything is checked before anything changes: a bad push raises and leaves the server as it was.
         A compressed gradient (:mod:`lightning_rudra.core.compression`) is widened first.
 
-        A node's push (hardsync, :mod:`lightning_rudra.core.node`): ``grads`` is the sum of the gradients of
+        A node's push (hardsync, :mod:`lightning_rudra.core.node_plan`): ``grads`` is the sum of the gradients of
         ``learner`` and ``members`` but those in ``refused`` (not finite, left out by the learner that summed), and
         ``buffers`` the sum of their floating-point buffers; it counts as the gradient of each of them, so that the
         update is still the mean over every learner's gradient.

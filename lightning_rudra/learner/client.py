@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class LearnerClient:
-    """One learner's calls to one server process (``shard``; the first also answers collectives and deals the
+    """One learner's calls to one server process (``server``; the first also answers collectives and deals the
     shared epoch), over RPC: a :class:`~lightning_rudra.learner.server_client.ServerClient`. Holds the timestamp of
     the weights the learner last received from it.
 
@@ -52,15 +52,15 @@ class LearnerClient:
     """
 
     def __init__(
-        self, rank: int, timeout: float, server_host: str, shard: int = 0, rendezvous: Optional[str] = None
+        self, rank: int, timeout: float, server_host: str, server: int = 0, rendezvous: Optional[str] = None
     ) -> None:
         """``server_host``: where the server runs, as far as this learner knows (its heartbeat replies say it
         exactly); ``rendezvous``: where the learners meet (default: ``server_host``)."""
         self.rank = rank
         self.timeout = timeout
         self.server_host = server_host
-        self.server = server_name(shard)
-        self.what = "the parameter server" if shard == 0 else f"parameter server {shard}"
+        self.server = server_name(server)  # its RPC name
+        self.what = "the parameter server" if server == 0 else f"parameter server {server}"
         # named by the server if this learner is lost
         self.address = address_towards(rendezvous or server_host) or "an unknown address"
         self.timestamp = 0

@@ -20,7 +20,7 @@ from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.node import check_in_flight
 from lightning_rudra.learner.optimizer import LearnerOptimizer
-from lightning_rudra.learner.shard import Shard
+from lightning_rudra.learner.link import ServerLink
 from lightning_rudra.core.clipping import Clipping, across_servers
 from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.flat import FlatLayout
@@ -32,14 +32,14 @@ from lightning_rudra.core.shards import ShardPlan, cuts_parameters, parts
 from lightning_rudra.core.stats import Stats
 
 _CPU = torch.device("cpu")
-_SEVERITY = ("accepted", "queued", "dropped", "rejected")  # a push's status over shards: the worst of theirs
+_SEVERITY = ("accepted", "queued", "dropped", "rejected")  # a push's status over servers: the worst of theirs
 
 
 class InFlight(NamedTuple):
-    """A push to one server not yet settled: through which shard, its reply's future (None: a node member's, read
+    """A push to one server not yet settled: through which link, its reply's future (None: a node member's, read
     from the board) and the buffers it carried."""
 
-    shard: Shard
+    link: ServerLink
     future: Optional[Future]
     buffers: list[Tensor]
 
@@ -119,8 +119,8 @@ class Learner:
         whole = whole or not all(p.is_contiguous() for p in self.params)
         self.plan = ShardPlan([p.shape for p in self.params], len(self.clients), whole)
         weights = [p.detach() for p in self.params]
-        self.shards = [
-            Shard(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
+        self.links = [
+            ServerLink(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
             for s, client in enumerate(self.clients)
         ]
 
@@ -130,7 +130,7 @@ class Learner:
         # which optimizers share a parameter is known here, for the whole model: each server holds a part of it
         specs = sharing_parameters([OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers])
         if self.plan.splits_a_parameter and not cuts_parameters(specs):
-            if any(shard.attached for shard in self.shards):
+            if any(link.attached for link in self.links):
                 raise RuntimeError(
                     "the learner pulled weights before its optimizers were known: the servers' cuts "
                     "can no longer move to parameter boundaries for a non-elementwise optimizer"
@@ -139,15 +139,15 @@ class Learner:
         return specs
 
     def _lay_out(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:
-        """Which shard holds which part of every optimizer's parameters; the optimizers' specs."""
+        """Which link holds which part of every optimizer's parameters; the optimizers' specs."""
         specs = self.check(optimizers)
         self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
         self.orders = [[i for idx, _ in spec.groups for i in idx] for spec in specs]
-        for shard in self.shards:
-            shard.owned = [self.plan.owned(shard.index, order) for order in self.orders]
-            shard.grad_layouts = [
+        for link in self.links:
+            link.owned = [self.plan.owned(link.server, order) for order in self.orders]
+            link.grad_layouts = [
                 FlatLayout(parts([p.detach() for p in params], owned))
-                for params, owned in zip(self.optimizer_params, shard.owned)
+                for params, owned in zip(self.optimizer_params, link.owned)
             ]
         return specs
 
@@ -167,9 +167,9 @@ class Learner:
     def unwrap(self) -> None:
         """Training is over: the module's parameters no longer report their gradients to this learner (nor do
         its node's peers wait for its pushes)."""
-        for shard in self.shards:
-            if shard.link is not None:
-                shard.link.close(failed=True)  # after finish, nothing: it is DONE already
+        for link in self.links:
+            if link.node is not None:
+                link.node.close(failed=True)  # after finish, nothing: it is DONE already
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -185,18 +185,18 @@ class Learner:
         """Learner 0 only: give every server its part of the starting weights and of the optimizers to rebuild
         (on resume, with their saved states and the statistics), and what a rejoining learner must match."""
         specs = self._lay_out(optimizers)
-        for shard in self.shards:
-            shard_specs = [self.plan.spec(shard.index, spec) for spec in specs]
+        for link in self.links:
+            shard_specs = [self.plan.spec(link.server, spec) for spec in specs]
             states = (
                 [
-                    self.plan.split_state(shard.index, order, state)
+                    self.plan.split_state(link.server, order, state)
                     for order, state in zip(self.orders, optimizer_states)
                 ]
                 if optimizer_states
                 else None
             )
-            params, buffers = ([t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers))
-            shard.client.register(
+            params, buffers = ([t.detach().to(_CPU, copy=True) for t in ts] for ts in (link.params, link.buffers))
+            link.client.register(
                 Registration(config, params, buffers, shard_specs, stats, self.shared_memory, states, module)
             )
 
@@ -205,10 +205,10 @@ class Learner:
         statistics of the first server; each server's part is of one clock, its own."""
         self.wait_for_replies()
         states, stats = {}, []
-        for shard in self.shards:
-            snapshot = shard.client.snapshot()
-            shard.client.timestamp, states[shard.index] = snapshot.clock, snapshot.states
-            shard.load(snapshot.params, snapshot.buffers)
+        for link in self.links:
+            snapshot = link.client.snapshot()
+            link.client.timestamp, states[link.server] = snapshot.clock, snapshot.states
+            link.load(snapshot.params, snapshot.buffers)
             stats.append(snapshot.stats)
         merged = [
             self._merge(index, {s: shard_states[index] for s, shard_states in states.items()})
@@ -221,21 +221,21 @@ class Learner:
 
     def optimizer_state(self, index: int) -> dict[str, Any]:
         """The servers' state of optimizer ``index``, merged."""
-        return self._merge(index, {shard.index: shard.client.optimizer_state(index) for shard in self.shards})
+        return self._merge(index, {link.server: link.client.optimizer_state(index) for link in self.links})
 
     def load_optimizer_state(self, index: int, state: dict[str, Any]) -> None:
-        for shard in self.shards:
-            shard.client.load_optimizer_state(index, self.plan.split_state(shard.index, self.orders[index], state))
+        for link in self.links:
+            link.client.load_optimizer_state(index, self.plan.split_state(link.server, self.orders[index], state))
 
     def pull(self) -> None:
         self.wait_for_replies()
-        for shard in self.shards:
-            if not shard.attached:
-                shard.attach(self.shared_memory, self.feedback.compression if self.feedback else None)
-            if shard.shm is not None:
-                shard.take(None, None)
+        for link in self.links:
+            if not link.attached:
+                link.attach(self.shared_memory, self.feedback.compression if self.feedback else None)
+            if link.shm is not None:
+                link.load_reply(None, None)
             else:
-                shard.take(*shard.client.pull())
+                link.load_reply(*link.client.pull())
 
     def push(self, index: int, optimizer: Optimizer, clipping: Sequence[Clipping] = ()) -> None:
         """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
@@ -246,8 +246,8 @@ class Learner:
         params = self.optimizer_params[index]
         grads = _dense(params)
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
-        finite = None if len(self.shards) == 1 else all_finite(grads)
-        holders = [shard.index for shard in self.shards if shard.owned[index]]
+        finite = None if len(self.links) == 1 else all_finite(grads)
+        holders = [link.server for link in self.links if link.owned[index]]
         # the norm where an update applies this gradient alone; none for a gradient the servers refuse (not finite)
         clipping = across_servers(clipping, holders, grads, index, norm=self.sends_norm and finite is not False)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
@@ -255,13 +255,13 @@ class Learner:
         hparams = [hyperparameters(g) for g in optimizer.param_groups]
         all_buffers = self._packed_buffers()
         pushed: list[InFlight] = []
-        for shard in self._push_order():
-            owned = shard.owned[index]
+        for link in self._push_order():
+            owned = link.owned[index]
             positions = [position for position, _ in owned]
-            packed = self._packed(shard, index, parts(grads, owned))
-            stamp, buffers = timestamps[shard.index], all_buffers[shard.index]
+            packed = self._packed(link, index, parts(grads, owned))
+            stamp, buffers = timestamps[link.server], all_buffers[link.server]
             push = Push(
-                _whose(shard.client),
+                _whose(link.client),
                 index,
                 packed,
                 has_grad[positions],
@@ -271,7 +271,7 @@ class Learner:
                 finite,
                 clipping=clipping,
             )
-            pushed.append(InFlight(shard, self._send(shard, push, pushed), buffers))
+            pushed.append(InFlight(link, self._send(link, push, pushed), buffers))
         self.wait_for_replies()
         self._in_flight = Pushes(pushed, index)
         if not self.overlap:
@@ -288,58 +288,58 @@ class Learner:
         """Each server's part of the buffers, flat: packed before the reply in flight is loaded (its buffers predate
         this step's forward), then that reply settled if a server may still read a shared-memory gradient buffer for
         it."""
-        buffers = [shard.buffer_layout.pack(shard.buffers, _CPU) for shard in self.shards]
-        if any(shard.shm is not None for shard in self.shards):
+        buffers = [link.buffer_layout.pack(link.buffers, _CPU) for link in self.links]
+        if any(link.shm is not None for link in self.links):
             self.wait_for_replies()
         return buffers
 
-    def _push_order(self) -> list[Shard]:
+    def _push_order(self) -> list[ServerLink]:
         """A node's leader waits for its members' gradients (node-local aggregation): the other pushes go first."""
-        return sorted(self.shards, key=lambda shard: shard.link is not None)
+        return sorted(self.links, key=lambda link: link.node is not None)
 
-    def _send(self, shard: Shard, push: Push, pushed: list[InFlight]) -> Optional[Future]:
-        """Send ``push`` to ``shard``'s server, alone or as this learner's part of its node's push (``pushed``: this
+    def _send(self, link: ServerLink, push: Push, pushed: list[InFlight]) -> Optional[Future]:
+        """Send ``push`` to ``link``'s server, alone or as this learner's part of its node's push (``pushed``: this
         step's pushes so far, whose failures end the node's waits)."""
-        return shard.client.push(push) if shard.link is None else self._push_node(shard, push, pushed)
+        return link.client.push(push) if link.node is None else self._push_node(link, push, pushed)
 
-    def _packed(self, shard: Shard, index: int, grad_parts: list[Tensor]) -> Optional[list[Tensor]]:
-        """The gradient's part for ``shard``'s server, flat: None where it is packed into shared memory; for a node's
+    def _packed(self, link: ServerLink, index: int, grad_parts: list[Tensor]) -> Optional[list[Tensor]]:
+        """The gradient's part for ``link``'s server, flat: None where it is packed into shared memory; for a node's
         push, whole (the node's sum is compressed); else compressed, if pushes are."""
-        layout = shard.grad_layouts[index]
-        if shard.link is None and shard.shm is not None:
-            layout.pack_into(grad_parts, shard.shm.grads[index])
+        layout = link.grad_layouts[index]
+        if link.node is None and link.shm is not None:
+            layout.pack_into(grad_parts, link.shm.grads[index])
             return None
         packed = layout.pack(grad_parts, _CPU)
-        return packed if shard.link is not None else self._compressed(shard, index, packed)
+        return packed if link.node is not None else self._compressed(link, index, packed)
 
-    def _compressed(self, shard: Shard, index: int, packed: Sequence[Tensor]) -> list[Tensor]:
+    def _compressed(self, link: ServerLink, index: int, packed: Sequence[Tensor]) -> list[Tensor]:
         if self.feedback is None:
             return list(packed)
         # simulated learners share this Learner: each keeps its own error (its client says whose step)
-        return self.feedback.compress((shard.index, index, _whose(shard.client)), list(packed))
+        return self.feedback.compress((link.server, index, _whose(link.client)), list(packed))
 
-    def _push_node(self, shard: Shard, push: Push, pushed: list[InFlight]) -> Optional[Future]:
-        """This learner's part of its node's push to ``shard``'s server (:mod:`lightning_rudra.learner.node`).
+    def _push_node(self, link: ServerLink, push: Push, pushed: list[InFlight]) -> Optional[Future]:
+        """This learner's part of its node's push to ``link``'s server (:mod:`lightning_rudra.learner.node`).
         ``push.finite``: of the whole gradient (None: one server, this part is the whole)."""
-        link = shard.link
-        assert link is not None and push.grads is not None
+        node = link.node
+        assert node is not None and push.grads is not None
         finite = all_finite(push.grads) if push.finite is None else push.finite
 
-        def send(node: Push) -> Future:
-            assert node.grads is not None
-            return shard.client.push(replace(node, grads=self._compressed(shard, push.optimizer, node.grads)))
+        def send(summed: Push) -> Future:
+            assert summed.grads is not None
+            return link.client.push(replace(summed, grads=self._compressed(link, push.optimizer, summed.grads)))
 
         check = lambda: check_in_flight(pushed)  # noqa: E731  (the list as it grows)
-        return self._failing_node(lambda: link.push(replace(push, finite=finite), send, check))
+        return self._failing_node(lambda: node.push(replace(push, finite=finite), send, check))
 
     def _failing_node(self, step: Callable[[], Any]) -> Any:
         """Run a step of node-local aggregation; if anything fails, this learner's node peers stop waiting."""
         try:
             return step()
         except BaseException:
-            for shard in self.shards:
-                if shard.link is not None:
-                    shard.link.close(failed=True)
+            for link in self.links:
+                if link.node is not None:
+                    link.node.close(failed=True)
             raise
 
     def wait_for_replies(self) -> None:
@@ -347,9 +347,9 @@ class Learner:
         if self._in_flight is None:
             return
         in_flight, self._in_flight = self._in_flight, None
-        replies = [self._receive(p.shard, p.future, in_flight.pushed) for p in in_flight.pushed]
+        replies = [self._receive(p.link, p.future, in_flight.pushed) for p in in_flight.pushed]
         for p, reply in zip(in_flight.pushed, replies):
-            p.shard.take(reply.params, reply.buffers, p.buffers if self.overlap else None)
+            p.link.load_reply(reply.params, reply.buffers, p.buffers if self.overlap else None)
         if self.on_push is not None:
             self.on_push(
                 in_flight.optimizer,
@@ -358,26 +358,26 @@ class Learner:
                 min(reply.lr_scale for reply in replies),
             )
 
-    def _receive(self, shard: Shard, future: Optional[Future], pushed: list[InFlight]) -> PushReply:
-        if shard.link is None:
+    def _receive(self, link: ServerLink, future: Optional[Future], pushed: list[InFlight]) -> PushReply:
+        if link.node is None:
             assert future is not None
-            return shard.client.receive(future)
-        link = shard.link
-        return self._failing_node(lambda: link.receive(shard.client, future, lambda: check_in_flight(pushed)))
+            return link.client.receive(future)
+        node = link.node
+        return self._failing_node(lambda: node.receive(link.client, future, lambda: check_in_flight(pushed)))
 
     def finish(self) -> None:
         """Stop pushing and take the final weights, once every learner has stopped. Every server hears it at
         once: a learner still training waits in a hardsync round on one server only until this one is done
         there too."""
         self.wait_for_replies()
-        for shard in self.shards:
-            if shard.link is not None:
-                shard.link.close(failed=False)
-        finishing = [(shard, shard.client.finish()) for shard in self.shards]
-        for shard, future in finishing:
-            shard.take(*shard.client.final_weights(future))
+        for link in self.links:
+            if link.node is not None:
+                link.node.close(failed=False)
+        finishing = [(link, link.client.finish()) for link in self.links]
+        for link, future in finishing:
+            link.load_reply(*link.client.final_weights(future))
 
     def load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
         """Copy flat weights and buffers (laid out as the first server keeps them) into the module: with one
         server, all of them."""
-        self.shards[0].load(flat_params, flat_buffers)
+        self.links[0].load(flat_params, flat_buffers)

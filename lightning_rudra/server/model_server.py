@@ -56,7 +56,8 @@ class Released(NamedTuple):
     weights: Weights
 
 
-def _settle(outcomes: Outcomes) -> None:
+def _resolve(outcomes: Outcomes) -> None:
+    """Resolve each future not yet done with its value, or fail it with its exception."""
     for future, value in outcomes:
         if future.done():
             continue
@@ -79,11 +80,11 @@ class ModelServer:
         announce: bool = True,
         comeback: float = 0.0,
         name: str = "the parameter server",
-        shard: int = 0,
+        server: int = 0,
     ) -> None:
         """``announce``: log each loss and rejoin at INFO, which a server process writes to its stderr (with several
         servers, the first does; the others at DEBUG); ``comeback``: see
-        :class:`~lightning_rudra.server.membership.Membership`; ``name``: this server, in what it logs; ``shard``:
+        :class:`~lightning_rudra.server.membership.Membership`; ``name``: this server, in what it logs; ``server``:
         which of the servers this is."""
         self.num_learners = num_learners
         self.announce = announce
@@ -99,7 +100,7 @@ class ModelServer:
         self.epochs = SharedEpochs(num_learners)
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
         self.shared = SharedSide(num_learners)
-        self.rejoins = Rejoins(self.membership, self._announce)
+        self.rejoins = Rejoins(self.membership, self._log_later)
         self.on_lost: Optional[Callable[[int, str], None]] = None  # told of each loss, outside the lock
         self._lost_queue: list[tuple[int, str]] = []
         # per compression, the float32 weights each learner's process holds (its replies' weights travel as
@@ -110,8 +111,8 @@ class ModelServer:
         self.waits = SlowWaits(log, name, waits_after())
         # hardsync clipping by norm over several servers' parts (core.clipping), and the sending of this server's
         # part to another, outside the lock
-        self.shard = shard
-        self.norm_exchange = NormExchange(shard)
+        self.server = server
+        self.norm_exchange = NormExchange(server)
         self.send_norm: Optional[Callable[[int, int, int, float], None]] = None  # (to server, optimizer, round, norm²)
 
     def register(self, registration: Registration) -> None:
@@ -164,7 +165,7 @@ class ModelServer:
 
     def pull(self) -> Future:
         self._check_alive()
-        return self.registered.then(lambda registered: registered.wait() or self._locked(self._core().pull))
+        return self.registered.then(lambda registered: registered.wait() or self._locked(self._protocol().pull))
 
     def push(self, push: Push) -> Future:
         """A learner's gradient (:meth:`Server.push`); a node's push (``push.members``) shares its reply with them.
@@ -178,7 +179,7 @@ class ModelServer:
         """
         with self.lock:
             self._check_alive()
-            core = self._core()
+            core = self._protocol()
             if push.grads is None:
                 push = replace(push, grads=self.shared.gradient(push.learner, push.optimizer, core))
             result = core.push(push)
@@ -195,7 +196,7 @@ class ModelServer:
             else:
                 outcomes, weights = self._release_rounds(applied, learner)
                 lr_scale = self._lr_scale(optimizer)
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
         if not in_round:
             reply = Future()
             reply.set_result(
@@ -206,30 +207,30 @@ class ModelServer:
     def _applied(self, closed: list[int]) -> list[int]:
         """Of the optimizers whose wait just ``closed``, those whose update applied (:class:`NormExchange`). Called
         under the lock."""
-        return self.norm_exchange.applied(self._core(), closed)
+        return self.norm_exchange.applied(self._protocol(), closed)
 
-    def round_norm(self, shard: int, optimizer: int, round: int, partial: float) -> None:
-        """Server ``shard``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``
+    def round_norm(self, server: int, optimizer: int, round: int, partial: float) -> None:
+        """Server ``server``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``
         (:meth:`NormExchange.add`); with the last part, the update applies and the round's learners get their
         replies."""
-        check_part(shard, optimizer, round, partial)
+        check_part(server, optimizer, round, partial)
         with self.lock:
             if self.failure is not None or self.core is None:
                 return
-            applied = self.norm_exchange.add(self.core, shard, optimizer, round, partial)
+            applied = self.norm_exchange.add(self.core, server, optimizer, round, partial)
             outcomes: Outcomes = self._release_rounds([optimizer]).outcomes if applied else []
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
 
-    def norm_not_sent(self, shard: int, error: BaseException) -> None:
-        """This server's part of a round's norm did not reach server ``shard``: its round can never apply."""
+    def norm_not_sent(self, server: int, error: BaseException) -> None:
+        """This server's part of a round's norm did not reach server ``server``: its round can never apply."""
         with self.lock:
             if self.failure is not None or self.membership.members <= self.finished:  # nobody waits any more
                 return
             outcomes = self._give_up(
                 f"{self.waits.who} could not send its part of the gradient's norm (clipping by norm over several "
-                f"servers) to parameter server {shard}: {error}"
+                f"servers) to parameter server {server}: {error}"
             )
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
 
     def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> Released:
         """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
@@ -255,22 +256,22 @@ class ModelServer:
         )
 
     def _lr_scale(self, optimizer: int) -> float:
-        update = self._core().last_updates[optimizer]
+        update = self._protocol().last_updates[optimizer]
         return update.lr_scale if update is not None else 1.0
 
     def _weights(self, learners: list[int]) -> Weights:
-        return self.shared.reply(learners, self._core())
+        return self.shared.reply(learners, self._protocol())
 
     def finish(self, learner: int) -> Future:
         """A learner is done training; resolves, once all learners left are, with the final weights."""
         with self.lock:
             self._check_alive()
-            outcomes = self._release_rounds(self._applied(self._core().finish(learner))).outcomes
+            outcomes = self._release_rounds(self._applied(self._protocol().finish(learner))).outcomes
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
             outcomes += self._complete_finish()
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
         return future
 
     def _complete_finish(self) -> Outcomes:
@@ -290,7 +291,7 @@ class ModelServer:
             outcomes = self.gatherings.complete(self.membership.members)
             if not outcomes:
                 outcomes = self._give_up_if_deadlocked()
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
         return future
 
     def draw(
@@ -298,17 +299,17 @@ class ModelServer:
     ) -> tuple[Optional[Any], int, str]:
         """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
         with self.lock:
-            return self.epochs.draw(self._core().stats, pool, epoch, learner, plan, want, trained)
+            return self.epochs.draw(self._protocol().stats, pool, epoch, learner, plan, want, trained)
 
     def stop_drawing(self, learner: int) -> None:
         """``learner`` stops training: every pool of the shared epoch is spent (:meth:`EpochPool.stop`)."""
         with self.lock:
             self.epochs.stop()
 
-    def _settle(self, outcomes: Outcomes) -> None:
+    def _resolve_and_report(self, outcomes: Outcomes) -> None:
         """Resolve ``outcomes`` once the lock is released, then log what there is to say and tell :attr:`on_lost`
         of the learners lost since."""
-        _settle(outcomes)
+        _resolve(outcomes)
         # most calls have nothing more (read without the lock: who adds, settles after)
         if not (self._told or self._lost_queue or self.norm_exchange.outbox):
             return
@@ -316,22 +317,22 @@ class ModelServer:
             told, self._told = self._told, []
             lost, self._lost_queue = self._lost_queue, []
             sends = self.norm_exchange.take_outbox()
-        for shard, optimizer, round, partial in sends:
+        for server, optimizer, round, partial in sends:
             assert self.send_norm is not None  # the server process sets it where there are several servers
-            self.send_norm(shard, optimizer, round, partial)
+            self.send_norm(server, optimizer, round, partial)
         for level, message in told:
             log.log(level, "%s", message)
         for learner, why in lost:
             if self.on_lost is not None:
                 self.on_lost(learner, why)
 
-    def _announce(self, message: str) -> None:
-        """A loss or a rejoin, logged once the lock is released (:meth:`_settle`). Called under the lock."""
+    def _log_later(self, message: str) -> None:
+        """A loss or a rejoin, logged once the lock is released (:meth:`_resolve_and_report`). Called under the lock."""
         self._told.append((logging.INFO if self.announce else logging.DEBUG, message))
 
     def _give_up(self, reason: str) -> Outcomes:
         """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
-        caller settles the returned outcomes once it has released it (:func:`_settle`)."""
+        caller settles the returned outcomes once it has released it (:func:`_resolve`)."""
         self.failure = reason
         self.shared.release()  # nobody maps the files any more
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
@@ -352,14 +353,14 @@ class ModelServer:
         return self._give_up(deadlock(at_collective[0], in_round[0]))
 
     def stats(self) -> dict[str, Any]:
-        return self._locked(lambda: self._core().stats.to_dict())
+        return self._locked(lambda: self._protocol().stats.to_dict())
 
     def snapshot(self) -> Snapshot:
         """What a checkpoint holds, all of one clock: weights and buffers (flat), the clock, every optimizer's
         state and the statistics."""
 
         def take() -> Snapshot:
-            core = self._core()
+            core = self._protocol()
             params, buffers, clock = core.pull()
             states = [core.optimizer_state(i) for i in range(len(core.optimizers))]
             return Snapshot(params, buffers, clock, states, Stats.from_dict(core.stats.to_dict()))
@@ -367,16 +368,16 @@ class ModelServer:
         return self._locked(take)
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
-        return self._locked(lambda: self._core().optimizer_state(optimizer))
+        return self._locked(lambda: self._protocol().optimizer_state(optimizer))
 
     def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
-        self._locked(lambda: self._core().load_optimizer_state(optimizer, state))
+        self._locked(lambda: self._protocol().load_optimizer_state(optimizer, state))
 
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise RuntimeError(self.failure)
 
-    def _core(self) -> Server:
+    def _protocol(self) -> Server:
         if self.core is None:
             raise RuntimeError("the parameter server holds no weights yet: learner 0 has not registered the model")
         return self.core

@@ -218,7 +218,7 @@ def _stream_address() -> Optional[StreamOffer]:
     with _stream_lock:
         global _stream
         if _stream is None and _server.address is not None:
-            core = _server._core()  # the frames' limit is the model's size
+            core = _server._protocol()  # the frames' limit is the model's size
             model_bytes = sum(t.numel() * t.element_size() for t in core.flat_params + core.flat_buffers)
             _stream = StreamServer(
                 _server.address,
@@ -255,24 +255,24 @@ def call_async(method: str, *args: Any) -> Future:
     return _entry(method, args)(*args)  # raising here, before any future, reaches the caller
 
 
-def _send_norm(timeout: float, shard: int, optimizer: int, round: int, partial: float) -> None:
-    """This server's part of a hardsync round's gradient norm, to server ``shard``
+def _send_norm(timeout: float, to: int, optimizer: int, round: int, partial: float) -> None:
+    """This server's part of a hardsync round's gradient norm, to server ``to``
     (:meth:`~lightning_rudra.server.model_server.ModelServer.round_norm`): not waited for; if it does not arrive
     within ``timeout`` (that server died), training cannot go on, and this server's waits fail with why."""
     assert _server is not None
     server = _server
-    args = ("round_norm", server.shard, optimizer, round, partial)
+    args = ("round_norm", server.server, optimizer, round, partial)
     try:
-        sent = rpc.rpc_async(server_name(shard), call, args=args, timeout=timeout)
+        sent = rpc.rpc_async(server_name(to), call, args=args, timeout=timeout)
     except Exception as error:  # the RPC agent is gone, or does not know the name
-        server.norm_not_sent(shard, error)
+        server.norm_not_sent(to, error)
         return
 
     def delivered(done: Future) -> None:
         try:
             done.wait()
         except Exception as error:
-            server.norm_not_sent(shard, error)
+            server.norm_not_sent(to, error)
 
     sent.add_done_callback(delivered)
 
@@ -387,7 +387,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         announce=args.shard == 0,
         comeback=args.comeback,
         name=f"parameter server {args.shard}",
-        shard=args.shard,
+        server=args.shard,
     )
     _server.send_norm = lambda *norm: _send_norm(args.timeout, *norm)
     _server.address = address_towards(host)

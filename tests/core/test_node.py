@@ -5,7 +5,7 @@ the same gradients pushed one by one."""
 import pytest
 import torch
 
-from lightning_rudra.core.node import LearnerPlace, NodeGroup, plan_nodes, refusal, sum_node
+from lightning_rudra.core.node_plan import LearnerPlace, NodeGroup, plan_nodes, refusal, sum_node
 from lightning_rudra.core.update import Push
 from tests.core.test_protocol import make_server
 

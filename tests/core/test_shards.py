@@ -115,7 +115,7 @@ def test_a_non_elementwise_optimizer_or_a_non_contiguous_parameter_is_not_cut():
         [(1, True)],
         [(2, True), (3, True)],
     ]  # cuts at 20 and 25, the nearest to 20.3 and 40.7
-    assert [len(shard.params) for shard in learner.shards] == [1, 1, 2]
+    assert [len(link.params) for link in learner.links] == [1, 1, 2]
     conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     plan = Learner(conv, [object(), object()]).plan
     assert not plan.splits_a_parameter and [len(pieces) for pieces in plan.shards] == [1, 1]

@@ -22,7 +22,7 @@ import torch
 
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.update import Push
-from lightning_rudra.learner import shard as shard_module
+from lightning_rudra.learner import link as link_module
 from lightning_rudra.transport import frames, stream
 from lightning_rudra.transport.elastic import LearnerId
 from lightning_rudra.transport.frames import recv_frame, send_frame
@@ -234,7 +234,7 @@ class Fuzzer:
 def fuzzed_training(rank, clients, config, marker):
     """Learner 0 believes its server is on another host, so its pushes go over the stream; a thread fuzzes the
     stream meanwhile."""
-    shard_module.socket = types.SimpleNamespace(gethostname=lambda: "another-host")
+    link_module.socket = types.SimpleNamespace(gethostname=lambda: "another-host")
     server = _server_pid()
     ports_before = _listening_ports(server)
     net, learner, wrapped = harness.start(rank, clients, config, lr=LR)

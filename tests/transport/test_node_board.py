@@ -1,6 +1,6 @@
 """The node's board (node-local aggregation) in one process: a member maps the leader's files (and only those), the
 files go once mapped, two learners (threads) link their shards to the server they reach through RPC (or, when one
-cannot map the board, turn aggregation off with a warning), and a round through :class:`~lightning_rudra.learner.node.NodeLink`: the leader sums, sends once
+cannot map the board, turn aggregation off with a warning), and a round through :class:`~lightning_rudra.learner.node.NodeMember`: the leader sums, sends once
 and writes the reply's weights, which the member reads. Every wait ends with an error naming the learner waited for
 when it ended, stopped pushing or went silent."""
 
@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from lightning_rudra.core.node import NodeGroup
+from lightning_rudra.core.node_plan import NodeGroup
 from lightning_rudra.core.update import Push, PushReply
-from lightning_rudra.learner.node import NodeLink
-from lightning_rudra.transport.node_shm import BEAT, PID, NodeBoard, board_layout
+from lightning_rudra.learner.node import NodeMember
+from lightning_rudra.transport.node_board import BEAT, PID, NodeBoard, board_layout
 from torch.futures import Future
 
 
@@ -52,7 +52,7 @@ def links(tmp_path, timeout=5.0):
     member_board = NodeBoard.open(layout(), leader_board.names)
     leader_board.unlink()
     group = NodeGroup(0, 1, (0, 1))
-    return NodeLink(group, 0, leader_board, timeout, "parameter server 1"), NodeLink(
+    return NodeMember(group, 0, leader_board, timeout, "parameter server 1"), NodeMember(
         group, 1, member_board, timeout, "parameter server 1"
     )
 
@@ -175,7 +175,7 @@ def learners_of_one_node():
     for rank in range(2):
         module = torch.nn.Linear(3, 2)
         learner = Learner(module, [Stub(rank), Stub(rank)])
-        learner.shards[0].shm = object()  # server 0 is on this host; server 1 is reached through RPC
+        learner.links[0].shm = object()  # server 0 is on this host; server 1 is reached through RPC
         learner.wrap([torch.optim.SGD(module.parameters(), lr=0.1)])
         made.append(learner)
     return made
@@ -197,11 +197,11 @@ def test_the_learners_of_a_node_link_their_shards_to_the_servers_they_reach_thro
     for thread in threads:
         thread.join(20)
     assert groups[0] == groups[1] == [NodeGroup(0, 1, (0, 1))]
-    assert [learner.shards[1].link.leader for learner in learners] == [True, False]
-    assert all(learner.shards[0].link is None for learner in learners)
+    assert [learner.links[1].node.leader for learner in learners] == [True, False]
+    assert all(learner.links[0].node is None for learner in learners)
     assert list(tmp_path.iterdir()) == []  # every file went once mapped
     for learner in learners:
-        learner.shards[1].link.close(False)
+        learner.links[1].node.close(False)
 
 
 def test_a_member_that_cannot_map_the_board_turns_aggregation_off_with_a_warning(tmp_path, monkeypatch):
@@ -231,5 +231,5 @@ def test_a_member_that_cannot_map_the_board_turns_aggregation_off_with_a_warning
         "lightning_rudra: node-local aggregation is off: learner 1 could not map the shared memory of learner 0 on "
         "its node: another /dev/shm. Each learner pushes alone."
     ]
-    assert all(learner.shards[1].link is None for learner in learners)
+    assert all(learner.links[1].node is None for learner in learners)
     assert list(tmp_path.iterdir()) == []

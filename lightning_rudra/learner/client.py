@@ -279,8 +279,11 @@ class LearnerClient:
         return Stats.from_dict(self._sync("stats"))
 
     def snapshot(self) -> Snapshot:
-        """Weights, buffers (flat), clock, optimizer states and statistics, all of one clock."""
-        return self._sync("snapshot")
+        """Weights, buffers (flat), clock, optimizer states and statistics, all of one clock: the learner loads these
+        weights (its next push's timestamp)."""
+        snapshot: Snapshot = self._sync("snapshot")
+        self.timestamp = snapshot.clock
+        return snapshot
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self._sync("optimizer_state", optimizer)

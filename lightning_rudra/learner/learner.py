@@ -23,7 +23,6 @@ from lightning_rudra.learner.optimizer import LearnerOptimizer
 from lightning_rudra.learner.link import ServerLink
 from lightning_rudra.core.clipping import Clipping, across_servers
 from lightning_rudra.core.compression import ErrorFeedback
-from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.push_checks import all_finite
@@ -144,11 +143,7 @@ class Learner:
         self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
         self.orders = [[i for idx, _ in spec.groups for i in idx] for spec in specs]
         for link in self.links:
-            link.owned = [self.plan.owned(link.server, order) for order in self.orders]
-            link.grad_layouts = [
-                FlatLayout(parts([p.detach() for p in params], owned))
-                for params, owned in zip(self.optimizer_params, link.owned)
-            ]
+            link.lay_out([self.plan.owned(link.server, order) for order in self.orders], self.optimizer_params)
         return specs
 
     def _stamp(self, index: int) -> Callable[[Tensor], None]:
@@ -160,6 +155,10 @@ class Learner:
                 self.grad_timestamps[index] = self._timestamps()
 
         return hook
+
+    def forget_gradient(self, index: int) -> None:
+        """The gradient of optimizer ``index`` ends (zeroed): the next one is stamped afresh."""
+        self.grad_timestamps[index] = None
 
     def _timestamps(self) -> tuple[int, ...]:
         return tuple(client.timestamp for client in self.clients)
@@ -207,7 +206,7 @@ class Learner:
         states, stats = {}, []
         for link in self.links:
             snapshot = link.client.snapshot()
-            link.client.timestamp, states[link.server] = snapshot.clock, snapshot.states
+            states[link.server] = snapshot.states
             link.load(snapshot.params, snapshot.buffers)
             stats.append(snapshot.stats)
         merged = [

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_rudra.core.flat import FlatLayout
-from lightning_rudra.core.shards import Piece
+from lightning_rudra.core.shards import Piece, parts
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.learner.node import NodeMember
 from lightning_rudra.learner.server_client import ServerClient
@@ -38,6 +38,15 @@ class ServerLink:
         self.attached = False
         # this learner's part in its node's pushes to a server on another host (node-local aggregation)
         self.node: Optional[NodeMember] = None
+
+    def lay_out(self, owned: list[list[tuple[int, Piece]]], optimizer_params: list[list[Tensor]]) -> None:
+        """Which part of every optimizer's parameters (``optimizer_params``, in its groups' order) this server owns:
+        ``owned`` per optimizer (:meth:`ShardPlan.owned <lightning_rudra.core.shards.ShardPlan.owned>`), and the layout
+        of the gradient part it is pushed."""
+        self.owned = owned
+        self.grad_layouts = [
+            FlatLayout(parts([p.detach() for p in params], pieces)) for params, pieces in zip(optimizer_params, owned)
+        ]
 
     def attach(self, shared_memory: bool, compression: Optional[str] = None) -> None:
         """Map the server's shared memory if it has some and runs on this host; tell it either way. ``compression``:

@@ -50,7 +50,7 @@ class LearnerOptimizer(Optimizer):
         anew). Lightning's automatic optimization zeroes in the step's closure, before the clipping it asks."""
         self.local.zero_grad(set_to_none=set_to_none)
         self.clipping = ()
-        self.learner.grad_timestamps[self.index] = None
+        self.learner.forget_gradient(self.index)
 
     def state_dict(self) -> dict[str, Any]:
         """The server's state (momentum, moments...) with this learner's parameter groups: their learning rate

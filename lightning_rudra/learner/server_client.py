@@ -71,7 +71,8 @@ class ServerClient(Protocol):
         ...
 
     def snapshot(self) -> Snapshot:
-        """Weights, buffers, clock, optimizer states and statistics, all of one clock (a checkpoint's)."""
+        """Weights, buffers, clock, optimizer states and statistics, all of one clock (a checkpoint's); the learner
+        loads these weights: their clock is the new ``timestamp``."""
         ...
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:

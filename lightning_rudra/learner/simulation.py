@@ -156,7 +156,7 @@ class SimulatedClient:
     def snapshot(self) -> Snapshot:
         server = self._server()
         params, buffers, clock = server.pull()
-        self._loaded = clock  # the Learner loads these into the module now
+        self.timestamp = self._loaded = clock  # the Learner loads these into the module now
         states = [server.optimizer_state(i) for i in range(len(server.optimizers))]
         return Snapshot(params, buffers, clock, states, Stats.from_dict(server.stats.to_dict()))
 

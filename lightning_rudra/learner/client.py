@@ -153,6 +153,12 @@ class LearnerClient:
         return value
 
     def register(self, registration: Registration) -> None:
+        """Learner 0 only: hand the server its part of the model (:meth:`ServerClient.register
+        <lightning_rudra.learner.server_client.ServerClient.register>`).
+
+        Args:
+            registration: this server's part of the model.
+        """
         self._sync("register", registration)
 
     def attach(self) -> tuple[Optional[SharedNames], Optional[str]]:

@@ -33,7 +33,11 @@ class ServerClient(Protocol):
 
     def register(self, registration: Registration) -> None:
         """Learner 0 only: the server's starting weights and the optimizers it rebuilds to apply the updates (on
-        resume, with their saved states and the statistics), and what a learner that rejoins must match."""
+        resume, with their saved states and the statistics), and what a learner that rejoins must match.
+
+        Args:
+            registration: this server's part of the model.
+        """
         ...
 
     def attached(self, mapped: bool) -> None:
@@ -48,7 +52,14 @@ class ServerClient(Protocol):
         """Push a gradient (:class:`~lightning_rudra.core.update.Push`: of which optimizer, computed from the weights
         of which timestamp, with the learner's hyper-parameters and buffers, what the server checks and how it clips
         the update's gradient); ``push.grads=None``: it is in the server's shared memory. Hand the future to
-        :meth:`receive`."""
+        :meth:`receive`.
+
+        Args:
+            push: the learner's gradient for this server.
+
+        Returns:
+            the future of the server's :class:`PushReply`.
+        """
         ...
 
     def weights_as_deltas(self, compression: str) -> None:

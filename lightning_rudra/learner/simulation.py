@@ -48,7 +48,11 @@ class SimulatedClient:
 
     def register(self, registration: Registration) -> None:
         """The in-process server, of the ``registration``'s model (its weights in this process: no shared memory;
-        no process rejoins a simulated run: no ``module``)."""
+        no process rejoins a simulated run: no ``module``).
+
+        Args:
+            registration: the whole model, as learner 0 registers it.
+        """
         r = registration
         if r.config.num_learners != self.num_learners:
             raise ValueError(
@@ -88,7 +92,14 @@ class SimulatedClient:
 
     def push(self, push: Push) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
-        there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
+        there the learner keeps its weights until the round's last gradient arrives (then all in it get them).
+
+        Args:
+            push: the gradient of the learner whose step runs now (:meth:`switch`), in full.
+
+        Returns:
+            a future already resolved with the :class:`PushReply`.
+        """
         assert push.grads is not None, "no shared memory to read a gradient from: a Learner sends it in the push"
         assert not push.members and not push.refused, "simulated learners push alone: no node-local aggregation"
         optimizer = push.optimizer

@@ -188,7 +188,16 @@ def _argument(answer: Callable, name: str, args: tuple) -> Any:
 
 def _push_deltas(compression: str, count: int, push: Push) -> Future:
     """A push whose reply's weights travel as differences from the weights the learner holds, after ``count``
-    replies (:meth:`LearnerClient.weights_as_deltas <lightning_rudra.learner.client.LearnerClient.weights_as_deltas>`)."""
+    replies (:meth:`LearnerClient.weights_as_deltas <lightning_rudra.learner.client.LearnerClient.weights_as_deltas>`).
+
+    Args:
+        compression: the wire dtype of the differences (``"bf16"``).
+        count: the replies the learner will have applied when this one comes.
+        push: the learner's gradient.
+
+    Returns:
+        the future of the :class:`PushReply`, its weights as differences.
+    """
     assert _server is not None
     deltas = _server.weight_deltas.setdefault(compression, WeightDeltas(compression))
     # a new process of the learner holds nothing yet: it sends count 0 and gets the whole weights

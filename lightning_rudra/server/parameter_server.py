@@ -181,7 +181,9 @@ class ParameterServer(ModelServer):
             return self._give_up(failure)
         self.epochs.lose(learner)
         self._log_later(self.membership.loss_told(learner, why))
-        outcomes = self._release_rounds(self._applied(self.core.remove(learner)))[0] if self.core is not None else []
+        outcomes = (
+            self._release_rounds(self._applied(self.core.remove(learner))).outcomes if self.core is not None else []
+        )
         outcomes += self.gatherings.complete(self.membership.members) + self._complete_finish()
         if self.core is not None:
             outcomes += self.rejoins.admit(self.core)

@@ -20,6 +20,7 @@ import torch
 
 from lightning_rudra import ProtocolConfig, Server
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.update import Push
 
 RULES = ("none", "momentum", "dc", "gap", "momentum+dc", "momentum+gap")
 LEARNERS = 4
@@ -42,7 +43,7 @@ def push_times(compensation: str, size: int, pushes: int, warmup: int = 4) -> li
         learner = k % LEARNERS
         grad = grads[k % 2].clone()  # the server takes ownership of what is pushed
         start = time.perf_counter()
-        server.push(learner, 0, [grad], torch.tensor([True]), held[learner], hparams, [])
+        server.push(Push(learner, 0, [grad], torch.tensor([True]), held[learner], hparams, []))
         times.append(time.perf_counter() - start)
         held[learner] = server.clock
     return times[warmup:]

@@ -46,7 +46,7 @@ def reuse_pack_buffers(layout) -> None:
 
 
 LEARNER_PATCHES = {
-    "pack_reuse": lambda learner: [reuse_pack_buffers(layout) for layout in learner.shards[0].grad_layouts]
+    "pack_reuse": lambda learner: [reuse_pack_buffers(layout) for layout in learner.links[0].grad_layouts]
 }
 
 _ENTRY = """import sys, types

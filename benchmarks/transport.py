@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from lightning_rudra.core.update import Push
 
 NUM_LEARNERS = 2
 
@@ -143,7 +144,7 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
     hyperparameters = protocol.hyperparameters
 
     grad = learner.params[0].grad
-    layout = learner.shards[0].grad_layouts[0]
+    layout = learner.links[0].grad_layouts[0]
     out["pack"].append(_median_time(lambda: layout.pack([grad], torch.device("cpu")), iters))
     reused = torch.empty_like(grad)  # the same packing into a buffer kept from one push to the next
     out.setdefault("pack_reuse", []).append(_median_time(lambda: torch.cat([grad.reshape(-1)], out=reused), iters))
@@ -160,7 +161,7 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
     for _ in range(iters):
         received = grad.clone()  # what TensorPipe hands the server: a new tensor, owned by the push
         start = time.perf_counter()
-        server.push(0, 0, [received], has_grad, server.clock, hparams, [])
+        server.push(Push(0, 0, [received], has_grad, server.clock, hparams, []))
         server.pull()
         times.append(time.perf_counter() - start)
     out["server_update"].append(statistics.median(times))

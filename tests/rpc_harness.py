@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
+from lightning_rudra.core.update import Push
 from lightning_rudra.learner.world import join, leave
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.transport.rpc_world import free_port
@@ -123,8 +124,8 @@ def train(
         "params": [p.detach().clone() for p in net.parameters()],
         "stats": stats,
         "pushes": pushes,
-        "owned": [len(shard.params) for shard in learner.shards],
-        "shared_memory": all(shard.shm is not None for shard in learner.shards),
+        "owned": [len(link.params) for link in learner.links],
+        "shared_memory": all(link.shm is not None for link in learner.links),
     }
 
 
@@ -135,7 +136,17 @@ def push_garbage(rank, clients, config):
     before, _ = client.pull()
     try:
         client.receive(
-            client.push(0, [torch.ones(3)], torch.ones(4, dtype=torch.bool), [{"lr": 0.1}], [], client.timestamp)
+            client.push(
+                Push(
+                    client.rank,
+                    0,
+                    [torch.ones(3)],
+                    torch.ones(4, dtype=torch.bool),
+                    client.timestamp,
+                    [{"lr": 0.1}],
+                    [],
+                )
+            )
         )
         error = None
     except Exception as exc:

@@ -58,6 +58,7 @@ from lightning_rudra import ProtocolConfig, Server
 from lightning_rudra.core.compression import ErrorFeedback, WeightDeltas
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.timing import Jittered, TimingModel, push_order
+from lightning_rudra.core.update import Push
 
 EPOCHS = 30  # the full grid's (and the compression study's) hardsync epochs
 NUM_SAMPLES = 4000
@@ -204,7 +205,7 @@ def train(
             grad = torch.cat([p.grad.reshape(-1) for p in params])
             if feedback is not None:
                 [grad] = feedback.compress(r, [grad])
-            result = server.push(r, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, [])
+            result = server.push(Push(r, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, []))
             if protocol != "hardsync":
                 held[r] = receive(r, server.pull())
             elif result.closed:  # hardsync: every learner gets the round's weights

@@ -7,22 +7,13 @@ has staleness σ = i - j (with several optimizers, of the updates that changed i
 :mod:`lightning_rudra.core.staleness`).
 """
 
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_rudra.core.clipping import (
-    Clipping,
-    GlobalNorm,
-    check_all as check_clippings,
-    check_same,
-    check_servers,
-    clip,
-    global_norm_step,
-    refuse_softsync,
-    squared_norm,
-)
+from lightning_rudra.core.clipping import GlobalNorm, clip, global_norm_step, squared_norm
 from lightning_rudra.core.compensation import (
     StaleWeights,
     compensate,
@@ -35,18 +26,13 @@ from lightning_rudra.core.compensation import (
 from lightning_rudra.core.compression import decompress
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
-from lightning_rudra.core.node import check_node_push
+from lightning_rudra.core.node_plan import check_node_push
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
 from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
 from lightning_rudra.core.stats import Stats
-from lightning_rudra.core.update import PushResult, Update
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """No NaN or Inf: a finite sum means every element is finite (NaN and Inf propagate); only check each element
-    if not."""
-    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+from lightning_rudra.core.push_checks import all_finite, check_clipping, check_fields, check_optimizer, check_round
+from lightning_rudra.core.update import Push, PushResult, Update
 
 
 class Server:
@@ -125,30 +111,16 @@ class Server:
         """A copy of the current weights and buffers (flat), and their timestamp."""
         return [f.clone() for f in self.flat_params], [f.clone() for f in self.flat_buffers], self.clock
 
-    def push(
-        self,
-        learner: int,
-        optimizer: int,
-        grads: Sequence[Tensor],
-        has_grad: Tensor,
-        timestamp: int,
-        hparams: Sequence[dict[str, Any]],
-        buffers: Sequence[Tensor],
-        finite: Optional[bool] = None,
-        members: Sequence[int] = (),
-        refused: Sequence[int] = (),
-        clipping: Sequence[Clipping] = (),
-    ) -> PushResult:
-        """Take one gradient. ``grads`` is packed with the gradient layout of ``optimizer`` (zeros where
-        ``has_grad`` is False), computed from weights with ``timestamp``; ``hparams`` are the learner's
-        current parameter-group hyper-parameters (its LR schedule stays in charge); ``buffers`` its buffers.
-        ``finite``: whether the gradient has no NaN or Inf, if the learner checked (the whole gradient, when this
-        server holds only part of the model); None: checked here.
+    def push(self, push: Push) -> PushResult:
+        """Take one gradient (:class:`~lightning_rudra.core.update.Push`): ``push.grads`` is packed with the gradient
+        layout of its optimizer, computed from weights with its timestamp. ``push.finite``: whether the gradient has
+        no NaN or Inf, if the learner checked (the whole gradient, when this server holds only part of the model);
+        None: checked here.
 
         Everything is checked before anything changes: a bad push raises and leaves the server as it was.
         A compressed gradient (:mod:`lightning_rudra.core.compression`) is widened first.
 
-        A node's push (hardsync, :mod:`lightning_rudra.core.node`): ``grads`` is the sum of the gradients of
+        A node's push (hardsync, :mod:`lightning_rudra.core.node_plan`): ``grads`` is the sum of the gradients of
         ``learner`` and ``members`` but those in ``refused`` (not finite, left out by the learner that summed), and
         ``buffers`` the sum of their floating-point buffers; it counts as the gradient of each of them, so that the
         update is still the mean over every learner's gradient.
@@ -157,67 +129,75 @@ class Server:
         (:mod:`lightning_rudra.core.clipping`); the newest push's request holds for the update. Under hardsync every
         push of a round must ask what its first push asked (refused otherwise), and a round clipped by norm over
         several servers closes without stepping (:attr:`awaiting_norm`) until :meth:`apply_norm`.
+
+        Args:
+            push: the learner's gradient for this server, with what it asks of the update.
+
+        Returns:
+            what became of the gradient, and the update it closed, if any.
         """
-        if optimizer in range(len(self.grad_layouts)) and isinstance(grads, (list, tuple)):
-            grads = decompress(grads, list(self.grad_layouts[optimizer].groups))
-        self._check_push(learner, optimizer, grads, has_grad, timestamp, hparams, buffers)
-        clipping = check_clippings(clipping)
-        servers = max((len(request.servers) for request in clipping if request.global_norm), default=1)
-        check_servers(clipping, servers, optimizer)
-        if self.config.protocol == "softsync" and self.gradients_per_update > 1:
-            for request in clipping:
-                if request.global_norm:
-                    c, n, learners = self.gradients_per_update, self.config.n, self.config.num_learners
-                    refuse_softsync(request.value, optimizer, len(request.servers), c, n, learners)
-        pending = self._pending[optimizer]
-        group = [learner, *members]
-        check_node_push(self.config.protocol, group, refused, self._check_learner)
-        for who in group:
-            if self.config.protocol == "hardsync" and who in pending.learners:
-                raise RuntimeError(
-                    f"learner {who} pushed twice for optimizer {optimizer} in one hardsync round "
-                    f"(clock {self.clock}): hardsync takes one gradient from every learner per update."
-                )
-        if self.config.protocol == "hardsync" and pending.asked_by is not None:
-            check_same(clipping, learner, pending.clipping, pending.asked_by, optimizer)
-        if refused and self.config.nonfinite == "raise":
-            finite = False
-        own = self.clocks.own_steps(learner, optimizer, self.clock)
-        sigma = self._staleness(optimizer, timestamp, own)
-        count = len(group) - len(refused)  # the gradients summed in grads
-        if finite is None:
-            finite = all_finite(grads)
-        if not finite or not count:
-            if self.config.nonfinite == "raise":
-                raise FloatingPointError(
-                    f"learner {refused[0] if refused else learner} pushed a gradient with NaN or Inf for optimizer "
-                    f"{optimizer}; the weights were left unchanged (nonfinite='raise')."
-                )
-            self.stats.rejected += len(group)
-            status = "rejected"
-        else:
-            self.stats.rejected += len(refused)
-            pending.received += count
-            pending.hparams = list(hparams)
-            pending.clipping = clipping
-            if self._defer:
-                pending.waiting.append(Gradient(grads, has_grad, buffers, timestamp, count, own))
-                self.clocks.queued(optimizer, timestamp)
-                status = "queued"
-            else:
-                status = self._admit(pending, optimizer, grads, has_grad, buffers, timestamp, sigma, count)
+        push = self._checked(push)
+        pending = self._pending[push.optimizer]
+        own = self.clocks.own_steps(push.learner, push.optimizer, self.clock)
+        sigma = self._staleness(push.optimizer, push.timestamp, own)
+        status = self._take(push, pending, own, sigma)
+        group = [push.learner, *push.members]
         self.stats.gradients += len(group)
         if self.config.protocol == "hardsync" and pending.asked_by is None:  # what the round's pushes must ask
-            pending.asked_by, pending.clipping = learner, clipping
+            pending.asked_by, pending.clipping = push.learner, tuple(push.clipping)
         pending.learners.update(group)
         for who in group:
-            self.clocks.pushed(who, optimizer, timestamp, self.clock)
+            self.clocks.pushed(who, push.optimizer, push.timestamp, self.clock)
         if not self._ready(pending):
             return PushResult(status, sigma)
-        update = self._close(optimizer, learner)
+        update = self._close(push.optimizer, push.learner)
         if status == "queued":  # applied just now, with the σ it arrived with
             status = "dropped" if self._too_stale(sigma) else "accepted"
         return PushResult(status, sigma, closed=True, update=update)
+
+    def _checked(self, push: Push) -> Push:
+        """``push``, its gradient widened and its clippings as the update applies them, once every check passed
+        (:mod:`lightning_rudra.core.push_checks`)."""
+        optimizer = push.optimizer
+        if optimizer in range(len(self.grad_layouts)) and isinstance(push.grads, (list, tuple)):
+            push = replace(push, grads=decompress(push.grads, list(self.grad_layouts[optimizer].groups)))
+        self._check_learner(push.learner)
+        check_optimizer(optimizer, len(self.optimizers))
+        num_groups = len(self.optimizers[optimizer].param_groups)
+        check_fields(push, self.grad_layouts[optimizer], num_groups, self.buffer_layout, self.clock)
+        clipping = check_clipping(push, self.config, self.gradients_per_update)
+        group = [push.learner, *push.members]
+        check_node_push(self.config.protocol, group, push.refused, self._check_learner)
+        if self.config.protocol == "hardsync":
+            check_round(push, group, self._pending[optimizer], clipping, self.clock)
+        return replace(push, clipping=clipping)
+
+    def _take(self, push: Push, pending: Pending, own: Optional[OwnSteps], sigma: int) -> str:
+        """Refuse a gradient that is not finite, or count it towards the update: kept whole until the update
+        (another optimizer may change its σ), or admitted now. Returns its status."""
+        count = len(push.members) + 1 - len(push.refused)  # the gradients summed in grads
+        finite = False if push.refused and self.config.nonfinite == "raise" else push.finite
+        assert push.grads is not None  # the server process reads a gradient in shared memory before
+        if finite is None:
+            finite = all_finite(push.grads)
+        if not finite or not count:
+            if self.config.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"learner {push.refused[0] if push.refused else push.learner} pushed a gradient with NaN or Inf "
+                    f"for optimizer {push.optimizer}; the weights were left unchanged (nonfinite='raise')."
+                )
+            self.stats.rejected += len(push.members) + 1
+            return "rejected"
+        self.stats.rejected += len(push.refused)
+        pending.received += count
+        pending.hparams = list(push.hparams)
+        pending.clipping = tuple(push.clipping)
+        gradient = Gradient(push.grads, push.has_grad, push.buffers, push.timestamp, count, own)
+        if self._defer:
+            pending.waiting.append(gradient)
+            self.clocks.queued(push.optimizer, push.timestamp)
+            return "queued"
+        return self._admit(pending, push.optimizer, gradient, sigma)
 
     def finish(self, learner: int) -> list[int]:
         """A learner has stopped pushing. Hardsync rounds now wait only for the learners still active; when the
@@ -292,39 +272,6 @@ class Server:
                 f"{sorted(self.active)} (λ={self.config.num_learners})."
             )
 
-    def _check_push(self, learner, optimizer, grads, has_grad, timestamp, hparams, buffers) -> None:
-        self._check_learner(learner)
-        if optimizer not in range(len(self.optimizers)):
-            raise ValueError(
-                f"optimizer index {optimizer!r} is unknown: the server holds "
-                f"{len(self.optimizers)} optimizer(s), indices 0..{len(self.optimizers) - 1}."
-            )
-        self.grad_layouts[optimizer].check(grads, f"the gradient pushed by learner {learner} for optimizer {optimizer}")
-        num_params = len(self.grad_layouts[optimizer])
-        if not (isinstance(has_grad, Tensor) and has_grad.dtype == torch.bool and has_grad.shape == (num_params,)):
-            raise ValueError(
-                f"has_grad from learner {learner} must be a bool tensor of shape ({num_params},), got {has_grad!r}."
-            )
-        if isinstance(timestamp, bool) or not isinstance(timestamp, int) or not 0 <= timestamp <= self.clock:
-            raise ValueError(
-                f"timestamp {timestamp!r} from learner {learner} is not valid: expected an integer "
-                f"between 0 and the server clock {self.clock}."
-            )
-        num_groups = len(self.optimizers[optimizer].param_groups)
-        if len(hparams) != num_groups:
-            raise ValueError(
-                f"learner {learner} sent hyper-parameters for {len(hparams)} parameter groups of "
-                f"optimizer {optimizer}: expected {num_groups}."
-            )
-        for hp in hparams:
-            lr = hp.get("lr") if isinstance(hp, dict) else None
-            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
-                raise ValueError(
-                    f"learner {learner} sent the learning rate {lr!r} for optimizer {optimizer}: "
-                    "expected a number >= 0 in every parameter group."
-                )
-        self.buffer_layout.check(buffers, f"the buffers pushed by learner {learner}")
-
     def _staleness(self, optimizer: int, timestamp: int, own: Optional[OwnSteps]) -> int:
         """σ of a gradient of ``optimizer`` from the weights of ``timestamp``, applied now (``own``: its learner's
         steps that are no staleness to it). Under hardsync 0: every learner waits for each round, so only another
@@ -336,27 +283,25 @@ class Server:
     def _too_stale(self, sigma: int) -> bool:
         return self.config.max_staleness is not None and sigma > self.config.max_staleness
 
-    def _admit(
-        self, pending: Pending, optimizer: int, grads, has_grad, buffers, timestamp: int, sigma: int, count: int = 1
-    ) -> str:
+    def _admit(self, pending: Pending, optimizer: int, gradient: Gradient, sigma: int) -> str:
         """Drop a gradient staler than the bound, or compensate it and add it to the sum; count its σ. Returns
-        its status. ``count``: how many learners' gradients ``grads`` sums (a node's push)."""
+        its status. ``gradient.count``: how many learners' gradients it sums (a node's push)."""
         if self._too_stale(sigma):
             self.stats.dropped += 1
             return "dropped"
         if sigma and self.history is not None:
             indices = self.optimizer_params[optimizer]
-            stale = self.param_layout.unpack(self.history.at(timestamp))
+            stale = self.param_layout.unpack(self.history.at(gradient.timestamp))
             compensate(
                 self.rules,
                 [self.params[i] for i in indices],
                 [stale[i] for i in indices],
-                self.grad_layouts[optimizer].unpack(grads),
+                self.grad_layouts[optimizer].unpack(gradient.grads),
                 self.rules_states[optimizer],
             )
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
-        pending.add(grads, has_grad, buffers, sigma, scale, count)
-        self.stats.count_staleness(optimizer, sigma, count)
+        pending.add(gradient.grads, gradient.has_grad, gradient.buffers, sigma, scale, gradient.count)
+        self.stats.count_staleness(optimizer, sigma, gradient.count)
         return "accepted"
 
     def _close(self, optimizer: int, pusher: Optional[int] = None) -> Optional[Update]:
@@ -370,16 +315,7 @@ class Server:
             pending.author = pusher
         self.rounds[optimizer] += 1
         for gradient in pending.waiting:  # σ counted now, as the update applies
-            self._admit(
-                pending,
-                optimizer,
-                gradient.grads,
-                gradient.has_grad,
-                gradient.buffers,
-                gradient.timestamp,
-                self._staleness(optimizer, gradient.timestamp, gradient.own),
-                gradient.count,
-            )
+            self._admit(pending, optimizer, gradient, self._staleness(optimizer, gradient.timestamp, gradient.own))
         self.clocks.applied(optimizer)
         if pending.grads is None:
             return None

@@ -1,11 +1,39 @@
-"""What became of a push, as plain data: the weight update it closed (:class:`Update`), the server's account of it
-(:class:`PushResult`) and the learner's reply over RPC (:class:`PushReply`). Words as in
-:mod:`lightning_rudra.core.protocol`."""
+"""A push and what became of it, as plain data: the push itself (:class:`Push`), the weight update it closed
+(:class:`Update`), the server's account of it (:class:`PushResult`) and the learner's reply over RPC
+(:class:`PushReply`). Words as in :mod:`lightning_rudra.core.protocol`."""
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 from torch import Tensor
+
+from lightning_rudra.core.clipping import Clipping
+
+
+@dataclass(frozen=True)
+class Push:
+    """One learner's gradient for one server, as the learner builds it and the server's protocol takes it
+    (:meth:`Server.push <lightning_rudra.core.protocol.Server.push>`), over RPC or the push stream unchanged.
+
+    ``learner`` pushes for ``optimizer`` the gradient ``grads``, packed with that optimizer's gradient layout on this
+    server (zeros where ``has_grad`` is False; None: it is in the learner's shared-memory buffer), computed from the
+    weights of ``timestamp``, with its parameter groups' hyper-parameters ``hparams`` (its LR schedule stays in
+    charge) and its flat ``buffers``. ``finite``: whether the whole gradient has no NaN or Inf, if the learner checked
+    (None: the server checks its part). ``members``, ``refused``: a node's push (node-local aggregation: the gradient
+    is the sum of those of ``learner`` and ``members`` but ``refused``). ``clipping``: how the server clips the
+    gradient its update applies, by each in turn (:mod:`lightning_rudra.core.clipping`)."""
+
+    learner: int
+    optimizer: int
+    grads: Optional[Sequence[Tensor]]
+    has_grad: Tensor
+    timestamp: int
+    hparams: Sequence[dict[str, Any]]
+    buffers: Sequence[Tensor]
+    finite: Optional[bool] = None
+    members: Sequence[int] = ()
+    refused: Sequence[int] = ()
+    clipping: Sequence[Clipping] = ()
 
 
 @dataclass(frozen=True)

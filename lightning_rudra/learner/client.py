@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 from contextlib import contextmanager
-from typing import Any, Hashable, Iterator, Optional, Sequence
+from typing import Any, Hashable, Iterator, Optional
 
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -18,16 +18,15 @@ from lightning_rudra.server import process as _server
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.membership import this_process
-from lightning_rudra.core.clipping import Clipping
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.registration import Registration
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 from lightning_rudra.transport.rpc_world import address_towards, server_name
 from lightning_rudra.transport.shm import SharedNames
 from lightning_rudra.transport.stream import StreamOffer
 from lightning_rudra.transport.stream_client import StreamClient
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.weights import Snapshot
 
 # torch.distributed.rpc: a timeout of 0 never expires. Calls that wait for other learners use it; the server's
 # heartbeat watch fails them instead when a learner is lost.
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 class LearnerClient:
-    """One learner's calls to one server process (``shard``; the first also answers collectives and deals the
+    """One learner's calls to one server process (``server``; the first also answers collectives and deals the
     shared epoch), over RPC: a :class:`~lightning_rudra.learner.server_client.ServerClient`. Holds the timestamp of
     the weights the learner last received from it.
 
@@ -53,15 +52,15 @@ class LearnerClient:
     """
 
     def __init__(
-        self, rank: int, timeout: float, server_host: str, shard: int = 0, rendezvous: Optional[str] = None
+        self, rank: int, timeout: float, server_host: str, server: int = 0, rendezvous: Optional[str] = None
     ) -> None:
         """``server_host``: where the server runs, as far as this learner knows (its heartbeat replies say it
         exactly); ``rendezvous``: where the learners meet (default: ``server_host``)."""
         self.rank = rank
         self.timeout = timeout
         self.server_host = server_host
-        self.server = server_name(shard)
-        self.what = "the parameter server" if shard == 0 else f"parameter server {shard}"
+        self.server = server_name(server)  # its RPC name
+        self.what = "the parameter server" if server == 0 else f"parameter server {server}"
         # named by the server if this learner is lost
         self.address = address_towards(rendezvous or server_host) or "an unknown address"
         self.timestamp = 0
@@ -153,18 +152,14 @@ class LearnerClient:
             raise value
         return value
 
-    def register(
-        self,
-        config: ProtocolConfig,
-        params: list[Tensor],
-        buffers: list[Tensor],
-        specs: list[OptimizerSpec],
-        stats: Optional[Stats],
-        shared_memory: bool,
-        optimizer_states: Optional[list[dict[str, Any]]] = None,
-        module: Optional[dict[str, Any]] = None,
-    ) -> None:
-        self._sync("register", config, params, buffers, specs, stats, shared_memory, optimizer_states, module)
+    def register(self, registration: Registration) -> None:
+        """Learner 0 only: hand the server its part of the model (:meth:`ServerClient.register
+        <lightning_rudra.learner.server_client.ServerClient.register>`).
+
+        Args:
+            registration: this server's part of the model.
+        """
+        self._sync("register", registration)
 
     def attach(self) -> tuple[Optional[SharedNames], Optional[str]]:
         """Once the model is registered: the server's shared memory (None without it) and why it is missing."""
@@ -177,31 +172,20 @@ class LearnerClient:
         params, buffers, self.timestamp = self._wait("the weights", "pull")
         return params, buffers
 
-    def push(
-        self,
-        optimizer: int,
-        grads: Optional[list[Tensor]],
-        has_grad: Tensor,
-        hparams: list[dict[str, Any]],
-        buffers: list[Tensor],
-        timestamp: int,
-        finite: Optional[bool] = None,
-        members: Sequence[int] = (),
-        refused: Sequence[int] = (),
-        clipping: tuple[Clipping, ...] = (),
-    ) -> Future:
-        """Send a gradient computed from the weights of ``timestamp``; hand the future to :meth:`receive`.
-        The tensors must not change until it resolves (RPC reads them when it sends them). ``grads=None``: the
-        gradient is in this learner's shared-memory buffer. ``finite``: whether the whole gradient is (None: the
-        server checks its part). ``members``, ``refused``: a node's push (:meth:`Server.push
-        <lightning_rudra.core.protocol.Server.push>`); ``clipping``: how the server clips the update's gradient, by each in turn."""
-        node = (list(members), list(refused), clipping) if members or refused or clipping else ()
-        args = (self.rank, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, *node)
+    def push(self, push: Push) -> Future:
+        """Send a gradient (:class:`~lightning_rudra.core.update.Push`); hand the future to :meth:`receive`. Its
+        tensors must not change until it resolves (RPC reads them when it sends them).
+
+        Args:
+            push: this learner's gradient for this server (``grads=None``: in its shared-memory buffer).
+
+        Returns:
+            the future of the server's :class:`PushReply`.
+        """
+        args: tuple = ("push", push)
         if self.deltas is not None:  # the count this learner will have applied when the reply comes
-            args = ("push_deltas", self.deltas.compression, self.deltas.count() + self._replies_due, *args)
+            args = ("push_deltas", self.deltas.compression, self.deltas.count() + self._replies_due, push)
             self._replies_due += 1
-        else:
-            args = ("push", *args)
         if self.stream is not None:
             return self.stream.call(*args)
         return rpc.rpc_async(self.server, _server.call_async, timeout=_NO_TIME_LIMIT, args=args)
@@ -300,10 +284,12 @@ class LearnerClient:
     def stats(self) -> Stats:
         return Stats.from_dict(self._sync("stats"))
 
-    def snapshot(self) -> tuple[list[Tensor], list[Tensor], int, list[dict[str, Any]], Stats]:
-        """Weights, buffers (flat), clock, optimizer states and statistics, all of one clock."""
-        params, buffers, clock, states, stats = self._sync("snapshot")
-        return params, buffers, clock, states, Stats.from_dict(stats)
+    def snapshot(self) -> Snapshot:
+        """Weights, buffers (flat), clock, optimizer states and statistics, all of one clock: the learner loads these
+        weights (its next push's timestamp)."""
+        snapshot: Snapshot = self._sync("snapshot")
+        self.timestamp = snapshot.clock
+        return snapshot
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self._sync("optimizer_state", optimizer)

@@ -8,28 +8,60 @@ Lightning-free: :class:`LearnerOptimizer` wraps any torch optimizer, so a plain 
 as well as the strategy.
 """
 
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torch.futures import Future
 from torch.optim import Optimizer
 
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.node import check_in_flight
-from lightning_rudra.learner.shard import Shard
+from lightning_rudra.learner.optimizer import LearnerOptimizer
+from lightning_rudra.learner.link import ServerLink
 from lightning_rudra.core.clipping import Clipping, across_servers
 from lightning_rudra.core.compression import ErrorFeedback
-from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
-from lightning_rudra.core.protocol import ProtocolConfig, all_finite
+from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.push_checks import all_finite
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.shards import ShardPlan, cuts_parameters, parts
-from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.core.stats import Stats
 
 _CPU = torch.device("cpu")
-_SEVERITY = ("accepted", "queued", "dropped", "rejected")  # a push's status over shards: the worst of theirs
+_SEVERITY = ("accepted", "queued", "dropped", "rejected")  # a push's status over servers: the worst of theirs
+
+
+class InFlight(NamedTuple):
+    """A push to one server not yet settled: through which link, its reply's future (None: a node member's, read
+    from the board) and the buffers it carried."""
+
+    link: ServerLink
+    future: Optional[Future]
+    buffers: list[Tensor]
+
+
+class Pushes(NamedTuple):
+    """The pushes of one step in flight, one per server, and their optimizer."""
+
+    pushed: list[InFlight]
+    optimizer: int
+
+
+def _dense(params: list[Tensor]) -> list[Tensor]:
+    """The parameters' gradients, zeros for none; sparse ones (nn.Embedding(sparse=True)) travel dense: the server's
+    flat buffers are dense."""
+    return [
+        torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params
+    ]
+
+
+def _whose(client: ServerClient) -> int:
+    """The learner whose step pushes through ``client``: simulated learners share one client (it says whose step
+    runs now)."""
+    return getattr(client, "learner", client.rank)
 
 
 class Learner:
@@ -52,8 +84,8 @@ class Learner:
         self.shared_memory = shared_memory
         # gradients pushed in RPC messages, with their rounding errors (None: in full precision)
         self.feedback = ErrorFeedback(compression) if compression is not None else None
-        # (pushes in flight: shard, future and the buffers sent; their optimizer) not yet settled
-        self._in_flight: Optional[tuple[list[tuple[Shard, Optional[Future], list[Tensor]]], int]] = None
+        self._in_flight: Optional[Pushes] = None  # not yet settled
+
         self.params = list(module.parameters())
         self.buffers = list(module.buffers())
         self._cut(whole=False)
@@ -86,8 +118,8 @@ class Learner:
         whole = whole or not all(p.is_contiguous() for p in self.params)
         self.plan = ShardPlan([p.shape for p in self.params], len(self.clients), whole)
         weights = [p.detach() for p in self.params]
-        self.shards = [
-            Shard(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
+        self.links = [
+            ServerLink(s, client, self.plan.views(s, weights), self.buffers if s == 0 else [])
             for s, client in enumerate(self.clients)
         ]
 
@@ -97,7 +129,7 @@ class Learner:
         # which optimizers share a parameter is known here, for the whole model: each server holds a part of it
         specs = sharing_parameters([OptimizerSpec.from_optimizer(opt, self.params) for opt in optimizers])
         if self.plan.splits_a_parameter and not cuts_parameters(specs):
-            if any(shard.attached for shard in self.shards):
+            if any(link.attached for link in self.links):
                 raise RuntimeError(
                     "the learner pulled weights before its optimizers were known: the servers' cuts "
                     "can no longer move to parameter boundaries for a non-elementwise optimizer"
@@ -106,16 +138,12 @@ class Learner:
         return specs
 
     def _lay_out(self, optimizers: Sequence[Optimizer]) -> list[OptimizerSpec]:
-        """Which shard holds which part of every optimizer's parameters; the optimizers' specs."""
+        """Which link holds which part of every optimizer's parameters; the optimizers' specs."""
         specs = self.check(optimizers)
         self.optimizer_params = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
         self.orders = [[i for idx, _ in spec.groups for i in idx] for spec in specs]
-        for shard in self.shards:
-            shard.owned = [self.plan.owned(shard.index, order) for order in self.orders]
-            shard.grad_layouts = [
-                FlatLayout(parts([p.detach() for p in params], owned))
-                for params, owned in zip(self.optimizer_params, shard.owned)
-            ]
+        for link in self.links:
+            link.lay_out([self.plan.owned(link.server, order) for order in self.orders], self.optimizer_params)
         return specs
 
     def _stamp(self, index: int) -> Callable[[Tensor], None]:
@@ -128,15 +156,19 @@ class Learner:
 
         return hook
 
+    def forget_gradient(self, index: int) -> None:
+        """The gradient of optimizer ``index`` ends (zeroed): the next one is stamped afresh."""
+        self.grad_timestamps[index] = None
+
     def _timestamps(self) -> tuple[int, ...]:
         return tuple(client.timestamp for client in self.clients)
 
     def unwrap(self) -> None:
         """Training is over: the module's parameters no longer report their gradients to this learner (nor do
         its node's peers wait for its pushes)."""
-        for shard in self.shards:
-            if shard.link is not None:
-                shard.link.close(failed=True)  # after finish, nothing: it is DONE already
+        for link in self.links:
+            if link.node is not None:
+                link.node.close(failed=True)  # after finish, nothing: it is DONE already
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -152,28 +184,31 @@ class Learner:
         """Learner 0 only: give every server its part of the starting weights and of the optimizers to rebuild
         (on resume, with their saved states and the statistics), and what a rejoining learner must match."""
         specs = self._lay_out(optimizers)
-        for shard in self.shards:
-            shard_specs = [self.plan.spec(shard.index, spec) for spec in specs]
+        for link in self.links:
+            shard_specs = [self.plan.spec(link.server, spec) for spec in specs]
             states = (
                 [
-                    self.plan.split_state(shard.index, order, state)
+                    self.plan.split_state(link.server, order, state)
                     for order, state in zip(self.orders, optimizer_states)
                 ]
                 if optimizer_states
                 else None
             )
-            params, buffers = ([t.detach().to(_CPU, copy=True) for t in ts] for ts in (shard.params, shard.buffers))
-            shard.client.register(config, params, buffers, shard_specs, stats, self.shared_memory, states, module)
+            params, buffers = ([t.detach().to(_CPU, copy=True) for t in ts] for ts in (link.params, link.buffers))
+            link.client.register(
+                Registration(config, params, buffers, shard_specs, stats, self.shared_memory, states, module)
+            )
 
     def snapshot(self) -> tuple[list[dict[str, Any]], Stats]:
         """Load the servers' weights, and return the optimizer states (merged over the servers) and the
         statistics of the first server; each server's part is of one clock, its own."""
-        self.settle()
+        self.wait_for_replies()
         states, stats = {}, []
-        for shard in self.shards:
-            params, buffers, shard.client.timestamp, states[shard.index], shard_stats = shard.client.snapshot()
-            shard.load(params, buffers)
-            stats.append(shard_stats)
+        for link in self.links:
+            snapshot = link.client.snapshot()
+            states[link.server] = snapshot.states
+            link.load(snapshot.params, snapshot.buffers)
+            stats.append(snapshot.stats)
         merged = [
             self._merge(index, {s: shard_states[index] for s, shard_states in states.items()})
             for index in range(len(self.orders))
@@ -185,21 +220,21 @@ class Learner:
 
     def optimizer_state(self, index: int) -> dict[str, Any]:
         """The servers' state of optimizer ``index``, merged."""
-        return self._merge(index, {shard.index: shard.client.optimizer_state(index) for shard in self.shards})
+        return self._merge(index, {link.server: link.client.optimizer_state(index) for link in self.links})
 
     def load_optimizer_state(self, index: int, state: dict[str, Any]) -> None:
-        for shard in self.shards:
-            shard.client.load_optimizer_state(index, self.plan.split_state(shard.index, self.orders[index], state))
+        for link in self.links:
+            link.client.load_optimizer_state(index, self.plan.split_state(link.server, self.orders[index], state))
 
     def pull(self) -> None:
-        self.settle()
-        for shard in self.shards:
-            if not shard.attached:
-                shard.attach(self.shared_memory, self.feedback.compression if self.feedback else None)
-            if shard.shm is not None:
-                shard.take(None, None)
+        self.wait_for_replies()
+        for link in self.links:
+            if not link.attached:
+                link.attach(self.shared_memory, self.feedback.compression if self.feedback else None)
+            if link.shm is not None:
+                link.load_reply(None, None)
             else:
-                shard.take(*shard.client.pull())
+                link.load_reply(*link.client.pull())
 
     def push(self, index: int, optimizer: Optimizer, clipping: Sequence[Clipping] = ()) -> None:
         """Push the gradient of ``optimizer`` and continue from the weights the server gives back. With
@@ -208,214 +243,140 @@ class Learner:
         ``clipping``: the servers clip the gradient the update applies, by each in turn
         (:mod:`lightning_rudra.core.clipping`)."""
         params = self.optimizer_params[index]
-        # sparse gradients (nn.Embedding(sparse=True)) travel dense: the server's flat buffers are dense
-        grads = [
-            torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params
-        ]
+        grads = _dense(params)
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
-        finite = None if len(self.shards) == 1 else all_finite(grads)
-        holders = [shard.index for shard in self.shards if shard.owned[index]]
+        finite = None if len(self.links) == 1 else all_finite(grads)
+        holders = [link.server for link in self.links if link.owned[index]]
         # the norm where an update applies this gradient alone; none for a gradient the servers refuse (not finite)
         clipping = across_servers(clipping, holders, grads, index, norm=self.sends_norm and finite is not False)
         has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.bool)
-        # of the weights this gradient came from (no hook saw it: a gradient set by hand, from the current ones)
+        timestamps = self._gradient_timestamps(index)
+        hparams = [hyperparameters(g) for g in optimizer.param_groups]
+        all_buffers = self._packed_buffers()
+        pushed: list[InFlight] = []
+        for link in self._push_order():
+            owned = link.owned[index]
+            positions = [position for position, _ in owned]
+            packed = self._packed(link, index, parts(grads, owned))
+            stamp, buffers = timestamps[link.server], all_buffers[link.server]
+            push = Push(
+                _whose(link.client),
+                index,
+                packed,
+                has_grad[positions],
+                stamp,
+                hparams,
+                buffers,
+                finite,
+                clipping=clipping,
+            )
+            pushed.append(InFlight(link, self._send(link, push, pushed), buffers))
+        self.wait_for_replies()
+        self._in_flight = Pushes(pushed, index)
+        if not self.overlap:
+            self.wait_for_replies()
+
+    def _gradient_timestamps(self, index: int) -> tuple[int, ...]:
+        """The timestamps (one per server) of the weights the gradient of optimizer ``index`` came from (no hook saw
+        it: a gradient set by hand, from the current ones); the next gradient starts afresh."""
         timestamps = self.grad_timestamps[index] or self._timestamps()
         self.grad_timestamps[index] = None
-        hparams = [hyperparameters(g) for g in optimizer.param_groups]
-        # packed before the reply in flight is loaded: its buffers predate this step's forward
-        all_buffers = [shard.buffer_layout.pack(shard.buffers, _CPU) for shard in self.shards]
-        if any(shard.shm is not None for shard in self.shards):
-            self.settle()  # a server may still read this buffer for the push in flight
-        pushed: list[tuple[Shard, Optional[Future], list[Tensor]]] = []
-        # a node's leader waits for its members' gradients (node-local aggregation): the other pushes go first
-        for shard, buffers in sorted(zip(self.shards, all_buffers), key=lambda sb: sb[0].link is not None):
-            owned = shard.owned[index]
-            grad_parts = parts(grads, owned)
-            positions = [position for position, _ in owned]
-            if shard.link is not None:
-                check = lambda: check_in_flight(pushed)  # noqa: E731  (the list as it grows)
-                future = self._push_node(
-                    shard, index, grad_parts, has_grad[positions], hparams, buffers, timestamps, finite, check, clipping
-                )
-                pushed.append((shard, future, buffers))
-                continue
-            if shard.shm is not None:
-                shard.grad_layouts[index].pack_into(grad_parts, shard.shm.grads[index])
-                packed = None
-            else:
-                packed = self._compressed(shard, index, shard.grad_layouts[index].pack(grad_parts, _CPU))
-            pushed.append(
-                (
-                    shard,
-                    shard.client.push(
-                        index,
-                        packed,
-                        has_grad[positions],
-                        hparams,
-                        buffers,
-                        timestamps[shard.index],
-                        finite,
-                        clipping=clipping,
-                    ),
-                    buffers,
-                )
-            )
-        self.settle()
-        self._in_flight = (pushed, index)
-        if not self.overlap:
-            self.settle()
+        return timestamps
 
-    def _compressed(self, shard: Shard, index: int, packed: list[Tensor]) -> list[Tensor]:
+    def _packed_buffers(self) -> list[list[Tensor]]:
+        """Each server's part of the buffers, flat: packed before the reply in flight is loaded (its buffers predate
+        this step's forward), then that reply settled if a server may still read a shared-memory gradient buffer for
+        it."""
+        buffers = [link.buffer_layout.pack(link.buffers, _CPU) for link in self.links]
+        if any(link.shm is not None for link in self.links):
+            self.wait_for_replies()
+        return buffers
+
+    def _push_order(self) -> list[ServerLink]:
+        """A node's leader waits for its members' gradients (node-local aggregation): the other pushes go first."""
+        return sorted(self.links, key=lambda link: link.node is not None)
+
+    def _send(self, link: ServerLink, push: Push, pushed: list[InFlight]) -> Optional[Future]:
+        """Send ``push`` to ``link``'s server, alone or as this learner's part of its node's push (``pushed``: this
+        step's pushes so far, whose failures end the node's waits)."""
+        return link.client.push(push) if link.node is None else self._push_node(link, push, pushed)
+
+    def _packed(self, link: ServerLink, index: int, grad_parts: list[Tensor]) -> Optional[list[Tensor]]:
+        """The gradient's part for ``link``'s server, flat: None where it is packed into shared memory; for a node's
+        push, whole (the node's sum is compressed); else compressed, if pushes are."""
+        layout = link.grad_layouts[index]
+        if link.node is None and link.shm is not None:
+            layout.pack_into(grad_parts, link.shm.grads[index])
+            return None
+        packed = layout.pack(grad_parts, _CPU)
+        return packed if link.node is not None else self._compressed(link, index, packed)
+
+    def _compressed(self, link: ServerLink, index: int, packed: Sequence[Tensor]) -> list[Tensor]:
         if self.feedback is None:
-            return packed
+            return list(packed)
         # simulated learners share this Learner: each keeps its own error (its client says whose step)
-        whose = getattr(shard.client, "learner", shard.client.rank)
-        return self.feedback.compress((shard.index, index, whose), packed)
+        return self.feedback.compress((link.server, index, _whose(link.client)), list(packed))
 
-    def _push_node(
-        self, shard: Shard, index: int, grad_parts, has_grad, hparams, buffers, timestamps, finite, check, clipping
-    ) -> Optional[Future]:
-        """This learner's part of its node's push to ``shard``'s server (:mod:`lightning_rudra.learner.node`).
-        ``finite``: of the whole gradient (None: one server, this part is the whole)."""
-        assert shard.link is not None
-        packed = shard.grad_layouts[index].pack(grad_parts, _CPU)
-        finite = all_finite(packed) if finite is None else finite
+    def _push_node(self, link: ServerLink, push: Push, pushed: list[InFlight]) -> Optional[Future]:
+        """This learner's part of its node's push to ``link``'s server (:mod:`lightning_rudra.learner.node`).
+        ``push.finite``: of the whole gradient (None: one server, this part is the whole)."""
+        node = link.node
+        assert node is not None and push.grads is not None
+        finite = all_finite(push.grads) if push.finite is None else push.finite
 
-        def send(grads, has, summed, members, refused) -> Future:
-            grads = self._compressed(shard, index, grads)
-            stamp = timestamps[shard.index]
-            return shard.client.push(index, grads, has, hparams, summed, stamp, True, members, refused, clipping)
+        def send(summed: Push) -> Future:
+            assert summed.grads is not None
+            return link.client.push(replace(summed, grads=self._compressed(link, push.optimizer, summed.grads)))
 
-        return self._failing_node(
-            lambda: shard.link.push(  # type: ignore[union-attr]
-                index, packed, has_grad, buffers, finite, send, check
-            )
-        )
+        check = lambda: check_in_flight(pushed)  # noqa: E731  (the list as it grows)
+        return self._failing_node(lambda: node.push(replace(push, finite=finite), send, check))
 
     def _failing_node(self, step: Callable[[], Any]) -> Any:
         """Run a step of node-local aggregation; if anything fails, this learner's node peers stop waiting."""
         try:
             return step()
         except BaseException:
-            for shard in self.shards:
-                if shard.link is not None:
-                    shard.link.close(failed=True)
+            for link in self.links:
+                if link.node is not None:
+                    link.node.close(failed=True)
             raise
 
-    def settle(self) -> None:
+    def wait_for_replies(self) -> None:
         """Wait for the pushes in flight, if any, and load the weights they brought."""
         if self._in_flight is None:
             return
-        (pushed, index), self._in_flight = self._in_flight, None
-        replies = [(shard, self._receive(shard, future, pushed), sent) for shard, future, sent in pushed]
-        for shard, reply, sent in replies:
-            shard.take(reply.params, reply.buffers, sent if self.overlap else None)
+        in_flight, self._in_flight = self._in_flight, None
+        replies = [self._receive(p.link, p.future, in_flight.pushed) for p in in_flight.pushed]
+        for p, reply in zip(in_flight.pushed, replies):
+            p.link.load_reply(reply.params, reply.buffers, p.buffers if self.overlap else None)
         if self.on_push is not None:
             self.on_push(
-                index,
-                max((reply.status for _, reply, _ in replies), key=_SEVERITY.index),
-                max(reply.staleness for _, reply, _ in replies),
-                min(reply.lr_scale for _, reply, _ in replies),
+                in_flight.optimizer,
+                max((reply.status for reply in replies), key=_SEVERITY.index),
+                max(reply.staleness for reply in replies),
+                min(reply.lr_scale for reply in replies),
             )
 
-    def _receive(self, shard: Shard, future: Optional[Future], pushed: list) -> PushReply:
-        if shard.link is None:
+    def _receive(self, link: ServerLink, future: Optional[Future], pushed: list[InFlight]) -> PushReply:
+        if link.node is None:
             assert future is not None
-            return shard.client.receive(future)
-        link = shard.link
-        return self._failing_node(lambda: link.receive(shard.client, future, lambda: check_in_flight(pushed)))
+            return link.client.receive(future)
+        node = link.node
+        return self._failing_node(lambda: node.receive(link.client, future, lambda: check_in_flight(pushed)))
 
     def finish(self) -> None:
         """Stop pushing and take the final weights, once every learner has stopped. Every server hears it at
         once: a learner still training waits in a hardsync round on one server only until this one is done
         there too."""
-        self.settle()
-        for shard in self.shards:
-            if shard.link is not None:
-                shard.link.close(failed=False)
-        finishing = [(shard, shard.client.finish()) for shard in self.shards]
-        for shard, future in finishing:
-            shard.take(*shard.client.final_weights(future))
+        self.wait_for_replies()
+        for link in self.links:
+            if link.node is not None:
+                link.node.close(failed=False)
+        finishing = [(link, link.client.finish()) for link in self.links]
+        for link, future in finishing:
+            link.load_reply(*link.client.final_weights(future))
 
     def load(self, flat_params: list[Tensor], flat_buffers: list[Tensor]) -> None:
         """Copy flat weights and buffers (laid out as the first server keeps them) into the module: with one
         server, all of them."""
-        self.shards[0].load(flat_params, flat_buffers)
-
-
-class LearnerOptimizer(Optimizer):
-    """``step(closure)`` runs the closure (forward and backward), pushes the gradient and takes back the
-    weights the protocol gives. The wrapped optimizer never updates weights itself: its ``param_groups`` stay
-    the handle of LR schedulers (their current values travel with every push), and its state lives on the
-    server (``state_dict`` fetches it). ``clipping``, added to before a step (the strategy adds each clipping
-    Lightning would apply, in turn), travels with that step's push: the server clips the gradient its update applies.
-
-    Torch's ``Optimizer.__init__`` is not called: the groups and state are the wrapped optimizer's own.
-    """
-
-    def __init__(self, optimizer: Optimizer, index: int, learner: Learner) -> None:
-        self.local = optimizer
-        self.index = index
-        self.learner = learner
-        self.clipping: tuple[Clipping, ...] = ()
-
-    param_groups = property(lambda self: self.local.param_groups)
-    state = property(lambda self: self.local.state)
-    defaults = property(lambda self: self.local.defaults)
-
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        clipping, self.clipping = self.clipping, ()
-        self.learner.push(self.index, self.local, clipping)
-        # what torch's LR schedulers check (a flag torch's Optimizer sets but does not declare): the server stepped
-        self.local._opt_called = True  # type: ignore[attr-defined]
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The gradient ends, and the clippings asked of it with it (a step skipped by zero_grad: the next step asks
-        anew). Lightning's automatic optimization zeroes in the step's closure, before the clipping it asks."""
-        self.local.zero_grad(set_to_none=set_to_none)
-        self.clipping = ()
-        self.learner.grad_timestamps[self.index] = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The server's state (momentum, moments...) with this learner's parameter groups: their learning rate
-        is the one the learner's schedule set, not the server's modulated one."""
-        return with_groups(self.learner.optimizer_state(self.index), self.local)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore this learner's parameter groups and the server's state (learner 0's first process sends it: a
-        new one that takes its place, resuming from the same checkpoint, must not reset the running server's)."""
-        self.load_groups(state_dict)
-        rank = self.learner.client.rank
-        if rank == 0 and not incarnation_of(rank):
-            self.learner.load_optimizer_state(self.index, state_dict)
-
-    def load_groups(self, state_dict: dict[str, Any]) -> None:
-        """Only the hyper-parameters of the parameter groups (where LR schedulers step from)."""
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.local.param_groups):
-            raise ValueError(
-                f"the saved state of optimizer {self.index} has {len(saved)} parameter groups: its "
-                f"optimizer {type(self.local).__name__} has {len(self.local.param_groups)}."
-            )
-        for group, values in zip(self.local.param_groups, saved):
-            group.update({k: v for k, v in values.items() if k != "params"})
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise RuntimeError(
-            "parameter groups cannot be added once training under RudraStrategy has started: the "
-            "server built its copy of the optimizer from the groups that existed at setup."
-        )
-
-    def __repr__(self) -> str:
-        return f"LearnerOptimizer({self.local!r})"
-
-
-def with_groups(state: dict[str, Any], optimizer: Optimizer) -> dict[str, Any]:
-    """An optimizer state dict from the server (``state``) with the parameter groups of the learner's
-    ``optimizer``: what a checkpoint holds."""
-    return {"state": state["state"], "param_groups": optimizer.state_dict()["param_groups"]}
+        self.links[0].load(flat_params, flat_buffers)

@@ -1,6 +1,6 @@
-"""A learner's part in node-local aggregation (Rudra-adv, :mod:`lightning_rudra.core.node`): the learners of a node
+"""A learner's part in node-local aggregation (Rudra-adv, :mod:`lightning_rudra.core.node_plan`): the learners of a node
 that all reach a server on another host through RPC meet on a board in the node's shared memory
-(:mod:`lightning_rudra.transport.node_shm`); each round the others post their gradients there, the first (the leader)
+(:mod:`lightning_rudra.transport.node_board`); each round the others post their gradients there, the first (the leader)
 sums them with its own and makes the node's one push, and writes the weights of the reply back for the others.
 
 Every wait on the board is bounded: a learner waited for that ended (its process gone), stopped pushing, failed, or
@@ -13,16 +13,16 @@ import socket
 import threading
 import time
 import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from torch import Tensor
 from torch.futures import Future
 
-from lightning_rudra.core.node import LearnerPlace, NodeGroup, plan_nodes, sum_node
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.node_plan import LearnerPlace, NodeGroup, plan_nodes, sum_node
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.server.membership import ended
-from lightning_rudra.transport.node_shm import (
+from lightning_rudra.transport.node_board import (
     BEAT,
     CLOCK,
     DONE,
@@ -41,13 +41,13 @@ from lightning_rudra.transport.node_shm import (
 )
 
 if TYPE_CHECKING:
-    from lightning_rudra.learner.learner import Learner
+    from lightning_rudra.learner.learner import InFlight, Learner
 
 STATUSES = ("accepted", "queued", "dropped", "rejected")
-Send = Callable[[list[Tensor], Tensor, list[Tensor], list[int], list[int]], Future]
+Send = Callable[[Push], Future]
 
 
-class NodeLink:
+class NodeMember:
     """What one learner of a :class:`NodeGroup` does each round towards the group's server: the leader gathers,
     sums and pushes (:meth:`push` returns the RPC future) and publishes the reply; another member posts its gradient
     and reads the reply (:meth:`receive`)."""
@@ -72,30 +72,32 @@ class NodeLink:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             self.slot.control[BEAT] += 1
 
-    def push(
-        self,
-        optimizer: int,
-        grads: list[Tensor],
-        has_grad: Tensor,
-        buffers: list[Tensor],
-        finite: bool,
-        send: Send,
-        check: Callable[[], None],
-    ) -> Optional[Future]:
-        """This learner's gradient for this round (flat, the server's part). The leader waits for the others',
-        sums and sends (``send(grads, has_grad, buffers, members, refused)``) and returns the future; another
-        member posts its own and returns None."""
+    def push(self, push: Push, send: Send, check: Callable[[], None]) -> Optional[Future]:
+        """This learner's gradient for this round (``push``: flat, the server's part, ``finite`` said). The leader
+        waits for the others', sums them and sends the node's push (``send``: the sum, as its members' push) and
+        returns the future; another member posts its own and returns None.
+
+        Args:
+            push: this learner's push to the node's server, its ``finite`` a bool.
+            send: sends the node's push to the server, returns the future of its reply.
+            check: raises what another server's reply failed with (a learner lost there).
+
+        Returns:
+            the leader's future of the server's reply; None for another member.
+        """
+        assert push.grads is not None and push.finite is not None
         self.round += 1
-        self.finite = finite
+        self.finite = push.finite
+        optimizer = push.optimizer
         if not self.leader:
             slot = self.slot
-            for flat, grad in zip(slot.grads[optimizer], grads):
+            for flat, grad in zip(slot.grads[optimizer], push.grads):
                 flat.copy_(grad)
-            slot.has_grad[optimizer].copy_(has_grad)
-            for flat, buffer in zip(slot.buffers, buffers):
+            slot.has_grad[optimizer].copy_(push.has_grad)
+            for flat, buffer in zip(slot.buffers, push.buffers):
                 flat.copy_(buffer)
             slot.control[OPTIMIZER] = optimizer
-            slot.control[FINITE] = int(finite)
+            slot.control[FINITE] = int(push.finite)
             slot.control[POSTED] = self.round  # last: the data it announces is in place
             return None
         others = [m for m in self.group.members if m != self.rank]
@@ -110,13 +112,17 @@ class NodeLink:
                 )
         slots = [self.board.slots[m] for m in others]
         total, has, summed, refused = sum_node(
-            [grads] + [s.grads[optimizer] for s in slots],
-            [has_grad] + [s.has_grad[optimizer].bool() for s in slots],
-            [buffers] + [s.buffers for s in slots],
-            [finite] + [bool(s.control[FINITE]) for s in slots],
+            [push.grads] + [s.grads[optimizer] for s in slots],
+            [push.has_grad] + [s.has_grad[optimizer].bool() for s in slots],
+            [push.buffers] + [s.buffers for s in slots],
+            [push.finite] + [bool(s.control[FINITE]) for s in slots],
         )
         ranks = [self.rank] + others
-        return send(total, has, summed, others, [ranks[i] for i in refused])
+        refused_ranks = [ranks[i] for i in refused]
+        # the sum is finite: who is not was left out of it (refused)
+        return send(
+            replace(push, grads=total, has_grad=has, buffers=summed, finite=True, members=others, refused=refused_ranks)
+        )
 
     def receive(self, client: ServerClient, future: Optional[Future], check: Callable[[], None]) -> PushReply:
         """The reply for this round: the leader's from the server (its weights written to the board for the
@@ -208,11 +214,11 @@ def aggregate(
     learner: "Learner", gather: Callable[[Any], dict[int, Any]], node: int, timeout: float, announce: bool
 ) -> list[NodeGroup]:
     """Decide, with every learner (three collectives through ``gather``), which of this run's nodes aggregate their
-    pushes to which servers, make the boards and link this learner's shards to them. A board a member cannot map
+    pushes to which servers, make the boards and give this learner's links to those servers their part in them. A board a member cannot map
     (another /dev/shm under the same host name) turns aggregation off for the whole run, with a warning
     (``announce``: learner 0 warns)."""
     rank = int(learner.client.rank)
-    remote = tuple(shard.index for shard in learner.shards if shard.shm is None)
+    remote = tuple(link.server for link in learner.links if link.shm is None)
     places = gather(LearnerPlace(rank, node, socket.gethostname(), remote))
     groups = [g for g in plan_nodes(list(places.values())) if rank in g.members]
     boards: dict[int, NodeBoard] = {}
@@ -226,9 +232,9 @@ def aggregate(
             warnings.warn(f"lightning_rudra: node-local aggregation is off: {errors[0]}. Each learner pushes alone.")
         return []
     for group in groups:
-        shard = learner.shards[group.shard]
-        server = getattr(shard.client, "what", f"parameter server {shard.index}")
-        shard.link = NodeLink(group, rank, boards[group.shard], timeout, server)
+        link = learner.links[group.server]
+        server = getattr(link.client, "what", f"parameter server {link.server}")
+        link.node = NodeMember(group, rank, boards[group.server], timeout, server)
     return groups
 
 
@@ -240,39 +246,39 @@ def _make_boards(
     try:
         for group in groups:
             if group.leader == rank:
-                boards[group.shard] = NodeBoard.create(_layout(learner, group))
+                boards[group.server] = NodeBoard.create(_layout(learner, group))
     except OSError as why:
         error = f"learner {rank} could not make the node's shared memory: {why}"
-    names = gather({shard: board.names for shard, board in boards.items()} if error is None else None)
+    names = gather({server: board.names for server, board in boards.items()} if error is None else None)
     try:
         for group in groups:
             made = names[group.leader]
             if group.leader != rank and made is not None:
-                boards[group.shard] = NodeBoard.open(_layout(learner, group), made[group.shard])
+                boards[group.server] = NodeBoard.open(_layout(learner, group), made[group.server])
     except OSError as why:
         error = f"learner {rank} could not map the shared memory of learner {group.leader} on its node: {why}"
     return [e for e in gather(error).values() if e is not None]
 
 
 def _layout(learner: "Learner", group: NodeGroup):
-    shard = learner.shards[group.shard]
+    link = learner.links[group.server]
     return board_layout(
         group.members,
-        [layout.numels for layout in shard.grad_layouts],
-        [len(layout) for layout in shard.grad_layouts],
-        shard.param_layout.numels,
-        shard.buffer_layout.numels,
+        [layout.numels for layout in link.grad_layouts],
+        [len(layout) for layout in link.grad_layouts],
+        link.param_layout.numels,
+        link.buffer_layout.numels,
     )
 
 
-def check_in_flight(pushed: list) -> None:
+def check_in_flight(pushed: list["InFlight"]) -> None:
     """Raise what a push in flight failed with (a learner lost on that server, or the server gave up): a node's
     learners waiting for each other would otherwise never hear of it."""
-    for shard, future, _ in pushed:
-        if future is not None and future.done():
-            value = future.value()  # raises what the call failed with
+    for push in pushed:
+        if push.future is not None and push.future.done():
+            value = push.future.value()  # raises what the call failed with
             if isinstance(value, BaseException):
                 raise value
-        lost = getattr(shard.client, "_server_lost", None)
+        lost = getattr(push.link.client, "_server_lost", None)
         if lost is not None:
             raise RuntimeError(lost)

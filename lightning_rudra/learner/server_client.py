@@ -8,16 +8,14 @@ mini-batch from weights with timestamp ``j`` and pushes it; the server's clock `
 gradient applied at clock ``i`` has staleness σ = i - j.
 """
 
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol
 
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_rudra.core.clipping import Clipping
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig
-from lightning_rudra.core.update import PushReply
-from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.registration import Registration
+from lightning_rudra.core.update import Push, PushReply
+from lightning_rudra.core.weights import Snapshot
 
 
 class ServerClient(Protocol):
@@ -33,19 +31,13 @@ class ServerClient(Protocol):
         """The learner this client speaks for (learner 0 registers the model and restores checkpoints)."""
         ...
 
-    def register(
-        self,
-        config: ProtocolConfig,
-        params: list[Tensor],
-        buffers: list[Tensor],
-        specs: list[OptimizerSpec],
-        stats: Optional[Stats],
-        shared_memory: bool,
-        optimizer_states: Optional[list[dict[str, Any]]] = None,
-        module: Optional[dict[str, Any]] = None,
-    ) -> None:
+    def register(self, registration: Registration) -> None:
         """Learner 0 only: the server's starting weights and the optimizers it rebuilds to apply the updates (on
-        resume, with their saved states and the statistics), and what a learner that rejoins must match."""
+        resume, with their saved states and the statistics), and what a learner that rejoins must match.
+
+        Args:
+            registration: this server's part of the model.
+        """
         ...
 
     def attached(self, mapped: bool) -> None:
@@ -56,24 +48,18 @@ class ServerClient(Protocol):
         """Pull: the server's newest weights, whose timestamp ``j`` is its clock now."""
         ...
 
-    def push(
-        self,
-        optimizer: int,
-        grads: Optional[list[Tensor]],
-        has_grad: Tensor,
-        hparams: list[dict[str, Any]],
-        buffers: list[Tensor],
-        timestamp: int,
-        finite: Optional[bool] = None,
-        members: Sequence[int] = (),
-        refused: Sequence[int] = (),
-        clipping: tuple[Clipping, ...] = (),
-    ) -> Future:
-        """Push a gradient of ``optimizer`` computed from the weights of ``timestamp``, with the learner's
-        hyper-parameters (its LR schedule) and buffers; ``grads=None``: it is in the server's shared memory.
-        ``finite``: whether the whole gradient is (None: the server checks); ``members``, ``refused``: a node's
-        push (node-local aggregation); ``clipping``: how the server clips the gradient its update applies, by each in turn
-        (:mod:`lightning_rudra.core.clipping`). Hand the future to :meth:`receive`."""
+    def push(self, push: Push) -> Future:
+        """Push a gradient (:class:`~lightning_rudra.core.update.Push`: of which optimizer, computed from the weights
+        of which timestamp, with the learner's hyper-parameters and buffers, what the server checks and how it clips
+        the update's gradient); ``push.grads=None``: it is in the server's shared memory. Hand the future to
+        :meth:`receive`.
+
+        Args:
+            push: the learner's gradient for this server.
+
+        Returns:
+            the future of the server's :class:`PushReply`.
+        """
         ...
 
     def weights_as_deltas(self, compression: str) -> None:
@@ -95,8 +81,9 @@ class ServerClient(Protocol):
         memory)."""
         ...
 
-    def snapshot(self) -> tuple[list[Tensor], list[Tensor], int, list[dict[str, Any]], Stats]:
-        """Weights, buffers, clock, optimizer states and statistics, all of one clock (a checkpoint's)."""
+    def snapshot(self) -> Snapshot:
+        """Weights, buffers, clock, optimizer states and statistics, all of one clock (a checkpoint's); the learner
+        loads these weights: their clock is the new ``timestamp``."""
         ...
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:

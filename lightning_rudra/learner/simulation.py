@@ -19,11 +19,11 @@ from torch.optim import Optimizer
 from torch.utils.data import DistributedSampler, Sampler
 
 from lightning_rudra.core.compression import WeightDeltas
-from lightning_rudra.core.clipping import Clipping
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, Server
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.protocol import Server
+from lightning_rudra.core.update import Push, PushReply
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.weights import Snapshot
 from lightning_rudra.core.timing import TimingModel, push_order
 
 
@@ -46,23 +46,20 @@ class SimulatedClient:
         # compression: (the server's, the learners') records of the weights each learner holds, sent as differences
         self._deltas: Optional[tuple[WeightDeltas, WeightDeltas]] = None
 
-    def register(
-        self,
-        config: ProtocolConfig,
-        params: list[Tensor],
-        buffers: list[Tensor],
-        specs: list[OptimizerSpec],
-        stats: Optional[Stats],
-        shared_memory: bool = False,
-        optimizer_states: Optional[list[dict[str, Any]]] = None,
-        module: Optional[dict[str, Any]] = None,  # no process rejoins a simulated run
-    ) -> None:
-        if config.num_learners != self.num_learners:
+    def register(self, registration: Registration) -> None:
+        """The in-process server, of the ``registration``'s model (its weights in this process: no shared memory;
+        no process rejoins a simulated run: no ``module``).
+
+        Args:
+            registration: the whole model, as learner 0 registers it.
+        """
+        r = registration
+        if r.config.num_learners != self.num_learners:
             raise ValueError(
-                f"a protocol for λ={config.num_learners} learners cannot run {self.num_learners} simulated learners."
+                f"a protocol for λ={r.config.num_learners} learners cannot run {self.num_learners} simulated learners."
             )
-        self.server = Server(config, params, buffers, specs, stats)
-        self.server.load_optimizer_states(optimizer_states or [])
+        self.server = Server(r.config, r.params, r.buffers, r.specs, r.stats)
+        self.server.load_optimizer_states(r.optimizer_states or [])
         self._held = [self.server.clock] * self.num_learners
 
     def attached(self, mapped: bool) -> None:
@@ -93,23 +90,19 @@ class SimulatedClient:
         self.timestamp = self._loaded = self._server().clock
         return self._weights(self.timestamp)
 
-    def push(
-        self,
-        optimizer: int,
-        grads: Optional[list[Tensor]],
-        has_grad: Tensor,
-        hparams: list[dict[str, Any]],
-        buffers: list[Tensor],
-        timestamp: int,
-        finite: Optional[bool] = None,
-        members: Sequence[int] = (),
-        refused: Sequence[int] = (),
-        clipping: tuple[Clipping, ...] = (),
-    ) -> Future:
+    def push(self, push: Push) -> Future:
         """The current learner's gradient. Its reply holds the newest weights, except inside a hardsync round:
-        there the learner keeps its weights until the round's last gradient arrives (then all in it get them)."""
-        assert grads is not None, "no shared memory to read a gradient from: a Learner sends it in the push"
-        assert not members and not refused, "simulated learners push alone: no node-local aggregation"
+        there the learner keeps its weights until the round's last gradient arrives (then all in it get them).
+
+        Args:
+            push: the gradient of the learner whose step runs now (:meth:`switch`), in full.
+
+        Returns:
+            a future already resolved with the :class:`PushReply`.
+        """
+        assert push.grads is not None, "no shared memory to read a gradient from: a Learner sends it in the push"
+        assert not push.members and not push.refused, "simulated learners push alone: no node-local aggregation"
+        optimizer = push.optimizer
         server = self._server()
         hardsync = server.config.protocol == "hardsync"
         if hardsync and any(self.learner in parked for parked in self._parked.values()):
@@ -120,9 +113,7 @@ class SimulatedClient:
                 "optimizers, manual optimization) cannot be simulated under hardsync. Use softsync or async, or real "
                 "learners (devices=λ)."
             )
-        result = server.push(
-            self.learner, optimizer, grads, has_grad, timestamp, hparams, buffers, finite, clipping=clipping
-        )
+        result = server.push(push)
         received = []
         if hardsync and not result.closed:
             self._parked.setdefault(optimizer, []).append(self.learner)
@@ -173,12 +164,12 @@ class SimulatedClient:
     def stats(self) -> Stats:
         return self._server().stats
 
-    def snapshot(self) -> tuple[list[Tensor], list[Tensor], int, list[dict[str, Any]], Stats]:
+    def snapshot(self) -> Snapshot:
         server = self._server()
         params, buffers, clock = server.pull()
-        self._loaded = clock  # the Learner loads these into the module now
+        self.timestamp = self._loaded = clock  # the Learner loads these into the module now
         states = [server.optimizer_state(i) for i in range(len(server.optimizers))]
-        return params, buffers, clock, states, Stats.from_dict(server.stats.to_dict())
+        return Snapshot(params, buffers, clock, states, Stats.from_dict(server.stats.to_dict()))
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self._server().optimizer_state(optimizer)

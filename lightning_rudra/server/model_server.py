@@ -14,7 +14,8 @@ fail or block, and must not stop the learners left.
 
 import logging
 import threading
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, NamedTuple, Optional
 
 from torch.futures import Future
 
@@ -22,14 +23,15 @@ from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.server.norm_exchange import NormExchange, check_part
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.compression import WeightDeltas
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.server.rejoins import Rejoins
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.server.shared_side import SharedSide
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.weights import Snapshot, Weights
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,25 @@ log = logging.getLogger(__name__)
 Outcomes = list[tuple[Future, Any]]  # futures to resolve once the lock is released: a value, or an exception
 
 
-def _settle(outcomes: Outcomes) -> None:
+class RoundWaiter(NamedTuple):
+    """A push that waits for the end of its hardsync round: its reply, its learner, and what became of its
+    gradient (:class:`~lightning_rudra.core.update.PushResult`'s ``status`` and ``staleness``)."""
+
+    reply: Future
+    learner: int
+    status: str
+    staleness: int
+
+
+class Released(NamedTuple):
+    """The replies to the pushes that waited in closed hardsync rounds, and the weights they carry."""
+
+    outcomes: Outcomes
+    weights: Weights
+
+
+def _resolve(outcomes: Outcomes) -> None:
+    """Resolve each future not yet done with its value, or fail it with its exception."""
     for future, value in outcomes:
         if future.done():
             continue
@@ -52,7 +72,7 @@ class ModelServer:
     wait for the end of the round. Learners that mapped the server's shared memory push ``grads=None`` (the gradient
     is in their buffer) and get ``None`` for the weights, which they read themselves."""
 
-    def __init__(
+    def __init__(  # 7 params: the server process's settings, each its own option
         self,
         num_learners: int,
         timeout: float = 60.0,
@@ -60,11 +80,11 @@ class ModelServer:
         announce: bool = True,
         comeback: float = 0.0,
         name: str = "the parameter server",
-        shard: int = 0,
+        server: int = 0,
     ) -> None:
         """``announce``: log each loss and rejoin at INFO, which a server process writes to its stderr (with several
         servers, the first does; the others at DEBUG); ``comeback``: see
-        :class:`~lightning_rudra.server.membership.Membership`; ``name``: this server, in what it logs; ``shard``:
+        :class:`~lightning_rudra.server.membership.Membership`; ``name``: this server, in what it logs; ``server``:
         which of the servers this is."""
         self.num_learners = num_learners
         self.announce = announce
@@ -73,14 +93,14 @@ class ModelServer:
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
-        self.round_waiters: dict[int, list[tuple[Future, int, str, int]]] = {}  # (reply, learner, status, σ)
+        self.round_waiters: dict[int, list[RoundWaiter]] = {}  # per optimizer
         self.gatherings = Gatherings()
         self.finished: set[int] = set()
         self.finish_waiters: list[Future] = []
         self.epochs = SharedEpochs(num_learners)
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
         self.shared = SharedSide(num_learners)
-        self.rejoins = Rejoins(self.membership, self._announce)
+        self.rejoins = Rejoins(self.membership, self._log_later)
         self.on_lost: Optional[Callable[[int, str], None]] = None  # told of each loss, outside the lock
         self._lost_queue: list[tuple[int, str]] = []
         # per compression, the float32 weights each learner's process holds (its replies' weights travel as
@@ -91,35 +111,32 @@ class ModelServer:
         self.waits = SlowWaits(log, name, waits_after())
         # hardsync clipping by norm over several servers' parts (core.clipping), and the sending of this server's
         # part to another, outside the lock
-        self.shard = shard
-        self.norm_exchange = NormExchange(shard)
+        self.server = server
+        self.norm_exchange = NormExchange(server)
         self.send_norm: Optional[Callable[[int, int, int, float], None]] = None  # (to server, optimizer, round, norm²)
 
-    def register(
-        self,
-        config: ProtocolConfig,
-        params,
-        buffers,
-        specs: list[OptimizerSpec],
-        stats: Optional[Stats],
-        shared_memory: bool = True,
-        optimizer_states: Optional[list[dict[str, Any]]] = None,
-        module: Optional[dict[str, Any]] = None,
-    ) -> None:
+    def register(self, registration: Registration) -> None:
         """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics and the
         optimizers' states: all in place before any learner pulls. With ``shared_memory`` the weights live in
         shared memory, or, if it cannot be allocated, in plain memory (the learners are told why). ``module``:
-        what a learner that rejoins must match (:func:`~lightning_rudra.server.rejoins.describe_module`)."""
+        what a learner that rejoins must match (:func:`~lightning_rudra.server.rejoins.describe_module`).
+
+        Args:
+            registration: this server's part of the model, as learner 0 sends it.
+        """
+        config = registration.config
         with self.lock:
             if self.registered.done():  # learner 0 was lost first: its process, woken up, is refused
                 self.registered.wait()
             if self.core is not None:
                 raise RuntimeError("the parameter server was registered twice")
-            self.rejoins.module = module
-            core = self.shared.server(config, params, buffers, specs, stats) if shared_memory else None
+            self.rejoins.module = registration.module
+            core = self.shared.server(registration) if registration.shared_memory else None
             try:
-                core = core or Server(config, params, buffers, specs, stats)
-                core.load_optimizer_states(optimizer_states or [])
+                core = core or Server(
+                    config, registration.params, registration.buffers, registration.specs, registration.stats
+                )
+                core.load_optimizer_states(registration.optimizer_states or [])
             except BaseException:
                 self.shared.release()  # learner 0 leaves with this error: its loss fails the waits for the model
                 raise
@@ -148,102 +165,113 @@ class ModelServer:
 
     def pull(self) -> Future:
         self._check_alive()
-        return self.registered.then(lambda registered: registered.wait() or self._locked(self._core().pull))
+        return self.registered.then(lambda registered: registered.wait() or self._locked(self._protocol().pull))
 
-    def push(
-        self,
-        learner: int,
-        optimizer: int,
-        grads,
-        has_grad,
-        timestamp: int,
-        hparams,
-        buffers,
-        finite: Optional[bool] = None,
-        members: Sequence[int] = (),
-        refused: Sequence[int] = (),
-        clipping=(),
-    ) -> Future:
-        """``members``, ``refused``: a node's push (:meth:`Server.push`); ``learner`` shares the reply with them.
-        ``clipping``: how the update's gradient is clipped (:meth:`Server.push`)."""
+    def push(self, push: Push) -> Future:
+        """A learner's gradient (:meth:`Server.push`); a node's push (``push.members``) shares its reply with them.
+        ``push.grads=None``: the gradient is in the learner's shared memory.
+
+        Args:
+            push: the learner's gradient for this server, as it sent it.
+
+        Returns:
+            a future of the :class:`PushReply`, which a hardsync round resolves once it closes.
+        """
         with self.lock:
             self._check_alive()
-            core = self._core()
-            if grads is None:
-                grads = self.shared.gradient(learner, optimizer, core)
-            args = (grads, has_grad, timestamp, hparams, buffers, finite, members, refused, clipping)
-            result = core.push(learner, optimizer, *args)
-            self.norm_exchange.pushed(optimizer, clipping)
+            core = self._protocol()
+            if push.grads is None:
+                push = replace(push, grads=self.shared.gradient(push.learner, push.optimizer, core))
+            result = core.push(push)
+            learner, optimizer = push.learner, push.optimizer
+            self.norm_exchange.pushed(optimizer, push.clipping)
             applied = self._applied([optimizer] if result.closed else [])
             in_round = core.config.protocol == "hardsync" and optimizer not in applied
             if in_round:
                 reply: Future = Future()
-                self.round_waiters.setdefault(optimizer, []).append((reply, learner, result.status, result.staleness))
+                self.round_waiters.setdefault(optimizer, []).append(
+                    RoundWaiter(reply, learner, result.status, result.staleness)
+                )
                 outcomes = self._give_up_if_deadlocked()
             else:
                 outcomes, weights = self._release_rounds(applied, learner)
                 lr_scale = self._lr_scale(optimizer)
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
         if not in_round:
             reply = Future()
-            reply.set_result(PushReply(result.status, result.staleness, lr_scale, *weights))
+            reply.set_result(
+                PushReply(result.status, result.staleness, lr_scale, weights.params, weights.buffers, weights.clock)
+            )
         return reply
 
     def _applied(self, closed: list[int]) -> list[int]:
         """Of the optimizers whose wait just ``closed``, those whose update applied (:class:`NormExchange`). Called
         under the lock."""
-        return self.norm_exchange.applied(self._core(), closed)
+        return self.norm_exchange.applied(self._protocol(), closed)
 
-    def round_norm(self, shard: int, optimizer: int, round: int, partial: float) -> None:
-        """Server ``shard``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``
+    def round_norm(self, server: int, optimizer: int, round: int, partial: float) -> None:
+        """Server ``server``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``
         (:meth:`NormExchange.add`); with the last part, the update applies and the round's learners get their
         replies."""
-        check_part(shard, optimizer, round, partial)
+        check_part(server, optimizer, round, partial)
         with self.lock:
             if self.failure is not None or self.core is None:
                 return
-            applied = self.norm_exchange.add(self.core, shard, optimizer, round, partial)
-            outcomes: Outcomes = self._release_rounds([optimizer])[0] if applied else []
-        self._settle(outcomes)
+            applied = self.norm_exchange.add(self.core, server, optimizer, round, partial)
+            outcomes: Outcomes = self._release_rounds([optimizer]).outcomes if applied else []
+        self._resolve_and_report(outcomes)
 
-    def norm_not_sent(self, shard: int, error: BaseException) -> None:
-        """This server's part of a round's norm did not reach server ``shard``: its round can never apply."""
+    def norm_not_sent(self, server: int, error: BaseException) -> None:
+        """This server's part of a round's norm did not reach server ``server``: its round can never apply."""
         with self.lock:
             if self.failure is not None or self.membership.members <= self.finished:  # nobody waits any more
                 return
             outcomes = self._give_up(
                 f"{self.waits.who} could not send its part of the gradient's norm (clipping by norm over several "
-                f"servers) to parameter server {shard}: {error}"
+                f"servers) to parameter server {server}: {error}"
             )
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
 
-    def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> tuple[Outcomes, tuple]:
+    def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> Released:
         """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
         weights they carry (also for ``pusher``, which did not wait). Called under the lock."""
         released = [(waiter, optimizer) for optimizer in closed for waiter in self.round_waiters.pop(optimizer, [])]
-        weights = self._weights(([] if pusher is None else [pusher]) + [waiter[1] for waiter, _ in released])
-        return [
-            (future, PushReply(status, staleness, self._lr_scale(optimizer), *weights))
-            for (future, _, status, staleness), optimizer in released
-        ], weights
+        weights = self._weights(([] if pusher is None else [pusher]) + [waiter.learner for waiter, _ in released])
+        return Released(
+            [
+                (
+                    waiter.reply,
+                    PushReply(
+                        waiter.status,
+                        waiter.staleness,
+                        self._lr_scale(optimizer),
+                        weights.params,
+                        weights.buffers,
+                        weights.clock,
+                    ),
+                )
+                for waiter, optimizer in released
+            ],
+            weights,
+        )
 
     def _lr_scale(self, optimizer: int) -> float:
-        update = self._core().last_updates[optimizer]
+        update = self._protocol().last_updates[optimizer]
         return update.lr_scale if update is not None else 1.0
 
-    def _weights(self, learners: list[int]) -> tuple:
-        return self.shared.reply(learners, self._core())
+    def _weights(self, learners: list[int]) -> Weights:
+        return self.shared.reply(learners, self._protocol())
 
     def finish(self, learner: int) -> Future:
         """A learner is done training; resolves, once all learners left are, with the final weights."""
         with self.lock:
             self._check_alive()
-            outcomes, _ = self._release_rounds(self._applied(self._core().finish(learner)))
+            outcomes = self._release_rounds(self._applied(self._protocol().finish(learner))).outcomes
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
             outcomes += self._complete_finish()
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
         return future
 
     def _complete_finish(self) -> Outcomes:
@@ -263,7 +291,7 @@ class ModelServer:
             outcomes = self.gatherings.complete(self.membership.members)
             if not outcomes:
                 outcomes = self._give_up_if_deadlocked()
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
         return future
 
     def draw(
@@ -271,17 +299,17 @@ class ModelServer:
     ) -> tuple[Optional[Any], int, str]:
         """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
         with self.lock:
-            return self.epochs.draw(self._core().stats, pool, epoch, learner, plan, want, trained)
+            return self.epochs.draw(self._protocol().stats, pool, epoch, learner, plan, want, trained)
 
     def stop_drawing(self, learner: int) -> None:
         """``learner`` stops training: every pool of the shared epoch is spent (:meth:`EpochPool.stop`)."""
         with self.lock:
             self.epochs.stop()
 
-    def _settle(self, outcomes: Outcomes) -> None:
+    def _resolve_and_report(self, outcomes: Outcomes) -> None:
         """Resolve ``outcomes`` once the lock is released, then log what there is to say and tell :attr:`on_lost`
         of the learners lost since."""
-        _settle(outcomes)
+        _resolve(outcomes)
         # most calls have nothing more (read without the lock: who adds, settles after)
         if not (self._told or self._lost_queue or self.norm_exchange.outbox):
             return
@@ -289,26 +317,26 @@ class ModelServer:
             told, self._told = self._told, []
             lost, self._lost_queue = self._lost_queue, []
             sends = self.norm_exchange.take_outbox()
-        for shard, optimizer, round, partial in sends:
+        for server, optimizer, round, partial in sends:
             assert self.send_norm is not None  # the server process sets it where there are several servers
-            self.send_norm(shard, optimizer, round, partial)
+            self.send_norm(server, optimizer, round, partial)
         for level, message in told:
             log.log(level, "%s", message)
         for learner, why in lost:
             if self.on_lost is not None:
                 self.on_lost(learner, why)
 
-    def _announce(self, message: str) -> None:
-        """A loss or a rejoin, logged once the lock is released (:meth:`_settle`). Called under the lock."""
+    def _log_later(self, message: str) -> None:
+        """A loss or a rejoin, logged once the lock is released (:meth:`_resolve_and_report`). Called under the lock."""
         self._told.append((logging.INFO if self.announce else logging.DEBUG, message))
 
     def _give_up(self, reason: str) -> Outcomes:
         """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
-        caller settles the returned outcomes once it has released it (:func:`_settle`)."""
+        caller settles the returned outcomes once it has released it (:func:`_resolve`)."""
         self.failure = reason
         self.shared.release()  # nobody maps the files any more
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
-        waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
+        waiters = [waiter.reply for waiting in self.round_waiters.values() for waiter in waiting]
         waiters += self.gatherings.close() + self.finish_waiters
         self.round_waiters, self.finish_waiters = {}, []
         self.norm_exchange.clear()
@@ -318,38 +346,38 @@ class ModelServer:
     def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
         the learner waiting in the round can never join the collective. Called under the lock."""
-        in_round = sorted({w[1] for ws in self.round_waiters.values() for w in ws})
+        in_round = sorted({waiter.learner for waiting in self.round_waiters.values() for waiter in waiting})
         at_collective = sorted(self.gatherings.waiting() & (self.core.active if self.core is not None else set()))
         if not (in_round and at_collective):
             return []
         return self._give_up(deadlock(at_collective[0], in_round[0]))
 
     def stats(self) -> dict[str, Any]:
-        return self._locked(lambda: self._core().stats.to_dict())
+        return self._locked(lambda: self._protocol().stats.to_dict())
 
-    def snapshot(self) -> tuple:
+    def snapshot(self) -> Snapshot:
         """What a checkpoint holds, all of one clock: weights and buffers (flat), the clock, every optimizer's
         state and the statistics."""
 
-        def take() -> tuple:
-            core = self._core()
+        def take() -> Snapshot:
+            core = self._protocol()
             params, buffers, clock = core.pull()
             states = [core.optimizer_state(i) for i in range(len(core.optimizers))]
-            return params, buffers, clock, states, core.stats.to_dict()
+            return Snapshot(params, buffers, clock, states, Stats.from_dict(core.stats.to_dict()))
 
         return self._locked(take)
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
-        return self._locked(lambda: self._core().optimizer_state(optimizer))
+        return self._locked(lambda: self._protocol().optimizer_state(optimizer))
 
     def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
-        self._locked(lambda: self._core().load_optimizer_state(optimizer, state))
+        self._locked(lambda: self._protocol().load_optimizer_state(optimizer, state))
 
     def _check_alive(self) -> None:
         if self.failure is not None:
             raise RuntimeError(self.failure)
 
-    def _core(self) -> Server:
+    def _protocol(self) -> Server:
         if self.core is None:
             raise RuntimeError("the parameter server holds no weights yet: learner 0 has not registered the model")
         return self.core

@@ -12,9 +12,9 @@ Part = tuple[int, int, int, float]  # (server, optimizer, round, squared norm of
 
 
 class NormExchange:
-    def __init__(self, shard: int) -> None:
-        """``shard``: which of the servers this one is."""
-        self.shard = shard
+    def __init__(self, server: int) -> None:
+        """``server``: which of the servers this one is."""
+        self.server = server
         self.norms: dict[tuple[int, int], dict[int, float]] = {}  # (optimizer, round) -> server -> its part
         self.outbox: list[Part] = []  # this server's parts, to send once the lock is released (to server, ...)
         self.holders: dict[int, tuple[int, ...]] = {}  # per optimizer, the servers its pushes named (a fixed cut)
@@ -32,9 +32,9 @@ class NormExchange:
             if optimizer in core.awaiting_norm:
                 wait = core.awaiting_norm[optimizer][0]
                 self.holders[optimizer] = wait.servers
-                self.norms.setdefault((optimizer, wait.round), {})[self.shard] = wait.partial
+                self.norms.setdefault((optimizer, wait.round), {})[self.server] = wait.partial
                 self.outbox += [
-                    (other, optimizer, wait.round, wait.partial) for other in wait.servers if other != self.shard
+                    (other, optimizer, wait.round, wait.partial) for other in wait.servers if other != self.server
                 ]
         return [
             optimizer for optimizer in closed if optimizer not in core.awaiting_norm or self._apply(core, optimizer)
@@ -51,17 +51,17 @@ class NormExchange:
         core.apply_norm(optimizer, sum(parts[server] for server in wait.servers) ** 0.5)
         return True
 
-    def add(self, core: Server, shard: int, optimizer: int, round: int, partial: float) -> bool:
-        """Server ``shard``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``;
+    def add(self, core: Server, server: int, optimizer: int, round: int, partial: float) -> bool:
+        """Server ``server``'s squared norm of its part of the gradient of ``optimizer``'s hardsync round ``round``;
         whether the update it completes applied. Refused by name (and kept nowhere) unless it comes from another
         server that holds a part, for an optimizer of this model, for the round open here or the next, and is the
         first value for that part: a caller cannot overwrite a part, nor fill this server with parts."""
-        where = f"a part of the gradient's norm from server {shard} for round {round} of optimizer {optimizer}"
+        where = f"a part of the gradient's norm from server {server} for round {round} of optimizer {optimizer}"
         if optimizer >= len(core.optimizers):
             raise ValueError(f"{where} is refused: expected one of 0 to {len(core.optimizers) - 1}.")
         holders = self.holders.get(optimizer)
-        if shard == self.shard or (holders is not None and shard not in holders):
-            among = f"among {holders}" if holders is not None else f"than this one ({self.shard})"
+        if server == self.server or (holders is not None and server not in holders):
+            among = f"among {holders}" if holders is not None else f"than this one ({self.server})"
             raise ValueError(f"{where} is refused: expected another server {among}.")
         waiting = core.awaiting_norm.get(optimizer)
         open_round = core.rounds[optimizer] + (0 if waiting is not None else 1)
@@ -71,9 +71,9 @@ class NormExchange:
                 "server, or the next)."
             )
         parts = self.norms.setdefault((optimizer, round), {})
-        if shard in parts:
-            raise ValueError(f"{where} is refused: server {shard} sent already ({parts[shard]}); the first holds.")
-        parts[shard] = partial
+        if server in parts:
+            raise ValueError(f"{where} is refused: server {server} sent already ({parts[server]}); the first holds.")
+        parts[server] = partial
         return waiting is not None and waiting[0].round == round and self._apply(core, optimizer)
 
     def take_outbox(self) -> list[Part]:
@@ -85,13 +85,13 @@ class NormExchange:
         self.norms, self.outbox = {}, []
 
 
-def check_part(shard: Any, optimizer: Any, round: Any, partial: Any) -> None:
+def check_part(server: Any, optimizer: Any, round: Any, partial: Any) -> None:
     """A part of a norm as it arrives: refused by name if it is not (server, optimizer, round, squared norm)."""
-    numbers = (shard, optimizer, round)
+    numbers = (server, optimizer, round)
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in numbers) or not (
         isinstance(partial, float) and math.isfinite(partial) and partial >= 0
     ):
         raise ValueError(
-            f"round_norm{(shard, optimizer, round, partial)!r} is not valid: expected a server, an optimizer and "
+            f"round_norm{(server, optimizer, round, partial)!r} is not valid: expected a server, an optimizer and "
             "a round (integers >= 0) and a squared norm (a finite float >= 0)."
         )

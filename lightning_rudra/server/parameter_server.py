@@ -79,7 +79,7 @@ class ParameterServer(ModelServer):
             self._check_all_left()
             if self.waits.on:
                 waits = open_waits(self)
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
         self.waits.check(waits)
 
     def leave(self, learner: int, error: Optional[str] = None) -> None:
@@ -103,7 +103,7 @@ class ParameterServer(ModelServer):
             self._forget_weights(learner)
             self._check_all_left()
             self._told.append((logging.DEBUG, f"{self.waits.who}: learner {learner} left ({error or 'no error'})"))
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
 
     def report(self, reporter: int, learner: Any, why: str, process: Any = None) -> None:
         """``reporter``'s launcher saw ``learner``'s process end (on another machine, sooner than its silence).
@@ -117,7 +117,7 @@ class ParameterServer(ModelServer):
                 outcomes = self._lose(learner, f"ended before training did ({why}, as its launcher saw)")
             elif learner in self.membership.joining:
                 outcomes = self._join_failed(learner, f"its process ended while it waited to rejoin ({why})")
-        self._settle(outcomes)
+        self._resolve_and_report(outcomes)
 
     def _is_current(self, learner: Any, process: Any) -> bool:
         """``process`` is ``learner``'s process waiting to rejoin, or else the one counted, as far as the server
@@ -142,8 +142,8 @@ class ParameterServer(ModelServer):
             over = self.finish_waiters or (
                 self.core is not None and not self.core.active and not self.membership.awaiting_comeback
             )
-            outcomes = self.rejoins.turn_away() if over else self.rejoins.admit(self._core())
-        self._settle(outcomes)
+            outcomes = self.rejoins.turn_away() if over else self.rejoins.admit(self._protocol())
+        self._resolve_and_report(outcomes)
         return reply
 
     def progress(self, learner: int, epoch: int, global_step: int, collectives: int) -> None:
@@ -151,8 +151,8 @@ class ParameterServer(ModelServer):
         waiting to rejoin may be admitted now."""
         with self.lock:
             self.rejoins.report(learner, epoch, global_step, collectives)
-            outcomes = self.rejoins.admit(self._core())
-        self._settle(outcomes)
+            outcomes = self.rejoins.admit(self._protocol())
+        self._resolve_and_report(outcomes)
 
     def _join_failed(self, learner: int, why: str) -> Outcomes:
         """The process waiting to rejoin as ``learner`` is gone (its RPC name is struck). Called under the lock."""
@@ -180,8 +180,10 @@ class ParameterServer(ModelServer):
         if failure is not None:
             return self._give_up(failure)
         self.epochs.lose(learner)
-        self._announce(self.membership.loss_told(learner, why))
-        outcomes = self._release_rounds(self._applied(self.core.remove(learner)))[0] if self.core is not None else []
+        self._log_later(self.membership.loss_told(learner, why))
+        outcomes = (
+            self._release_rounds(self._applied(self.core.remove(learner))).outcomes if self.core is not None else []
+        )
         outcomes += self.gatherings.complete(self.membership.members) + self._complete_finish()
         if self.core is not None:
             outcomes += self.rejoins.admit(self.core)

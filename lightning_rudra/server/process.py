@@ -4,6 +4,7 @@ torch.distributed.rpc. Handlers never block an RPC thread: a call that must wait
 """
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from lightning_rudra.core.compression import WeightDeltas
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport.elastic import RunStore, TokenWatch, forget, job_id
 from lightning_rudra.transport.frames import FrameLimits
@@ -128,24 +129,25 @@ def stop_server(process: subprocess.Popen, timeout: float) -> None:
 _server: Optional[ParameterServer] = None
 
 
-# What a learner may call, and where the calling learner is among the arguments (None: no learner argument)
-ENTRY_POINTS: dict[str, Optional[int]] = {
+# What a learner may call, and the name of the parameter that holds the calling learner (None: no learner argument;
+# a push's learner is its Push's)
+ENTRY_POINTS: dict[str, Optional[str]] = {
     "register": None,
-    "attach": 0,
-    "attached": 0,
+    "attach": "learner",
+    "attached": "learner",
     "pull": None,
-    "push": 0,
-    "push_deltas": 2,
+    "push": "push",
+    "push_deltas": "push",
     "stream_address": None,
-    "finish": 0,
-    "gather": 1,
-    "draw": 2,
-    "stop_drawing": 0,
-    "heartbeat": 0,
-    "leave": 0,
-    "report": 0,
-    "rejoin": 0,
-    "progress": 0,
+    "finish": "learner",
+    "gather": "learner",
+    "draw": "learner",
+    "stop_drawing": "learner",
+    "heartbeat": "learner",
+    "leave": "learner",
+    "report": "reporter",
+    "rejoin": "learner",
+    "progress": "learner",
     "stats": None,
     "snapshot": None,
     "optimizer_state": None,
@@ -161,18 +163,45 @@ def _entry(method: str, args: tuple) -> Callable:
             f"{method!r} is not a call the parameter server answers: expected one of {', '.join(sorted(ENTRY_POINTS))}"
         )
     assert _server is not None  # main sets it before it joins the RPC world that brings calls
-    position = ENTRY_POINTS[method]
-    if position is not None:
-        _server.check_caller(method.removesuffix("_deltas"), args[position] if position < len(args) else None)
-    return _HERE[method] if method in _HERE else getattr(_server, method)
+    answer = _HERE[method] if method in _HERE else getattr(_server, method)
+    name = ENTRY_POINTS[method]
+    if name is not None:
+        value = _argument(answer, name, args)
+        learner = value.learner if isinstance(value, Push) else value
+        _server.check_caller(method.removesuffix("_deltas"), learner)
+        if name == "push" and not isinstance(value, Push):
+            raise TypeError(
+                f"{method} from learner {learner} refused: it carries {type(value).__name__} {value!r}, not a "
+                "lightning_rudra.core.update.Push (a learner of another version of lightning_rudra?)"
+            )
+    return answer
 
 
-def _push_deltas(compression: str, count: int, learner: Any, *push: Any) -> Future:
+def _argument(answer: Callable, name: str, args: tuple) -> Any:
+    """The argument ``name`` of a call to ``answer`` with ``args``; None where the call does not fit ``answer`` (the
+    check refuses a call that names no learner)."""
+    try:
+        return inspect.signature(answer).bind(*args).arguments.get(name)
+    except TypeError:
+        return None
+
+
+def _push_deltas(compression: str, count: int, push: Push) -> Future:
     """A push whose reply's weights travel as differences from the weights the learner holds, after ``count``
-    replies (:meth:`LearnerClient.weights_as_deltas <lightning_rudra.learner.client.LearnerClient.weights_as_deltas>`)."""
+    replies (:meth:`LearnerClient.weights_as_deltas <lightning_rudra.learner.client.LearnerClient.weights_as_deltas>`).
+
+    Args:
+        compression: the wire dtype of the differences (``"bf16"``).
+        count: the replies the learner will have applied when this one comes.
+        push: the learner's gradient.
+
+    Returns:
+        the future of the :class:`PushReply`, its weights as differences.
+    """
     assert _server is not None
     deltas = _server.weight_deltas.setdefault(compression, WeightDeltas(compression))
-    key = int(learner)  # a new process of the learner holds nothing yet: it sends count 0 and gets the whole weights
+    # a new process of the learner holds nothing yet: it sends count 0 and gets the whole weights
+    key = int(push.learner)
 
     def encoded(replied: Future) -> Any:
         reply = replied.value()
@@ -180,7 +209,7 @@ def _push_deltas(compression: str, count: int, learner: Any, *push: Any) -> Futu
             return reply._replace(params=deltas.encode(key, count, reply.params))  # type: ignore[arg-type]  # decoded by the learner
         return reply  # a failed wait arrives as a value: the learner raises it
 
-    return _server.push(learner, *push).then(encoded)
+    return _server.push(push).then(encoded)
 
 
 # pushes from learners on other hosts (transport.stream): opened when the first of them asks (stream_address)
@@ -198,7 +227,7 @@ def _stream_address() -> Optional[StreamOffer]:
     with _stream_lock:
         global _stream
         if _stream is None and _server.address is not None:
-            core = _server._core()  # the frames' limit is the model's size
+            core = _server._protocol()  # the frames' limit is the model's size
             model_bytes = sum(t.numel() * t.element_size() for t in core.flat_params + core.flat_buffers)
             _stream = StreamServer(
                 _server.address,
@@ -235,24 +264,24 @@ def call_async(method: str, *args: Any) -> Future:
     return _entry(method, args)(*args)  # raising here, before any future, reaches the caller
 
 
-def _send_norm(timeout: float, shard: int, optimizer: int, round: int, partial: float) -> None:
-    """This server's part of a hardsync round's gradient norm, to server ``shard``
+def _send_norm(timeout: float, to: int, optimizer: int, round: int, partial: float) -> None:
+    """This server's part of a hardsync round's gradient norm, to server ``to``
     (:meth:`~lightning_rudra.server.model_server.ModelServer.round_norm`): not waited for; if it does not arrive
     within ``timeout`` (that server died), training cannot go on, and this server's waits fail with why."""
     assert _server is not None
     server = _server
-    args = ("round_norm", server.shard, optimizer, round, partial)
+    args = ("round_norm", server.server, optimizer, round, partial)
     try:
-        sent = rpc.rpc_async(server_name(shard), call, args=args, timeout=timeout)
+        sent = rpc.rpc_async(server_name(to), call, args=args, timeout=timeout)
     except Exception as error:  # the RPC agent is gone, or does not know the name
-        server.norm_not_sent(shard, error)
+        server.norm_not_sent(to, error)
         return
 
     def delivered(done: Future) -> None:
         try:
             done.wait()
         except Exception as error:
-            server.norm_not_sent(shard, error)
+            server.norm_not_sent(to, error)
 
     sent.add_done_callback(delivered)
 
@@ -367,7 +396,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         announce=args.shard == 0,
         comeback=args.comeback,
         name=f"parameter server {args.shard}",
-        shard=args.shard,
+        server=args.shard,
     )
     _server.send_norm = lambda *norm: _send_norm(args.timeout, *norm)
     _server.address = address_towards(host)

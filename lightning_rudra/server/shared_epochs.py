@@ -13,7 +13,7 @@ class SharedEpochs:
         self.num_learners = num_learners
         self.pools: dict[int, EpochPool] = {}  # per train dataloader
 
-    def draw(
+    def draw(  # 7 params: EpochPool.draw's five, which pool, and the statistics its batches count in
         self, stats: Stats, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int, trained: Optional[int]
     ) -> tuple[Optional[Any], int, str]:
         """:meth:`EpochPool.draw` of train dataloader ``pool``; the first one's batches count in ``stats``."""

@@ -6,9 +6,9 @@ carries (nothing but the clock for learners that read the weights themselves). I
 import socket
 from typing import Any, Optional
 
-from lightning_rudra.core.optimizers import OptimizerSpec
-from lightning_rudra.core.protocol import ProtocolConfig, Server
-from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.protocol import Server
+from lightning_rudra.core.registration import Registration
+from lightning_rudra.core.weights import Weights
 from lightning_rudra.transport.shm import SharedNames, SharedWeights
 
 
@@ -22,18 +22,17 @@ class SharedSide:
         self.mapped: set[int] = set()  # learners that read and write the shared memory
         self.answered: set[int] = set()  # learners that said whether they could map it
 
-    def server(
-        self, config: ProtocolConfig, params: Any, buffers: Any, specs: list[OptimizerSpec], stats: Optional[Stats]
-    ) -> Optional[Server]:
-        """A :class:`Server` whose weights live in shared memory; None if it cannot be allocated (:attr:`error`
-        says why, and the learners are told)."""
+    def server(self, registration: Registration) -> Optional[Server]:
+        """A :class:`Server` of the ``registration``'s model whose weights live in shared memory; None if it cannot
+        be allocated (:attr:`error` says why, and the learners are told)."""
         try:
             shared = SharedWeights(socket.gethostname())  # allocation failures unlink what was made and raise
         except OSError as error:
             self.error = str(error)
             return None
         try:
-            core = Server(config, params, buffers, specs, stats, shared)
+            r = registration
+            core = Server(r.config, r.params, r.buffers, r.specs, r.stats, shared)
             self.grads = shared.allocate_grads(self.num_learners, core.grad_layouts)
         except OSError as error:
             shared.unlink()
@@ -79,11 +78,11 @@ class SharedSide:
             return [g.clone() for g in grads]  # it waits for the next update, after this learner's next push
         return grads  # applied before the learner gets its reply, and so before it writes the buffer again
 
-    def reply(self, learners: list[int], core: Server) -> tuple:
+    def reply(self, learners: list[int], core: Server) -> Weights:
         """What to send back with a reply: nothing but the clock if every learner reads shared memory."""
         if set(learners) <= self.mapped:
-            return None, None, core.clock
-        return core.pull()
+            return Weights(None, None, core.clock)
+        return Weights(*core.pull())
 
     def release(self) -> None:
         if self.weights is not None and not self.weights.unlinked:

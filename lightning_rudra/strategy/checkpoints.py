@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from torch.optim import Optimizer
 
-from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_groups
+from lightning_rudra.learner.learner import Learner
+from lightning_rudra.learner.optimizer import LearnerOptimizer, with_groups
 from lightning_rudra.core.stats import Stats
 
 

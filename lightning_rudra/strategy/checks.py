@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_rudra.core.clipping import refuse_softsync
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
-from lightning_rudra.core.node import refusal
+from lightning_rudra.core.node_plan import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.strategy.server_nodes import check_server_nodes
 

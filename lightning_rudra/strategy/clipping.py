@@ -13,7 +13,7 @@ from pytorch_lightning.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 
 from lightning_rudra.core.clipping import Clipping
-from lightning_rudra.learner.learner import LearnerOptimizer
+from lightning_rudra.learner.optimizer import LearnerOptimizer
 
 
 def clip_on_the_server(precision: Precision, check: Callable[[float, str, int], None]) -> None:

@@ -20,10 +20,10 @@ from typing_extensions import override
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.compression import compression_option
 from lightning_rudra.core.config import ProtocolConfig, validate_n, validate_options
-from lightning_rudra.core.node import wanted as node_wanted
+from lightning_rudra.core.node_plan import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
-from lightning_rudra.learner.learner import LearnerOptimizer
+from lightning_rudra.learner.optimizer import LearnerOptimizer
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states, load_groups
@@ -173,7 +173,7 @@ class RudraStrategy(ServerParallelStrategy):
 
     @property
     def _aggregating(self) -> bool:
-        """Whether the learners decide on node-local aggregation at setup (:func:`~lightning_rudra.core.node.wanted`)."""
+        """Whether the learners decide on node-local aggregation at setup (:func:`~lightning_rudra.core.node_plan.wanted`)."""
         several_hosts = self.num_nodes > 1 or self.server_nodes > 0
         args = (self.node_aggregation, self.protocol, self.min_learners, self.simulate)
         return node_wanted(*args, several_hosts and self.num_processes > 1)
@@ -269,7 +269,7 @@ class RudraStrategy(ServerParallelStrategy):
     def _check_clipping(self, value: float, algorithm: str, optimizer: int) -> None:
         """:func:`check_clipping` for this run: its protocol and how many servers hold a part of ``optimizer``."""
         learner = self._training.learner
-        servers = 1 if learner is None else sum(1 for shard in learner.shards if shard.owned[optimizer])
+        servers = 1 if learner is None else sum(1 for link in learner.links if link.owned[optimizer])
         check_clipping(value, algorithm, optimizer, self.protocol, self.n, self.num_learners, servers)
 
     @override

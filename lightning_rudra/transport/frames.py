@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.compression import WeightMessage
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.transport.elastic import LearnerId
 
 _HEADER = struct.Struct("!QQ")  # the pickled part's length, the tensors' total bytes
@@ -35,7 +35,7 @@ _TENSORS_LIMIT = 1024
 
 # The globals a frame may name, beside torch's dtypes: what a push and its reply are made of
 CARRIED: dict[tuple[str, str], Any] = {
-    (cls.__module__, cls.__qualname__): cls for cls in (Clipping, LearnerId, PushReply, WeightMessage, complex)
+    (cls.__module__, cls.__qualname__): cls for cls in (Clipping, LearnerId, Push, PushReply, WeightMessage, complex)
 }
 
 

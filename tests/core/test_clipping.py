@@ -7,6 +7,7 @@ import torch
 from lightning_rudra.core.clipping import Clipping, across_servers, check_servers
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.update import Push
 from tests.lightning_models import flat, regression_data
 
 CLIPPERS = {"norm": torch.nn.utils.clip_grad_norm_, "value": torch.nn.utils.clip_grad_value_}
@@ -42,14 +43,16 @@ def hardsync(clipping: Clipping, learners: int = 2, mu: int = 8, clip_on_learner
             if clip_on_learners:
                 CLIPPERS[clipping.algorithm](params, clipping.value)
             server.push(
-                learner,
-                0,
-                layout.pack([p.grad for p in params]),
-                torch.ones(len(params), dtype=torch.bool),
-                server.clock,
-                [hyperparameters(g) for g in opt.param_groups],
-                [],
-                clipping=() if clip_on_learners else (clipping,),
+                Push(
+                    learner,
+                    0,
+                    layout.pack([p.grad for p in params]),
+                    torch.ones(len(params), dtype=torch.bool),
+                    server.clock,
+                    [hyperparameters(g) for g in opt.param_groups],
+                    [],
+                    clipping=() if clip_on_learners else (clipping,),
+                )
             )
         with torch.no_grad():
             for p, w in zip(params, server.params):
@@ -88,14 +91,16 @@ def one_weight_server(protocol: str, learners: int, lr_modulation: str = "none")
 
 def push(server: Server, learner: int, grad, timestamp: int, *clipping):
     return server.push(
-        learner,
-        0,
-        [torch.tensor(grad)],
-        torch.tensor([True]),
-        timestamp,
-        [{"lr": 0.1}],
-        [],
-        clipping=clipping,
+        Push(
+            learner,
+            0,
+            [torch.tensor(grad)],
+            torch.tensor([True]),
+            timestamp,
+            [{"lr": 0.1}],
+            [],
+            clipping=clipping,
+        )
     )
 
 
@@ -140,7 +145,7 @@ def test_a_bad_clipping_request_is_refused_and_changes_nothing(clipping, message
         push(server, 0, [3.0, 4.0], 0, clipping)
     with pytest.raises(ValueError, match="expected a tuple of Clipping"):
         server.push(
-            0, 0, [torch.tensor([3.0, 4.0])], torch.tensor([True]), 0, [{"lr": 0.1}], [], clipping=Clipping(1.0)
+            Push(0, 0, [torch.tensor([3.0, 4.0])], torch.tensor([True]), 0, [{"lr": 0.1}], [], clipping=Clipping(1.0))
         )
     assert server.clock == 0 and server.params[0].tolist() == [0.0, 0.0] and server.stats.gradients == 0
 
@@ -189,14 +194,16 @@ def hardsync_over_two_servers(clipping: Clipping, learners: int = 2, mu: int = 8
             for server, held in zip(servers, cut):
                 hparams = [hyperparameters(g) for g in opt.param_groups]
                 server.push(
-                    learner,
-                    0,
-                    server.grad_layouts[0].pack([p.grad.clone() for p in held]),
-                    torch.ones(len(held), dtype=torch.bool),
-                    server.clock,
-                    hparams,
-                    [],
-                    clipping=told,
+                    Push(
+                        learner,
+                        0,
+                        server.grad_layouts[0].pack([p.grad.clone() for p in held]),
+                        torch.ones(len(held), dtype=torch.bool),
+                        server.clock,
+                        hparams,
+                        [],
+                        clipping=told,
+                    )
                 )
         if clipping.algorithm == "norm":  # each round waits for the other server's part of the norm
             assert all(0 in server.awaiting_norm for server in servers)
@@ -250,15 +257,17 @@ def test_a_server_that_holds_none_of_an_optimizers_gradients_clips_nothing():
     server = Server(ProtocolConfig(1, "async"), [w], [], [spec])
     for algorithm in ("norm", "value"):
         result = server.push(
-            0,
-            0,
-            [],
-            torch.zeros(0, dtype=torch.bool),
-            server.clock,
-            [{"lr": 0.1}],
-            [],
-            None,
-            clipping=(Clipping(1.0, algorithm),),
+            Push(
+                0,
+                0,
+                [],
+                torch.zeros(0, dtype=torch.bool),
+                server.clock,
+                [{"lr": 0.1}],
+                [],
+                None,
+                clipping=(Clipping(1.0, algorithm),),
+            )
         )
         assert result.update is not None
     assert server.clock == 2 and w.tolist() == [0.0, 0.0]
@@ -298,7 +307,7 @@ def test_a_hardsync_server_that_holds_none_of_an_optimizers_parameters_does_not_
     server = Server(ProtocolConfig(2, "hardsync"), [w], [], [spec])
     for learner in (0, 1):
         args = ([], torch.zeros(0, dtype=torch.bool), server.clock, [{"lr": 0.1}], [], None)
-        result = server.push(learner, 0, *args, clipping=(Clipping(1.0, "norm", (0, 2)),))
+        result = server.push(Push(learner, 0, *args, clipping=(Clipping(1.0, "norm", (0, 2)),)))
     assert result.update is not None and not server.awaiting_norm and server.clock == 1
 
 

@@ -10,6 +10,7 @@ from lightning_rudra.core.compensation import RULES_STATE, check_optimizer, pars
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.update import Push
 
 
 def scalar_server(compensation, protocol="async", learners=2, momentum=0.0, optimizer=torch.optim.SGD, **options):
@@ -21,13 +22,15 @@ def scalar_server(compensation, protocol="async", learners=2, momentum=0.0, opti
 
 def push(server, opt, learner, grad, timestamp):
     return server.push(
-        learner,
-        0,
-        [torch.tensor([grad])],
-        torch.tensor([True]),
-        timestamp,
-        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-        [],
+        Push(
+            learner,
+            0,
+            [torch.tensor([grad])],
+            torch.tensor([True]),
+            timestamp,
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            [],
+        )
     )
 
 
@@ -121,7 +124,7 @@ def push_each(server, opt, learner, grads, timestamp):
     )
     has_grad = torch.tensor([g is not None for g in grads])
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return server.push(learner, 0, packed, has_grad, timestamp, hparams, [])
+    return server.push(Push(learner, 0, packed, has_grad, timestamp, hparams, []))
 
 
 G0, G1 = torch.full((2,), 0.5), torch.full((3,), -1.0)

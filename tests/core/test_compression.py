@@ -10,6 +10,7 @@ from lightning_rudra import RudraStrategy
 from lightning_rudra.core.compression import ErrorFeedback, WeightDeltas, compression_option, decompress
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.update import Push
 
 
 def gradients(k, numel=10_000, seed=0):
@@ -82,11 +83,11 @@ def test_the_server_widens_a_compressed_gradient_and_applies_it_as_the_float32_o
     g = torch.tensor([1.0, -(2.0**-3), 3.0])  # exact in bfloat16
     compressed, full = server(), server()
     for s, grad in ((compressed, g.to(torch.bfloat16)), (full, g)):
-        result = s.push(0, 0, [grad], torch.tensor([True]), 0, [{"lr": 0.5}], [])
+        result = s.push(Push(0, 0, [grad], torch.tensor([True]), 0, [{"lr": 0.5}], []))
         assert result.status == "accepted"
     assert torch.equal(compressed.params[0], full.params[0]) and compressed.params[0].dtype == torch.float32
     with pytest.raises(ValueError, match=r"expected \[torch.float32 x 3\]"):  # the checks still judge the size
-        compressed.push(0, 0, [torch.zeros(2, dtype=torch.bfloat16)], torch.tensor([True]), 1, [{"lr": 0.5}], [])
+        compressed.push(Push(0, 0, [torch.zeros(2, dtype=torch.bfloat16)], torch.tensor([True]), 1, [{"lr": 0.5}], []))
 
 
 def test_decompress_widens_only_a_wire_dtype_where_the_layout_holds_float32():

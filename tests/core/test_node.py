@@ -5,7 +5,8 @@ the same gradients pushed one by one."""
 import pytest
 import torch
 
-from lightning_rudra.core.node import LearnerPlace, NodeGroup, plan_nodes, refusal, sum_node
+from lightning_rudra.core.node_plan import LearnerPlace, NodeGroup, plan_nodes, refusal, sum_node
+from lightning_rudra.core.update import Push
 from tests.core.test_protocol import make_server
 
 
@@ -44,16 +45,18 @@ def test_the_node_sum_adds_gradients_and_float_buffers_and_leaves_out_nonfinite_
 
 def node_push(server, learner, grad, members=(), refused=(), buffers=()):
     return server.push(
-        learner,
-        0,
-        [torch.tensor(grad, dtype=torch.float32)],
-        torch.tensor([True]),
-        0,
-        [{"lr": 0.1, "momentum": 0.0}],
-        server.buffer_layout.pack([torch.tensor(b) for b in buffers]),
-        None,
-        members,
-        refused,
+        Push(
+            learner,
+            0,
+            [torch.tensor(grad, dtype=torch.float32)],
+            torch.tensor([True]),
+            0,
+            [{"lr": 0.1, "momentum": 0.0}],
+            server.buffer_layout.pack([torch.tensor(b) for b in buffers]),
+            None,
+            members,
+            refused,
+        )
     )
 
 

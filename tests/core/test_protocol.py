@@ -7,6 +7,7 @@ from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.update import Push
 
 
 def make_server(
@@ -27,13 +28,15 @@ def make_server(
 
 def push(server, learner, grad, timestamp, lr=0.1, buffers=()):
     return server.push(
-        learner,
-        0,
-        [torch.tensor(grad, dtype=torch.float32)],
-        torch.tensor([True]),
-        timestamp,
-        [{"lr": lr, "momentum": 0.0}],
-        server.buffer_layout.pack([torch.tensor(b) for b in buffers]),
+        Push(
+            learner,
+            0,
+            [torch.tensor(grad, dtype=torch.float32)],
+            torch.tensor([True]),
+            timestamp,
+            [{"lr": lr, "momentum": 0.0}],
+            server.buffer_layout.pack([torch.tensor(b) for b in buffers]),
+        )
     )
 
 
@@ -143,7 +146,7 @@ def push_to(server, optimizer, learner, grad, timestamp, **hparams):
     shared = len(server.grad_layouts[optimizer]) == 2
     packed, has_grad = ([torch.tensor([0.0, grad])], [False, True]) if shared else ([torch.tensor([grad])], [True])
     hparams = {"lr": 1.0, **hparams}
-    return server.push(learner, optimizer, packed, torch.tensor(has_grad), timestamp, [hparams], [])
+    return server.push(Push(learner, optimizer, packed, torch.tensor(has_grad), timestamp, [hparams], []))
 
 
 def test_a_gradient_is_stale_only_by_the_updates_of_its_own_optimizers_parameters():
@@ -248,7 +251,7 @@ def test_a_learning_rate_tensor_travels_as_a_number():
     spec = OptimizerSpec.from_optimizer(opt, [w])
     assert spec.groups[0][1]["lr"] == 0.5 and type(spec.groups[0][1]["lr"]) is float
     server = Server(ProtocolConfig(1, "async"), [w], [], [spec])
-    server.push(0, 0, [torch.ones(2)], torch.tensor([True]), 0, [hyperparameters(opt.param_groups[0])], [])
+    server.push(Push(0, 0, [torch.ones(2)], torch.tensor([True]), 0, [hyperparameters(opt.param_groups[0])], []))
     assert weights(server) == [-0.5, -0.5]
 
 
@@ -281,12 +284,17 @@ def test_hardsync_round_with_a_refused_gradient_averages_the_others():
         (lambda s: push(s, 5, [1.0, 1.0], 0), "learner 5 is unknown"),
         (lambda s: push(s, 0, [1.0, 1.0, 1.0], 0), "float32 x 3"),
         (
-            lambda s: s.push(0, 0, [torch.ones(2, dtype=torch.float64)], torch.tensor([True]), 0, [{"lr": 0.1}], []),
+            lambda s: s.push(
+                Push(0, 0, [torch.ones(2, dtype=torch.float64)], torch.tensor([True]), 0, [{"lr": 0.1}], [])
+            ),
             "torch.float64 x 2",
         ),
         (lambda s: push(s, 0, [1.0, 1.0], 7), "timestamp 7"),
         (lambda s: push(s, 0, [1.0, 1.0], 0, lr=float("nan")), "learning rate nan"),
-        (lambda s: s.push(0, 3, [torch.ones(2)], torch.tensor([True]), 0, [{"lr": 0.1}], []), "optimizer index 3"),
+        (
+            lambda s: s.push(Push(0, 3, [torch.ones(2)], torch.tensor([True]), 0, [{"lr": 0.1}], [])),
+            "optimizer index 3",
+        ),
     ],
 )
 def test_bad_push_is_refused_with_a_clear_error_and_changes_nothing(call, message):
@@ -366,7 +374,7 @@ def test_async_with_one_learner_is_the_plain_optimizer(make_optimizer):
             group["lr"] *= 0.9
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in local_opt.param_groups]
         packed = layout.pack([g if g is not None else torch.zeros_like(p) for g, p in zip(grads, local)])
-        server.push(0, 0, packed, torch.tensor([g is not None for g in grads]), step, hparams, [])
+        server.push(Push(0, 0, packed, torch.tensor([g is not None for g in grads]), step, hparams, []))
         for p, g in zip(local, grads):
             p.grad = g
         local_opt.step()
@@ -397,13 +405,15 @@ def test_hardsync_equals_sgd_on_the_union_batch():
             rows = torch.arange(batch.start, batch.stop)[learner::learners]
             torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
             server.push(
-                learner,
-                0,
-                server.grad_layouts[0].pack([p.grad for p in params]),
-                torch.tensor([True, True]),
-                clock,
-                [{"lr": 0.1, "momentum": 0.9}],
-                [],
+                Push(
+                    learner,
+                    0,
+                    server.grad_layouts[0].pack([p.grad for p in params]),
+                    torch.tensor([True, True]),
+                    clock,
+                    [{"lr": 0.1, "momentum": 0.9}],
+                    [],
+                )
             )
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(reference(x[batch]), y[batch]).backward()

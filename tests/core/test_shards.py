@@ -14,6 +14,7 @@ from lightning_rudra.core.compensation import RULES_STATE
 from lightning_rudra.core.optimizers import OptimizerSpec, sharing_parameters
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.shards import ShardPlan
+from lightning_rudra.core.update import Push
 from tests.lightning_models import quiet_trainer
 
 SHAPES = [torch.Size([4, 5]), torch.Size([5]), torch.Size([0]), torch.Size([3, 2])]  # 20 + 5 + 0 + 6 = 31
@@ -114,7 +115,7 @@ def test_a_non_elementwise_optimizer_or_a_non_contiguous_parameter_is_not_cut():
         [(1, True)],
         [(2, True), (3, True)],
     ]  # cuts at 20 and 25, the nearest to 20.3 and 40.7
-    assert [len(shard.params) for shard in learner.shards] == [1, 1, 2]
+    assert [len(link.params) for link in learner.links] == [1, 1, 2]
     conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     plan = Learner(conv, [object(), object()]).plan
     assert not plan.splits_a_parameter and [len(pieces) for pieces in plan.shards] == [1, 1]
@@ -153,7 +154,7 @@ def test_every_server_counts_the_updates_of_an_optimizer_that_shares_a_parameter
             grads = [torch.ones_like(server.params[i]) for i in server.optimizer_params[optimizer]]
             has_grad = torch.ones(len(grads), dtype=torch.bool)
             result = server.push(
-                learner, optimizer, server.grad_layouts[optimizer].pack(grads), has_grad, 0, [{"lr": 1.0}], []
+                Push(learner, optimizer, server.grad_layouts[optimizer].pack(grads), has_grad, 0, [{"lr": 1.0}], [])
             )
             sigmas.append(result.staleness)
         assert sigmas == [optimizer, optimizer]
@@ -181,7 +182,7 @@ def test_the_rules_state_resumes_exactly_with_another_number_of_servers():
         for s, server in enumerate(cut):
             local = [g.clone() for g in plan.views(s, grad)]
             has_grad = torch.ones(len(local), dtype=torch.bool)
-            server.push(learner, 0, server.grad_layouts[0].pack(local), has_grad, timestamp, [{"lr": 0.1}], [])
+            server.push(Push(learner, 0, server.grad_layouts[0].pack(local), has_grad, timestamp, [{"lr": 0.1}], []))
 
     def weights(cut):
         flat = torch.cat([p.reshape(-1) for server in cut for p in server.params])

@@ -6,6 +6,7 @@ import torch
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.update import Push
 
 
 def three_optimizer_server(config, momentum=0.0):
@@ -24,7 +25,7 @@ def push(server, learner, optimizer, timestamp, grad=1.0, **hparams):
     size = len(server.optimizer_params[optimizer])
     packed = server.grad_layouts[optimizer].pack([torch.tensor([grad])] * size)
     hparams = {"lr": 0.1, **hparams}
-    return server.push(learner, optimizer, packed, torch.ones(size, dtype=torch.bool), timestamp, [hparams], [])
+    return server.push(Push(learner, optimizer, packed, torch.ones(size, dtype=torch.bool), timestamp, [hparams], []))
 
 
 def test_a_waiting_gradient_whose_learner_left_is_stale_by_every_update_since_its_weights():

@@ -16,8 +16,8 @@ class Client:
         self.rank, self.timestamp = 0, 0
         self.pushed: list[tuple] = []
 
-    def push(self, index, packed, has_grad, hparams, buffers, timestamp, finite, clipping=()):
-        self.pushed.append((finite, clipping))
+    def push(self, push):
+        self.pushed.append((push.finite, push.clipping))
 
 
 def two_servers(sends_norm: bool = True):

@@ -8,8 +8,10 @@ import torch
 from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
-from lightning_rudra.server.model_server import _settle
+from lightning_rudra.core.registration import Registration
+from lightning_rudra.server.model_server import _resolve
 from lightning_rudra.server.parameter_server import ParameterServer
+from lightning_rudra.core.update import Push
 
 CLIPPING = (Clipping(1.0, "norm", (0, 1), None),)
 
@@ -18,34 +20,36 @@ def two_servers() -> tuple[list[ParameterServer], list[tuple]]:
     """Servers 0 and 1 of a model of two weights, one each; what each sends to the other is kept, to deliver."""
     sent: list[tuple] = []
     servers = []
-    for shard in (0, 1):
-        ps = ParameterServer(2, timeout=5.0, shard=shard)
-        ps.send_norm = lambda to, *norm, shard=shard: sent.append((to, shard, *norm))
+    for server in (0, 1):
+        ps = ParameterServer(2, timeout=5.0, server=server)
+        ps.send_norm = lambda to, *norm, server=server: sent.append((to, server, *norm))
         params = [torch.zeros(1)]
         spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-        ps.register(ProtocolConfig(2, "hardsync"), params, [], [spec], None, False)
+        ps.register(Registration(ProtocolConfig(2, "hardsync"), params, [], [spec], None, False))
         servers.append(ps)
     return servers, sent
 
 
 def push(ps: ParameterServer, learner: int, value: float, clipping=CLIPPING):
     return ps.push(
-        learner,
-        0,
-        [torch.full((1,), value)],
-        torch.ones(1, dtype=torch.bool),
-        0,
-        [{"lr": 1.0}],
-        [],
-        True,
-        clipping=clipping,
+        Push(
+            learner,
+            0,
+            [torch.full((1,), value)],
+            torch.ones(1, dtype=torch.bool),
+            0,
+            [{"lr": 1.0}],
+            [],
+            True,
+            clipping=clipping,
+        )
     )
 
 
 def deliver(servers: list[ParameterServer], sent: list[tuple]) -> None:
     while sent:
-        to, shard, optimizer, round, partial = sent.pop(0)
-        servers[to].round_norm(shard, optimizer, round, partial)
+        to, sender, optimizer, round, partial = sent.pop(0)
+        servers[to].round_norm(sender, optimizer, round, partial)
 
 
 def test_a_round_waits_for_the_other_servers_part_of_the_norm_then_clips_by_the_whole_norm():
@@ -82,7 +86,7 @@ def test_a_part_that_cannot_be_sent_ends_training_with_why_and_a_lost_learner_re
     # server 1 never gets server 0's part: its round's waits end when the learners are lost, as every wait does
     with servers[1].lock:
         outcomes = servers[1]._lose(0, "ended before training did")
-    _settle(outcomes)
+    _resolve(outcomes)
     for reply in replies[2:]:
         with pytest.raises(RuntimeError, match="learner 0"):
             reply.wait()
@@ -103,7 +107,7 @@ def test_learners_whose_clippings_differ_are_refused_instead_of_waiting_forever(
     for ps in servers:
         with ps.lock:
             outcomes = ps._lose(0, "failed")
-        _settle(outcomes)
+        _resolve(outcomes)
     for reply in replies:
         with pytest.raises(RuntimeError, match="learner 0"):
             reply.wait()

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from lightning_rudra.server import process as server
-from lightning_rudra.server.model_server import _settle
+from lightning_rudra.server.model_server import _resolve
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.server.membership import Membership, this_process
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.registration import Registration
+from lightning_rudra.core.update import Push
 from lightning_rudra.transport.elastic import LearnerId
 
 
@@ -25,20 +27,21 @@ def parameter_server(monkeypatch, protocol: str, learners: int, min_learners, n:
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-    server.call("register", ProtocolConfig(learners, protocol, n=n), params, [], [spec], None, False)
+    server.call("register", Registration(ProtocolConfig(learners, protocol, n=n), params, [], [spec], None, False))
     return ps
 
 
 def push(learner: int, value: float, timestamp: int = 0):
     return server.call_async(
-        "push", learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool), timestamp, [{"lr": 1.0}], []
+        "push",
+        Push(learner, 0, [torch.full((2,), value)], torch.ones(1, dtype=torch.bool), timestamp, [{"lr": 1.0}], []),
     )
 
 
 def lose(ps: ParameterServer, learner: int, why: str = "ended before training did: its process (pid 1) is gone"):
     with ps.lock:
         outcomes = ps._lose(learner, why)
-    _settle(outcomes)
+    _resolve(outcomes)
 
 
 def test_hardsync_rounds_wait_only_for_the_learners_left(monkeypatch):
@@ -193,7 +196,7 @@ def test_with_comeback_a_run_that_lost_every_learner_waits_and_takes_them_back(m
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
     module = {"parameters": [["w", [2]]], "optimizers": ["SGD"]}
-    server.call("register", ProtocolConfig(2, "async"), params, [], [spec], None, False, None, module)
+    server.call("register", Registration(ProtocolConfig(2, "async"), params, [], [spec], None, False, None, module))
     for learner in (0, 1):
         server.call("progress", learner, 3, 40 + learner, 7)
     push(0, 1.0).wait()
@@ -254,7 +257,7 @@ def test_a_loss_before_the_model_is_registered_completes_the_collectives(monkeyp
     if stage == "fit":  # the model registered after the loss: the protocol counts learners 0 and 2 only
         params = [torch.zeros(2)]
         spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-        server.call("register", ProtocolConfig(3, "hardsync"), params, [], [spec], None, False)
+        server.call("register", Registration(ProtocolConfig(3, "hardsync"), params, [], [spec], None, False))
         assert ps.core.active == {0, 2} and ps.core.stats.lost.keys() == {1}
 
 
@@ -283,7 +286,7 @@ def test_a_loss_admits_a_process_that_waited_for_the_lost_learner_to_start_the_e
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
     module = {"parameters": [["w", [2]]], "optimizers": ["SGD"]}
-    server.call("register", ProtocolConfig(3, "async"), params, [], [spec], None, False, None, module)
+    server.call("register", Registration(ProtocolConfig(3, "async"), params, [], [spec], None, False, None, module))
     for learner in range(3):
         server.call("progress", learner, 2, 20, 4)
     lose(ps, 2)
@@ -342,7 +345,7 @@ def test_a_register_that_fails_leaves_no_file_and_learner_0_s_loss_fails_the_wai
     attach = server.call_async("attach", 1)
     broken = [{"state": {0: {"momentum_buffer": torch.zeros(5)}}, "param_groups": "x"}]
     with pytest.raises(Exception):
-        server.call("register", ProtocolConfig(2, "async"), params, [], [spec], None, True, broken, None)
+        server.call("register", Registration(ProtocolConfig(2, "async"), params, [], [spec], None, True, broken, None))
     assert ps.core is None and set(os.listdir("/dev/shm")) <= before
     server.call("leave", 0, "RuntimeError: the register failed")
     with pytest.raises(RuntimeError, match="lost before it registered the model"):

@@ -15,6 +15,8 @@ from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.server.rejoins import Admission, describe_module
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.registration import Registration
+from lightning_rudra.core.update import Push
 from lightning_rudra.transport.elastic import LearnerId
 from tests.server.test_lost_learners import lose, push
 
@@ -26,7 +28,9 @@ def elastic_server(monkeypatch, protocol: str = "async", learners: int = 3) -> P
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.5), params)
-    server.call("register", ProtocolConfig(learners, protocol), params, [], [spec], None, False, None, MODULE)
+    server.call(
+        "register", Registration(ProtocolConfig(learners, protocol), params, [], [spec], None, False, None, MODULE)
+    )
     return ps
 
 
@@ -107,7 +111,10 @@ def test_an_admission_carries_the_runs_elapsed_time(monkeypatch):
 def push_deltas(learner, count: int = 0):
     """A push whose reply's weights come as bf16 differences (compression="bf16", a server on another host)."""
     return server.call_async(
-        "push_deltas", "bf16", count, learner, 0, [torch.ones(2)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.5}], []
+        "push_deltas",
+        "bf16",
+        count,
+        Push(learner, 0, [torch.ones(2)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.5}], []),
     ).wait()
 
 

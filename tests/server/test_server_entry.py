@@ -8,6 +8,8 @@ from lightning_rudra.server import process as server
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.registration import Registration
+from lightning_rudra.core.update import Push
 
 
 @pytest.fixture
@@ -16,12 +18,14 @@ def parameter_server(monkeypatch):
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(3)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1), params)
-    server.call("register", ProtocolConfig(2, "async"), params, [], [spec], None, False)
+    server.call("register", Registration(ProtocolConfig(2, "async"), params, [], [spec], None, False))
     return ps
 
 
 def push(learner):
-    return server.call_async("push", learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], [])
+    return server.call_async(
+        "push", Push(learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], [])
+    )
 
 
 @pytest.mark.parametrize(

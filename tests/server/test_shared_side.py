@@ -8,6 +8,7 @@ import torch
 
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.server import process as server
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport.shm import SHM_DIR
@@ -23,7 +24,7 @@ def shared_server(monkeypatch, learners: int, spec=None) -> ParameterServer:
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = spec or OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-    server.call("register", ProtocolConfig(learners, "async"), params, [], [spec], None, True)
+    server.call("register", Registration(ProtocolConfig(learners, "async"), params, [], [spec], None, True))
     return ps
 
 

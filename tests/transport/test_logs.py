@@ -14,6 +14,7 @@ import torch
 
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.registration import Registration
 from lightning_rudra.server import process as server
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport import logs
@@ -60,7 +61,7 @@ def test_with_the_switch_the_server_logs_each_long_wait_with_what_and_whom(monke
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-    server.call("register", ProtocolConfig(3, "hardsync"), params, [], [spec], None, False)
+    server.call("register", Registration(ProtocolConfig(3, "hardsync"), params, [], [spec], None, False))
     pushed = [push(0, 1.0), push(2, 1.0)]
     watched(ps)
     assert "parameter server 1 has waited" in logged(caplog, "the hardsync round of optimizer 0, on learner 1")

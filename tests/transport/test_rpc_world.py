@@ -63,7 +63,7 @@ def test_a_call_the_server_does_not_answer_names_it_and_its_host(error, message)
     """Whichever call fails first (a heartbeat, a push, the request for the next batches), the learner's error
     says which server did not answer, and where it runs. (No RPC world here: the heartbeat thread fails at
     once and ends.)"""
-    client = LearnerClient(1, timeout=8.0, server_host="10.0.0.2", shard=1)
+    client = LearnerClient(1, timeout=8.0, server_host="10.0.0.2", server=1)
     with pytest.raises(RuntimeError, match=message):
         with client._naming_a_lost_server():
             raise RuntimeError(error)

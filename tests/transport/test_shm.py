@@ -10,6 +10,7 @@ import torch
 from lightning_rudra.core.flat import FlatLayout
 from lightning_rudra.core.protocol import OptimizerSpec, ProtocolConfig, Server
 from lightning_rudra.transport.shm import MappedWeights, SharedWeights, shared_memory_refused
+from lightning_rudra.core.update import Push
 
 
 def shared_server(tmp_path, num_learners=1):
@@ -42,7 +43,7 @@ def test_a_learner_sees_the_servers_updates_and_writes_the_gradient_the_server_r
         [torch.ones(3), torch.full((2,), 2.0, dtype=torch.float64)], mapped.grads[0]
     )
     assert [g.tolist() for g in grads[(0, 0)]] == [[1.0] * 3, [2.0] * 2]  # the same memory
-    result = server.push(0, 0, grads[(0, 0)], torch.ones(2, dtype=torch.bool), 0, [{"lr": 0.5}], [torch.ones(2)])
+    result = server.push(Push(0, 0, grads[(0, 0)], torch.ones(2, dtype=torch.bool), 0, [{"lr": 0.5}], [torch.ones(2)]))
     assert result.closed and server.clock == 1
     seen = {}
     clock = mapped.read(lambda params, buffers: seen.update(p=[p.clone() for p in params]))

@@ -26,10 +26,10 @@ def server_killed_mid_update(rank, clients, config):
     """The learner maps the server's weights; the server dies with the version odd, as in the middle of an
     update; the learner pulls."""
     _, learner, _ = harness.start(rank, clients, config)
-    [shard] = learner.shards
-    assert shard.shm is not None
+    [link] = learner.links
+    assert link.shm is not None
     os.kill(rpc.rpc_sync(clients[0].server, os.getpid, timeout=10), signal.SIGKILL)
-    shard.shm.header[0] += 1
+    link.shm.header[0] += 1
     try:
         learner.pull()
     except RuntimeError as error:
@@ -117,7 +117,7 @@ def train_wide(rank, clients, config, steps):
     return {
         "params": [p.detach().clone() for p in net.parameters()],
         "warnings": [str(w.message) for w in caught],
-        "shared_memory": learner.shards[0].shm is not None,
+        "shared_memory": learner.links[0].shm is not None,
     }
 
 

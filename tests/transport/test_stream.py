@@ -17,7 +17,7 @@ from torch.futures import Future
 
 from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.compression import WeightMessage
-from lightning_rudra.core.update import PushReply
+from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.client import _CONNECTION_LOST, _TIMED_OUT, LearnerClient
 from lightning_rudra.transport import frames, stream, stream_client, stream_server
 from lightning_rudra.transport.elastic import LearnerId
@@ -58,6 +58,32 @@ def test_a_frame_carries_tensors_of_every_dtype_and_shape_bit_for_bit_inside_the
     assert reply.status == "accepted" and reply.clock == 9 and reply.params.whole is False
     for a, b in zip(reply.params.flats, tensors):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_a_push_crosses_the_stream_whole_its_tensors_beside_its_fields():
+    grads = [torch.randn(100), torch.randn(5).to(torch.bfloat16)]
+    clipping = (Clipping(1.0, "norm", (0, 1), 2.5),)
+    has_grad, buffers = torch.tensor([True, False]), [torch.ones(3)]
+    push = Push(LearnerId(2, 1), 1, grads, has_grad, 7, [{"lr": 0.1}], buffers, True, [0, 3], [3], clipping)
+    frame = frames.Frame.encode(("push", push))
+    assert len(frame.tensors) == 4  # the gradient's two, has_grad, the buffers: the tensors travel beside the pickle
+    left, right = socket.socketpair()
+    with left, right:
+        sender = threading.Thread(target=send_frame, args=(left, ("push", push)))
+        sender.start()
+        method, got = recv_frame(right, LIMITS)
+        sender.join()
+    assert method == "push" and isinstance(got, Push)
+    assert (got.learner, got.learner.incarnation, got.optimizer, got.timestamp) == (2, 1, 1, 7)
+    assert (got.hparams, got.finite, got.members, got.refused, got.clipping) == (
+        [{"lr": 0.1}],
+        True,
+        [0, 3],
+        [3],
+        clipping,
+    )
+    for a, b in zip([*got.grads, got.has_grad, *got.buffers], [*grads, has_grad, *buffers]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 class _TwoArguments(Exception):

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from lightning_rudra.core.protocol import ProtocolConfig
-from lightning_rudra.learner import shard as shard_module
+from lightning_rudra.core.update import Push
+from lightning_rudra.learner import link as link_module
 from lightning_rudra.transport import frames, stream
 from lightning_rudra.transport.elastic import LearnerId
 from lightning_rudra.transport.frames import recv_frame, send_frame
@@ -178,7 +179,7 @@ class Fuzzer:
 
     def case_truncated_frame(self, sock):
         self._prove(sock)
-        frame = frames.Frame.encode(("push", LearnerId(0), 0, [torch.ones(self.shapes[0])]))
+        frame = frames.Frame.encode(self._push(LearnerId(0), [torch.ones(self.shapes[0])]))
         data = frames._NUMBER.pack(1) + frame.head + b"".join(bytes(frames._bytes(t)) for t in frame.tensors)
         sock.sendall(data[: self.random.randrange(1, len(data))])
 
@@ -190,7 +191,7 @@ class Fuzzer:
 
     def _push(self, learner, grads=None):
         grads = grads if grads is not None else [torch.zeros(self.shapes[0])]
-        return ("push", learner, 0, grads, torch.ones(len(self.shapes), dtype=torch.bool), 0, [{"lr": LR}], [])
+        return ("push", Push(learner, 0, grads, torch.ones(len(self.shapes), dtype=torch.bool), 0, [{"lr": LR}], []))
 
     def case_wrong_learner(self, sock):
         learner, expected = self.random.choice(
@@ -233,7 +234,7 @@ class Fuzzer:
 def fuzzed_training(rank, clients, config, marker):
     """Learner 0 believes its server is on another host, so its pushes go over the stream; a thread fuzzes the
     stream meanwhile."""
-    shard_module.socket = types.SimpleNamespace(gethostname=lambda: "another-host")
+    link_module.socket = types.SimpleNamespace(gethostname=lambda: "another-host")
     server = _server_pid()
     ports_before = _listening_ports(server)
     net, learner, wrapped = harness.start(rank, clients, config, lr=LR)

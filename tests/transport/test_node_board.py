@@ -1,6 +1,6 @@
 """The node's board (node-local aggregation) in one process: a member maps the leader's files (and only those), the
 files go once mapped, two learners (threads) link their shards to the server they reach through RPC (or, when one
-cannot map the board, turn aggregation off with a warning), and a round through :class:`~lightning_rudra.learner.node.NodeLink`: the leader sums, sends once
+cannot map the board, turn aggregation off with a warning), and a round through :class:`~lightning_rudra.learner.node.NodeMember`: the leader sums, sends once
 and writes the reply's weights, which the member reads. Every wait ends with an error naming the learner waited for
 when it ended, stopped pushing or went silent."""
 
@@ -10,10 +10,10 @@ import threading
 import pytest
 import torch
 
-from lightning_rudra.core.node import NodeGroup
-from lightning_rudra.core.update import PushReply
-from lightning_rudra.learner.node import NodeLink
-from lightning_rudra.transport.node_shm import BEAT, PID, NodeBoard, board_layout
+from lightning_rudra.core.node_plan import NodeGroup
+from lightning_rudra.core.update import Push, PushReply
+from lightning_rudra.learner.node import NodeMember
+from lightning_rudra.transport.node_board import BEAT, PID, NodeBoard, board_layout
 from torch.futures import Future
 
 
@@ -52,28 +52,31 @@ def links(tmp_path, timeout=5.0):
     member_board = NodeBoard.open(layout(), leader_board.names)
     leader_board.unlink()
     group = NodeGroup(0, 1, (0, 1))
-    return NodeLink(group, 0, leader_board, timeout, "parameter server 1"), NodeLink(
+    return NodeMember(group, 0, leader_board, timeout, "parameter server 1"), NodeMember(
         group, 1, member_board, timeout, "parameter server 1"
     )
+
+
+def node_push(learner, grads, has_grad, buffers):
+    """A learner's finite gradient for optimizer 0, as it hands it to its node."""
+    return Push(learner, 0, grads, has_grad, 0, [{"lr": 0.1}], buffers, True)
 
 
 def test_a_round_the_leader_sums_and_sends_once_the_member_reads_the_weights(tmp_path):
     leader, member = links(tmp_path)
     sent = []
 
-    def send(grads, has, buffers, members, refused):
-        sent.append((grads[0].tolist(), has.tolist(), buffers[0].tolist(), members, refused))
+    def send(push):
+        sent.append(
+            (push.grads[0].tolist(), push.has_grad.tolist(), push.buffers[0].tolist(), push.members, push.refused)
+        )
         future = Future()
         future.set_result(PushReply("accepted", 0, 1.0, [torch.tensor([9.0, 8.0, 7.0])], [torch.tensor([0.5])], 3))
         return future
 
     def member_round():
         member.push(
-            0,
-            [torch.tensor([1.0, 1.0, 1.0])],
-            torch.tensor([False, True]),
-            [torch.tensor([2.0])],
-            True,
+            node_push(1, [torch.tensor([1.0, 1.0, 1.0])], torch.tensor([False, True]), [torch.tensor([2.0])]),
             send,
             lambda: None,
         )
@@ -83,7 +86,9 @@ def test_a_round_the_leader_sums_and_sends_once_the_member_reads_the_weights(tmp
     thread = threading.Thread(target=member_round)
     thread.start()
     future = leader.push(
-        0, [torch.tensor([1.0, 2.0, 3.0])], torch.tensor([True, False]), [torch.tensor([1.0])], True, send, lambda: None
+        node_push(0, [torch.tensor([1.0, 2.0, 3.0])], torch.tensor([True, False]), [torch.tensor([1.0])]),
+        send,
+        lambda: None,
     )
     leader_reply = leader.receive(Client(), future, lambda: None)
     thread.join(10)
@@ -100,7 +105,7 @@ def test_the_leader_names_a_member_that_ended_or_stopped_pushing(tmp_path):
     ended = subprocess.Popen(["true"])
     ended.wait()
     member.slot.control[PID] = ended.pid
-    push = (0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)], True, None, lambda: None)
+    push = (node_push(0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)]), None, lambda: None)
     with pytest.raises(RuntimeError, match=r"learner 1 \(on this node, process \d+\) ended while learner 0 waited"):
         leader.push(*push)
     member.slot.control[PID] = 0
@@ -114,7 +119,7 @@ def test_a_member_names_a_leader_that_failed_or_went_silent(tmp_path):
     leader, member = links(tmp_path, timeout=0.6)
     leader._stop.set()  # its heartbeat stops, as a stopped process's would
     leader.slot.control[BEAT] += 1
-    member.push(0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)], True, None, lambda: None)
+    member.push(node_push(1, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)]), None, lambda: None)
     with pytest.raises(RuntimeError, match=r"learner 0 .* no sign of life for more than 0.6 s \(rpc_timeout\)"):
         member.receive(Client(), None, lambda: None)
     leader.close(True)
@@ -130,7 +135,7 @@ def test_a_wait_ends_with_what_another_servers_reply_failed_with(tmp_path):
         raise RuntimeError("learner 3 (on 10.0.0.2) has not been heard from")
 
     with pytest.raises(RuntimeError, match="learner 3"):
-        leader.push(0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)], True, None, check)
+        leader.push(node_push(0, [torch.zeros(3)], torch.tensor([True, True]), [torch.zeros(1)]), None, check)
     leader.close(True)
     member.close(True)
 
@@ -170,7 +175,7 @@ def learners_of_one_node():
     for rank in range(2):
         module = torch.nn.Linear(3, 2)
         learner = Learner(module, [Stub(rank), Stub(rank)])
-        learner.shards[0].shm = object()  # server 0 is on this host; server 1 is reached through RPC
+        learner.links[0].shm = object()  # server 0 is on this host; server 1 is reached through RPC
         learner.wrap([torch.optim.SGD(module.parameters(), lr=0.1)])
         made.append(learner)
     return made
@@ -192,11 +197,11 @@ def test_the_learners_of_a_node_link_their_shards_to_the_servers_they_reach_thro
     for thread in threads:
         thread.join(20)
     assert groups[0] == groups[1] == [NodeGroup(0, 1, (0, 1))]
-    assert [learner.shards[1].link.leader for learner in learners] == [True, False]
-    assert all(learner.shards[0].link is None for learner in learners)
+    assert [learner.links[1].node.leader for learner in learners] == [True, False]
+    assert all(learner.links[0].node is None for learner in learners)
     assert list(tmp_path.iterdir()) == []  # every file went once mapped
     for learner in learners:
-        learner.shards[1].link.close(False)
+        learner.links[1].node.close(False)
 
 
 def test_a_member_that_cannot_map_the_board_turns_aggregation_off_with_a_warning(tmp_path, monkeypatch):
@@ -226,5 +231,5 @@ def test_a_member_that_cannot_map_the_board_turns_aggregation_off_with_a_warning
         "lightning_rudra: node-local aggregation is off: learner 1 could not map the shared memory of learner 0 on "
         "its node: another /dev/shm. Each learner pushes alone."
     ]
-    assert all(learner.shards[1].link is None for learner in learners)
+    assert all(learner.links[1].node is None for learner in learners)
     assert list(tmp_path.iterdir()) == []

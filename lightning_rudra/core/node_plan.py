@@ -1,7 +1,7 @@
 """Node-local aggregation (the Rudra paper's Rudra-adv), as plain torch: which learners of a node sum their
 gradients before one push crosses the link to a server on another host (:func:`plan_nodes`), how a node's gradients
 are summed (:func:`sum_node`), and what the server checks of a node's push (:func:`check_node_push`). The shared
-memory the node's learners meet in is :mod:`lightning_rudra.transport.node_shm`; the learner's side
+memory the node's learners meet in is :mod:`lightning_rudra.transport.node_board`; the learner's side
 :mod:`lightning_rudra.learner.node`.
 
 Only under hardsync: every learner pushes once per round, so a node's learners can wait for each other without
@@ -29,11 +29,11 @@ class LearnerPlace:
 
 @dataclass(frozen=True)
 class NodeGroup:
-    """The learners of one node that aggregate their pushes to server ``shard``: ``members[0]`` (the lowest rank)
+    """The learners of one node that aggregate their pushes to server ``server``: ``members[0]`` (the lowest rank)
     sums and pushes for all."""
 
     node: int
-    shard: int
+    server: int
     members: tuple[int, ...]
 
     @property
@@ -51,9 +51,9 @@ def plan_nodes(places: Sequence[LearnerPlace]) -> list[NodeGroup]:
     for node, members in sorted(nodes.items()):
         if len(members) < 2 or len({m.host for m in members}) > 1:
             continue  # one learner has nothing to sum; a "node" of several host names shares no /dev/shm
-        shards = set.intersection(*(set(m.remote) for m in members))
+        servers = set.intersection(*(set(m.remote) for m in members))
         ranks = tuple(sorted(m.rank for m in members))
-        groups += [NodeGroup(node, shard, ranks) for shard in sorted(shards)]
+        groups += [NodeGroup(node, server, ranks) for server in sorted(servers)]
     return groups
 
 

@@ -1,6 +1,6 @@
-"""What one learner exchanges with one server process (:class:`Shard`): its part of the module's weights and
+"""What one learner exchanges with one server process (:class:`ServerLink`): its part of the module's weights and
 gradients, and how they travel: shared memory (:mod:`lightning_rudra.transport.shm`) on that server's host, RPC
-elsewhere. :class:`~lightning_rudra.learner.learner.Learner` pushes through one shard per server."""
+elsewhere. :class:`~lightning_rudra.learner.learner.Learner` pushes through one link per server."""
 
 import socket
 import warnings
@@ -10,34 +10,43 @@ import torch
 from torch import Tensor
 
 from lightning_rudra.core.flat import FlatLayout
-from lightning_rudra.core.shards import Piece
+from lightning_rudra.core.shards import Piece, parts
 from lightning_rudra.learner.client import LearnerClient
-from lightning_rudra.learner.node import NodeLink
+from lightning_rudra.learner.node import NodeMember
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.transport.shm import MappedWeights
 
 _CPU = torch.device("cpu")
 
 
-class Shard:
+class ServerLink:
     """What one learner exchanges with one server process: its part of the module's weights and gradients
     (:class:`~lightning_rudra.core.shards.ShardPlan`), and how they travel (shared memory on that server's host, the
     push stream to another host, RPC with ``shared_memory=False``)."""
 
-    def __init__(self, index: int, client: ServerClient, params: list[Tensor], buffers: list[Tensor]) -> None:
-        self.index = index
+    def __init__(self, server: int, client: ServerClient, params: list[Tensor], buffers: list[Tensor]) -> None:
+        self.server = server
         self.client = client
-        self.params = params  # the module's parameters, or flat views of the slices this shard owns
+        self.params = params  # the module's parameters, or flat views of the slices its server owns
         self.buffers = buffers
         self.param_layout = FlatLayout(params)
         self.buffer_layout = FlatLayout(buffers)
-        self.grad_layouts: list[FlatLayout] = []  # per optimizer, of the part of its parameters this shard owns
-        # per optimizer: (position among its parameters, piece) of those this shard owns (ShardPlan.owned)
+        self.grad_layouts: list[FlatLayout] = []  # per optimizer, of the part of its parameters its server owns
+        # per optimizer: (position among its parameters, piece) of those its server owns (ShardPlan.owned)
         self.owned: list[list[tuple[int, Piece]]] = []
         self.shm: Optional[MappedWeights] = None
         self.attached = False
-        # a server on another host that this node's learners push to together (node-local aggregation)
-        self.link: Optional[NodeLink] = None
+        # this learner's part in its node's pushes to a server on another host (node-local aggregation)
+        self.node: Optional[NodeMember] = None
+
+    def lay_out(self, owned: list[list[tuple[int, Piece]]], optimizer_params: list[list[Tensor]]) -> None:
+        """Which part of every optimizer's parameters (``optimizer_params``, in its groups' order) this server owns:
+        ``owned`` per optimizer (:meth:`ShardPlan.owned <lightning_rudra.core.shards.ShardPlan.owned>`), and the layout
+        of the gradient part it is pushed."""
+        self.owned = owned
+        self.grad_layouts = [
+            FlatLayout(parts([p.detach() for p in params], pieces)) for params, pieces in zip(optimizer_params, owned)
+        ]
 
     def attach(self, shared_memory: bool, compression: Optional[str] = None) -> None:
         """Map the server's shared memory if it has some and runs on this host; tell it either way. ``compression``:
@@ -81,7 +90,7 @@ class Shard:
                 )
         self.client.attached(self.shm is not None)
 
-    def take(
+    def load_reply(
         self,
         flat_params: Optional[list[Tensor]],
         flat_buffers: Optional[list[Tensor]],

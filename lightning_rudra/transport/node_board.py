@@ -1,5 +1,5 @@
 """Shared memory among the learners of one node that aggregate their pushes to a server on another host
-(:mod:`lightning_rudra.core.node`): a :class:`NodeBoard` per (node, server). The node's first learner (the leader)
+(:mod:`lightning_rudra.core.node_plan`): a :class:`NodeBoard` per (node, server). The node's first learner (the leader)
 creates its files in ``/dev/shm``; the others map them. Each member has a slot: a few control words and its gradient,
 ``has_grad`` and buffers of each round; the leader writes the weights the server gave back for the round and the
 reply's words, which every member copies.

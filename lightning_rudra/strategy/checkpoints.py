@@ -7,12 +7,19 @@ learner pulls or pushes, and every learner takes back its parameter groups (the 
 """
 
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from torch.optim import Optimizer
 
 from lightning_rudra.learner.learner import Learner, LearnerOptimizer, with_groups
 from lightning_rudra.core.stats import Stats
+
+
+class Resumed(NamedTuple):
+    """What a stage resumes from a checkpoint (None: not resuming, or the checkpoint does not have it)."""
+
+    stats: Optional[Stats]
+    optimizer_states: Optional[list[dict[str, Any]]]
 
 
 class Checkpoints:
@@ -68,9 +75,9 @@ class Checkpoints:
             self.resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
         self.resume_optimizer_states = checkpoint.get("optimizer_states")
 
-    def take_resumed(self) -> tuple[Optional[Stats], Optional[list[dict[str, Any]]]]:
+    def take_resumed(self) -> Resumed:
         """The resumed checkpoint's statistics and optimizer states, for this stage only."""
-        resumed = self.resume_stats, self.resume_optimizer_states
+        resumed = Resumed(self.resume_stats, self.resume_optimizer_states)
         self.resume_stats = self.resume_optimizer_states = None
         return resumed
 

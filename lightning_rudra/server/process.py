@@ -336,7 +336,7 @@ def _make_server(world: StageWorld, server: int) -> ParameterServer:
         world.timeout,
         world.min_learners,
         announce=server == 0,
-        comeback=world.rejoin_wait,
+        rejoin_wait=world.rejoin_wait,
         name=f"parameter server {server}",
         shard=server,
     )

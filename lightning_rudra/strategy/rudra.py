@@ -40,7 +40,7 @@ from lightning_rudra.strategy.checks import (
     check_simulated_devices,
     check_trainer,
 )
-from lightning_rudra.strategy.fit_loop.shared import SharedEpochLoop
+from lightning_rudra.strategy.fit_loop.shared_epoch_loop import SharedEpochLoop
 from lightning_rudra.strategy.launchers import launcher_for
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.strategy.push_metrics import PushMetrics
@@ -49,7 +49,7 @@ from lightning_rudra.strategy.shared_epoch import shared_dataloader
 from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader
 from lightning_rudra.strategy.server_nodes import stage_started_by
 from lightning_rudra.strategy.stage_servers import StageServers
-from lightning_rudra.strategy.training import Aggregation, FitPlan, Training
+from lightning_rudra.strategy.learner_fit import Aggregation, FitPlan, LearnerFit
 
 
 class RudraStrategy(ServerParallelStrategy):
@@ -151,7 +151,7 @@ class RudraStrategy(ServerParallelStrategy):
         self._servers = StageServers(self.rpc_timeout, min_learners, max_restarts)
         self._checkpoints = Checkpoints()
         self._push_metrics = PushMetrics()
-        self._training = Training()  # one fit's learner, loop and rejoining
+        self._training = LearnerFit()  # one fit's learner, loop and rejoining
         self._failed: Optional[str] = None  # this stage failed on this learner: why
         self._pools = 0  # train dataloaders drawing from the server in this stage
 
@@ -194,7 +194,7 @@ class RudraStrategy(ServerParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         self._failed = None
-        self._training = Training()
+        self._training = LearnerFit()
         if self.simulate:
             return
         assert self.cluster_environment is not None
@@ -203,8 +203,7 @@ class RudraStrategy(ServerParallelStrategy):
             self.cluster_environment, self.global_rank, self.num_learners, started_by, self.server_nodes > 0
         )
         assert self._servers.client is not None
-        self.collectives.connect(self._servers.client, self.root_device)
-        self.collectives.joining = self._servers.rejoining
+        self.collectives.connect(self._servers.client, self.root_device, self._servers.rejoining)
 
     def _in_batch(self) -> bool:
         return self._training.in_batch

@@ -20,9 +20,9 @@ from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
 from lightning_rudra.strategy.checkpoints import Resumed
 from lightning_rudra.strategy.checks import is_placeholder, warn_of_meetings_per_batch
-from lightning_rudra.strategy.fit_loop.shared import SharedEpochLoop
+from lightning_rudra.strategy.fit_loop.shared_epoch_loop import SharedEpochLoop
 from lightning_rudra.strategy.fit_loop.simulated import SimulatedEpochLoop
-from lightning_rudra.strategy.rejoin import Rejoin, describe
+from lightning_rudra.strategy.rejoin import RejoinRequest, describe
 from lightning_rudra.strategy.shared_epoch import start_shared_epoch
 from lightning_rudra.strategy.simulated_epoch import start_simulation
 
@@ -54,12 +54,15 @@ class FitPlan:
     hardsync: bool
 
 
-class Training:
+class LearnerFit:
+    """What one ``fit`` made on this learner, for the strategy's hooks: the learner, Lightning's fit loop refitted,
+    the callback that runs first, and this process's request to rejoin."""
+
     def __init__(self) -> None:
         self.learner: Optional[Learner] = None
         self.loop: Optional[Union[SharedEpochLoop, SimulatedEpochLoop]] = None  # Lightning's fit loop, refitted
         self.end_of_training: Optional[EndOfTraining] = None  # the callback, while training
-        self.rejoin = Rejoin()  # if this process takes a lost learner's place
+        self.rejoin = RejoinRequest()  # if this process takes a lost learner's place
         self.plan: Optional[FitPlan] = None  # from setup
 
     @property

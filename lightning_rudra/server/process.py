@@ -4,7 +4,6 @@ torch.distributed.rpc. Handlers never block an RPC thread: a call that must wait
 """
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -78,7 +77,8 @@ def start_server(
         server: which of the world's servers this is.
         code: the Python the process runs, if not the server's own entry (benchmarks' patched servers).
         server_node: started by a server node's process, not a learner: the server takes the RPC counters from
-            learner 0's store of the rendezvous, which it joins (its ``world.learner_store`` is set).
+            learner 0's store of the rendezvous, and joins that store as a client, as every server does with
+            ``world.learner_store`` (a run with server nodes, every stage).
     """
     check_switches()
     env = dict(os.environ)
@@ -88,17 +88,25 @@ def start_server(
         sys.executable,
         "-c",
         code or _SERVER_ENTRY.format(package=_PACKAGE),
-        "--world",
-        json.dumps(dataclasses.asdict(world)),
-        "--server",
-        str(server),
+        "--init-method",
+        world.init_method,
         "--rpc-counters",
         json.dumps(rpc_counters()),
+        "--learners",
+        str(world.num_learners),
+        "--timeout",
+        str(world.timeout),
         "--parent-pid",
         str(os.getpid()),
+        "--server",
+        str(server),
+        "--started-by",
+        json.dumps(list(world.started_by)),
     ]
-    if server_node:
-        command += ["--server-node"]
+    if server_node or world.learner_store:
+        command += ["--server-node" if server_node else "--learner-store"]
+    if world.elastic:
+        command += ["--min-learners", str(world.min_learners), "--rejoin-wait", str(world.rejoin_wait)]
     return subprocess.Popen(command, env=env, start_new_session=world.elastic)
 
 
@@ -296,26 +304,56 @@ def _release_shared_memory() -> None:
 
 
 def _arguments(argv: Optional[list[str]]) -> argparse.Namespace:
+    """What :func:`start_server` wrote on the command line, and ``world``, the stage's world rebuilt from it."""
     parser = argparse.ArgumentParser(description="lightning_rudra parameter server (started by RudraStrategy)")
-    parser.add_argument(
-        "--world",
-        type=lambda text: _world(json.loads(text)),
-        required=True,
-        help="the stage's RPC world, as start_server wrote it (rpc_world.StageWorld's fields, in JSON)",
-    )
-    parser.add_argument("--server", type=int, default=0, help="which of the server processes this is")
+    parser.add_argument("--init-method", required=True, help="tcp://host:port of the learners' RPC rendezvous")
     parser.add_argument("--rpc-counters", type=json.loads, required=True, help="see rpc_world.rpc_counters")
+    parser.add_argument("--learners", type=int, required=True)
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        required=True,
+        help="seconds, for every RPC call that does not wait for other learners, and for a "
+        "learner's silence before it counts as lost",
+    )
+    parser.add_argument(
+        "--min-learners",
+        type=int,
+        default=None,
+        help="train on while this many learners are left (default: a lost learner ends training)",
+    )
+    parser.add_argument(
+        "--rejoin-wait",
+        type=float,
+        default=0.0,
+        help="seconds lost learners have to rejoin when fewer than min_learners are left (0: training ends)",
+    )
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--server", type=int, default=0, help="which of the server processes this is")
+    parser.add_argument(
+        "--started-by",
+        type=json.loads,
+        default=[0],
+        help="per server, the learner whose process started it",
+    )
     parser.add_argument(
         "--server-node",
         action="store_true",
         help="started by a server node: join learner 0's store of the rendezvous, which has the RPC counters",
     )
-    return parser.parse_args(argv)
+    parser.add_argument("--learner-store", action="store_true", help="join learner 0's store of the rendezvous")
+    args = parser.parse_args(argv)
+    args.world = _world(args)
+    return args
 
 
-def _world(fields: dict[str, Any]) -> StageWorld:
-    return StageWorld(**{**fields, "started_by": tuple(fields["started_by"])})
+def _world(args: argparse.Namespace) -> StageWorld:
+    host, _, port = args.init_method.removeprefix("tcp://").rpartition(":")
+    learner_store = args.server_node or args.learner_store
+    started_by = tuple(args.started_by)
+    return StageWorld(
+        host, int(port), args.learners, args.timeout, started_by, args.min_learners, args.rejoin_wait, learner_store
+    )
 
 
 def _counters(args: argparse.Namespace) -> dict[str, Any]:

@@ -22,24 +22,31 @@ class Resumed(NamedTuple):
     optimizer_states: Optional[list[dict[str, Any]]]
 
 
+class Snapshot(NamedTuple):
+    """Learner 0's snapshot of the server while a checkpoint is written: all of one clock."""
+
+    optimizer_states: list[dict[str, Any]]
+    stats: Stats
+
+
 class Checkpoints:
     """What :class:`~lightning_rudra.RudraStrategy`'s checkpoint hooks hold between Lightning's calls: learner 0's
     snapshot of the server while a checkpoint is written, and the states of the checkpoint a stage resumes from
     until the server has them."""
 
     def __init__(self) -> None:
-        self.snapshot: Optional[tuple[list[dict[str, Any]], Stats]] = None  # optimizer states, stats: one clock
+        self.snapshot: Optional[Snapshot] = None
         self.resume_stats: Optional[Stats] = None
         self.resume_optimizer_states: Optional[list[dict[str, Any]]] = None
 
     def take_snapshot(self, learner: Optional[Learner]) -> None:
         """Learner 0 (which writes checkpoints, ``learner`` elsewhere None) takes the server's weights, optimizer
         states and statistics in one snapshot, all of one clock; the other learners' copies are not written."""
-        self.snapshot = learner.snapshot() if learner is not None else None
+        self.snapshot = Snapshot(*learner.snapshot()) if learner is not None else None
 
     def optimizer_state(self, optimizer: LearnerOptimizer) -> dict[str, Any]:
         if self.snapshot is not None:
-            return with_groups(self.snapshot[0][optimizer.index], optimizer.local)
+            return with_groups(self.snapshot.optimizer_states[optimizer.index], optimizer.local)
         return optimizer.state_dict()
 
     def save(
@@ -52,7 +59,7 @@ class Checkpoints:
         write: Callable[[dict[str, Any], Any, Optional[Any]], None],
     ) -> None:
         """Adds the statistics to learner 0's checkpoint and writes it with ``write`` (the checkpoint IO's)."""
-        stats = self.snapshot[1] if self.snapshot is not None else stats
+        stats = self.snapshot.stats if self.snapshot is not None else stats
         if is_global_zero and stats is not None:
             checkpoint["rudra"] = {"stats": stats.to_dict()}
         self.snapshot = None

@@ -77,7 +77,14 @@ class LearnerFit:
         resume with the checkpoint's statistics and optimizer states; a process that takes a lost learner's place
         asks its servers (``rejoining``) to rejoin; every learner then pulls the weights. Returns the optimizers
         Lightning steps: wrapped, so that their steps push; with ``plan.aggregation``, after the learners decided on
-        node-local aggregation (once the optimizers are laid out)."""
+        node-local aggregation (once the optimizers are laid out).
+
+        Args:
+            module: the LightningModule, on its device.
+            optimizers: what ``configure_optimizers`` gave (Lightning's placeholder: nothing is pushed).
+            clients: one per server (a simulated run: the one in-process server's).
+            plan: the rest, decided by the strategy for this fit.
+        """
         self.plan = plan
         # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
         stepping = [] if any(map(is_placeholder, optimizers)) else optimizers

@@ -63,9 +63,16 @@ class StageServers:
         started_by: list[Optional[int]],
         learner_store: bool = False,
     ) -> None:
-        """Meet the other learners and the servers; the learners that start a server (``started_by``, per server
-        process) start it first. ``learner_store`` (a run with server nodes): every stage meets on ``MASTER_PORT``,
-        in learner 0's store, which lives as long as its process."""
+        """Meet the other learners and the servers; the learners that start a server start it first.
+
+        Args:
+            env: Lightning's cluster environment: where the learners meet (``main_address``, ``main_port``).
+            rank: this learner's number.
+            num_learners: λ.
+            started_by: per server process, the learner that starts it (None: a server node does).
+            learner_store: a run with server nodes: every stage meets on ``MASTER_PORT``, in learner 0's store,
+                which lives as long as its process.
+        """
         agreed = NEXT_STAGE_PORT.take()
         port = env.main_port if learner_store else agreed or env.main_port
         if agreed is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

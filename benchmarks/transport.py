@@ -64,7 +64,7 @@ def rudra_transport(
     from lightning_rudra.learner.world import join, leave
     from lightning_rudra.learner.learner import Learner
     from lightning_rudra.core.protocol import ProtocolConfig
-    from lightning_rudra.transport.rpc_world import SERVER_NAME, environment
+    from lightning_rudra.transport.rpc_world import SERVER_NAME, StageWorld, environment
 
     from benchmarks._echo import echo
     from benchmarks.proto import LEARNER_PATCHES, prototype_server
@@ -74,7 +74,7 @@ def rudra_transport(
         out.update({"pack": [], "pack_reuse": [], "server_update": [], "load": []})
     with environment(dict(server_env or {})):  # the server process inherits learner 0's environment
         with prototype_server(server_patches if rank == 0 else ()):
-            clients, processes = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout, starters=[0] * num_servers)
+            clients, processes = join(rank, StageWorld("127.0.0.1", port, NUM_LEARNERS, timeout, (0,) * num_servers))
     try:
         model = _Flat(numel)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-9)  # plain SGD: the cheapest server-side update
@@ -240,8 +240,9 @@ def push_loop(rank: int, *, numel: int, port: int, seconds: float, both: bool = 
     from lightning_rudra.learner.world import join, leave
     from lightning_rudra.learner.learner import Learner
     from lightning_rudra.core.protocol import ProtocolConfig
+    from lightning_rudra.transport.rpc_world import StageWorld
 
-    clients, processes = join(rank, NUM_LEARNERS, "127.0.0.1", port, timeout)
+    clients, processes = join(rank, StageWorld("127.0.0.1", port, NUM_LEARNERS, timeout))
     count = 0
     try:
         model = _Flat(numel)

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from lightning_rudra.core.update import Push
 from lightning_rudra.learner.world import join, leave
+from lightning_rudra.transport.rpc_world import StageWorld
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.transport.rpc_world import free_port
 from lightning_rudra.learner.sampler import SharedEpochSampler
@@ -73,7 +74,7 @@ def _learner_main(rank, num_learners, port, timeout, num_servers, target, kwargs
     torch.set_num_threads(1)
     clients, processes = [], []
     try:
-        clients, processes = join(rank, num_learners, "127.0.0.1", port, timeout, starters=[0] * num_servers)
+        clients, processes = join(rank, StageWorld("127.0.0.1", port, num_learners, timeout, (0,) * num_servers))
         result = target(rank, clients, **kwargs)
     except BaseException as error:  # report it to the test instead of dying silently
         result = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"

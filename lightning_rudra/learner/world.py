@@ -1,5 +1,5 @@
 """A learner joining and leaving one stage's RPC world: checking the rendezvous' port, starting the server
-processes it is the starter of, an elastic run's incarnations, and, when the servers run on server nodes, the
+processes it starts, an elastic run's incarnations, and, when the servers run on server nodes, the
 rendezvous' store kept by learner 0. Nothing here knows about Lightning."""
 
 import json
@@ -15,6 +15,7 @@ from lightning_rudra.server.membership import ended, this_process
 from lightning_rudra.transport.elastic import LearnerId, RunStore, forget_before_joining, job_id, run_at
 from lightning_rudra.transport.rpc_world import (
     JOIN_MARGIN_S,
+    StageWorld,
     check_port_free,
     init_rpc,
     publish_rpc_counters,
@@ -25,109 +26,128 @@ from lightning_rudra.transport.rpc_world import (
 )
 
 _COUNTING_S = 10.0  # beyond rpc_timeout, for a busy server to count a silent learner lost
-# learner 0's stores of the rendezvous (host, port), made at the first stage that meets there with learner_store and
-# kept for the process's life: every later stage meets in the same store (keys apart by torch's RPC init counter)
-_stores: dict[tuple[str, int], dist.TCPStore] = {}
 
 
-def join(
-    rank: int,
-    num_learners: int,
-    host: str,
-    port: int,
-    timeout: float,
-    min_learners: Optional[int] = None,
-    starters: Sequence[Optional[int]] = (0,),
-    comeback: float = 0.0,
-    learner_store: bool = False,
-) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
-    """Join the RPC world of ``num_learners`` learners and one server process per entry of ``starters`` (the
-    learner that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the
-    port). Returns a client per server and the server processes this learner started. With ``min_learners`` the
-    world is elastic: a process for a learner that was lost takes its place (its clients' ``rank`` carries a
-    nonzero incarnation), finds the servers it would start running (they outlive the learner that started them),
-    and must then ask each server to rejoin; ``comeback``: seconds the servers wait for lost learners to come back
-    when fewer than ``min_learners`` are left. A starter None: that server runs on a server node, which starts it
-    itself. ``learner_store`` (a run with server nodes, every stage): learner 0 keeps the rendezvous' store
-    (:func:`_keep_store`), which every process joins as a client."""
-    init_method = f"tcp://{host}:{port}"
-    processes = []
-    incarnation = 0
+class RendezvousStores:
+    """Learner 0's stores of the rendezvous (host, port), made at the first stage that meets there with
+    ``learner_store`` and kept for the process's life: every later stage meets in the same store (keys apart by
+    torch's RPC init counter). Process-wide by need (:data:`RENDEZVOUS_STORES`): a second Trainer in the same script
+    has a strategy of its own, and the server nodes' next stage meets it in the same store."""
+
+    def __init__(self) -> None:
+        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+
+    def keep(self, host: str, port: int, timeout: float, publish: bool) -> None:
+        """The store at host:port, made at the first stage that meets there; with ``publish`` (servers on server
+        nodes in this stage), this process's RPC counters in it: a server node's new server process starts from
+        them. :meth:`withdraw` takes them out again, before the servers can end, so that a server node's next stage
+        waits for its own."""
+        if (host, port) not in self._stores:
+            self._stores[host, port] = rendezvous_store(host, port, timeout)
+        if publish:
+            publish_rpc_counters(self._stores[host, port])
+
+    def withdraw(self) -> None:
+        """This stage's RPC counters out of every store (a server node's next stage must not read them)."""
+        for store in self._stores.values():
+            withdraw_rpc_counters(store)
+
+
+RENDEZVOUS_STORES = RendezvousStores()  # learner 0's, for the process's life (see the class)
+
+
+def join(rank: int, world: StageWorld) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
+    """Join ``world`` as learner ``rank``, with one server process per entry of ``world.started_by`` (the learner
+    that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the port).
+    Returns a client per server and the server processes this learner started. In an elastic world a process for
+    a learner that was lost takes its place (its clients' ``rank`` carries a nonzero incarnation), finds the servers
+    it would start running (they outlive the learner that started them), and must then ask each server to rejoin.
+    A server started by None runs on a server node, which starts it itself. With ``world.learner_store`` (a run
+    with server nodes, every stage) learner 0 keeps the rendezvous' store (:class:`RendezvousStores`), which every
+    process joins as a client.
+
+    Args:
+        rank: this learner's number.
+        world: the stage's world, the same on every learner.
+    """
+    processes: list[subprocess.Popen] = []
     try:
-        store: Optional[RunStore] = None
-        if rank == 0 and learner_store:
-            _keep_store(host, port, timeout, publish=None in starters)
-        elif rank == 0:
-            store, incarnation = _port_or_run(host, port, timeout, elastic=min_learners is not None)
-        elif min_learners is not None:
-            store = RunStore(host, port, timeout)
-            incarnation = _incarnation(store, rank, f"{host}:{port}")
-        for shard, starter in enumerate(starters):
-            if starter == rank and not incarnation:
-                processes.append(
-                    _server.start_server(
-                        init_method,
-                        num_learners,
-                        timeout,
-                        min_learners,
-                        shard=shard,
-                        starters=starters,
-                        comeback=comeback,
-                        learner_store=learner_store,
-                    )
-                )
-        if min_learners is not None and store is None:  # learner 0 of a new run: its first server hosts the store
-            store = RunStore(host, port, timeout)
+        store, incarnation = _open_store(rank, world)
+        if not incarnation:
+            processes = _start_servers(rank, world)
+        if world.elastic and store is None:  # learner 0 of a new run: its first server hosts the store
+            store = RunStore(world.host, world.port, world.timeout)
         if store is not None and incarnation:
             forget_before_joining(store, rank)
-        try:
-            init_rpc(
-                rank,
-                num_learners,
-                init_method,
-                timeout,
-                len(starters),
-                elastic=store is not None,
-                incarnation=incarnation,
-                learner_store=learner_store,
-            )
-        except RuntimeError as error:
-            if not learner_store:
-                raise
-            raise RuntimeError(
-                f"learner {rank}: the {num_learners} learners and the {len(starters)} server(s) of the server nodes did "
-                f"not all meet at {host}:{port} within {timeout + JOIN_MARGIN_S:g} s (rpc_timeout + {JOIN_MARGIN_S:g}): "
-                "start every server node (NODE_RANK num_nodes and up) and every learner node with the same script, "
-                f"MASTER_ADDR and MASTER_PORT ({error})"
-            ) from error
+        _meet(rank, world, incarnation)
         if store is not None and not incarnation:
-            store.arrive(num_learners + len(starters))
+            store.arrive(world.num_learners + world.num_servers)
     except BaseException:
-        for process in processes:
-            process.kill()
-            process.wait()
+        _kill(processes)
         raise
-    hosts = [_where(starter, host) for starter in starters]
     learner = LearnerId(rank, incarnation)
-    return [LearnerClient(learner, timeout, where, shard, host) for shard, where in enumerate(hosts)], processes
+    clients = [
+        LearnerClient(learner, world.timeout, _where(started_by, world.host), server, world.host)
+        for server, started_by in enumerate(world.started_by)
+    ]
+    return clients, processes
 
 
-def _where(starter: Optional[int], host: str) -> str:
-    """Where a server runs, as far as a learner knows before its heartbeats say it exactly."""
-    if starter is None:
+def _open_store(rank: int, world: StageWorld) -> tuple[Optional[RunStore], int]:
+    """Before the servers start: learner 0 keeps the rendezvous' store (``learner_store``) or checks the port; in an
+    elastic world, the run's store and this process's incarnation (0: one of the run's first processes)."""
+    host, port, timeout = world.host, world.port, world.timeout
+    if rank == 0 and world.learner_store:
+        RENDEZVOUS_STORES.keep(host, port, timeout, publish=None in world.started_by)
+        return None, 0
+    if rank == 0:
+        return _port_or_run(host, port, timeout, world.elastic)
+    if world.elastic:
+        store = RunStore(host, port, timeout)
+        return store, _incarnation(store, rank, f"{host}:{port}")
+    return None, 0
+
+
+def _start_servers(rank: int, world: StageWorld) -> list[subprocess.Popen]:
+    """The server processes that learner ``rank`` starts, on its host."""
+    processes: list[subprocess.Popen] = []
+    try:
+        for server, started_by in enumerate(world.started_by):
+            if started_by == rank:
+                processes.append(_server.start_server(world, server))
+    except BaseException:
+        _kill(processes)
+        raise
+    return processes
+
+
+def _kill(processes: Sequence[subprocess.Popen]) -> None:
+    for process in processes:
+        process.kill()
+        process.wait()
+
+
+def _meet(rank: int, world: StageWorld, incarnation: int) -> None:
+    """Join the RPC world; with server nodes, a failure to meet says what to start where."""
+    try:
+        init_rpc(world, rank, incarnation=incarnation)
+    except RuntimeError as error:
+        if not world.learner_store:
+            raise
+        raise RuntimeError(
+            f"learner {rank}: the {world.num_learners} learners and the {world.num_servers} server(s) of the server "
+            f"nodes did not all meet at {world.host}:{world.port} within {world.timeout + JOIN_MARGIN_S:g} s "
+            f"(rpc_timeout + {JOIN_MARGIN_S:g}): start every server node (NODE_RANK num_nodes and up) and every "
+            f"learner node with the same script, MASTER_ADDR and MASTER_PORT ({error})"
+        ) from error
+
+
+def _where(started_by: Optional[int], host: str) -> str:
+    """Where a server runs (``started_by``: the learner that starts it), as far as a learner knows before its
+    heartbeats say it exactly."""
+    if started_by is None:
         return "a server node"
-    return host if starter == 0 else f"the host of learner {starter}"
-
-
-def _keep_store(host: str, port: int, timeout: float, publish: bool) -> None:
-    """Learner 0's store of the rendezvous at host:port (the servers of server nodes, which start on their own, join
-    it), made at the first stage that meets there; with ``publish`` (servers on server nodes in this stage), this
-    process's RPC counters in it: a server node's new server process starts from them. :func:`leave` takes them out
-    again, before the servers can end, so that a server node's next stage waits for its own."""
-    if (host, port) not in _stores:
-        _stores[host, port] = rendezvous_store(host, port, timeout)
-    if publish:
-        publish_rpc_counters(_stores[host, port])
+    return host if started_by == 0 else f"the host of learner {started_by}"
 
 
 def _port_or_run(host: str, port: int, timeout: float, elastic: bool) -> tuple[Optional[RunStore], int]:
@@ -187,8 +207,7 @@ def leave(
     """Leave the RPC world; a learner that started server processes then waits (bounded) for them to exit, unless
     it failed in an ``elastic`` run: there the servers outlive it, for the others and for its new process. Learner 0
     first takes this stage's RPC counters out of its stores (a server node's next stage must not read them)."""
-    for store in _stores.values():
-        withdraw_rpc_counters(store)
+    RENDEZVOUS_STORES.withdraw()
     for client in clients:
         try:
             client.leave(error)

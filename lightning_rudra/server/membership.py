@@ -41,15 +41,15 @@ class Membership:
     """The learners of one run. ``min_learners=None``: every learner is needed."""
 
     def __init__(
-        self, num_learners: int, timeout: float, min_learners: Optional[int] = None, comeback: float = 0.0
+        self, num_learners: int, timeout: float, min_learners: Optional[int] = None, rejoin_wait: float = 0.0
     ) -> None:
-        """``comeback``: seconds that lost learners have to come back, when fewer than ``min_learners`` are left,
+        """``rejoin_wait``: seconds that lost learners have to come back, when fewer than ``min_learners`` are left,
         before training ends (0: it ends at once); set when lost learners are restarted, so that a run survives
         losing them all at once (torchrun restarting every worker)."""
         self.num_learners = num_learners
         self.timeout = timeout
         self.min_learners = min_learners
-        self.comeback = comeback
+        self.rejoin_wait = rejoin_wait
         self.short_since: Optional[float] = None  # since when fewer than min_learners are left, waiting for them
         self._short = ""  # the loss that left too few
         self.machine = this_process()[0]
@@ -117,7 +117,7 @@ class Membership:
             )
         left = len(self.members)
         if left < self.min_learners:
-            if self.comeback:
+            if self.rejoin_wait:
                 self.short_since = self.short_since or time.monotonic()
                 self._short = f"{self.where(learner)} {why}: {left} learner{'s' if left != 1 else ''} left"
                 return None
@@ -130,7 +130,7 @@ class Membership:
     def loss_told(self, learner: int, why: str) -> str:
         """What the server prints when ``learner`` is lost and training goes on."""
         then = (
-            f"waiting up to {self.comeback:g} s for lost learners to come back"
+            f"waiting up to {self.rejoin_wait:g} s for lost learners to come back"
             if self.short_since
             else "training goes on"
         )
@@ -140,22 +140,22 @@ class Membership:
         )
 
     @property
-    def awaiting_comeback(self) -> bool:
+    def awaiting_rejoins(self) -> bool:
         """Fewer than ``min_learners`` are left, and the lost ones still have time to come back."""
         return self.short_since is not None
 
     def stop_awaiting(self) -> None:
         """From now on a loss that leaves too few ends training at once."""
-        self.comeback, self.short_since = 0.0, None
+        self.rejoin_wait, self.short_since = 0.0, None
 
-    def comeback_over(self) -> Optional[str]:
+    def rejoin_wait_over(self) -> Optional[str]:
         """Why training cannot go on, once lost learners have not come back in time; None until then."""
-        if self.short_since is None or time.monotonic() - self.short_since <= self.comeback:
+        if self.short_since is None or time.monotonic() - self.short_since <= self.rejoin_wait:
             return None
         self.short_since = None
         return (
             f"{self._short}, fewer than min_learners={self.min_learners}, and no lost learner came back within "
-            f"{self.comeback:g} s, so training cannot go on"
+            f"{self.rejoin_wait:g} s, so training cannot go on"
         )
 
     def newly_failed_joins(self) -> list[int]:
@@ -179,7 +179,7 @@ class Membership:
 
     def all_gone(self) -> bool:
         """Every learner has left or is lost, and none is awaited back: the server's work is over."""
-        return len(self.left | set(self.lost)) == self.num_learners and not self.awaiting_comeback
+        return len(self.left | set(self.lost)) == self.num_learners and not self.awaiting_rejoins
 
     def check_caller(self, method: str, learner: Any) -> None:
         """A call from a learner this run does not know, or no longer counts, is refused before it changes

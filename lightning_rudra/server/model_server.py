@@ -26,7 +26,7 @@ from lightning_rudra.server.norm_exchange import NormExchange, check_part
 from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import Push, PushReply
-from lightning_rudra.server.rejoins import Rejoins
+from lightning_rudra.server.rejoins import RejoinAdmissions
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.server.shared_side import SharedSide
 from lightning_rudra.core.registration import Registration
@@ -78,18 +78,18 @@ class ModelServer:
         timeout: float = 60.0,
         min_learners: Optional[int] = None,
         announce: bool = True,
-        comeback: float = 0.0,
+        rejoin_wait: float = 0.0,
         name: str = "the parameter server",
         server: int = 0,
     ) -> None:
         """``announce``: log each loss and rejoin at INFO, which a server process writes to its stderr (with several
-        servers, the first does; the others at DEBUG); ``comeback``: see
+        servers, the first does; the others at DEBUG); ``rejoin_wait``: see
         :class:`~lightning_rudra.server.membership.Membership`; ``name``: this server, in what it logs; ``server``:
         which of the servers this is."""
         self.num_learners = num_learners
         self.announce = announce
         self.address: Optional[str] = None  # where the learners reach this process, for their messages
-        self.membership = Membership(num_learners, timeout, min_learners, comeback)
+        self.membership = Membership(num_learners, timeout, min_learners, rejoin_wait)
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
@@ -100,7 +100,7 @@ class ModelServer:
         self.epochs = SharedEpochs(num_learners)
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
         self.shared = SharedSide(num_learners)
-        self.rejoins = Rejoins(self.membership, self._log_later)
+        self.rejoins = RejoinAdmissions(self.membership, self._log_later)
         self.on_lost: Optional[Callable[[int, str], None]] = None  # told of each loss, outside the lock
         self._lost_queue: list[tuple[int, str]] = []
         # per compression, the float32 weights each learner's process holds (its replies' weights travel as
@@ -280,7 +280,7 @@ class ModelServer:
         weights = self._weights(sorted(self.membership.members))
         waiters, self.finish_waiters = self.finish_waiters, []
         self.membership.short_since = None  # training is over: nobody is awaited back
-        return [(waiter, weights) for waiter in waiters] + self.rejoins.turn_away()
+        return [(waiter, weights) for waiter in waiters] + self.rejoins.tell_training_over()
 
     def gather(self, sequence: int, learner: int, obj: Any) -> Future:
         """The ``sequence``-th collective of every learner: resolves with the objects of all learners left

@@ -73,7 +73,7 @@ class ParameterServer(ModelServer):
             outcomes = [o for learner, why in self.membership.newly_lost() for o in self._lose(learner, why)]
             for learner in self.membership.newly_failed_joins():
                 outcomes += self._join_failed(learner, "its process ended or went silent while it waited")
-            too_few = self.membership.comeback_over()
+            too_few = self.membership.rejoin_wait_over()
             if too_few is not None and self.failure is None:
                 outcomes += self._give_up(too_few)
             self._check_all_left()
@@ -140,9 +140,9 @@ class ParameterServer(ModelServer):
             self._told.append((logging.DEBUG, f"{self.waits.who}: a new process for learner {learner} asks to rejoin"))
             # every learner finished, or none is left and none is awaited back
             over = self.finish_waiters or (
-                self.core is not None and not self.core.active and not self.membership.awaiting_comeback
+                self.core is not None and not self.core.active and not self.membership.awaiting_rejoins
             )
-            outcomes = self.rejoins.turn_away() if over else self.rejoins.admit(self._protocol())
+            outcomes = self.rejoins.tell_training_over() if over else self.rejoins.admit(self._protocol())
         self._resolve_and_report(outcomes)
         return reply
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.rpc as rpc
@@ -28,6 +28,7 @@ from lightning_rudra.transport.logs import check_switches, log_to_stderr
 from lightning_rudra.transport.stream import StreamOffer
 from lightning_rudra.transport.stream_server import StreamServer
 from lightning_rudra.transport.rpc_world import (
+    StageWorld,
     address_towards,
     init_rpc,
     quiet_peers_leaving,
@@ -65,24 +66,21 @@ main()"""
 
 
 def start_server(
-    init_method: str,
-    num_learners: int,
-    timeout: float,
-    min_learners: Optional[int] = None,
-    code: Optional[str] = None,
-    shard: int = 0,
-    starters: Sequence[Optional[int]] = (0,),
-    comeback: float = 0.0,
-    server_node: bool = False,
-    learner_store: bool = False,
+    world: StageWorld, server: int, code: Optional[str] = None, server_node: bool = False
 ) -> subprocess.Popen:
-    """Start the process of server ``shard`` (``starters``: per server, the learner that starts it; ``code``: the
-    Python it runs, if not the server's own entry). It exits when every learner has left or is lost. Without
-    ``min_learners`` it also exits at once if this process dies; with it, it outlives this process (in a session of
-    its own, so that what ends this learner's process group, a terminal's Ctrl-C or torchrun restarting its workers,
-    does not end it): a new process for this learner rejoins it. ``server_node``: started by a server node's process,
-    not a learner: the server takes the RPC counters from learner 0's store of the rendezvous, and joins that store
-    as a client, as every server does with ``learner_store`` (a run with server nodes, every stage)."""
+    """Start the process of server ``server`` of ``world``. It exits when every learner has left or is lost.
+    Outside an elastic world it also exits at once if this process dies; in one (``world.min_learners``), it
+    outlives this process (in a session of its own, so that what ends this learner's process group, a terminal's
+    Ctrl-C or torchrun restarting its workers, does not end it): a new process for this learner rejoins it.
+
+    Args:
+        world: the stage's world, as the learners agree on it (the server rebuilds it from its command line).
+        server: which of the world's servers this is.
+        code: the Python the process runs, if not the server's own entry (benchmarks' patched servers).
+        server_node: started by a server node's process, not a learner: the server takes the RPC counters from
+            learner 0's store of the rendezvous, and joins that store as a client, as every server does with
+            ``world.learner_store`` (a run with server nodes, every stage).
+    """
     check_switches()
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
@@ -92,25 +90,25 @@ def start_server(
         "-c",
         code or _SERVER_ENTRY.format(package=_PACKAGE),
         "--init-method",
-        init_method,
+        world.init_method,
         "--rpc-counters",
         json.dumps(rpc_counters()),
         "--learners",
-        str(num_learners),
+        str(world.num_learners),
         "--timeout",
-        str(timeout),
+        str(world.timeout),
         "--parent-pid",
         str(os.getpid()),
-        "--shard",
-        str(shard),
-        "--server-learners",
-        json.dumps(list(starters)),
+        "--server",
+        str(server),
+        "--started-by",
+        json.dumps(list(world.started_by)),
     ]
-    if server_node or learner_store:
+    if server_node or world.learner_store:
         command += ["--server-node" if server_node else "--learner-store"]
-    if min_learners is not None:
-        command += ["--min-learners", str(min_learners), "--comeback", str(comeback)]
-    return subprocess.Popen(command, env=env, start_new_session=min_learners is not None)
+    if world.elastic:
+        command += ["--min-learners", str(world.min_learners), "--rejoin-wait", str(world.rejoin_wait)]
+    return subprocess.Popen(command, env=env, start_new_session=world.elastic)
 
 
 NO_LEARNERS = 2  # a server node's server's exit code when learner 0 never opened the rendezvous
@@ -294,15 +292,14 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(3)
 
 
-def _open_to_rejoins(args: argparse.Namespace) -> None:
+def _open_to_rejoins(world: StageWorld, server: int, rpc_counters: dict[str, Any]) -> None:
     """An elastic world (``min_learners``): the first server keeps the run's keys in the store, strikes each lost
     learner from the RPC world's members (:mod:`lightning_rudra.transport.elastic`) and frees a group token that a
     failed join left held. Every server then waits for the first members to have joined."""
-    host, _, port = args.init_method.removeprefix("tcp://").rpartition(":")
-    store = RunStore(host, int(port), args.timeout)
+    store = RunStore(world.host, world.port, world.timeout)
     assert _server is not None
-    if args.shard == 0:
-        store.publish("rpc_counters", args.rpc_counters)
+    if server == 0:
+        store.publish("rpc_counters", rpc_counters)
         store.publish("job", job_id())
 
         def lost(learner: int, why: str) -> None:
@@ -315,7 +312,7 @@ def _open_to_rejoins(args: argparse.Namespace) -> None:
         _server.on_lost = lost
         _server.on_heard = lambda learner, process: store.mark(learner, "alive", json.dumps(process))
         threading.Thread(target=_free_stuck_tokens, daemon=True).start()
-    store.arrive(args.learners + len(args.server_learners))
+    store.arrive(world.num_learners + world.num_servers)
 
 
 def _free_stuck_tokens() -> None:
@@ -335,7 +332,8 @@ def _release_shared_memory() -> None:
         _server.shared.release()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def _arguments(argv: Optional[list[str]]) -> argparse.Namespace:
+    """What :func:`start_server` wrote on the command line, and ``world``, the stage's world rebuilt from it."""
     parser = argparse.ArgumentParser(description="lightning_rudra parameter server (started by RudraStrategy)")
     parser.add_argument("--init-method", required=True, help="tcp://host:port of the learners' RPC rendezvous")
     parser.add_argument("--rpc-counters", type=json.loads, required=True, help="see rpc_world.rpc_counters")
@@ -354,15 +352,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         help="train on while this many learners are left (default: a lost learner ends training)",
     )
     parser.add_argument(
-        "--comeback",
+        "--rejoin-wait",
         type=float,
         default=0.0,
-        help="seconds lost learners have to come back when fewer than min_learners are left (0: training ends)",
+        help="seconds lost learners have to rejoin when fewer than min_learners are left (0: training ends)",
     )
     parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--shard", type=int, default=0, help="which of the server processes this is")
+    parser.add_argument("--server", type=int, default=0, help="which of the server processes this is")
     parser.add_argument(
-        "--server-learners",
+        "--started-by",
         type=json.loads,
         default=[0],
         help="per server, the learner whose process started it",
@@ -374,45 +372,63 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     parser.add_argument("--learner-store", action="store_true", help="join learner 0's store of the rendezvous")
     args = parser.parse_args(argv)
-    log_to_stderr()  # this process has no logging of its own: what it has to say goes to its stderr
+    args.world = _world(args)
+    return args
+
+
+def _world(args: argparse.Namespace) -> StageWorld:
     host, _, port = args.init_method.removeprefix("tcp://").rpartition(":")
-    try:  # a server node's server fails here, early, when the learners never come
-        counters = read_rpc_counters(host, int(port), args.timeout) if args.server_node else args.rpc_counters
+    learner_store = args.server_node or args.learner_store
+    started_by = tuple(args.started_by)
+    return StageWorld(
+        host, int(port), args.learners, args.timeout, started_by, args.min_learners, args.rejoin_wait, learner_store
+    )
+
+
+def _counters(args: argparse.Namespace) -> dict[str, Any]:
+    """The RPC counters this server starts from: a server node's from learner 0's store (it exits, early, when
+    the learners never come), any other's from the learner that started it."""
+    world = args.world
+    try:
+        return read_rpc_counters(world.host, world.port, world.timeout) if args.server_node else args.rpc_counters
     except TimeoutError as error:
-        log.error("parameter server %d: %s", args.shard, error)
+        log.error("parameter server %d: %s", args.server, error)
         sys.exit(NO_LEARNERS)
+
+
+def _make_server(world: StageWorld, server: int) -> ParameterServer:
+    """This process's one :class:`ParameterServer`, which the RPC entry points serve."""
+    made = ParameterServer(
+        world.num_learners,
+        world.timeout,
+        world.min_learners,
+        announce=server == 0,
+        rejoin_wait=world.rejoin_wait,
+        name=f"parameter server {server}",
+        server=server,
+    )
+    made.send_norm = lambda *norm: _send_norm(world.timeout, *norm)
+    made.address = address_towards(world.host)
+    return made
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = _arguments(argv)
+    world: StageWorld = args.world
+    log_to_stderr()  # this process has no logging of its own: what it has to say goes to its stderr
+    counters = _counters(args)
     torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // 2)))
     # torch imports its compiler stack (some 800 modules: seconds, over 10 s on a busy machine) when it builds its
     # first optimizer: here, before the learners can call, not in learner 0's register call, which has rpc_timeout
     torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-    elastic = args.min_learners is not None
-    if not elastic:  # an elastic run's servers outlive the learners that started them
+    if not world.elastic:  # an elastic run's servers outlive the learners that started them
         threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
     global _server
-    _server = ParameterServer(
-        args.learners,
-        args.timeout,
-        args.min_learners,
-        announce=args.shard == 0,
-        comeback=args.comeback,
-        name=f"parameter server {args.shard}",
-        server=args.shard,
-    )
-    _server.send_norm = lambda *norm: _send_norm(args.timeout, *norm)
-    _server.address = address_towards(host)
+    _server = _make_server(world, args.server)
     set_rpc_counters(counters)
-    init_rpc(
-        None,
-        args.learners,
-        args.init_method,
-        args.timeout,
-        len(args.server_learners),
-        args.shard,
-        elastic=elastic,
-        learner_store=args.server_node or args.learner_store,
-    )
-    if elastic:
-        _open_to_rejoins(args)
+    init_rpc(world, None, args.server)
+    if world.elastic:
+        _open_to_rejoins(world, args.server, args.rpc_counters)
     _server.membership.all_joined()
     threading.Thread(target=_server.watch, daemon=True).start()
     # Learners leave at the end of every Trainer stage, or are lost; without min_learners, if the learner that
@@ -424,5 +440,5 @@ def main(argv: Optional[list[str]] = None) -> None:
             _release_shared_memory()
         shutdown_rpc()
     if args.server_node and _server.failure is not None:  # the server node's fit raises with this
-        log.error("parameter server %d: %s", args.shard, _server.failure)
+        log.error("parameter server %d: %s", args.server, _server.failure)
         sys.exit(RUN_FAILED)

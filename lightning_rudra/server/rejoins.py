@@ -1,7 +1,7 @@
 """Lost learners that come back (``min_learners``): a new process for a lost learner asks to rejoin, and is admitted
 where it can take part without anyone waiting for what it missed: at the start of an epoch, once every learner
 training has started that epoch. There it takes the run's epoch, global step and count of collectives, which every
-learner reports as it starts an epoch (:meth:`Rejoins.report`). No RPC: the server drives it under its lock.
+learner reports as it starts an epoch (:meth:`RejoinAdmissions.report`). No RPC: the server drives it under its lock.
 """
 
 import time
@@ -52,8 +52,8 @@ def _differences(run: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return found
 
 
-class Rejoins:
-    """Requests to rejoin, and what every learner reported at the start of its latest epoch, for the learners of
+class RejoinAdmissions:
+    """The server's side of rejoining: the requests to rejoin it admits or refuses, and what every learner reported at the start of its latest epoch, for the learners of
     ``membership``."""
 
     def __init__(self, membership: Membership, announce: Callable[[str], None]) -> None:
@@ -150,7 +150,7 @@ class Rejoins:
         self.requests = {}
         return replies
 
-    def turn_away(self) -> list[tuple[Any, Any]]:
+    def tell_training_over(self) -> list[tuple[Any, Any]]:
         """Training is over: the processes waiting to rejoin are told so (None); they only leave."""
         for learner in self.requests:
             self.membership.joining.pop(learner, None)

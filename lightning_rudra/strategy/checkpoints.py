@@ -7,7 +7,7 @@ learner pulls or pushes, and every learner takes back its parameter groups (the 
 """
 
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from torch.optim import Optimizer
 
@@ -16,24 +16,38 @@ from lightning_rudra.learner.optimizer import LearnerOptimizer, with_groups
 from lightning_rudra.core.stats import Stats
 
 
+class Resumed(NamedTuple):
+    """What a stage resumes from a checkpoint (None: not resuming, or the checkpoint does not have it)."""
+
+    stats: Optional[Stats]
+    optimizer_states: Optional[list[dict[str, Any]]]
+
+
+class Snapshot(NamedTuple):
+    """Learner 0's snapshot of the server while a checkpoint is written: all of one clock."""
+
+    optimizer_states: list[dict[str, Any]]
+    stats: Stats
+
+
 class Checkpoints:
     """What :class:`~lightning_rudra.RudraStrategy`'s checkpoint hooks hold between Lightning's calls: learner 0's
     snapshot of the server while a checkpoint is written, and the states of the checkpoint a stage resumes from
     until the server has them."""
 
     def __init__(self) -> None:
-        self.snapshot: Optional[tuple[list[dict[str, Any]], Stats]] = None  # optimizer states, stats: one clock
+        self.snapshot: Optional[Snapshot] = None
         self.resume_stats: Optional[Stats] = None
         self.resume_optimizer_states: Optional[list[dict[str, Any]]] = None
 
     def take_snapshot(self, learner: Optional[Learner]) -> None:
         """Learner 0 (which writes checkpoints, ``learner`` elsewhere None) takes the server's weights, optimizer
         states and statistics in one snapshot, all of one clock; the other learners' copies are not written."""
-        self.snapshot = learner.snapshot() if learner is not None else None
+        self.snapshot = Snapshot(*learner.snapshot()) if learner is not None else None
 
     def optimizer_state(self, optimizer: LearnerOptimizer) -> dict[str, Any]:
         if self.snapshot is not None:
-            return with_groups(self.snapshot[0][optimizer.index], optimizer.local)
+            return with_groups(self.snapshot.optimizer_states[optimizer.index], optimizer.local)
         return optimizer.state_dict()
 
     def save(
@@ -46,7 +60,7 @@ class Checkpoints:
         write: Callable[[dict[str, Any], Any, Optional[Any]], None],
     ) -> None:
         """Adds the statistics to learner 0's checkpoint and writes it with ``write`` (the checkpoint IO's)."""
-        stats = self.snapshot[1] if self.snapshot is not None else stats
+        stats = self.snapshot.stats if self.snapshot is not None else stats
         if is_global_zero and stats is not None:
             checkpoint["rudra"] = {"stats": stats.to_dict()}
         self.snapshot = None
@@ -69,9 +83,9 @@ class Checkpoints:
             self.resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
         self.resume_optimizer_states = checkpoint.get("optimizer_states")
 
-    def take_resumed(self) -> tuple[Optional[Stats], Optional[list[dict[str, Any]]]]:
+    def take_resumed(self) -> Resumed:
         """The resumed checkpoint's statistics and optimizer states, for this stage only."""
-        resumed = self.resume_stats, self.resume_optimizer_states
+        resumed = Resumed(self.resume_stats, self.resume_optimizer_states)
         self.resume_stats = self.resume_optimizer_states = None
         return resumed
 

@@ -41,8 +41,14 @@ class Collectives:
         self.device = torch.device("cpu")  # where received tensors go
         self.joining = False  # a process rejoining a run: its collectives are its own until its first epoch
 
-    def connect(self, client: LearnerClient, device: torch.device) -> None:
-        self.client, self.device = client, device
+    def connect(self, client: LearnerClient, device: torch.device, joining: bool = False) -> None:
+        """Through ``client``'s server for this stage; ``joining``: this process takes a lost learner's place, and
+        its collectives are its own until :meth:`rejoined`."""
+        self.client, self.device, self.joining = client, device, joining
+
+    def rejoined(self) -> None:
+        """This process's first epoch in the run starts: its collectives meet the others' from here on."""
+        self.joining = False
 
     def close(self) -> None:
         """The stage is over: metrics pointed at the server sync locally again."""

@@ -25,9 +25,11 @@ def describe(module: torch.nn.Module, optimizers: Sequence[Any]) -> dict[str, An
     )
 
 
-class Rejoin:
-    """One stage's rejoining, if this process takes a lost learner's place, and the progress reports of every
-    learner of an elastic run."""
+class RejoinRequest:
+    """The learner's side of rejoining, for one stage: this process's request to rejoin, if it takes a lost
+    learner's place, what it takes on admission (the servers answer from their
+    :class:`~lightning_rudra.server.rejoins.RejoinAdmissions`), and the progress reports of every learner of an
+    elastic run."""
 
     def __init__(self) -> None:
         self.admission: Optional[Admission] = None
@@ -45,9 +47,9 @@ class Rejoin:
         self.admission, self.hparams = replies[0]
         self.first_epoch = True
 
-    def start(self, trainer: "pl.Trainer", shared: bool) -> None:
+    def start(self, trainer: "pl.Trainer", shared_epoch: bool) -> None:
         """At ``on_train_start``: the fit loop goes on from the run's epoch and global step, the LR schedulers from
-        their positions there (``shared``: under the shared epoch, whose step-interval schedulers catch up by the
+        their positions there (``shared_epoch``: under the shared epoch, whose step-interval schedulers catch up by the
         epoch's progress themselves); without a scheduler, the optimizers take the servers' hyper-parameters (the
         others' last ones). A process admitted too late only stops."""
         if self.over:
@@ -74,7 +76,7 @@ class Rejoin:
         with warnings.catch_warnings():  # torch's "lr_scheduler.step() before optimizer.step()": on purpose here
             warnings.simplefilter("ignore", UserWarning)
             for config in configs:
-                count = epoch if config.interval == "epoch" else 0 if shared else step
+                count = epoch if config.interval == "epoch" else 0 if shared_epoch else step
                 for _ in range(count // config.frequency):
                     trainer.lightning_module.lr_scheduler_step(config.scheduler, None)
         if not configs:
@@ -88,7 +90,7 @@ class Rejoin:
         if self.first_epoch:
             assert self.admission is not None
             clients[0].continue_collectives(self.admission.collectives)
-            collectives.joining = False
+            collectives.rejoined()
             self.first_epoch = False
         for client in clients:
             client.progress(trainer.current_epoch, trainer.global_step)

@@ -40,16 +40,16 @@ from lightning_rudra.strategy.checks import (
     check_simulated_devices,
     check_trainer,
 )
-from lightning_rudra.strategy.fit_loop.shared import SharedEpochLoop
+from lightning_rudra.strategy.fit_loop.shared_epoch_loop import SharedEpochLoop
 from lightning_rudra.strategy.launchers import launcher_for
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.strategy.push_metrics import PushMetrics
 from lightning_rudra.strategy.server_parallel import ServerParallelStrategy
 from lightning_rudra.strategy.shared_epoch import shared_dataloader
 from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader
-from lightning_rudra.strategy.server_nodes import stage_starters
+from lightning_rudra.strategy.server_nodes import stage_started_by
 from lightning_rudra.strategy.stage_servers import StageServers
-from lightning_rudra.strategy.training import Training
+from lightning_rudra.strategy.learner_fit import Aggregation, FitPlan, LearnerFit
 
 
 class RudraStrategy(ServerParallelStrategy):
@@ -147,10 +147,11 @@ class RudraStrategy(ServerParallelStrategy):
         self.simulate = simulate
         self.timing = (timing or Homogeneous()) if simulate else timing
         self.stats: Optional[Stats] = None
-        self._servers = StageServers()  # the RPC world of a stage (empty outside one: spawn pickles the strategy)
+        # the RPC world of a stage (empty outside one: spawn pickles the strategy)
+        self._servers = StageServers(self.rpc_timeout, min_learners, max_restarts)
         self._checkpoints = Checkpoints()
         self._push_metrics = PushMetrics()
-        self._training = Training()  # one fit's learner, loop and rejoining
+        self._training = LearnerFit()  # one fit's learner, loop and rejoining
         self._failed: Optional[str] = None  # this stage failed on this learner: why
         self._pools = 0  # train dataloaders drawing from the server in this stage
 
@@ -193,23 +194,16 @@ class RudraStrategy(ServerParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         self._failed = None
-        self._training = Training()
+        self._training = LearnerFit()
         if self.simulate:
             return
         assert self.cluster_environment is not None
+        started_by = stage_started_by(self)
         self._servers.join(
-            self.cluster_environment,
-            self.global_rank,
-            self.num_learners,
-            stage_starters(self),
-            self.rpc_timeout,
-            self.min_learners,
-            self.max_restarts,
-            learner_store=self.server_nodes > 0,
+            self.cluster_environment, self.global_rank, self.num_learners, started_by, self.server_nodes > 0
         )
         assert self._servers.client is not None
-        self.collectives.connect(self._servers.client, self.root_device)
-        self.collectives.joining = self._servers.rejoining
+        self.collectives.connect(self._servers.client, self.root_device, self._servers.rejoining)
 
     def _in_batch(self) -> bool:
         return self._training.in_batch
@@ -245,10 +239,8 @@ class RudraStrategy(ServerParallelStrategy):
                     self.compensation,
                     self.overlap,
                 )
-            self.optimizers = self._training.setup(
-                self.model,
-                self.optimizers,
-                clients,
+            plan = FitPlan(
+                self.num_learners,
                 self.overlap,
                 self.shared_memory and not self.simulate,
                 self.compression,
@@ -256,8 +248,12 @@ class RudraStrategy(ServerParallelStrategy):
                 config,
                 resumed,
                 self._servers.clients if self._servers.rejoining else [],
-                (self.node_rank, self.rpc_timeout, self.is_global_zero) if self._aggregating else None,
+                Aggregation(self.node_rank, self.rpc_timeout, self.is_global_zero) if self._aggregating else None,
+                simulated=bool(self.simulate),
+                shared_epoch=self.sampling == "shared",
+                hardsync=self.protocol == "hardsync",
             )
+            self.optimizers = self._training.setup(self.model, self.optimizers, clients, plan)
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server
         if fitting:
             # every learner has the same cut: all refuse at once, before training
@@ -301,10 +297,7 @@ class RudraStrategy(ServerParallelStrategy):
         self._push_metrics.reset()
         assert self.lightning_module is not None  # set up before training
         trainer = self.lightning_module.trainer
-        simulated, shared, hardsync = bool(self.simulate), self.sampling == "shared", self.protocol == "hardsync"
-        self._training.start(
-            trainer, self.num_learners, simulated, shared, hardsync, self._start_epoch, self._end_training
-        )
+        self._training.start(trainer, self._start_epoch, self._end_training)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -351,7 +344,7 @@ class RudraStrategy(ServerParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._servers.client is not None:
-            self._servers.leave(self._failed, self.is_global_zero, self.rpc_timeout)
+            self._servers.leave(self._failed, self.is_global_zero)
             if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
                 self._launcher.end_lost(sorted(self.stats.lost))  # those lost and still running
         self.collectives.close()

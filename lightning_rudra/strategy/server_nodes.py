@@ -21,6 +21,7 @@ from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_rudra.server.process import NO_LEARNERS, RUN_FAILED, start_server
+from lightning_rudra.transport.rpc_world import StageWorld
 
 _POLL_S = 0.2
 
@@ -78,7 +79,7 @@ def check_server_node_job(
         )
 
 
-def server_starters(
+def servers_started_by(
     num_servers: Optional[int], num_nodes: int, num_processes: int, server_nodes: int = 0, fitting: bool = True
 ) -> list[Optional[int]]:
     """Per server process, the learner that starts it: the first learner of node s mod num_nodes; None for each
@@ -87,13 +88,13 @@ def server_starters(
         return [None] * (num_servers or server_nodes)
     if server_nodes:
         return [0]
-    return [(shard % num_nodes) * num_processes for shard in range(num_servers or num_nodes)]
+    return [(server % num_nodes) * num_processes for server in range(num_servers or num_nodes)]
 
 
-def stage_starters(strategy: Any) -> list[Optional[int]]:
-    """A learner's :func:`server_starters` for the stage starting (``strategy.lightning_module`` is connected)."""
+def stage_started_by(strategy: Any) -> list[Optional[int]]:
+    """A learner's :func:`servers_started_by` for the stage starting (``strategy.lightning_module`` is connected)."""
     fitting = strategy.lightning_module.trainer.state.fn == TrainerFn.FITTING
-    return server_starters(
+    return servers_started_by(
         strategy.num_servers, strategy.num_nodes, strategy.num_processes, strategy.server_nodes, fitting
     )
 
@@ -129,40 +130,34 @@ class ServerNodeLauncher(_Launcher):
     def _serve(self) -> None:
         strategy, env = self.strategy, self.environment
         count = strategy.num_servers or strategy.server_nodes
-        shards = [s for s in range(count) if s % strategy.server_nodes == self.node]
-        init_method = f"tcp://{env.main_address}:{env.main_port}"
+        servers = [s for s in range(count) if s % strategy.server_nodes == self.node]
         learners = strategy.num_nodes * strategy.num_processes
+        # every server of a fit with server nodes starts here or on another server node: none by a learner
+        world = StageWorld(
+            env.main_address, env.main_port, learners, strategy.rpc_timeout, (None,) * count, learner_store=True
+        )
         try:
-            for shard in shards:
-                self.processes.append(
-                    start_server(
-                        init_method,
-                        learners,
-                        strategy.rpc_timeout,
-                        shard=shard,
-                        starters=[None] * count,
-                        server_node=True,
-                    )
-                )
-            self._wait(shards, init_method)
+            for server in servers:
+                self.processes.append(start_server(world, server, server_node=True))
+            self._wait(servers, world)
         finally:
             self.kill(9)
 
-    def _wait(self, shards: list[int], init_method: str) -> None:
+    def _wait(self, servers: list[int], world: StageWorld) -> None:
         """Until every server of this node has ended; the first to fail ends the others and raises."""
         while True:
             codes = [process.poll() for process in self.processes]
-            for shard, code in zip(shards, codes):
+            for server, code in zip(servers, codes):
                 if code:
                     why = {
-                        NO_LEARNERS: f"learner 0 never opened the rendezvous at {init_method.removeprefix('tcp://')} "
+                        NO_LEARNERS: f"learner 0 never opened the rendezvous at {world.host}:{world.port} "
                         f"within rpc_timeout ({self.strategy.rpc_timeout:g} s): start the learner nodes with the same "
                         "MASTER_ADDR, MASTER_PORT, num_nodes and devices",
                         RUN_FAILED: "training failed on the learners (the line above says how; their output, why)",
                     }.get(code, "its output above says why")
                     raise RuntimeError(
                         f"server node {self.node} (NODE_RANK {self.environment.node_rank()}): parameter server "
-                        f"{shard} ended with exit code {code}: {why}."
+                        f"{server} ended with exit code {code}: {why}."
                     )
             if all(code == 0 for code in codes):
                 return

@@ -1,7 +1,7 @@
 """The shared epoch's train DataLoaders: each one with Lightning's DistributedSampler is rebuilt around a
 :class:`~lightning_rudra.learner.sampler.SharedEpochSampler`, its batch sampler, which draws its batches from the
 server's pool (each dealt batch is one batch of the DataLoader), and
-:class:`~lightning_rudra.strategy.fit_loop.shared.SharedEpochLoop` fits Lightning's fit loop to it."""
+:class:`~lightning_rudra.strategy.fit_loop.shared_epoch_loop.SharedEpochLoop` fits Lightning's fit loop to it."""
 
 from typing import Any, Optional
 
@@ -14,7 +14,7 @@ from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.learner.sampler import SharedEpochSampler
-from lightning_rudra.strategy.fit_loop.shared import SharedEpochLoop
+from lightning_rudra.strategy.fit_loop.shared_epoch_loop import SharedEpochLoop
 
 
 def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int, num_learners: int) -> Optional[DataLoader]:

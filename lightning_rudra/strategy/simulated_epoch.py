@@ -52,7 +52,7 @@ def simulated_dataloader(
     dataloader: Any, num_learners: int, protocol: str, timing: TimingModel, whole: bool
 ) -> DataLoader:
     """``dataloader`` (with the single-replica DistributedSampler Lightning gave it) dealing the batches of λ
-    learners, each from the shard that Lightning's DistributedSampler gives a real learner of its rank. Its length
+    learners, each from the part of the data that Lightning's DistributedSampler gives a real learner of its rank. Its length
     is every learner's batches if ``whole``, else, until training starts, one learner's: Lightning's counts read
     in ``configure_optimizers`` (``estimated_stepping_batches``) mean one learner's steps, as for real ones."""
     sampler = getattr(dataloader, "sampler", None)
@@ -64,7 +64,7 @@ def simulated_dataloader(
             "sampler of your own keeps one stream per process: run real learners (devices=λ) instead."
         )
     # Lightning's one-replica sampler holds the shuffle and seed (the global seed) that real learners' would
-    shards: list[DistributedSampler] = [
+    parts: list[DistributedSampler] = [
         DistributedSampler(
             sampler.dataset,
             num_replicas=num_learners,
@@ -75,7 +75,7 @@ def simulated_dataloader(
         )
         for r in range(num_learners)
     ]
-    batches = SimulatedSampler(shards, dataloader.batch_size, dataloader.drop_last, protocol, timing)
+    batches = SimulatedSampler(parts, dataloader.batch_size, dataloader.drop_last, protocol, timing)
     batches.whole = whole
     args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, sampler, RunningStage.TRAINING)
     # a batch sampler excludes these (DataLoader's rule)

@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, Optional
 
@@ -25,8 +26,8 @@ import torch.distributed.rpc.constants as rpc_constants
 SERVER_NAME = "server"
 
 
-def server_name(shard: int) -> str:
-    return SERVER_NAME if shard == 0 else f"{SERVER_NAME}{shard}"
+def server_name(server: int) -> str:
+    return SERVER_NAME if server == 0 else f"{SERVER_NAME}{server}"
 
 
 def learner_name(rank: int) -> str:
@@ -165,38 +166,64 @@ def interface_towards(host: str) -> Optional[str]:
     return None
 
 
-def init_rpc(
-    learner: Optional[int],
-    num_learners: int,
-    init_method: str,
-    timeout: float,
-    num_servers: int = 1,
-    shard: int = 0,
-    elastic: bool = False,
-    incarnation: int = 0,
-    learner_store: bool = False,
-) -> None:
-    """Join as learner number ``learner``, or as server ``shard`` (None). The first server is RPC rank 0, which
-    hosts the rendezvous' TCP store: its port then closes when that server exits after the stage, and a new Trainer
-    in learner 0's process can meet on the same port (torch keeps the store of a shut-down agent listening). A
-    learner is rank ``learner + 1`` whatever the number of servers (those after the first come after the learners):
-    torch fixes a process's rank for good at its first init. ``elastic``: a world that processes may join later
-    (:mod:`~lightning_rudra.transport.elastic`), where a learner's process number ``incarnation`` > 0 (one that
-    rejoins) has a name and rank of its own. ``learner_store``: the rendezvous' store is learner 0's, made by it
-    with :func:`rendezvous_store` before it joins (the servers run on server nodes, none on learner 0's host): every
-    process, learner 0 too, joins that store as a client, and RPC rank 0 (the first server) hosts nothing."""
+@dataclass(frozen=True)
+class StageWorld:
+    """One stage's RPC world as every learner and server of it agrees on it: where it meets, who is in it, how long
+    they wait. A learner builds it once per stage and hands it down unchanged (to :func:`init_rpc`, and to each
+    server process it starts, which rebuilds it from its command line)."""
+
+    host: str  # the rendezvous, where learner 0 (or the first server) listens
+    port: int
+    num_learners: int
+    timeout: float  # rpc_timeout: every call that does not wait for other learners, and a silence before a loss
+    started_by: tuple[Optional[int], ...] = (0,)  # per server, the learner that starts it (None: a server node)
+    min_learners: Optional[int] = None  # elastic: training goes on while this many learners are left
+    rejoin_wait: float = 0.0  # seconds lost learners have to rejoin when fewer than min_learners are left
+    learner_store: bool = False  # the rendezvous' store is learner 0's (a run with server nodes, every stage)
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.started_by)
+
+    @property
+    def elastic(self) -> bool:
+        """Processes may join later: a new process for a lost learner (``min_learners``)."""
+        return self.min_learners is not None
+
+
+def init_rpc(world: StageWorld, learner: Optional[int], server: int = 0, incarnation: int = 0) -> None:
+    """Join ``world`` as learner number ``learner``, or as server ``server`` (``learner`` None). The first server is
+    RPC rank 0, which hosts the rendezvous' TCP store: its port then closes when that server exits after the stage,
+    and a new Trainer in learner 0's process can meet on the same port (torch keeps the store of a shut-down agent
+    listening). A learner is rank ``learner + 1`` whatever the number of servers (those after the first come after
+    the learners): torch fixes a process's rank for good at its first init. In an elastic world
+    (:mod:`~lightning_rudra.transport.elastic`), a learner's process number ``incarnation`` > 0 (one that rejoins)
+    has a name and rank of its own. With ``world.learner_store`` the rendezvous' store is learner 0's, made by it with
+    :func:`rendezvous_store` before it joins (the servers run on server nodes, none on learner 0's host): every
+    process, learner 0 too, joins that store as a client, and RPC rank 0 (the first server) hosts nothing.
+
+    Args:
+        world: the stage's world, the same in every process of it.
+        learner: this learner's number; None for a server process.
+        server: a server process's number (ignored for a learner).
+        incarnation: a learner's process number in an elastic world (0: one of the first).
+    """
+    num_learners, num_servers, learner_store = world.num_learners, world.num_servers, world.learner_store
     if learner is not None:
         name, rank = learner_name(learner), learner + 1
         if incarnation:
             name, rank = f"{name}_{incarnation}", num_learners + num_servers + incarnation
     else:
-        name, rank = server_name(shard), 0 if shard == 0 else num_learners + shard
+        name, rank = server_name(server), 0 if server == 0 else num_learners + server
     # TensorPipe and the gloo group it makes at init advertise the address this machine's hostname resolves to,
     # which in containers and network namespaces is often not one the other hosts can reach: unless told
     # otherwise, use the interface that reaches the rendezvous. Under torchrun, TORCHELASTIC_USE_AGENT_STORE
     # makes every tcp:// rendezvous a client of torchrun's own store; ours is the server's (port_from_agent_store).
-    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    interface = interface_towards(host)
+    interface = interface_towards(world.host)
     # torch's rendezvous makes every process a client of the store at host:port when this says "True"
     changes: dict[str, Optional[str]] = {"TORCHELASTIC_USE_AGENT_STORE": "True" if learner_store else None}
     if interface is not None:
@@ -208,11 +235,14 @@ def init_rpc(
             }
         )
     # "uv" (TCP): the shared-memory transport busy-polls, and idle waiting learners then starve the busy ones
-    options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout, _transports=["uv"])
-    store = rendezvous_store(host, int(port), timeout) if rank == 0 and not learner_store else None
-    with environment(changes), warnings.catch_warnings(), _joining_within(timeout + JOIN_MARGIN_S, learner_store):
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=world.init_method, rpc_timeout=world.timeout, _transports=["uv"]
+    )
+    store = rendezvous_store(world.host, world.port, world.timeout) if rank == 0 and not learner_store else None
+    joining = _joining_within(world.timeout + JOIN_MARGIN_S, learner_store)
+    with environment(changes), warnings.catch_warnings(), joining:
         warnings.filterwarnings("ignore", message=".*gloo.*")  # torch's deprecation notice, printed by every init
-        world_size = None if elastic else num_learners + num_servers
+        world_size = None if world.elastic else num_learners + num_servers
         rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     del store  # needed only until the RPC agent's own store joined its listener, which that store now keeps
 

@@ -191,7 +191,7 @@ def test_after_training_failed_the_server_ends_once_every_learner_is_lost(monkey
 def test_with_comeback_a_run_that_lost_every_learner_waits_and_takes_them_back(monkeypatch):
     """Lost learners that will be restarted (torchrun restarts every worker at once) are awaited: with none left,
     the first new process is admitted at once at the start of the latest epoch any learner started."""
-    ps = ParameterServer(2, timeout=5.0, min_learners=1, comeback=30.0)
+    ps = ParameterServer(2, timeout=5.0, min_learners=1, rejoin_wait=30.0)
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
@@ -202,18 +202,18 @@ def test_with_comeback_a_run_that_lost_every_learner_waits_and_takes_them_back(m
     push(0, 1.0).wait()
     lose(ps, 1)
     lose(ps, 0)
-    assert ps.failure is None and not ps.all_left.is_set() and ps.membership.awaiting_comeback
+    assert ps.failure is None and not ps.all_left.is_set() and ps.membership.awaiting_rejoins
     admission, _ = server.call_async("rejoin", LearnerId(1, 1), module).wait()
     assert (admission.epoch, admission.global_step, admission.collectives) == (3, 41, 7)
-    assert ps.membership.members == {1} and not ps.membership.awaiting_comeback
+    assert ps.membership.members == {1} and not ps.membership.awaiting_rejoins
     assert [e["event"] for e in ps.core.stats.events] == ["lost", "lost", "rejoined"]
 
 
 def test_with_comeback_a_run_whose_learners_do_not_come_back_in_time_ends_saying_so(monkeypatch):
     ps = parameter_server(monkeypatch, "async", 2, min_learners=2)
-    ps.membership.comeback = 0.2
+    ps.membership.rejoin_wait = 0.2
     lose(ps, 1)
-    assert ps.failure is None and ps.membership.awaiting_comeback
+    assert ps.failure is None and ps.membership.awaiting_rejoins
     time.sleep(0.3)
     watch = threading.Thread(target=ps.watch, daemon=True)
     watch.start()
@@ -229,7 +229,7 @@ def test_with_comeback_a_run_whose_learners_do_not_come_back_in_time_ends_saying
 def test_a_learner_stopped_by_the_user_ends_the_run_even_with_comeback(monkeypatch):
     """Ctrl-C: every learner leaves with a KeyboardInterrupt; nobody will come back, so the server ends at once."""
     ps = parameter_server(monkeypatch, "async", 2, min_learners=1)
-    ps.membership.comeback = 60.0
+    ps.membership.rejoin_wait = 60.0
     lose(ps, 1)
     server.call("leave", 0, "KeyboardInterrupt: ")
     assert ps.failure is not None and "fewer than min_learners=1, so training cannot go on" in ps.failure

@@ -93,7 +93,7 @@ def server_pids(port: int, shard: Optional[int] = None) -> list[int]:
             entry.isdigit()
             and "lightning_rudra.server.process" in command
             and f"tcp://127.0.0.1:{port} " in command
-            and (shard is None or f"--shard {shard} " in command)
+            and (shard is None or f"--server {shard} " in command)
         ):
             found.append(int(entry))
     return found

@@ -5,7 +5,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Timer
 
 from lightning_rudra.server.rejoins import Admission
-from lightning_rudra.strategy.rejoin import Rejoin
+from lightning_rudra.strategy.rejoin import RejoinRequest
 from tests.lightning_models import Regression
 
 
@@ -14,9 +14,9 @@ def test_an_admitted_process_takes_the_runs_epoch_step_and_time():
         accelerator="cpu", devices=1, max_time={"seconds": 100}, logger=False, enable_progress_bar=False
     )
     trainer.strategy.connect(Regression())
-    rejoin = Rejoin()
+    rejoin = RejoinRequest()
     rejoin.admission = Admission(epoch=2, global_step=30, collectives=4, elapsed=42.5)
-    rejoin.start(trainer, shared=True)
+    rejoin.start(trainer, shared_epoch=True)
     [timer] = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
     assert timer.time_elapsed() == 42.5  # so max_time ends this process with the others, not 100 s after it came
     assert trainer.current_epoch == 2 and trainer.global_step == 30

@@ -9,7 +9,7 @@ import pytest
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
 from lightning_rudra import RudraStrategy
-from lightning_rudra.strategy.server_nodes import ServerNodeLauncher, server_starters
+from lightning_rudra.strategy.server_nodes import ServerNodeLauncher, servers_started_by
 from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import Regression, loader, quiet_trainer
 
@@ -85,10 +85,10 @@ def test_learner_nodes_keep_their_launcher_server_nodes_get_their_own_and_aggreg
 
 
 def test_fit_puts_every_server_on_the_server_nodes_and_other_stages_one_on_node_0():
-    assert server_starters(None, 2, 2) == [0, 2]  # without server nodes: one per learner node, as before
-    assert server_starters(None, 1, 2, server_nodes=2) == [None, None]
-    assert server_starters(3, 1, 2, server_nodes=2) == [None, None, None]
-    assert server_starters(3, 1, 2, server_nodes=2, fitting=False) == [0]
+    assert servers_started_by(None, 2, 2) == [0, 2]  # without server nodes: one per learner node, as before
+    assert servers_started_by(None, 1, 2, server_nodes=2) == [None, None]
+    assert servers_started_by(3, 1, 2, server_nodes=2) == [None, None, None]
+    assert servers_started_by(3, 1, 2, server_nodes=2, fitting=False) == [0]
 
 
 def test_a_server_nodes_other_stages_return_at_once(monkeypatch):

@@ -1,8 +1,8 @@
 """:class:`SimulatedEpochLoop`, for λ simulated learners in one process
 (:class:`~lightning_rudra.learner.simulation.SimulatedSampler`): an epoch is every virtual learner's pass over its
-own shard, and what Lightning counts in one learner's batches is recounted for λ learners:
+own part of the data, and what Lightning counts in one learner's batches is recounted for λ learners:
 
-- ``limit_train_batches=k`` means k batches per learner and epoch (a fraction, that fraction of each shard);
+- ``limit_train_batches=k`` means k batches per learner and epoch (a fraction, that fraction of each part);
 - ``max_steps=k`` means k steps per learner: the run ends after k·λ steps of the one process, and
   ``trainer.global_step`` counts the steps of all learners together;
 - ``estimated_stepping_batches`` (read in ``configure_optimizers``) is one learner's steps, and every learner

@@ -175,35 +175,53 @@ def join_survivors(
     asked = False  # for the learners the server lost
     deadline = float("inf")
     while context.sentinels or restarts.due:
-        ready = multiprocessing.connection.wait(list(context.sentinels), timeout=0.2 if restarts.due else 1.0)
-        for sentinel in ready:
-            index = context.sentinels[sentinel]
-            process = context.processes[index]
-            process.join()
-            del context.sentinels[sentinel]
-            if process.exitcode == 0:
-                restarts.closed = True
-            elif index not in (ended or ()):
-                then = restarts.lost(index)
-                warn_lost(index, process.exitcode, min_learners, _trace(context.error_files[index]), then)
+        _reap(context, min_learners, restarts, ended or set())
         for index in restarts.now():
             restart(index)
         if ended is None and restarts.closed:
             ended, deadline = set(), time.monotonic() + grace
-        if ended is not None and not asked and context.processes[0].exitcode == 0:
+        if ended is None:
+            continue
+        if not asked and context.processes[0].exitcode == 0:
             asked = True
             ended |= {rank for rank in stats_ready() or [] if context.processes[rank].is_alive()}
-        if ended is not None and time.monotonic() > deadline:
-            late = {rank for rank in context.sentinels.values() if context.processes[rank].is_alive()}
-            warnings.warn(
-                f"lightning_rudra: learners {sorted(late)} were still running {grace:g} s after training ended: ended.",
-                stacklevel=1,
-            )
-            ended |= late
+        if time.monotonic() > deadline:
+            ended |= _still_running(context, grace)
             deadline = float("inf")
-        for rank in ended or ():
+        for rank in ended:
             if context.processes[rank].is_alive():
                 context.processes[rank].kill()
+    _check_learner_zero(context, restarts)
+
+
+def _reap(context: Any, min_learners: int, restarts: Restarts, ended: set[int]) -> None:
+    """The learners' processes that end now (waited for up to a second): one that failed, unless ended here, is
+    reported lost; one that ended well closes the restarts (training is over)."""
+    ready = multiprocessing.connection.wait(list(context.sentinels), timeout=0.2 if restarts.due else 1.0)
+    for sentinel in ready:
+        index = context.sentinels[sentinel]
+        process = context.processes[index]
+        process.join()
+        del context.sentinels[sentinel]
+        if process.exitcode == 0:
+            restarts.closed = True
+        elif index not in ended:
+            then = restarts.lost(index)
+            warn_lost(index, process.exitcode, min_learners, _trace(context.error_files[index]), then)
+
+
+def _still_running(context: Any, grace: float) -> set[int]:
+    """The learners still running ``grace`` seconds after training ended, with a warning: to be ended."""
+    late = {rank for rank in context.sentinels.values() if context.processes[rank].is_alive()}
+    warnings.warn(
+        f"lightning_rudra: learners {sorted(late)} were still running {grace:g} s after training ended: ended.",
+        stacklevel=1,
+    )
+    return late
+
+
+def _check_learner_zero(context: Any, restarts: Restarts) -> None:
+    """Raises if learner 0's last process did not end well: only it brings the results back."""
     code = context.processes[0].exitcode
     if code != 0:
         trace = _trace(context.error_files[0])

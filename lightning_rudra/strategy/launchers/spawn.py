@@ -132,7 +132,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
         context.error_files[index] = error_file.name
         context.sentinels[process.sentinel] = index
 
-    def _wrapping_function(
+    def _wrapping_function(  # 7 params: Lightning's _MultiProcessingLauncher._wrapping_function, overridden
         self,
         process_idx: int,
         trainer: Optional["pl.Trainer"],

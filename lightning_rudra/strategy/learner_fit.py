@@ -4,7 +4,8 @@ for the shared epoch or for simulated learners (``fit_loop/``), the callback tha
 and end and at the end of training, and in an elastic run this process's rejoining (``rejoin.py``). Made in
 ``setup`` and ``on_train_start``; undone at the end of training, or at teardown when training failed."""
 
-from typing import Any, Callable, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import pytorch_lightning as pl
 import torch
@@ -12,27 +13,57 @@ from pytorch_lightning.callbacks import Callback
 from typing_extensions import override
 
 from lightning_rudra.core.config import ProtocolConfig
-from lightning_rudra.core.stats import Stats
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.learner.node import aggregate
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.learner.simulation import SimulatedClient
+from lightning_rudra.strategy.checkpoints import Resumed
 from lightning_rudra.strategy.checks import is_placeholder, warn_of_meetings_per_batch
-from lightning_rudra.strategy.fit_loop.shared import SharedEpochLoop
+from lightning_rudra.strategy.fit_loop.shared_epoch_loop import SharedEpochLoop
 from lightning_rudra.strategy.fit_loop.simulated import SimulatedEpochLoop
-from lightning_rudra.strategy.rejoin import Rejoin, describe
+from lightning_rudra.strategy.rejoin import RejoinRequest, describe
 from lightning_rudra.strategy.shared_epoch import start_shared_epoch
 from lightning_rudra.strategy.simulated_epoch import start_simulation
 
 
-class Training:
+class Aggregation(NamedTuple):
+    """Where the learners decide on node-local aggregation (:func:`~lightning_rudra.learner.node.aggregate`)."""
+
+    node: int  # this learner's node rank
+    timeout: float  # rpc_timeout
+    announce: bool  # learner 0: it warns if aggregation turns off
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """How this learner trains one ``fit``, as the strategy decides at ``setup``: the learner's options, how it
+    starts (learner 0 registers, a new process for a lost learner rejoins) and how its epochs run."""
+
+    num_learners: int
+    overlap: bool
+    shared_memory: bool
+    compression: Optional[str]
+    on_push: Callable[[int, str, int, float], None]  # told of every push (the logged push metrics)
+    config: Optional[ProtocolConfig]  # learner 0 of a new run registers the model with the protocol's options
+    resumed: Resumed  # the checkpoint this stage resumes from
+    rejoining: Sequence[LearnerClient]  # a process that takes a lost learner's place asks these servers to rejoin
+    aggregation: Optional[Aggregation]  # where the learners decide on node-local aggregation
+    simulated: bool  # simulated learners in this process
+    shared_epoch: bool  # sampling="shared": the learners draw from the epoch pool
+    hardsync: bool
+
+
+class LearnerFit:
+    """What one ``fit`` made on this learner, for the strategy's hooks: the learner, Lightning's fit loop refitted,
+    the callback that runs first, and this process's request to rejoin."""
+
     def __init__(self) -> None:
         self.learner: Optional[Learner] = None
         self.loop: Optional[Union[SharedEpochLoop, SimulatedEpochLoop]] = None  # Lightning's fit loop, refitted
         self.end_of_training: Optional[EndOfTraining] = None  # the callback, while training
-        self.rejoin = Rejoin()  # if this process takes a lost learner's place
-        self.resumed: Optional[Stats] = None  # the checkpoint's statistics, while fitting from one
+        self.rejoin = RejoinRequest()  # if this process takes a lost learner's place
+        self.plan: Optional[FitPlan] = None  # from setup
 
     @property
     def in_batch(self) -> bool:
@@ -40,70 +71,59 @@ class Training:
         return self.loop is not None and self.loop.in_batch
 
     def setup(
-        self,
-        module: torch.nn.Module,
-        optimizers: list[Any],
-        clients: Sequence[ServerClient],
-        overlap: bool,
-        shared_memory: bool,
-        compression: Optional[str],
-        on_push: Callable[[int, str, int, float], None],
-        config: Optional[ProtocolConfig],
-        resumed: tuple[Optional[Stats], Optional[list[dict[str, Any]]]],
-        rejoining: Sequence[LearnerClient],
-        aggregation: Optional[tuple[int, float, bool]] = None,
+        self, module: torch.nn.Module, optimizers: list[Any], clients: Sequence[ServerClient], plan: FitPlan
     ) -> list[Any]:
         """This fit's learner over ``clients``: learner 0 (given the protocol's ``config``) registers the model, on
         resume with the checkpoint's statistics and optimizer states; a process that takes a lost learner's place
         asks its servers (``rejoining``) to rejoin; every learner then pulls the weights. Returns the optimizers
-        Lightning steps: wrapped, so that their steps push. ``aggregation``: (node rank, rpc_timeout, whether this is
-        learner 0) where the learners decide on node-local aggregation (:func:`~lightning_rudra.learner.node.aggregate`,
-        after the optimizers are laid out)."""
+        Lightning steps: wrapped, so that their steps push; with ``plan.aggregation``, after the learners decided on
+        node-local aggregation (once the optimizers are laid out).
+
+        Args:
+            module: the LightningModule, on its device.
+            optimizers: what ``configure_optimizers`` gave (Lightning's placeholder: nothing is pushed).
+            clients: one per server (a simulated run: the one in-process server's).
+            plan: the rest, decided by the strategy for this fit.
+        """
+        self.plan = plan
         # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
         stepping = [] if any(map(is_placeholder, optimizers)) else optimizers
-        self.learner = Learner(module, clients, overlap, shared_memory, compression)
-        self.learner.on_push = on_push
+        self.learner = Learner(module, clients, plan.overlap, plan.shared_memory, plan.compression)
+        self.learner.on_push = plan.on_push
         self.learner.check(stepping)
-        if config is not None:
-            self.learner.register(config, stepping, *resumed, module=describe(module, stepping))
-        elif rejoining:
-            self.rejoin.ask(rejoining, describe(module, stepping))
+        if plan.config is not None:
+            states = plan.resumed.optimizer_states
+            self.learner.register(plan.config, stepping, plan.resumed.stats, states, module=describe(module, stepping))
+        elif plan.rejoining:
+            self.rejoin.ask(plan.rejoining, describe(module, stepping))
         if not self.rejoin.over:  # a process admitted too late only leaves
             self.learner.pull()  # every learner starts from learner 0's (possibly restored) weights
-        self.resumed = resumed[0]  # the shared epoch goes on from its statistics
         if not stepping:
             return optimizers
         wrapped = list(self.learner.wrap(stepping))
-        if aggregation is not None:
-            node, timeout, announce = aggregation
+        if plan.aggregation is not None:
             client = self.learner.clients[0]
             assert isinstance(client, LearnerClient), "simulated learners do not aggregate (refused at __init__)"
+            node, timeout, announce = plan.aggregation
             aggregate(self.learner, client.gather, node, timeout, announce)
         return wrapped
 
-    def start(
-        self,
-        trainer: "pl.Trainer",
-        num_learners: int,
-        simulated: bool,
-        shared: bool,
-        hardsync: bool,
-        start_epoch: Callable[[], None],
-        end_training: Callable[[], None],
-    ) -> None:
+    def start(self, trainer: "pl.Trainer", start_epoch: Callable[[], None], end_training: Callable[[], None]) -> None:
         """At ``on_train_start``: Lightning's fit loop refitted, and the callback that runs first (``start_epoch``
         and ``end_training`` are the strategy's)."""
+        assert self.plan is not None, "setup comes first"
         combined = trainer.fit_loop._combined_loader
         loaders = combined.flattened if combined is not None else []
-        if simulated:
+        if self.plan.simulated:
             assert self.learner is not None
             client = self.learner.client
             assert isinstance(client, SimulatedClient), "setup gives a simulated run's learner a SimulatedClient"
-            self.loop = start_simulation(trainer, loaders, num_learners, client)
+            self.loop = start_simulation(trainer, loaders, self.plan.num_learners, client)
         else:
-            self.rejoin.start(trainer, shared)  # before the shared epoch's first draw
-            self.loop = start_shared_epoch(trainer, loaders, num_learners, self.resumed)
-            if self.loop is None and not hardsync:
+            self.rejoin.start(trainer, self.plan.shared_epoch)  # before the shared epoch's first draw
+            # the shared epoch goes on from the checkpoint's statistics
+            self.loop = start_shared_epoch(trainer, loaders, self.plan.num_learners, self.plan.resumed.stats)
+            if self.loop is None and not self.plan.hardsync:
                 warn_of_meetings_per_batch(trainer)
         # before every other callback's on_train_end, which may still change the weights (weight averaging)
         self.end_of_training = EndOfTraining(trainer, start_epoch, self.end_epoch, end_training)

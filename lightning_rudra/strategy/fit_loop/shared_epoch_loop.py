@@ -50,8 +50,16 @@ class SharedEpochLoop:
 
     def install(self, trained: int) -> None:
         """``trained``: batches trained on before the checkpoint this run resumes from (0: none)."""
-        trainer, fit_loop = self.trainer, self.trainer.fit_loop
         self._refuse_per_learner_counts()
+        self._limit_pools(trained)
+        self._count_scheduler_steps()
+        if trained:
+            self._resume_points()
+        self._refit_loop()
+
+    def _limit_pools(self, trained: int) -> None:
+        """Each pool's batches this epoch, with Lightning's limits and ``max_steps`` counted for the whole pool."""
+        trainer, fit_loop = self.trainer, self.trainer.fit_loop
         combined = fit_loop._combined_loader
         assert combined is not None
         limits = []
@@ -73,6 +81,10 @@ class SharedEpochLoop:
         combined.limits = None  # the server's pools hold the limits
         fit_loop.max_batches = max(limits)
         self._learner_batches = -(-limits[0] // self.num_learners)
+
+    def _count_scheduler_steps(self) -> None:
+        """The step-interval schedulers this loop steps, and how many steps each has taken."""
+        trainer = self.trainer
         if trainer.lightning_module.automatic_optimization:
             self._scheduled = [
                 c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau
@@ -84,15 +96,22 @@ class SharedEpochLoop:
             else self._ddp_steps(c, trainer.current_epoch, 0)
             for c in self._scheduled
         ]
-        if trained:  # the validation points before the place the epoch goes on from were passed before
-            plan, epoch = self.samplers[0].plan, trainer.current_epoch
-            offset = epoch * plan.num_batches if trainer.check_val_every_n_epoch is None else 0
-            self._points_epoch = epoch
-            self._points_done = (offset + plan.resumed_at(epoch)) // self._interval(plan.num_batches)
-            # learner 0's batch counter, restored in every learner, would end each one's epoch early (after as many
-            # batches as learner 0 had left, or at once if it was its last): the pool ends the epoch
-            fit_loop.epoch_loop.batch_progress.current.reset()
-            fit_loop.epoch_loop.batch_progress.is_last_batch = False
+
+    def _resume_points(self) -> None:
+        """A resumed run: the validation points before the place the epoch goes on from were passed before."""
+        trainer, fit_loop = self.trainer, self.trainer.fit_loop
+        plan, epoch = self.samplers[0].plan, trainer.current_epoch
+        offset = epoch * plan.num_batches if trainer.check_val_every_n_epoch is None else 0
+        self._points_epoch = epoch
+        self._points_done = (offset + plan.resumed_at(epoch)) // self._interval(plan.num_batches)
+        # learner 0's batch counter, restored in every learner, would end each one's epoch early (after as many
+        # batches as learner 0 had left, or at once if it was its last): the pool ends the epoch
+        fit_loop.epoch_loop.batch_progress.current.reset()
+        fit_loop.epoch_loop.batch_progress.is_last_batch = False
+
+    def _refit_loop(self) -> None:
+        """Lightning's epoch loop, for this fit: the pool's schedule, its end and its validation points."""
+        trainer, fit_loop = self.trainer, self.trainer.fit_loop
         # instance attributes over Lightning's methods, for this fit (uninstall pops them)
         fit_loop.epoch_loop.update_lr_schedulers = self._update_lr_schedulers  # type: ignore[method-assign]
         # Lightning made the first epoch's iterator while the samplers had a length, so it would not look ahead

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 from torch.futures import Future
 
 from lightning_rudra.core.epoch import EpochPlan
+from lightning_rudra.core.errors import ServerLostError
 from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.server.norm_exchange import NormExchange, check_part
@@ -79,6 +80,7 @@ class ModelServer:
         self.finish_waiters: list[Future] = []
         self.epochs = SharedEpochs(num_learners)
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
+        self.failed_with: type[RuntimeError] = RuntimeError  # the class of the errors that say it
         self.shared = SharedSide(num_learners)
         self.rejoins = Rejoins(self.membership, self._announce)
         self.on_lost: Optional[Callable[[int, str], None]] = None  # told of each loss, outside the lock
@@ -213,7 +215,8 @@ class ModelServer:
                 return
             outcomes = self._give_up(
                 f"{self.waits.who} could not send its part of the gradient's norm (clipping by norm over several "
-                f"servers) to parameter server {shard}: {error}"
+                f"servers) to parameter server {shard}: {error}",
+                ServerLostError,
             )
         self._settle(outcomes)
 
@@ -302,10 +305,11 @@ class ModelServer:
         """A loss or a rejoin, logged once the lock is released (:meth:`_settle`). Called under the lock."""
         self._told.append((logging.INFO if self.announce else logging.DEBUG, message))
 
-    def _give_up(self, reason: str) -> Outcomes:
-        """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
-        caller settles the returned outcomes once it has released it (:func:`_settle`)."""
-        self.failure = reason
+    def _give_up(self, reason: str, error: type[RuntimeError] = RuntimeError) -> Outcomes:
+        """Training cannot go on: every wait fails, now and later, with ``error(reason)`` (a
+        :class:`~lightning_rudra.core.errors.LearnerLostError` for a loss). Called under the lock; the caller
+        settles the returned outcomes once it has released it (:func:`_settle`)."""
+        self.failure, self.failed_with = reason, error
         self.shared.release()  # nobody maps the files any more
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
         waiters = [w[0] for ws in self.round_waiters.values() for w in ws]
@@ -313,7 +317,7 @@ class ModelServer:
         self.round_waiters, self.finish_waiters = {}, []
         self.norm_exchange.clear()
         waiters += [self.registered] if not self.registered.done() else []
-        return [(waiter, RuntimeError(reason)) for waiter in waiters] + self.rejoins.stop(reason)
+        return [(waiter, error(reason)) for waiter in waiters] + self.rejoins.stop(reason)
 
     def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
@@ -347,7 +351,7 @@ class ModelServer:
 
     def _check_alive(self) -> None:
         if self.failure is not None:
-            raise RuntimeError(self.failure)
+            raise self.failed_with(self.failure)
 
     def _core(self) -> Server:
         if self.core is None:

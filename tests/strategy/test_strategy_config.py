@@ -1,5 +1,6 @@
 """RudraStrategy as the Trainer and LightningCLI build it: no process starts here."""
 
+import inspect
 from datetime import timedelta
 
 import pytest
@@ -221,3 +222,15 @@ def test_under_spawn_a_learners_error_reaches_fit_with_its_class_and_torchs_mess
     with pytest.raises(ProcessRaisedException):  # an error of another kind: torch's, as Lightning's launcher has it
         with kept(errors_folder()):
             raise ProcessRaisedException(message, 0, 123)
+
+
+def test_the_arguments_read_back_but_cannot_be_changed_once_the_strategy_is_built():
+    strategy = RudraStrategy(protocol="softsync", n=2)
+    with pytest.raises(AttributeError, match=r"RudraStrategy.protocol cannot be changed once the strategy is built"):
+        strategy.protocol = "async"
+    assert (strategy.protocol, strategy.n) == ("softsync", 2)
+    plugins = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    for name in set(inspect.signature(RudraStrategy).parameters) - plugins:  # every one of its own
+        value = getattr(strategy, name)
+        with pytest.raises(AttributeError, match=rf"RudraStrategy.{name} cannot be changed"):
+            setattr(strategy, name, value)

@@ -21,8 +21,10 @@ from torch.optim import Optimizer
 from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.clipping import refuse_softsync
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
+from lightning_rudra.core.config import ProtocolConfig, validate_n
 from lightning_rudra.core.node import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.strategy.options import StrategyOptions
 from lightning_rudra.strategy.server_nodes import check_server_nodes
 
 
@@ -30,7 +32,7 @@ SAMPLINGS = ("shared", "static")
 START_METHODS = ("popen", "spawn", "forkserver")
 
 
-def check_arguments(
+def check_arguments(  # 8 params: the strategy's own arguments as the user gave them, before any default fills in
     protocol: str,
     sampling: Optional[str],
     rpc_timeout: float,
@@ -210,14 +212,20 @@ def check_optimizers(
             ) from error
 
 
-def check_clipping(
-    value: float, algorithm: str, optimizer: int, protocol: str, n: int, num_learners: int, servers: int
-) -> None:
+def check_clipping(value: float, algorithm: str, optimizer: int, config: ProtocolConfig, servers: int) -> None:
     """Clipping by norm where softsync averages c > 1 gradients per update and ``optimizer`` is cut between
-    several ``servers``: refused (:func:`~lightning_rudra.core.clipping.refuse_softsync`), before any push."""
-    c = num_learners // n if protocol == "softsync" else 1
+    several ``servers``: refused (:func:`~lightning_rudra.core.clipping.refuse_softsync`), before any push.
+
+    Args:
+        value: the clipping's ``gradient_clip_val``.
+        algorithm: ``"norm"`` or ``"value"``.
+        optimizer: the index of the optimizer whose gradient is clipped.
+        config: the run's protocol, n and λ.
+        servers: how many servers hold a part of ``optimizer``'s parameters.
+    """
+    c = config.gradients_per_update if config.protocol == "softsync" else 1
     if c > 1 and servers > 1 and value > 0 and GradClipAlgorithmType(algorithm) == GradClipAlgorithmType.NORM:
-        refuse_softsync(float(value), optimizer, servers, c, n, num_learners)
+        refuse_softsync(float(value), optimizer, servers, c, config.n, config.num_learners)
 
 
 def check_trainer_clipping(trainer: "pl.Trainer", check: Callable[[float, str, int], None], optimizers: int) -> None:
@@ -260,3 +268,12 @@ def check_simulated_devices(simulate: Optional[int], num_nodes: int, num_process
             f"simulate={simulate} trains every learner in this one process: use Trainer(devices=1, num_nodes=1), "
             f"not devices={num_processes}, num_nodes={num_nodes}. For real learner processes, leave simulate unset."
         )
+
+
+def check_learners(options: StrategyOptions, num_nodes: int, num_processes: int) -> None:
+    """Once the Trainer is built, λ is known: the arguments that depend on it, before any process starts."""
+    num_learners = options.simulate or num_nodes * num_processes
+    validate_n(options.protocol, options.n, num_learners)
+    check_min_learners(options.min_learners, num_learners, options.simulate)
+    check_num_servers(options.num_servers, options.simulate)
+    check_simulated_devices(options.simulate, num_nodes, num_processes)

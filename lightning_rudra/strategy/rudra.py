@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.compression import compression_option
-from lightning_rudra.core.config import validate_n, validate_options
+from lightning_rudra.core.config import validate_options
 from lightning_rudra.core.node import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
@@ -31,20 +31,19 @@ from lightning_rudra.strategy.clipping import clip_on_the_learner, clip_on_the_s
 from lightning_rudra.strategy.checks import (
     check_arguments,
     check_clipping,
-    check_trainer_clipping,
-    check_min_learners,
+    check_learners,
     check_module,
     check_node_aggregation,
-    check_num_servers,
     check_optimizers,
-    check_simulated_devices,
     check_trainer,
+    check_trainer_clipping,
 )
 from lightning_rudra.strategy.fit_loop.shared import SharedEpochLoop
 from lightning_rudra.strategy.launchers import launcher_for
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
 from lightning_rudra.strategy.options import StrategyArguments, StrategyOptions
 from lightning_rudra.strategy.push_metrics import PushMetrics
+from lightning_rudra.strategy.registry import flavour_hint
 from lightning_rudra.strategy.server_parallel import ServerParallelStrategy
 from lightning_rudra.strategy.shared_epoch import shared_dataloader
 from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader
@@ -161,14 +160,9 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         self._pools = 0  # train dataloaders drawing from the server in this stage
 
     def __repr__(self) -> str:
-        # Lightning quotes this repr when the other flavour's Trainer refuses the strategy.
-        ours, other = (("pytorch_lightning", "lightning_rudra"), ("lightning.pytorch", "lightning_rudra.lightning"))
-        if pl.__name__ != ours[0]:
-            ours, other = other, ours
         return (
             f"RudraStrategy(protocol={self.protocol!r}, n={self.n}, lr_modulation={self.lr_modulation!r}, "
-            f"compensation={self.compensation!r}) "
-            f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]"
+            f"compensation={self.compensation!r}) {flavour_hint(pl.__name__)}"
         )
 
     # ---- ranks, devices and launch (ServerParallelStrategy has the rest) ------------------------------
@@ -187,10 +181,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
     @override
     def _configure_launcher(self) -> None:
         # Called when the Trainer is built: λ is known, no process has started yet.
-        validate_n(self.protocol, self.n, self.num_learners)
-        check_min_learners(self.min_learners, self.num_learners, self.simulate)
-        check_num_servers(self.num_servers, self.simulate)
-        check_simulated_devices(self.simulate, self.num_nodes, self.num_processes)
+        check_learners(self._options, self.num_nodes, self.num_processes)
         assert self.cluster_environment is not None
         self._launcher = launcher_for(self, self.cluster_environment, self._servers.report_lost)
 
@@ -266,7 +257,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         """:func:`check_clipping` for this run: its protocol and how many servers hold a part of ``optimizer``."""
         learner = self._training.learner
         servers = 1 if learner is None else sum(1 for shard in learner.shards if shard.owned[optimizer])
-        check_clipping(value, algorithm, optimizer, self.protocol, self.n, self.num_learners, servers)
+        check_clipping(value, algorithm, optimizer, self._options.protocol_config(self.num_learners), servers)
 
     @override
     def model_to_device(self) -> None:

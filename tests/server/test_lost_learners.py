@@ -137,7 +137,7 @@ def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(
         waiting.wait()
     with pytest.raises(RuntimeError, match=message) as later:  # and every later call
         server.call_async("gather", 1, 1 if lost == 0 else 0, None)
-    # what a user catches: LearnerLostError, still a RuntimeError (over RPC: test_rpc.py)
+    # what a user catches: LearnerLostError, still a RuntimeError (around fit: test_faults.py)
     assert isinstance(failed.value, LearnerLostError) and isinstance(later.value, LearnerLostError)
 
 

@@ -9,14 +9,6 @@ from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.strategy import RudraStrategy
 
-__all__ = [
-    "RudraStrategy",
-    "Stats",
-    "ProtocolConfig",
-    "Server",
-    "RudraError",
-    "LearnerLostError",
-    "ServerLostError",
-    "ConfigurationError",
-]
+__all__ = ["RudraStrategy", "Stats", "ProtocolConfig", "Server"]
+__all__ += ["RudraError", "LearnerLostError", "ServerLostError", "ConfigurationError"]  # the errors a user can catch
 __version__ = "0.2.0.dev0"

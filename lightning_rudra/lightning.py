@@ -76,14 +76,5 @@ from lightning_rudra.core.protocol import ProtocolConfig, Server  # noqa: E402
 from lightning_rudra.core.stats import Stats  # noqa: E402
 from lightning_rudra.lightning.strategy import RudraStrategy, StepTimes  # noqa: E402  (registers the names)
 
-__all__ = [
-    "RudraStrategy",
-    "StepTimes",
-    "Stats",
-    "ProtocolConfig",
-    "Server",
-    "RudraError",
-    "LearnerLostError",
-    "ServerLostError",
-    "ConfigurationError",
-]
+__all__ = ["RudraStrategy", "StepTimes", "Stats", "ProtocolConfig", "Server"]
+__all__ += ["RudraError", "LearnerLostError", "ServerLostError", "ConfigurationError"]  # the errors a user can catch

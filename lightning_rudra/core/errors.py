@@ -46,6 +46,6 @@ def carried(error: BaseException) -> Optional[RudraError]:
     """
     kind = getattr(error, "kind", None)
     if kind in BY_NAME:
-        return BY_NAME[kind](str(error).removeprefix(f"{kind}: "))
+        return BY_NAME[kind](str(error))
     found = _NAMED.match(str(error))
     return BY_NAME[found.group(1)](str(error)) if found else None

@@ -71,8 +71,10 @@ __path__: list = []  # a package, whose submodules only the loader below finds
 if not any(isinstance(finder, _FlavourLoader) for finder in sys.meta_path):
     sys.meta_path.insert(0, _FlavourLoader())
 
+from lightning_rudra.core.errors import ConfigurationError, LearnerLostError, RudraError, ServerLostError  # noqa: E402
 from lightning_rudra.core.protocol import ProtocolConfig, Server  # noqa: E402
 from lightning_rudra.core.stats import Stats  # noqa: E402
 from lightning_rudra.lightning.strategy import RudraStrategy, StepTimes  # noqa: E402  (registers the names)
 
 __all__ = ["RudraStrategy", "StepTimes", "Stats", "ProtocolConfig", "Server"]
+__all__ += ["RudraError", "LearnerLostError", "ServerLostError", "ConfigurationError"]  # the errors a user can catch

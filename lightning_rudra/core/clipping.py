@@ -28,6 +28,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.errors import ConfigurationError
+
 CLIP_ALGORITHMS = ("norm", "value")
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s, for the same factor
 
@@ -89,7 +91,7 @@ def check_servers(clippings: Sequence[Clipping], servers: int, optimizer: int) -
     """Across ``servers`` servers, the servers exchange one norm per update: one clipping by norm per step."""
     by_norm = [c for c in clippings if c.algorithm == "norm"]
     if servers > 1 and len(by_norm) > 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"{len(by_norm)} gradient clippings by norm in one step (gradient_clip_val="
             f"{', '.join(str(c.value) for c in by_norm)}) are not supported when the parameters of optimizer "
             f"{optimizer} are cut between {servers} parameter servers: they exchange one norm per update. Clip by "
@@ -145,7 +147,7 @@ def across_servers(
 def refuse_softsync(value: float, optimizer: int, servers: int, c: int, n: int, learners: int) -> None:
     """Softsync with c > 1 gradients per update: each server may average other gradients into its k-th update,
     so clipping by norm over the servers' parts has no one norm."""
-    raise ValueError(
+    raise ConfigurationError(
         f"gradient clipping by norm (gradient_clip_val={value}) is not supported with softsync averaging c={c} "
         f"gradients per update (λ={learners}, n={n}) when the parameters of optimizer {optimizer} are cut between "
         f"{servers} parameter servers: each server may average different gradients into an update, so there is no "

@@ -39,6 +39,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.errors import ConfigurationError
+
 COMPENSATIONS = ("none", "momentum", "dc", "gap")
 DC_LAMBDA = 0.2
 DC_DECAY = 0.95
@@ -73,7 +75,7 @@ def parse_compensation(compensation: str) -> tuple[str, ...]:
         or len(set(rules)) != len(rules)
         or ("none" in rules and len(rules) > 1)
     ):
-        raise ValueError(
+        raise ConfigurationError(
             f"compensation={compensation!r} is not supported: expected 'none' or one or more of "
             f"{', '.join(repr(r) for r in COMPENSATIONS[1:])} joined by '+' (e.g. 'momentum+dc')."
         )
@@ -83,7 +85,7 @@ def parse_compensation(compensation: str) -> tuple[str, ...]:
 def check_optimizer(rules: Sequence[str], optimizer: type, name: str) -> None:
     """Refuse a rule the optimizer cannot take, at setup (``name``: how to call the optimizer in the message)."""
     if "momentum" in rules and optimizer.__name__ in _SIGN_BASED:
-        raise ValueError(
+        raise ConfigurationError(
             f"compensation 'momentum' scales the learning rate, which {name} does not "
             "apply to the gradient's size (its steps follow the gradient's sign): use "
             "compensation='none' or 'dc'/'gap' with it, or another optimizer."

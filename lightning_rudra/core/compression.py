@@ -18,6 +18,8 @@ from typing import Hashable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.errors import ConfigurationError
+
 COMPRESSIONS = {"bf16": torch.bfloat16}  # name -> the dtype float32 gradients travel in
 
 
@@ -26,7 +28,7 @@ def compression_option(compression: Optional[str]) -> Optional[str]:
     if compression is None or compression == "none":
         return None
     if compression not in COMPRESSIONS:
-        raise ValueError(
+        raise ConfigurationError(
             f"compression={compression!r} is not supported: expected None (gradients in full precision) or "
             f"{', '.join(map(repr, COMPRESSIONS))} (gradients pushed through RPC in bfloat16, with error feedback)."
         )

@@ -4,6 +4,7 @@ options it is built from. Plain Python."""
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.compensation import parse_compensation
 
 PROTOCOLS = ("hardsync", "softsync", "async")
@@ -13,7 +14,7 @@ NONFINITE_POLICIES = ("skip", "raise")
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not supported: expected one of {', '.join(map(repr, choices))}.")
+        raise ConfigurationError(f"{name}={value!r} is not supported: expected one of {', '.join(map(repr, choices))}.")
 
 
 def validate_options(
@@ -23,24 +24,26 @@ def validate_options(
     _choice("protocol", protocol, PROTOCOLS)
     _choice("lr_modulation", lr_modulation, LR_MODULATIONS)
     if "momentum" in parse_compensation(compensation) and lr_modulation != "none":
-        raise ValueError(
+        raise ConfigurationError(
             f"lr_modulation={lr_modulation!r} and compensation={compensation!r} both scale the learning "
             "rate for staleness: use one (lr_modulation='none' with the compensation, or "
             "compensation='none' for the paper's modulation)."
         )
     _choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} is not valid: the softsync splitting parameter must be an integer >= 1.")
+        raise ConfigurationError(f"n={n!r} is not valid: the softsync splitting parameter must be an integer >= 1.")
     if max_staleness is not None and (
         isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
     ):
-        raise ValueError(f"max_staleness={max_staleness!r} is not valid: expected None (no bound) or an integer >= 0.")
+        raise ConfigurationError(
+            f"max_staleness={max_staleness!r} is not valid: expected None (no bound) or an integer >= 0."
+        )
 
 
 def validate_n(protocol: str, n: int, num_learners: int) -> None:
     """n-softsync needs 1 <= n <= λ; the other protocols ignore n."""
     if protocol == "softsync" and n > num_learners:
-        raise ValueError(
+        raise ConfigurationError(
             f"n={n} is larger than the number of learners λ={num_learners}: n-softsync needs 1 <= n <= λ "
             f"(it applies an update every ⌊λ/n⌋ gradients). Use n <= {num_learners}, or protocol='async'."
         )
@@ -63,7 +66,7 @@ class ProtocolConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.num_learners, bool) or not isinstance(self.num_learners, int) or self.num_learners < 1:
-            raise ValueError(f"num_learners={self.num_learners!r} is not valid: expected an integer >= 1.")
+            raise ConfigurationError(f"num_learners={self.num_learners!r} is not valid: expected an integer >= 1.")
         validate_options(
             self.protocol, self.n, self.lr_modulation, self.max_staleness, self.nonfinite, self.compensation
         )

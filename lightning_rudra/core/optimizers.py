@@ -7,6 +7,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.errors import ConfigurationError
+
 # Optimizer settings that pick a kernel for the learner's device; the server runs its own CPU copy.
 _IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 
@@ -29,7 +31,7 @@ class OptimizerSpec:
         for group in optimizer.param_groups:
             missing = [tuple(p.shape) for p in group["params"] if id(p) not in index]
             if missing:
-                raise ValueError(
+                raise ConfigurationError(
                     f"{type(optimizer).__name__} optimizes tensors of shapes {missing} that are not "
                     "parameters of the LightningModule: the server can only hold module parameters."
                 )

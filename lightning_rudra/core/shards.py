@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.compensation import RULES_STATE
 from lightning_rudra.core.optimizers import OptimizerSpec
 
@@ -59,7 +60,7 @@ class ShardPlan:
         numels = [shape.numel() for shape in shapes]
         total = sum(numels)
         if num_shards > max(1, total) and not whole:
-            raise ValueError(
+            raise ConfigurationError(
                 f"num_servers={num_shards} is more than the model's {total} parameter elements: "
                 "every server must own at least one. Use fewer servers."
             )

@@ -17,6 +17,8 @@ import math
 import random
 from typing import Mapping, Optional, Sequence
 
+from lightning_rudra.core.errors import ConfigurationError
+
 
 class TimingModel:
     """How long step ``step`` (counted over the run) of learner ``learner`` takes. Subclasses override
@@ -41,7 +43,7 @@ class Jittered(TimingModel):
 
     def __init__(self, spread: float = 0.3, seed: int = 0, slowdown: Optional[dict[int, float]] = None) -> None:
         if not (isinstance(spread, (int, float)) and 0 <= spread <= 3):
-            raise ValueError(
+            raise ConfigurationError(
                 f"spread={spread!r} is not valid: expected the standard deviation of a step time's log, "
                 "a number between 0 and 3."
             )
@@ -70,7 +72,7 @@ class Measured(TimingModel):
     def __init__(self, times: Sequence[Sequence[float]]) -> None:
         lists = [list(map(float, t)) for t in times]
         if not lists or any(not t or min(t) <= 0 or not all(map(math.isfinite, t)) for t in lists):
-            raise ValueError(
+            raise ConfigurationError(
                 "Measured(times) needs, for at least one learner, a non-empty list of step durations in "
                 f"seconds, every one finite and > 0; got {times!r:.200}."
             )
@@ -91,9 +93,11 @@ def _checked_slowdown(slowdown: Mapping[int, float]) -> dict[int, float]:
     checked = {}
     for learner, factor in dict(slowdown).items():
         if isinstance(learner, bool) or not isinstance(learner, int) or learner < 0:
-            raise ValueError(f"slowdown names learner {learner!r}: expected ranks, integers >= 0.")
+            raise ConfigurationError(f"slowdown names learner {learner!r}: expected ranks, integers >= 0.")
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
-            raise ValueError(f"slowdown of learner {learner} is {factor!r}: expected a factor > 0 (3.0: 3× slower).")
+            raise ConfigurationError(
+                f"slowdown of learner {learner} is {factor!r}: expected a factor > 0 (3.0: 3× slower)."
+            )
         checked[learner] = float(factor)
     return checked
 

@@ -17,6 +17,7 @@ from torch.futures import Future
 from lightning_rudra.server import process as _server
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.epoch import EpochPlan
+from lightning_rudra.core.errors import ServerLostError, carried
 from lightning_rudra.server.membership import this_process
 from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.update import Push, PushReply
@@ -110,7 +111,10 @@ class LearnerClient:
         except RuntimeError as error:
             lost = self._lost(error)
             if lost is not None:
-                raise RuntimeError(lost) from error
+                raise ServerLostError(lost) from error
+            ours = carried(error)  # a LearnerLostError the server raised arrives as a RuntimeError naming it
+            if ours is not None:
+                raise ours from error
             raise
 
     def _lost(self, error: Exception) -> Optional[str]:
@@ -144,7 +148,7 @@ class LearnerClient:
         waits.check(waiting)
         while not done.wait(min(self._interval, waits.after or self._interval)):
             if self._server_lost is not None:
-                raise RuntimeError(self._server_lost)
+                raise ServerLostError(self._server_lost)
             waits.check(waiting)
         with self._naming_a_lost_server():
             value = future.wait()

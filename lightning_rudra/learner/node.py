@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch.futures import Future
 
+from lightning_rudra.core.errors import LearnerLostError, ServerLostError
 from lightning_rudra.core.node_plan import LearnerPlace, NodeGroup, plan_nodes, sum_node
 from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.server_client import ServerClient
@@ -181,7 +182,7 @@ class NodeMember:
         )
         state, pid = int(control[STATE]), int(control[PID])
         if state == FAILED:
-            raise RuntimeError(
+            raise LearnerLostError(
                 f"learner {member} (on this node, process {pid}) failed {waiting}: its own error says why."
             )
         if state == DONE:
@@ -190,14 +191,14 @@ class NodeMember:
                 "learner pushes in every round (uneven numbers of batches or of optimizer steps?)."
             )
         if pid and ended(pid):
-            raise RuntimeError(
+            raise LearnerLostError(
                 f"learner {member} (on this node, process {pid}) ended {waiting}: its process died or was killed; "
                 "its own output may say why."
             )
         if int(control[BEAT]) != beat[0]:
             return int(control[BEAT]), now
         if now - beat[1] > self.timeout:
-            raise RuntimeError(
+            raise LearnerLostError(
                 f"learner {member} (on this node, process {pid}) has shown no sign of life for more than "
                 f"{self.timeout:g} s (rpc_timeout) {waiting}: its process hung or was stopped."
             )
@@ -281,4 +282,4 @@ def check_in_flight(pushed: list["InFlight"]) -> None:
                 raise value
         lost = getattr(push.link.client, "_server_lost", None)
         if lost is not None:
-            raise RuntimeError(lost)
+            raise ServerLostError(lost)

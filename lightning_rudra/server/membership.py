@@ -11,6 +11,7 @@ import time
 from typing import Any, Optional
 
 from lightning_rudra.transport.elastic import incarnation_of
+from lightning_rudra.core.errors import LearnerLostError
 
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
@@ -199,7 +200,7 @@ class Membership:
         if learner in self.lost:
             if method in ("rejoin", "heartbeat", "leave", "stats") and incarnation > self.incarnations.get(learner, 0):
                 return  # a new process for it, about to ask
-            raise RuntimeError(
+            raise LearnerLostError(
                 f"{method} from learner {learner} refused: it was counted as lost (it {self.lost[learner]}); a new "
                 "process for it rejoins (RudraStrategy(min_learners=k, max_restarts=r)), this one cannot"
             )
@@ -210,7 +211,7 @@ class Membership:
             )
         current = self.incarnations.get(learner, 0)
         if incarnation < current:
-            raise RuntimeError(
+            raise LearnerLostError(
                 f"{method} from learner {learner} refused: this process of it was counted as lost, and another one "
                 "has taken its place"
             )

@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Optional
 from torch.futures import Future
 
 from lightning_rudra.core.epoch import EpochPlan
+from lightning_rudra.core.errors import ServerLostError
 from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.server.norm_exchange import NormExchange, check_part
@@ -99,6 +100,7 @@ class ModelServer:
         self.finish_waiters: list[Future] = []
         self.epochs = SharedEpochs(num_learners)
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
+        self.failed_with: type[RuntimeError] = RuntimeError  # the class of the errors that say it
         self.shared = SharedSide(num_learners)
         self.rejoins = RejoinAdmissions(self.membership, self._log_later)
         self.on_lost: Optional[Callable[[int, str], None]] = None  # told of each loss, outside the lock
@@ -228,7 +230,8 @@ class ModelServer:
                 return
             outcomes = self._give_up(
                 f"{self.waits.who} could not send its part of the gradient's norm (clipping by norm over several "
-                f"servers) to parameter server {server}: {error}"
+                f"servers) to parameter server {server}: {error}",
+                ServerLostError,
             )
         self._resolve_and_report(outcomes)
 
@@ -330,10 +333,11 @@ class ModelServer:
         """A loss or a rejoin, logged once the lock is released (:meth:`_resolve_and_report`). Called under the lock."""
         self._told.append((logging.INFO if self.announce else logging.DEBUG, message))
 
-    def _give_up(self, reason: str) -> Outcomes:
-        """Training cannot go on: every wait fails, now and later, with ``reason``. Called under the lock; the
-        caller settles the returned outcomes once it has released it (:func:`_resolve`)."""
-        self.failure = reason
+    def _give_up(self, reason: str, error: type[RuntimeError] = RuntimeError) -> Outcomes:
+        """Training cannot go on: every wait fails, now and later, with ``error(reason)`` (a
+        :class:`~lightning_rudra.core.errors.LearnerLostError` for a loss). Called under the lock; the caller
+        settles the returned outcomes once it has released it (:func:`_resolve`)."""
+        self.failure, self.failed_with = reason, error
         self.shared.release()  # nobody maps the files any more
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
         waiters = [waiter.reply for waiting in self.round_waiters.values() for waiter in waiting]
@@ -341,7 +345,7 @@ class ModelServer:
         self.round_waiters, self.finish_waiters = {}, []
         self.norm_exchange.clear()
         waiters += [self.registered] if not self.registered.done() else []
-        return [(waiter, RuntimeError(reason)) for waiter in waiters] + self.rejoins.stop(reason)
+        return [(waiter, error(reason)) for waiter in waiters] + self.rejoins.stop(reason)
 
     def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
@@ -375,7 +379,7 @@ class ModelServer:
 
     def _check_alive(self) -> None:
         if self.failure is not None:
-            raise RuntimeError(self.failure)
+            raise self.failed_with(self.failure)
 
     def _protocol(self) -> Server:
         if self.core is None:

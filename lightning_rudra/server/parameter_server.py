@@ -14,6 +14,7 @@ from typing import Any, Callable, Hashable, Optional
 from torch.futures import Future
 
 from lightning_rudra.server.model_server import ModelServer, Outcomes
+from lightning_rudra.core.errors import LearnerLostError
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.server.waits import open_waits
 
@@ -75,7 +76,7 @@ class ParameterServer(ModelServer):
                 outcomes += self._join_failed(learner, "its process ended or went silent while it waited")
             too_few = self.membership.rejoin_wait_over()
             if too_few is not None and self.failure is None:
-                outcomes += self._give_up(too_few)
+                outcomes += self._give_up(too_few, LearnerLostError)
             self._check_all_left()
             if self.waits.on:
                 waits = open_waits(self)
@@ -178,7 +179,7 @@ class ParameterServer(ModelServer):
             self.core.stats.lost[learner] = why
             self.core.stats.record(learner, "lost", why)
         if failure is not None:
-            return self._give_up(failure)
+            return self._give_up(failure, LearnerLostError)
         self.epochs.lose(learner)
         self._log_later(self.membership.loss_told(learner, why))
         outcomes = (
@@ -190,7 +191,7 @@ class ParameterServer(ModelServer):
         elif learner == 0 and not self.registered.done():  # only learner 0 registers the model
             never = f"{self.membership.where(0)} was lost before it registered the model (it {why}): there are no "
             self.attaching = set()
-            outcomes.append((self.registered, RuntimeError(never + "weights to pull, so training cannot start")))
+            outcomes.append((self.registered, LearnerLostError(never + "weights to pull, so training cannot start")))
         return outcomes
 
     def _forget_weights(self, learner: int) -> None:

@@ -18,10 +18,13 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch.nn.parameter import is_lazy
 from torch.optim import Optimizer
 
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.clipping import refuse_softsync
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
+from lightning_rudra.core.config import ProtocolConfig, validate_n
 from lightning_rudra.core.node_plan import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.strategy.options import StrategyOptions
 from lightning_rudra.strategy.server_nodes import check_server_nodes
 
 
@@ -29,7 +32,7 @@ SAMPLINGS = ("shared", "static")
 START_METHODS = ("popen", "spawn", "forkserver")
 
 
-def check_arguments(
+def check_arguments(  # 8 params: the strategy's own arguments as the user gave them, before any default fills in
     protocol: str,
     sampling: Optional[str],
     rpc_timeout: float,
@@ -41,46 +44,48 @@ def check_arguments(
 ) -> None:
     """RudraStrategy's own arguments, as it is built (the protocol's are :func:`lightning_rudra.core.config.validate_options`)."""
     if start_method not in START_METHODS:
-        raise ValueError(f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or 'forkserver'.")
+        raise ConfigurationError(
+            f"start_method={start_method!r} is not supported: expected 'popen', 'spawn' or 'forkserver'."
+        )
     if overlap and protocol == "hardsync":
-        raise ValueError(
+        raise ConfigurationError(
             "overlap=True is not available with protocol='hardsync': computing on weights one "
             "update old would make every gradient stale (σ = 1). Use softsync or async."
         )
     if sampling is not None and sampling not in SAMPLINGS:
-        raise ValueError(
+        raise ConfigurationError(
             f"sampling={sampling!r} is not supported: expected 'shared', 'static' or None (shared "
             "under softsync and async, static under hardsync)."
         )
     if sampling == "shared" and protocol == "hardsync":
-        raise ValueError(
+        raise ConfigurationError(
             "sampling='shared' is not available with protocol='hardsync': a hardsync round takes "
             "one batch from every learner, so every learner needs the same number of batches. "
             "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'."
         )
     if not rpc_timeout > 0:
-        raise ValueError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
+        raise ConfigurationError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
     if min_learners is not None and (
         isinstance(min_learners, bool) or not isinstance(min_learners, int) or min_learners < 1
     ):
-        raise ValueError(
+        raise ConfigurationError(
             f"min_learners={min_learners!r} is not valid: expected an integer >= 1 (train on while that "
             "many learners are left), or None (a lost learner ends training)."
         )
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(
+        raise ConfigurationError(
             f"max_restarts={max_restarts!r} is not valid: expected an integer >= 0 (times each lost learner's "
             "process is restarted)."
         )
     if max_restarts and min_learners is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"max_restarts={max_restarts} needs min_learners: without it a lost learner ends the run, and there is "
             "nothing to rejoin. Set RudraStrategy(min_learners=k, max_restarts=r)."
         )
     if num_servers is not None and (
         isinstance(num_servers, bool) or not isinstance(num_servers, int) or num_servers < 1
     ):
-        raise ValueError(
+        raise ConfigurationError(
             f"num_servers={num_servers!r} is not valid: expected an integer >= 1 (server processes, "
             "each owning a part of the parameters), or None (one per node)."
         )
@@ -91,12 +96,12 @@ def check_min_learners(min_learners: Optional[int], num_learners: int, simulate:
     if min_learners is None:
         return
     if simulate:
-        raise ValueError(
+        raise ConfigurationError(
             f"min_learners={min_learners} has no meaning with simulate={simulate}: simulated learners "
             "are never lost. Leave min_learners unset."
         )
     if min_learners > num_learners:
-        raise ValueError(
+        raise ConfigurationError(
             f"min_learners={min_learners} is more than the {num_learners} learners of this run "
             "(devices × num_nodes): expected 1 <= min_learners <= λ."
         )
@@ -104,7 +109,7 @@ def check_min_learners(min_learners: Optional[int], num_learners: int, simulate:
 
 def check_num_servers(num_servers: Optional[int], simulate: Optional[int]) -> None:
     if simulate and num_servers not in (None, 1):
-        raise ValueError(
+        raise ConfigurationError(
             f"num_servers={num_servers} has no meaning with simulate={simulate}: simulated learners "
             "share one in-process server. Leave num_servers unset."
         )
@@ -120,12 +125,12 @@ def check_node_aggregation(
     """``node_aggregation``, and ``server_nodes`` (:func:`~lightning_rudra.strategy.server_nodes.check_server_nodes`)."""
     check_server_nodes(server_nodes, min_learners, simulate)
     if node_aggregation not in (None, True, False):
-        raise ValueError(
+        raise ConfigurationError(
             f"node_aggregation={node_aggregation!r} is not valid: expected None (on where it applies), True or False."
         )
     why = refusal(protocol, min_learners, simulate) if node_aggregation else None
     if why is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"node_aggregation=True cannot be used with {why}. Leave node_aggregation unset (None: on only where it "
             "applies) or set it to False."
         )
@@ -140,7 +145,7 @@ def check_trainer(trainer: "pl.Trainer") -> None:
     # trainer.callbacks: set by Lightning's callback connector, undeclared on the Trainer
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, LearningRateFinder):
-            raise ValueError(
+            raise ConfigurationError(
                 f"{type(callback).__name__} (what Tuner.lr_find adds) cannot run under RudraStrategy: its range test "
                 "trains inside fit and then puts the weights back from a checkpoint on each learner, while the "
                 "weights that count live on the parameter server. Find the rate on one device first "
@@ -152,7 +157,7 @@ def check_module(module: torch.nn.Module) -> None:
     """The server needs every parameter's shape, on the learner's one device, before training starts."""
     lazy = [name for name, p in module.named_parameters() if is_lazy(p)]
     if lazy:
-        raise ValueError(
+        raise ConfigurationError(
             f"the parameters {', '.join(lazy)} are not initialized yet (lazy modules such as nn.LazyLinear), and "
             "the parameter server needs their shapes before training starts. Materialize them before fit: run a "
             "forward pass on an example batch at the end of __init__ or in configure_model, or give the layers "
@@ -165,7 +170,7 @@ def check_module(module: torch.nn.Module) -> None:
         where = "; ".join(
             f"{device}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for device, names in devices.items()
         )
-        raise ValueError(
+        raise ConfigurationError(
             f"the module's parameters are on several devices ({where}): RudraStrategy trains one whole "
             "copy of the module per learner, on that learner's device, as DDP does. Keep every "
             "parameter on one device (no model parallelism inside a learner)."
@@ -182,14 +187,14 @@ def check_optimizers(
             continue
         name = f"optimizer {index} ({type(optimizer).__name__})"
         if isinstance(optimizer, torch.optim.SparseAdam):
-            raise ValueError(
+            raise ConfigurationError(
                 f"{name} needs sparse gradients, but the learners push dense ones (sparse gradients "
                 "are made dense on the learner). Use torch.optim.Adam, or SGD / Adagrad, which give "
                 "the same result with dense gradients as with sparse ones."
             )
         closure = inspect.signature(optimizer.step).parameters.get("closure")
         if closure is not None and closure.default is inspect.Parameter.empty:
-            raise ValueError(
+            raise ConfigurationError(
                 f"{name} needs a closure in every step: it re-evaluates the loss at weights of its own choosing "
                 "(LBFGS does, several times per step), and the parameter server only receives gradients. Use a "
                 "first-order optimizer (SGD, Adam, ...), or train this module with DDP."
@@ -199,7 +204,7 @@ def check_optimizers(
         try:
             spec.build([torch.empty_like(p, device="meta") for p in params])
         except Exception as error:
-            raise ValueError(
+            raise ConfigurationError(
                 f"the parameter server cannot rebuild {name} as {type(optimizer).__name__}(param_groups): {error}. It "
                 "steps its own copy, made from the parameter groups' values alone; an optimizer whose constructor "
                 "needs more (an argument without a default, another optimizer it wraps, the model) cannot run there. Use a plain torch optimizer, "
@@ -207,14 +212,20 @@ def check_optimizers(
             ) from error
 
 
-def check_clipping(
-    value: float, algorithm: str, optimizer: int, protocol: str, n: int, num_learners: int, servers: int
-) -> None:
+def check_clipping(value: float, algorithm: str, optimizer: int, config: ProtocolConfig, servers: int) -> None:
     """Clipping by norm where softsync averages c > 1 gradients per update and ``optimizer`` is cut between
-    several ``servers``: refused (:func:`~lightning_rudra.core.clipping.refuse_softsync`), before any push."""
-    c = num_learners // n if protocol == "softsync" else 1
+    several ``servers``: refused (:func:`~lightning_rudra.core.clipping.refuse_softsync`), before any push.
+
+    Args:
+        value: the clipping's ``gradient_clip_val``.
+        algorithm: ``"norm"`` or ``"value"``.
+        optimizer: the index of the optimizer whose gradient is clipped.
+        config: the run's protocol, n and λ.
+        servers: how many servers hold a part of ``optimizer``'s parameters.
+    """
+    c = config.gradients_per_update if config.protocol == "softsync" else 1
     if c > 1 and servers > 1 and value > 0 and GradClipAlgorithmType(algorithm) == GradClipAlgorithmType.NORM:
-        refuse_softsync(float(value), optimizer, servers, c, n, num_learners)
+        refuse_softsync(float(value), optimizer, servers, c, config.n, config.num_learners)
 
 
 def check_trainer_clipping(trainer: "pl.Trainer", check: Callable[[float, str, int], None], optimizers: int) -> None:
@@ -253,7 +264,16 @@ def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:
 
 def check_simulated_devices(simulate: Optional[int], num_nodes: int, num_processes: int) -> None:
     if simulate and num_nodes * num_processes != 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"simulate={simulate} trains every learner in this one process: use Trainer(devices=1, num_nodes=1), "
             f"not devices={num_processes}, num_nodes={num_nodes}. For real learner processes, leave simulate unset."
         )
+
+
+def check_learners(options: StrategyOptions, num_nodes: int, num_processes: int) -> None:
+    """Once the Trainer is built, λ is known: the arguments that depend on it, before any process starts."""
+    num_learners = options.simulate or num_nodes * num_processes
+    validate_n(options.protocol, options.n, num_learners)
+    check_min_learners(options.min_learners, num_learners, options.simulate)
+    check_num_servers(options.num_servers, options.simulate)
+    check_simulated_devices(options.simulate, num_nodes, num_processes)

@@ -1,5 +1,6 @@
 """The names under which RudraStrategy is registered in a Lightning flavour's StrategyRegistry:
-``Trainer(strategy="rudra")`` and one name per protocol (``"rudra_async"``...)."""
+``Trainer(strategy="rudra")`` and one name per protocol (``"rudra_async"``...); what its repr says of the other
+flavour."""
 
 from typing import Any
 
@@ -18,3 +19,12 @@ def register_strategies(strategy_registry: Any, strategy: type) -> None:
             override=True,
             protocol=protocol,
         )
+
+
+def flavour_hint(flavour: str) -> str:
+    """Which strategy the other flavour's Trainer takes: Lightning quotes the strategy's repr when it refuses it.
+    ``flavour``: this one's package, ``pytorch_lightning`` or ``lightning.pytorch``."""
+    ours, other = (("pytorch_lightning", "lightning_rudra"), ("lightning.pytorch", "lightning_rudra.lightning"))
+    if flavour != ours[0]:
+        ours, other = other, ours
+    return f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]"

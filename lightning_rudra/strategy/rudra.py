@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.compression import compression_option
-from lightning_rudra.core.config import ProtocolConfig, validate_n, validate_options
+from lightning_rudra.core.config import validate_options
 from lightning_rudra.core.node_plan import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
@@ -31,19 +31,19 @@ from lightning_rudra.strategy.clipping import clip_on_the_learner, clip_on_the_s
 from lightning_rudra.strategy.checks import (
     check_arguments,
     check_clipping,
-    check_trainer_clipping,
-    check_min_learners,
+    check_learners,
     check_module,
     check_node_aggregation,
-    check_num_servers,
     check_optimizers,
-    check_simulated_devices,
     check_trainer,
+    check_trainer_clipping,
 )
 from lightning_rudra.strategy.fit_loop.shared_epoch_loop import SharedEpochLoop
 from lightning_rudra.strategy.launchers import launcher_for
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
+from lightning_rudra.strategy.options import StrategyArguments, StrategyOptions
 from lightning_rudra.strategy.push_metrics import PushMetrics
+from lightning_rudra.strategy.registry import flavour_hint
 from lightning_rudra.strategy.server_parallel import ServerParallelStrategy
 from lightning_rudra.strategy.shared_epoch import shared_dataloader
 from lightning_rudra.strategy.simulated_epoch import check_simulation, simulated_dataloader
@@ -52,7 +52,7 @@ from lightning_rudra.strategy.stage_servers import StageServers
 from lightning_rudra.strategy.learner_fit import Aggregation, FitPlan, LearnerFit
 
 
-class RudraStrategy(ServerParallelStrategy):
+class RudraStrategy(ServerParallelStrategy, StrategyArguments):
     """Parameter-server training with the protocols of Rudra (Gupta, Zhang, Wang, ICDM 2016). Every argument in
     full, with what it costs and what it refuses: ``docs/options.md``.
 
@@ -83,7 +83,9 @@ class RudraStrategy(ServerParallelStrategy):
         simulate: λ learners simulated in this one process (``Trainer(devices=1)``); None: real learners.
         timing: with ``simulate``, the learners' step times (:mod:`lightning_rudra.core.timing`).
 
-    After ``trainer.fit``, :attr:`stats` holds the server's statistics (:class:`~lightning_rudra.core.stats.Stats`).
+    Each argument reads back as an attribute (``strategy.protocol``), which cannot be changed once the strategy is
+    built (:mod:`lightning_rudra.strategy.options`). After ``trainer.fit``, :attr:`stats` holds the server's
+    statistics (:class:`~lightning_rudra.core.stats.Stats`).
     """
 
     strategy_name = "rudra"
@@ -128,24 +130,27 @@ class RudraStrategy(ServerParallelStrategy):
         check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts)
         check_simulation(simulate, timing, sampling, overlap)
         check_node_aggregation(node_aggregation, protocol, min_learners, simulate, server_nodes)
-        self.protocol = protocol
-        self.n = n
-        self.lr_modulation = modulation
-        self.compensation = compensation
-        self.max_staleness = max_staleness
-        self.nonfinite = nonfinite
-        self.rpc_timeout = float(rpc_timeout)
-        self.min_learners = min_learners
-        self.max_restarts = max_restarts
-        self.start_method = start_method
-        self.overlap = overlap
-        self.shared_memory = shared_memory
-        self.compression = compression_option(compression)
-        self.num_servers, self.server_nodes = num_servers, server_nodes
-        self.node_aggregation = node_aggregation
-        self.sampling = sampling or ("static" if protocol == "hardsync" or simulate else "shared")
-        self.simulate = simulate
-        self.timing = (timing or Homogeneous()) if simulate else timing
+        self._options = StrategyOptions(
+            protocol=protocol,
+            n=n,
+            lr_modulation=modulation,
+            compensation=compensation,
+            max_staleness=max_staleness,
+            nonfinite=nonfinite,
+            sampling=sampling or ("static" if protocol == "hardsync" or simulate else "shared"),
+            rpc_timeout=float(rpc_timeout),
+            min_learners=min_learners,
+            max_restarts=max_restarts,
+            start_method=start_method,
+            overlap=overlap,
+            shared_memory=shared_memory,
+            compression=compression_option(compression),
+            num_servers=num_servers,
+            server_nodes=server_nodes,
+            node_aggregation=node_aggregation,
+            simulate=simulate,
+            timing=(timing or Homogeneous()) if simulate else timing,
+        )
         self.stats: Optional[Stats] = None
         # the RPC world of a stage (empty outside one: spawn pickles the strategy)
         self._servers = StageServers(self.rpc_timeout, min_learners, max_restarts)
@@ -156,14 +161,9 @@ class RudraStrategy(ServerParallelStrategy):
         self._pools = 0  # train dataloaders drawing from the server in this stage
 
     def __repr__(self) -> str:
-        # Lightning quotes this repr when the other flavour's Trainer refuses the strategy.
-        ours, other = (("pytorch_lightning", "lightning_rudra"), ("lightning.pytorch", "lightning_rudra.lightning"))
-        if pl.__name__ != ours[0]:
-            ours, other = other, ours
         return (
             f"RudraStrategy(protocol={self.protocol!r}, n={self.n}, lr_modulation={self.lr_modulation!r}, "
-            f"compensation={self.compensation!r}) "
-            f"[a `{ours[0]}` strategy: with `{other[0]}.Trainer`, use `{other[1]}.RudraStrategy`]"
+            f"compensation={self.compensation!r}) {flavour_hint(pl.__name__)}"
         )
 
     # ---- ranks, devices and launch (ServerParallelStrategy has the rest) ------------------------------
@@ -182,10 +182,7 @@ class RudraStrategy(ServerParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Called when the Trainer is built: λ is known, no process has started yet.
-        validate_n(self.protocol, self.n, self.num_learners)
-        check_min_learners(self.min_learners, self.num_learners, self.simulate)
-        check_num_servers(self.num_servers, self.simulate)
-        check_simulated_devices(self.simulate, self.num_nodes, self.num_processes)
+        check_learners(self._options, self.num_nodes, self.num_processes)
         assert self.cluster_environment is not None
         self._launcher = launcher_for(self, self.cluster_environment, self._servers.report_lost)
 
@@ -203,7 +200,7 @@ class RudraStrategy(ServerParallelStrategy):
             self.cluster_environment, self.global_rank, self.num_learners, started_by, self.server_nodes > 0
         )
         assert self._servers.client is not None
-        self.collectives.connect(self._servers.client, self.root_device, self._servers.rejoining)
+        self._collectives.connect(self._servers.client, self.root_device, self._servers.rejoining)
 
     def _in_batch(self) -> bool:
         return self._training.in_batch
@@ -214,7 +211,7 @@ class RudraStrategy(ServerParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self.collectives.sync_metrics(self.model)
+        self._collectives.sync_metrics(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
         resumed = self._checkpoints.take_resumed()  # a checkpoint given to this stage only
         if fitting:
@@ -227,18 +224,8 @@ class RudraStrategy(ServerParallelStrategy):
             clients: Sequence[ServerClient] = (
                 [SimulatedClient(self.simulate)] if self.simulate else self._servers.clients
             )
-            config = None
-            if self.is_global_zero and not self._servers.rejoining:
-                config = ProtocolConfig(
-                    self.num_learners,
-                    self.protocol,
-                    self.n,
-                    self.lr_modulation,
-                    self.max_staleness,
-                    self.nonfinite,
-                    self.compensation,
-                    self.overlap,
-                )
+            first = self.is_global_zero and not self._servers.rejoining  # registers the model and the rule
+            config = self._options.protocol_config(self.num_learners) if first else None
             plan = FitPlan(
                 self.num_learners,
                 self.overlap,
@@ -266,7 +253,7 @@ class RudraStrategy(ServerParallelStrategy):
         """:func:`check_clipping` for this run: its protocol and how many servers hold a part of ``optimizer``."""
         learner = self._training.learner
         servers = 1 if learner is None else sum(1 for link in learner.links if link.owned[optimizer])
-        check_clipping(value, algorithm, optimizer, self.protocol, self.n, self.num_learners, servers)
+        check_clipping(value, algorithm, optimizer, self._options.protocol_config(self.num_learners), servers)
 
     @override
     def model_to_device(self) -> None:
@@ -335,7 +322,7 @@ class RudraStrategy(ServerParallelStrategy):
     def _start_epoch(self) -> None:
         if self.min_learners is not None and self._servers.clients:
             assert self.lightning_module is not None  # training
-            self._training.rejoin.epoch_started(self.lightning_module.trainer, self._servers.clients, self.collectives)
+            self._training.rejoin.epoch_started(self.lightning_module.trainer, self._servers.clients, self._collectives)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -347,7 +334,7 @@ class RudraStrategy(ServerParallelStrategy):
             self._servers.leave(self._failed, self.is_global_zero)
             if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
                 self._launcher.end_lost(sorted(self.stats.lost))  # those lost and still running
-        self.collectives.close()
+        self._collectives.close()
         self._training.close()  # training failed: give the Trainer its own loop back
         self._checkpoints.snapshot = None
         self._pools = 0

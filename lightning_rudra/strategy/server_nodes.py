@@ -20,6 +20,7 @@ from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities import rank_zero_info
 
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.server.process import NO_LEARNERS, RUN_FAILED, start_server
 from lightning_rudra.transport.rpc_world import StageWorld
 
@@ -29,18 +30,18 @@ _POLL_S = 0.2
 def check_server_nodes(server_nodes: int, min_learners: Optional[int], simulate: Optional[int]) -> None:
     """The argument, as the strategy is built."""
     if isinstance(server_nodes, bool) or not isinstance(server_nodes, int) or server_nodes < 0:
-        raise ValueError(
+        raise ConfigurationError(
             f"server_nodes={server_nodes!r} is not valid: expected an integer >= 0 (nodes that run only parameter "
             "servers, with NODE_RANK num_nodes to num_nodes + server_nodes - 1), or 0 for none."
         )
     if server_nodes and min_learners is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"server_nodes={server_nodes} cannot be used with min_learners={min_learners}: an elastic run keeps its "
             "store in the first server, which a server node starts on its own. Leave min_learners unset, or set "
             "server_nodes=0 (servers beside the learners)."
         )
     if server_nodes and simulate:
-        raise ValueError(
+        raise ConfigurationError(
             f"server_nodes={server_nodes} has no meaning with simulate={simulate}: simulated learners share one "
             "in-process server. Leave server_nodes at 0."
         )
@@ -53,13 +54,13 @@ def check_server_node_job(
     if not server_nodes:
         return
     if num_servers is not None and num_servers < server_nodes:
-        raise ValueError(
+        raise ConfigurationError(
             f"num_servers={num_servers} is fewer than server_nodes={server_nodes}: a server node would run no server. "
             f"Set num_servers >= {server_nodes} (server s runs on server node s mod {server_nodes}), or leave it unset "
             "(one per server node)."
         )
     if not isinstance(environment, LightningEnvironment):
-        raise ValueError(
+        raise ConfigurationError(
             f"server_nodes={server_nodes} needs Lightning's own launcher (MASTER_ADDR, MASTER_PORT and NODE_RANK on "
             f"each node), not {type(environment).__name__}: a server node starts no learner, which torchrun and "
             "SLURM would count as one. Start every node with `MASTER_ADDR=... MASTER_PORT=... NODE_RANK=i python "
@@ -67,13 +68,13 @@ def check_server_node_job(
         )
     node_rank = environment.node_rank()
     if not 0 <= node_rank < num_nodes + server_nodes:
-        raise ValueError(
+        raise ConfigurationError(
             f"NODE_RANK={node_rank} is outside this job of num_nodes={num_nodes} learner nodes and "
             f"server_nodes={server_nodes}: expected 0 to {num_nodes - 1} for a learner node, {num_nodes} to "
             f"{num_nodes + server_nodes - 1} for a server node."
         )
     if "MASTER_PORT" not in os.environ:
-        raise ValueError(
+        raise ConfigurationError(
             f"server_nodes={server_nodes} needs MASTER_PORT set on every node (and MASTER_ADDR to node 0's address): "
             "without it each node picks a port of its own, and the server nodes never meet the learners."
         )

@@ -21,7 +21,7 @@ class ServerParallelStrategy(ParallelStrategy):
     def __init__(self, in_batch: Callable[[], bool], **plugins: Any) -> None:
         super().__init__(**plugins)  # the subclass's signature names and types them (LightningCLI reads it)
         self._num_nodes = 1
-        self.collectives = Collectives(in_batch)  # through the server, once a stage has one (the subclass connects it)
+        self._collectives = Collectives(in_batch)  # through the server, once a stage has one (the subclass connects it)
 
     # ---- ranks and devices ---------------------------------------------------------------------------
     @override
@@ -60,18 +60,18 @@ class ServerParallelStrategy(ParallelStrategy):
     # ---- collectives, through the server (lightning_rudra.strategy.collectives) -----------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        self.collectives.barrier()
+        self._collectives.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return self.collectives.broadcast(obj, src, self.global_rank)
+        return self._collectives.broadcast(obj, src, self.global_rank)
 
     @override
     def reduce(
         self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Any:
-        return self.collectives.reduce(tensor, reduce_op)
+        return self._collectives.reduce(tensor, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        return self.collectives.all_gather(tensor, sync_grads)
+        return self._collectives.all_gather(tensor, sync_grads)

@@ -10,6 +10,7 @@ from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.core.epoch import EpochPlan
 from lightning_rudra.core.stats import Stats
@@ -42,14 +43,14 @@ def start_shared_epoch(
         dl.batch_sampler for dl in loaders if isinstance(getattr(dl, "batch_sampler", None), SharedEpochSampler)
     ]
     if samplers and len(samplers) < len(loaders):
-        raise ValueError(
+        raise ConfigurationError(
             f"{len(loaders) - len(samplers)} of the {len(loaders)} train dataloaders cannot share their epoch "
             "(an IterableDataset, or a sampler of your own, keeps one stream per learner), and the others do: "
             "their epochs would end at different batches on different learners. Use "
             "RudraStrategy(sampling='static'), or plain map-style datasets for every train dataloader."
         )
     if len(samplers) > 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"{len(samplers)} train dataloaders cannot share their epochs yet: Lightning cycles the shorter ones "
             "until the longest is done, and a drained shared pool does not cycle, so the epoch would end with the "
             "shortest. Use RudraStrategy(sampling='static') (each learner its own shard of every dataloader), or "

@@ -10,6 +10,7 @@ from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.data import _get_dataloader_init_args_and_kwargs, _reinstantiate_wrapped_cls
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.learner.simulation import SimulatedClient, SimulatedSampler
 from lightning_rudra.strategy.fit_loop.simulated import SimulatedEpochLoop
 from lightning_rudra.core.timing import TimingModel
@@ -21,28 +22,28 @@ def check_simulation(
     """The arguments of RudraStrategy that concern simulated learners (at construction: nothing started)."""
     if simulate is None:
         if timing is not None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"timing={timing!r} only orders the pushes of simulated learners: set simulate=λ too, "
                 "or leave timing unset (real learners take the time they take)."
             )
         return
     if isinstance(simulate, bool) or not isinstance(simulate, int) or simulate < 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"simulate={simulate!r} is not valid: expected the number of learners to simulate, an "
             "integer >= 1, or None for real learner processes."
         )
     if timing is not None and not isinstance(timing, TimingModel):
-        raise ValueError(
+        raise ConfigurationError(
             f"timing={timing!r} is not a timing model: expected one from lightning_rudra.core.timing, e.g. "
             "Homogeneous(), Jittered(spread=0.3), Stragglers({0: 3.0}) or Measured(times)."
         )
     if sampling == "shared":
-        raise ValueError(
+        raise ConfigurationError(
             "sampling='shared' cannot be simulated: simulated learners read the fixed shards of "
             "sampling='static' (each its own DistributedSampler shard). Leave sampling unset."
         )
     if overlap:
-        raise ValueError(
+        raise ConfigurationError(
             "overlap=True cannot be simulated yet: a simulated learner computes on the weights of its "
             "last reply. Leave overlap unset with simulate."
         )
@@ -57,7 +58,7 @@ def simulated_dataloader(
     in ``configure_optimizers`` (``estimated_stepping_batches``) mean one learner's steps, as for real ones."""
     sampler = getattr(dataloader, "sampler", None)
     if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler or not dataloader.batch_size:
-        raise ValueError(
+        raise ConfigurationError(
             "RudraStrategy(simulate=...) needs a train DataLoader over a map-style dataset with a batch_size and "
             "Lightning's own sampler, so that every simulated learner reads the shard a real learner of its rank "
             f"would; got {type(dataloader).__name__} with sampler {type(sampler).__name__}. An IterableDataset or a "
@@ -90,7 +91,7 @@ def start_simulation(
     statistics say it took (restored with a checkpoint)."""
     samplers = [dl.batch_sampler for dl in loaders if isinstance(getattr(dl, "batch_sampler", None), SimulatedSampler)]
     if len(loaders) != 1 or len(samplers) != 1:
-        raise ValueError(
+        raise ConfigurationError(
             f"RudraStrategy(simulate=...) trains on one train dataloader; got {len(loaders)}. Combine "
             "them into one dataset, or run real learners (devices=λ)."
         )

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
+from lightning_rudra.core.errors import ServerLostError
 
 SHM_DIR = "/dev/shm"
 
@@ -245,9 +246,9 @@ class MappedWeights:
     def _check_writer(self, since: float) -> None:
         lost = self.lost()
         if lost is not None:
-            raise RuntimeError(f"{lost}. It went in the middle of an update of the weights in shared memory.")
+            raise ServerLostError(f"{lost}. It went in the middle of an update of the weights in shared memory.")
         if time.monotonic() - since > self.timeout:
-            raise RuntimeError(
+            raise ServerLostError(
                 f"{self.server} has been in the middle of an update of the weights in shared memory "
                 f"for more than {self.timeout:g} s (rpc_timeout): its process probably died while "
                 "writing them. Its own output may say why."

@@ -27,6 +27,7 @@ import time
 from typing import NamedTuple
 
 
+from lightning_rudra.core.errors import BY_NAME
 from lightning_rudra.transport.frames import FrameLimits
 
 MAGIC = b"rudra-s2"  # the protocol and its version, first on the wire both ways
@@ -50,10 +51,11 @@ class StreamOffer(NamedTuple):
 
 class ServerError(RuntimeError):
     """An error a call was answered with, as its type's name and its message. RuntimeError: the learner's error
-    handling treats it as any error of the server's (:mod:`lightning_rudra.learner.client`)."""
+    handling treats it as any error of the server's (:mod:`lightning_rudra.learner.client`), and raises one of the
+    package's errors again as its class (:func:`~lightning_rudra.core.errors.carried`), whose message it keeps."""
 
     def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message if kind == "RuntimeError" else f"{kind}: {message}")
+        super().__init__(message if kind == "RuntimeError" or kind in BY_NAME else f"{kind}: {message}")
         self.kind = kind
 
 

@@ -15,6 +15,7 @@ from lightning_rudra.server import process as server
 from lightning_rudra.server.model_server import _resolve
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.server.membership import Membership, this_process
+from lightning_rudra.core.errors import LearnerLostError, carried
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.registration import Registration
@@ -102,9 +103,10 @@ def test_a_lost_learner_that_comes_back_is_refused(monkeypatch):
         RuntimeError,
         match=r"push from learner 1 refused: it was counted as lost \(it has not been "
         r"heard from for more than 5 s",
-    ):
+    ) as refused:
         push(1, 1.0)
     assert ps.core.stats.gradients == 0
+    assert isinstance(refused.value, LearnerLostError)  # the lost learner's own process is told it was lost
 
 
 @pytest.mark.parametrize(
@@ -134,10 +136,12 @@ def test_a_loss_that_training_cannot_survive_fails_every_wait_naming_it(
         server.call("heartbeat", learner, address, None)
     waiting = push(1 if lost != 1 else 0, 1.0)
     server.call("leave", lost, "ValueError: broke")
-    with pytest.raises(RuntimeError, match=message):
+    with pytest.raises(RuntimeError, match=message) as failed:
         waiting.wait()
-    with pytest.raises(RuntimeError, match=message):  # and every later call
+    with pytest.raises(RuntimeError, match=message) as later:  # and every later call
         server.call_async("gather", 1, 1 if lost == 0 else 0, None)
+    # what a user catches: LearnerLostError, still a RuntimeError (around fit: test_faults.py)
+    assert isinstance(failed.value, LearnerLostError) and isinstance(later.value, LearnerLostError)
 
 
 def test_with_min_learners_the_learners_that_started_the_servers_can_be_lost_too():
@@ -271,8 +275,9 @@ def test_learner_0_lost_before_it_registers_the_model_fails_the_waits_for_it(mon
     message = r"learner 0 \(on a host it never named\) was lost before it registered the model"
     assert attached.done() and pulled.done()
     for future in (attached, pulled):
-        with pytest.raises(RuntimeError, match=message):
+        with pytest.raises(RuntimeError, match=message) as failed:
             future.wait()
+        assert isinstance(carried(failed.value), LearnerLostError)  # torch wraps it; the learner unwraps it
     with pytest.raises(RuntimeError, match=message):  # and later
         server.call_async("attach", 1).wait()
     assert ps.failure is None  # the others may still leave, or finish a stage that needs no model

@@ -38,8 +38,9 @@ from typing import Any, Optional
 import pytest
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from torch.multiprocessing.spawn import ProcessExitedException
 
-from lightning_rudra import RudraStrategy
+from lightning_rudra import LearnerLostError, RudraStrategy, ServerLostError
 from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import (
     START,
@@ -119,10 +120,11 @@ def run_with_fault(
     min_learners: Optional[int] = None,
     max_epochs: int = 1000,
     num_servers: Optional[int] = None,
+    caught: Optional[list[BaseException]] = None,
     **trainer_options: Any,
 ) -> tuple[Optional[str], list[int], Marked, Any]:
     """Fit; once both learners train, send ``signum`` to ``who`` (``learner<r>``, ``server``, ``server<s>``: server
-    process s of ``num_servers``). Returns the error's text (None: fit ended well),
+    process s of ``num_servers``). Returns the error's text (None: fit ended well; ``caught`` gets the error),
     the pids that were still alive a while after the fit ended (stopped ones are let go first), the model and the
     server's statistics."""
     port = free_port()
@@ -156,6 +158,8 @@ def run_with_fault(
         quiet_trainer(strategy, 2, max_epochs=max_epochs, **trainer_options).fit(model, loader(8))
     except Exception as raised:
         error = str(raised)
+        if caught is not None:
+            caught.append(raised)
     injector.join(timeout=10)
     assert not failures, failures
     pids = [pid_of(tmp_path, f"learner{rank}", port) for rank in range(2)]
@@ -191,25 +195,31 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_killed_server_ends_every_learner_with_an_error_that_names_it(tmp_path, monkeypatch):
-    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server", signal.SIGKILL)
+    caught: list[BaseException] = []
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server", signal.SIGKILL, caught=caught)
     assert error is not None and "the parameter server (on 127.0.0.1) is gone: its connection closed" in error, error
     assert alive == []
+    assert isinstance(caught[0], ServerLostError), repr(caught[0])  # what the user catches around fit
 
 
 def test_a_killed_second_server_ends_every_learner_with_an_error_that_names_it(tmp_path, monkeypatch):
-    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server1", signal.SIGKILL, num_servers=2)
+    caught: list[BaseException] = []
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server1", signal.SIGKILL, num_servers=2, caught=caught)
     assert error is not None and "parameter server 1 (on 127.0.0.1) is gone: its connection closed" in error, error
     assert alive == []
+    assert isinstance(caught[0], ServerLostError), repr(caught[0])
 
 
 def test_with_min_learners_a_killed_learner_0_leaves_the_others_training_to_the_end(tmp_path, monkeypatch):
     """The server outlives learner 0's process (its parent) and ends when learner 1 leaves; without a restart
     the results cannot come back to the calling process, and fit says so."""
+    caught: list[BaseException] = []
     with pytest.warns(UserWarning, match=r"learner 0's process ended with signal SIGKILL \(min_learners=1"):
         error, alive, _, _ = run_with_fault(
-            tmp_path, monkeypatch, "learner0", signal.SIGKILL, min_learners=1, max_epochs=20
+            tmp_path, monkeypatch, "learner0", signal.SIGKILL, min_learners=1, max_epochs=20, caught=caught
         )
     assert error is not None and "learner 0's process ended with signal SIGKILL and was not restarted" in error, error
+    assert isinstance(caught[0], LearnerLostError), repr(caught[0])
     assert (tmp_path / "finished1").read_text() == "20"  # learner 1 trained every epoch (the loop counts past the last)
     assert not (tmp_path / "finished0").exists()
     assert alive == []
@@ -218,9 +228,11 @@ def test_with_min_learners_a_killed_learner_0_leaves_the_others_training_to_the_
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_killed_learner_ends_the_run_without_min_learners(tmp_path, monkeypatch, rank):
     """Learner 0 too: its server, orphaned, exits."""
-    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, f"learner{rank}", signal.SIGKILL)
+    caught: list[BaseException] = []
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, f"learner{rank}", signal.SIGKILL, caught=caught)
     assert error is not None and f"process {rank} terminated with signal SIGKILL" in error, error
     assert alive == []
+    assert isinstance(caught[0], LearnerLostError) and isinstance(caught[0], ProcessExitedException), repr(caught[0])
 
 
 def test_after_a_killed_server_training_resumes_from_the_last_periodic_checkpoint(tmp_path, monkeypatch):
@@ -242,10 +254,12 @@ def test_after_a_killed_server_training_resumes_from_the_last_periodic_checkpoin
 
 
 def test_a_learner_stalled_past_the_timeout_is_lost_and_the_run_ends_naming_it(tmp_path, monkeypatch):
-    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGSTOP)
+    caught: list[BaseException] = []
+    error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGSTOP, caught=caught)
     assert error is not None and "learner 1 (on 127.0.0.1) has not been heard from for more than 5 s" in error, error
     assert "with RudraStrategy(min_learners=k), training goes on" in error
     assert alive == []
+    assert isinstance(caught[0], LearnerLostError), repr(caught[0])  # learner 0's error, with its class
 
 
 def test_with_min_learners_a_killed_learner_is_lost_and_the_others_train_on(tmp_path, monkeypatch):
@@ -307,13 +321,17 @@ def test_with_min_learners_a_killed_learners_batches_are_dealt_again_and_every_s
 
 
 def test_with_too_few_learners_left_the_run_ends_saying_so(tmp_path, monkeypatch):
+    caught: list[BaseException] = []
     with (
         pytest.warns(UserWarning, match="learner 1's process ended with signal SIGKILL"),
         pytest.warns(UserWarning, match="learner 0's process ended with exit code 1"),  # it raised the server's error
     ):
-        error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "learner1", signal.SIGKILL, min_learners=2)
+        error, alive, _, _ = run_with_fault(
+            tmp_path, monkeypatch, "learner1", signal.SIGKILL, min_learners=2, caught=caught
+        )
     assert error is not None and "1 learner left, fewer than min_learners=2, so training cannot go on" in error, error
     assert alive == []
+    assert isinstance(caught[0], LearnerLostError), repr(caught[0])
 
 
 def test_with_min_learners_a_stalled_learner_is_lost_and_ended_once_training_is_over(tmp_path, monkeypatch):
@@ -497,9 +515,10 @@ def test_with_min_learners_learner_0_lost_before_it_registers_ends_the_others_sa
     with (
         pytest.warns(UserWarning, match=r"learner 0's process ended with exit code 7"),
         pytest.warns(UserWarning, match=r"learner 0 \(on 127.0.0.1\) was lost before it registered the model"),
-        pytest.raises(RuntimeError, match="learner 0's process ended with exit code 7"),
+        pytest.raises(RuntimeError, match="learner 0's process ended with exit code 7") as lost,
     ):
         quiet_trainer(strategy, 2, max_epochs=2).fit(LeavesEarly("configure_optimizers", rank=0), loader(8))
+    assert isinstance(lost.value, LearnerLostError)
     for _ in range(40):  # the server ends once learner 1 has left
         if not server_pids(port):
             break

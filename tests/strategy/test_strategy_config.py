@@ -1,5 +1,6 @@
 """RudraStrategy as the Trainer and LightningCLI build it: no process starts here."""
 
+import inspect
 from datetime import timedelta
 
 import pytest
@@ -9,9 +10,11 @@ from lightning_fabric.plugins import TorchCheckpointIO
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 import lightning_rudra
-from lightning_rudra import RudraStrategy
+from lightning_rudra import ConfigurationError, LearnerLostError, RudraStrategy
+from lightning_rudra.strategy.launchers.learner_errors import LearnerExitedError, errors_folder, kept, record
 from lightning_rudra.strategy.checks import warn_of_meetings_per_batch
 from tests.lightning_models import Regression
 
@@ -98,8 +101,9 @@ def test_defaults_are_the_papers_and_arguments_read_back():
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as refused:
         RudraStrategy(**kwargs)
+    assert isinstance(refused.value, ConfigurationError)
 
 
 @pytest.mark.parametrize(
@@ -123,8 +127,9 @@ def test_node_aggregation_is_on_by_default_only_under_hardsync_with_several_node
 
 
 def test_n_larger_than_the_learners_is_refused_when_the_trainer_is_built():
-    with pytest.raises(ValueError, match="n=3 is larger than the number of learners λ=2"):
+    with pytest.raises(ValueError, match="n=3 is larger than the number of learners λ=2") as refused:
         trainer(RudraStrategy(protocol="softsync", n=3))
+    assert isinstance(refused.value, ConfigurationError)
     trainer(RudraStrategy(protocol="async", n=3))  # n only matters to softsync
 
 
@@ -197,3 +202,35 @@ def test_a_checkpoint_write_that_fails_leaves_the_previous_one(tmp_path):
     with pytest.raises(OSError, match="made up"):
         strategy.save_checkpoint({"state": 2}, path)
     assert torch.load(path)["state"] == 1 and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_under_spawn_a_killed_learner_reaches_fit_as_a_lost_learner_and_still_as_torchs_exception():
+    with pytest.raises(LearnerLostError, match="^process 1 terminated with signal SIGKILL$") as lost:
+        with kept(errors_folder()):
+            raise ProcessExitedException("process 1 terminated with signal SIGKILL", 1, 123, -9, "SIGKILL")
+    assert type(lost.value) is LearnerExitedError and isinstance(lost.value, ProcessExitedException)
+    assert (lost.value.error_index, lost.value.exit_code, lost.value.signal_name) == (1, -9, "SIGKILL")
+
+
+def test_under_spawn_a_learners_error_reaches_fit_with_its_class_and_torchs_message():
+    folder, message = errors_folder(), "\n\n-- Process 1 terminated with the following error:\nTraceback ..."
+    record(folder, 1, ConfigurationError("n=3 is larger"))  # in learner 1
+    with pytest.raises(ConfigurationError) as refused:
+        with kept(folder):
+            raise ProcessRaisedException(message, 1, 123)
+    assert str(refused.value) == message and isinstance(refused.value.__cause__, ProcessRaisedException)
+    with pytest.raises(ProcessRaisedException):  # an error of another kind: torch's, as Lightning's launcher has it
+        with kept(errors_folder()):
+            raise ProcessRaisedException(message, 0, 123)
+
+
+def test_the_arguments_read_back_but_cannot_be_changed_once_the_strategy_is_built():
+    strategy = RudraStrategy(protocol="softsync", n=2)
+    with pytest.raises(AttributeError, match=r"RudraStrategy.protocol cannot be changed once the strategy is built"):
+        strategy.protocol = "async"
+    assert (strategy.protocol, strategy.n) == ("softsync", 2)
+    plugins = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    for name in set(inspect.signature(RudraStrategy).parameters) - plugins:  # every one of its own
+        value = getattr(strategy, name)
+        with pytest.raises(AttributeError, match=rf"RudraStrategy.{name} cannot be changed"):
+            setattr(strategy, name, value)

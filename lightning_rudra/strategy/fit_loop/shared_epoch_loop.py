@@ -23,6 +23,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.learner.sampler import SharedEpochSampler
 
@@ -192,13 +193,13 @@ class SharedEpochLoop:
         # this and trainer.callbacks: set by Lightning's connectors, undeclared on the Trainer
         reload = trainer.reload_dataloaders_every_n_epochs  # type: ignore[attr-defined]
         if reload:
-            raise ValueError(
+            raise ConfigurationError(
                 f"reload_dataloaders_every_n_epochs={reload} cannot be "
                 "used with RudraStrategy's shared epoch yet: the learners' pools are set up once, when "
                 "training starts. Use RudraStrategy(sampling='static')."
             )
         if getattr(trainer, "_val_check_time_interval", None) is not None:
-            raise ValueError(
+            raise ConfigurationError(
                 f"val_check_interval={trainer.val_check_interval!r} (a time) cannot be used with "
                 "RudraStrategy's shared epoch: each learner would validate at its own moment and the "
                 "collectives in validation would not meet. Use a fraction or a number of batches, or "
@@ -206,7 +207,7 @@ class SharedEpochLoop:
             )
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, ModelCheckpoint) and callback._train_time_interval is not None:
-                raise ValueError(
+                raise ConfigurationError(
                     f"ModelCheckpoint(train_time_interval={callback._train_time_interval}) cannot be used with "
                     "RudraStrategy's shared epoch yet. Use every_n_train_steps (learner 0's steps), every_n_epochs, "
                     "or RudraStrategy(sampling='static')."

@@ -14,6 +14,7 @@ from typing import Optional
 
 import pytorch_lightning as pl
 
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.learner.simulation import LearnerSchedules, SimulatedClient, SimulatedSampler
 
@@ -35,7 +36,7 @@ class SimulatedEpochLoop:
     def install(self) -> None:
         trainer, fit_loop = self.trainer, self.trainer.fit_loop
         if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches} cannot be simulated yet: the batches of "
                 "one process come from different simulated learners in turn. Use a batch size of "
                 "accumulate_grad_batches times as many samples, or real learners (devices=λ)."
@@ -88,7 +89,7 @@ class SimulatedEpochLoop:
             return
         for config in configs:
             if config.interval == "step" and config.frequency != 1:
-                raise ValueError(
+                raise ConfigurationError(
                     f"an LR scheduler with interval='step' and frequency={config.frequency} cannot be simulated yet: "
                     "Lightning would count the batches of all simulated learners together, not each learner's own. "
                     "Use frequency=1 and a schedule that steps every k steps itself (e.g. StepLR(step_size=k)), or "

@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
+from lightning_rudra.core.errors import LearnerLostError
 from lightning_rudra.server.membership import this_process
 from lightning_rudra.transport.rpc_world import real_stderr
 
@@ -227,8 +228,8 @@ def _check_learner_zero(context: Any, restarts: Restarts) -> None:
         trace = _trace(context.error_files[0])
         error = f"\n\n-- learner 0's error:\n{trace}" if trace else ""
         if not restarts.closed:  # no learner finished training: learner 0's error is the run's
-            raise RuntimeError(f"learner 0's process ended with {describe_exit(code)}.{error}")
-        raise RuntimeError(
+            raise LearnerLostError(f"learner 0's process ended with {describe_exit(code)}.{error}")
+        raise LearnerLostError(
             f"learner 0's process ended with {describe_exit(code)} and was not restarted (max_restarts="
             f"{restarts.max_restarts}): the other learners trained to the end, but only learner 0 brings the trained "
             "weights and the results back to this process, so they are lost. Set max_restarts so that learner 0 "

@@ -17,6 +17,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 from torchmetrics import Metric
 
+from lightning_rudra.strategy.launchers.learner_errors import errors_folder, kept, record
 from lightning_rudra.strategy.launchers.popen import Restarts, join_survivors
 from lightning_rudra.core.stats import Stats
 
@@ -66,6 +67,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
     """
 
     _strategy: "RudraStrategy"  # Lightning's launcher takes any ParallelStrategy; launcher_for passes ours
+    _errors: Optional[str] = None  # where this launch's learners record their errors' classes (learner_errors.py)
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
         """Lightning's launch, but for what the fork server needs and, with ``min_learners``, for how the learners
@@ -87,6 +89,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
         global_states = _GlobalStateSnapshot.capture()  # forkserver's too: Lightning's launch captures spawn's only
         return_queue = mp.get_context(self._start_method).SimpleQueue()
         process_args = (trainer, function, args, kwargs, return_queue, global_states)
+        # without min_learners a learner's failure ends the run: it records the class of its error there
+        self._errors = errors_folder() if self._strategy.min_learners is None else None
         context = mp.start_processes(
             self._wrapping_function,
             nprocs=self._strategy.num_processes,
@@ -100,8 +104,9 @@ class SpawnLauncher(_MultiProcessingLauncher):
         if min_learners is None:
             # once one fails: 5 s for the others to end on their own (the server tells them), then SIGTERM, 5 s,
             # SIGKILL (torch's default waits 30 s, which a stopped process always takes)
-            while not context.join(grace_period=5):
-                pass
+            with kept(self._errors):  # torch's exception for a learner's failure, raised as the package's error
+                while not context.join(grace_period=5):
+                    pass
         else:
             join_survivors(
                 context,
@@ -153,6 +158,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
             # saying why, instead of going silent
             self._strategy.on_exception(exception)
             self._strategy.teardown()
+            record(self._errors, process_idx, exception)
             raise
 
     def get_extra_results(self, trainer: "pl.Trainer") -> dict[str, Any]:

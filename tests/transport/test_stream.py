@@ -493,7 +493,10 @@ def test_the_unpickler_allows_the_wire_s_types_only():
         frames._Unpickler(memoryview(frames.Frame.encode(torch.ones(3)).head[frames._HEADER.size :]), 11).load()
 
 
-def test_a_member_beyond_the_connections_a_run_needs_is_told_so():
+def test_a_member_beyond_the_connections_a_run_needs_is_told_so(monkeypatch):
+    # a connection beyond max_peers waits for a slot as long as a handshake may take (a lost learner's may free):
+    # 2 s here, not the 10 s of a run
+    monkeypatch.setattr(stream_server, "_HANDSHAKE_S", 2.0)
     server = StreamServer("127.0.0.1", _answer, SECRET, LIMITS, 10.0, max_peers=1)
     first = _client(server)
     try:

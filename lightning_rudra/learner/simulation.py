@@ -202,7 +202,7 @@ class SimulatedClient:
 
 class SimulatedSampler(Sampler[list[int]]):
     """A batch sampler for the one process of a simulated run. Every epoch, learner r gets the batches of
-    ``shards[r]`` (Lightning's DistributedSampler for rank r of λ: what a real learner of that rank reads), cut
+    ``parts[r]`` (Lightning's DistributedSampler for rank r of λ: what a real learner of that rank reads), cut
     into ``batch_size`` as its DataLoader would, and the batches of all learners come in the order in which
     :func:`~lightning_rudra.timing.push_order` says they are pushed.
 
@@ -215,14 +215,14 @@ class SimulatedSampler(Sampler[list[int]]):
 
     def __init__(
         self,
-        shards: Sequence[DistributedSampler],
+        parts: Sequence[DistributedSampler],
         batch_size: int,
         drop_last: bool,
         protocol: str,
         timing: TimingModel,
         taken: Optional[dict[int, int]] = None,
     ) -> None:
-        self.shards = list(shards)
+        self.parts = list(parts)
         self.sampler = self  # where Lightning sets the epoch of a batch sampler (``batch_sampler.sampler``)
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -235,25 +235,25 @@ class SimulatedSampler(Sampler[list[int]]):
         self.learners: deque[int] = deque()
 
     def set_epoch(self, epoch: int) -> None:
-        for shard in self.shards:
-            shard.set_epoch(epoch)
+        for part in self.parts:
+            part.set_epoch(epoch)
 
     def batches_per_learner(self) -> int:
-        full, rest = divmod(len(self.shards[0]), self.batch_size)
+        full, rest = divmod(len(self.parts[0]), self.batch_size)
         batches = full + (1 if rest and not self.drop_last else 0)
         return batches if self.max_batches is None else min(batches, self.max_batches)
 
     def __len__(self) -> int:
-        return self.batches_per_learner() * (len(self.shards) if self.whole else 1)
+        return self.batches_per_learner() * (len(self.parts) if self.whole else 1)
 
     def __iter__(self) -> Iterator[list[int]]:
         per_learner = self.batches_per_learner()
-        batches = [self._cut(list(shard))[:per_learner] for shard in self.shards]
-        done = [self.taken.get(r, 0) for r in range(len(self.shards))]
+        batches = [self._cut(list(part))[:per_learner] for part in self.parts]
+        done = [self.taken.get(r, 0) for r in range(len(self.parts))]
         steps = [len(b) if self.budget is None else max(0, min(len(b), self.budget - d)) for b, d in zip(batches, done)]
         order = push_order(self.protocol, steps, self.timing, done)
         self.learners.clear()
-        position = [0] * len(self.shards)
+        position = [0] * len(self.parts)
         for learner in order:
             self.learners.append(learner)
             yield batches[learner][position[learner]]

@@ -26,7 +26,7 @@ _TOKEN = "RpcGroupManagementToken"  # torch's key (torch.distributed.rpc._utils)
 _WORKERS = "names/_ALL_WORKER_INFOS"  # torch's list of the members, "name-rank," each, in the agent's store
 _CONNECT_S = 300.0
 _PROBE_S = 10.0  # for an answer from what holds the rendezvous' port
-_STUCK_S = 10.0  # a join takes 0.03-0.2 s here; one that holds the token this long has died or failed inside
+_STUCK_S = 10.0  # a join takes a fraction of a second; one that holds the token this long has died or failed inside
 
 
 class LearnerId(int):

@@ -2,10 +2,8 @@
 socket, the rest of the call pickled beside them (:mod:`lightning_rudra.transport.frames`). RPC (TensorPipe) carries
 everything else.
 
-Why: across a link shaped to 1 Gbit/s, a learner and a server that each push 20 MB to the other and answer with
-20 MB took 0.52-0.60 s through TensorPipe, against 0.33 s on plain sockets in the same pattern (the link's own
-time: 40 MB each way), measured side by side on this project's 2-core machine. A connection carries one call at a
-time, in order; the learner's side sends and receives on a thread of its own, so that a push returns a future at
+Why: across a shaped link, plain sockets move a push and its reply in the link's own time, where TensorPipe's
+copies took more (the measurement is in benchmarks/NOTES.md). A connection carries one call at a time, in order; the learner's side sends and receives on a thread of its own, so that a push returns a future at
 once, as an RPC does. Nothing here knows about the parameter server: a call is ``(method, *args)``.
 
 Who may talk: the server hands a secret of its own to the learners that ask for the stream through RPC

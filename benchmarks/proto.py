@@ -107,21 +107,21 @@ def patched_protocol(patches: Sequence[str]):
 @contextlib.contextmanager
 def prototype_server(patches: Sequence[str]) -> Iterator[None]:
     """While active, ``lightning_rudra.learner.world.join`` (learner 0) starts a server running ``patches``."""
-    from lightning_rudra.server import process
+    from lightning_rudra.server import launch
 
     if not patches:
         yield
         return
-    package = os.path.dirname(os.path.dirname(process.__file__))
+    package = os.path.dirname(os.path.dirname(launch.__file__))
     for name in patches:  # fail here, in the learner, rather than in the server process
         patched_source(package, PATCHES[name][0], [name])
-    original = process.start_server
+    original = launch.start_server
 
     def start_server(*args: Any) -> subprocess.Popen:
         return original(*args, code=_ENTRY.format(package=package, patches=list(patches)))
 
-    process.start_server = start_server
+    launch.start_server = start_server
     try:
         yield
     finally:
-        process.start_server = original
+        launch.start_server = original

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from lightning_rudra.learner.client import LearnerClient
-from lightning_rudra.server import process as _server
+from lightning_rudra.server import launch
 from lightning_rudra.server.membership import ended, this_process
 from lightning_rudra.transport.elastic import LearnerId, RunStore, forget_before_joining, job_id, run_at
 from lightning_rudra.transport.rpc_world import (
@@ -114,7 +114,7 @@ def _start_servers(rank: int, world: StageWorld) -> list[subprocess.Popen]:
     try:
         for server, started_by in enumerate(world.started_by):
             if started_by == rank:
-                processes.append(_server.start_server(world, server))
+                processes.append(launch.start_server(world, server))
     except BaseException:
         _kill(processes)
         raise
@@ -215,4 +215,4 @@ def leave(
             pass  # the server is gone, or went as this learner left last: nothing is left to say to it
     shutdown_rpc()
     for process in processes if error is None or not elastic else []:
-        _server.stop_server(process, timeout)
+        launch.stop_server(process, timeout)

@@ -90,6 +90,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
 
     strategy_name = "rudra"
 
+    # 24 params: the user's arguments, each typed for LightningCLI (as DDPStrategy's); kept in one StrategyOptions
     def __init__(
         self,
         protocol: Literal["hardsync", "softsync", "async"] = "softsync",

@@ -21,7 +21,7 @@ from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_rudra.core.errors import ConfigurationError
-from lightning_rudra.server.process import NO_LEARNERS, RUN_FAILED, start_server
+from lightning_rudra.server.launch import NO_LEARNERS, RUN_FAILED, start_server
 from lightning_rudra.transport.rpc_world import StageWorld
 
 _POLL_S = 0.2

@@ -15,6 +15,7 @@ import torch
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.registration import Registration
+from lightning_rudra.server import launch
 from lightning_rudra.server import process as server
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.transport import logs
@@ -85,7 +86,7 @@ def test_without_the_switch_nothing_is_logged_of_waits(monkeypatch, caplog, watc
 def test_a_bad_value_of_the_switch_is_refused_naming_it_before_a_server_starts(monkeypatch, value):
     monkeypatch.setenv(logs.WAITS, value)
     with pytest.raises(ValueError, match=f"RUDRA_LOG_WAITS='{value}' is not a number of seconds: expected a positive"):
-        server.start_server(StageWorld("127.0.0.1", 1, 2, 60.0), 0)  # in the learner, before any process starts
+        launch.start_server(StageWorld("127.0.0.1", 1, 2, 60.0), 0)  # in the learner, before any process starts
 
 
 def test_a_server_process_writes_its_records_to_stderr_as_it_printed_them(monkeypatch, server_logging):

@@ -12,9 +12,8 @@ import torch.multiprocessing as mp
 
 from lightning_rudra.core.update import Push
 from lightning_rudra.learner.world import join, leave
-from lightning_rudra.transport.rpc_world import StageWorld
 from lightning_rudra.learner.learner import Learner
-from lightning_rudra.transport.rpc_world import free_port
+from lightning_rudra.transport.rpc_world import StageWorld, free_port
 from lightning_rudra.learner.sampler import SharedEpochSampler
 
 DATA_SEED = 1234

@@ -1,6 +1,7 @@
 """What one learner exchanges with one server process (:class:`ServerLink`): its part of the module's weights and
-gradients, and how they travel: shared memory (:mod:`lightning_rudra.transport.shm`) on that server's host, the
-push stream (:mod:`lightning_rudra.transport.stream`) to another host, RPC with ``shared_memory=False``. :class:`~lightning_rudra.learner.learner.Learner` pushes through one link per server."""
+gradients, and how they travel: shared memory (:mod:`lightning_rudra.transport.shm`) on that server's host, the push
+stream (:mod:`lightning_rudra.transport.stream`) to another host, RPC with ``shared_memory=False``.
+:class:`~lightning_rudra.learner.learner.Learner` pushes through one link per server."""
 
 import socket
 import warnings

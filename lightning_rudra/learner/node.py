@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from torch.futures import Future
 
-from lightning_rudra.core.errors import LearnerLostError, ServerLostError
+from lightning_rudra.core.errors import LearnerLostError, ServerLostError, carried
 from lightning_rudra.core.node_plan import LearnerPlace, NodeGroup, plan_nodes, sum_node
 from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.server_client import ServerClient
@@ -215,9 +215,9 @@ def aggregate(
     learner: "Learner", gather: Callable[[Any], dict[int, Any]], node: int, timeout: float, announce: bool
 ) -> list[NodeGroup]:
     """Decide, with every learner (three collectives through ``gather``), which of this run's nodes aggregate their
-    pushes to which servers, make the boards and give this learner's links to those servers their part in them. A board a member cannot map
-    (another /dev/shm under the same host name) turns aggregation off for the whole run, with a warning
-    (``announce``: learner 0 warns)."""
+    pushes to which servers, make the boards and give this learner's links to those servers their part in them. A board
+    a member cannot map (another /dev/shm under the same host name) turns aggregation off for the whole run, with a
+    warning (``announce``: learner 0 warns)."""
     rank = int(learner.client.rank)
     remote = tuple(link.server for link in learner.links if link.shm is None)
     places = gather(LearnerPlace(rank, node, socket.gethostname(), remote))
@@ -277,7 +277,13 @@ def check_in_flight(pushed: list["InFlight"]) -> None:
     learners waiting for each other would otherwise never hear of it."""
     for push in pushed:
         if push.future is not None and push.future.done():
-            value = push.future.value()  # raises what the call failed with
+            try:
+                value = push.future.value()  # raises what the call failed with
+            except RuntimeError as error:  # torch's or the stream's text of it: the class the user can catch
+                ours = carried(error)
+                if ours is None:
+                    raise
+                raise ours from error
             if isinstance(value, BaseException):
                 raise value
         lost = getattr(push.link.client, "_server_lost", None)

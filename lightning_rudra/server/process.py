@@ -5,6 +5,7 @@ torch.distributed.rpc. Handlers never block an RPC thread: a call that must wait
 """
 
 import argparse
+import dataclasses
 import inspect
 import json
 import logging
@@ -82,7 +83,11 @@ def _entry(method: str, args: tuple) -> Callable:
     answer = _HERE[method] if method in _HERE else getattr(_server, method)
     name = ENTRY_POINTS[method]
     if name is not None:
-        value = _argument(answer, name, args)
+        value = _argument(method, answer, name, args)
+        if isinstance(value, Push) and not _whole(value):
+            raise TypeError(
+                f"{method} refused: its Push lacks fields (a learner of another version of lightning_rudra?)"
+            )
         learner = value.learner if isinstance(value, Push) else value
         _server.check_caller(method.removesuffix("_deltas"), learner)
         if name == "push" and not isinstance(value, Push):
@@ -93,13 +98,22 @@ def _entry(method: str, args: tuple) -> Callable:
     return answer
 
 
-def _argument(answer: Callable, name: str, args: tuple) -> Any:
-    """The argument ``name`` of a call to ``answer`` with ``args``; None where the call does not fit ``answer`` (the
-    check refuses a call that names no learner)."""
+def _argument(method: str, answer: Callable, name: str, args: tuple) -> Any:
+    """The argument ``name`` of a call to ``answer`` with ``args`` (None if it is missing: the check refuses a call
+    that names no learner); a call with more arguments than ``answer`` takes is refused."""
+    signature = inspect.signature(answer)
     try:
-        return inspect.signature(answer).bind(*args).arguments.get(name)
-    except TypeError:
-        return None
+        return signature.bind_partial(*args).arguments.get(name)
+    except TypeError as error:
+        raise TypeError(
+            f"{method} refused: {len(args)} arguments do not fit {method}{signature} ({error}; a learner of another "
+            "version of lightning_rudra?)"
+        ) from None
+
+
+def _whole(push: Push) -> bool:
+    """Unpickling sets a dataclass's fields without its constructor, and may leave some out."""
+    return all(hasattr(push, field.name) for field in dataclasses.fields(Push))
 
 
 def _push_deltas(compression: str, count: int, push: Push) -> Future:

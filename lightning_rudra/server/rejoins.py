@@ -53,8 +53,8 @@ def _differences(run: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 class RejoinAdmissions:
-    """The server's side of rejoining: the requests to rejoin it admits or refuses, and what every learner reported at the start of its latest epoch, for the learners of
-    ``membership``."""
+    """The server's side of rejoining: the requests to rejoin it admits or refuses, and what every learner reported at
+    the start of its latest epoch, for the learners of ``membership``."""
 
     def __init__(self, membership: Membership, announce: Callable[[str], None]) -> None:
         self.membership = membership

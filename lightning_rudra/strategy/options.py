@@ -74,6 +74,12 @@ class Option(Generic[T]):
             f"learners are set up from it. Build a new RudraStrategy({self.name}={value!r}, ...) instead."
         )
 
+    def __delete__(self, strategy: Any) -> NoReturn:
+        raise AttributeError(
+            f"RudraStrategy.{self.name} cannot be deleted: the servers and learners are set up from it. Build a new "
+            "RudraStrategy(...) instead."
+        )
+
 
 class StrategyArguments:
     """RudraStrategy's arguments as read-only attributes: ``strategy.protocol``, ``strategy.n``, ..."""

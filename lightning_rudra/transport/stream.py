@@ -2,9 +2,10 @@
 socket, the rest of the call pickled beside them (:mod:`lightning_rudra.transport.frames`). RPC (TensorPipe) carries
 everything else.
 
-Why: across a shaped link, plain sockets move a push and its reply in the link's own time, where TensorPipe's
-copies took more (the measurement is in benchmarks/NOTES.md). A connection carries one call at a time, in order; the learner's side sends and receives on a thread of its own, so that a push returns a future at
-once, as an RPC does. Nothing here knows about the parameter server: a call is ``(method, *args)``.
+Why: across a shaped link, plain sockets move a push and its reply in the link's own time, where TensorPipe's copies
+took more (the measurement is in benchmarks/NOTES.md). A connection carries one call at a time, in order; the learner's
+side sends and receives on a thread of its own, so that a push returns a future at once, as an RPC does. Nothing here
+knows about the parameter server: a call is ``(method, *args)``.
 
 Who may talk: the server hands a secret of its own to the learners that ask for the stream through RPC
 (:class:`StreamOffer`); a connection proves it knows it (an HMAC of the other side's random challenge, both ways)

@@ -1,6 +1,8 @@
 """Every call that reaches the server is checked before it changes anything (in-process: the functions the RPC
 calls run, without RPC)."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -67,3 +69,35 @@ def test_a_push_after_finish_is_refused(parameter_server):
     with pytest.raises(RuntimeError, match="push from learner 0 refused: it has finished training"):
         push(0)
     assert parameter_server.core.stats.gradients == 1
+
+
+@pytest.mark.parametrize(
+    "method, args, message",
+    [
+        ("heartbeat", (0, "10.0.0.2", None, "extra"), r"heartbeat refused: 4 arguments do not fit heartbeat\(learner"),
+        # a learner of the version that pushed positional arguments
+        ("push", (0, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], []), "push refused: 7"),
+    ],
+)
+def test_a_call_with_more_arguments_than_its_method_takes_is_refused_naming_the_signature(
+    parameter_server, method, args, message
+):
+    with pytest.raises(TypeError, match=message):
+        server.call(method, *args)
+    assert parameter_server.core.clock == 0 and parameter_server.core.stats.gradients == 0
+
+
+def test_a_push_that_lacks_fields_is_refused_before_anything_reads_them(parameter_server):
+    whole = Push(0, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], [])
+    partial = object.__new__(Push)  # as unpickling a frame whose state leaves fields out makes it
+    object.__setattr__(partial, "learner", 0)
+    with pytest.raises(TypeError, match="push refused: its Push lacks fields"):
+        server.call_async("push", partial)
+    server.call_async("push", whole).wait()
+    assert parameter_server.core.stats.gradients == 1
+
+
+def test_every_entry_point_names_a_parameter_of_its_method(parameter_server):
+    for method, name in server.ENTRY_POINTS.items():
+        answer = server._HERE.get(method) or getattr(parameter_server, method)
+        assert name is None or name in inspect.signature(answer).parameters, (method, name)

@@ -1,6 +1,8 @@
 """RudraStrategy as the Trainer and LightningCLI build it: no process starts here."""
 
 import inspect
+import shutil
+import tempfile
 from datetime import timedelta
 
 import pytest
@@ -224,6 +226,24 @@ def test_under_spawn_a_learners_error_reaches_fit_with_its_class_and_torchs_mess
             raise ProcessRaisedException(message, 0, 123)
 
 
+def test_a_learners_error_stays_its_own_when_the_folder_is_gone_and_no_folder_outlives_a_failed_start(
+    monkeypatch, tmp_path
+):
+    folder = errors_folder()
+    shutil.rmtree(folder)
+    record(folder, 1, ConfigurationError("n=3 is larger"))  # the launcher ended first: nothing to record, no error
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where errors_folder makes its folders
+
+    def cannot_start(*args, **kwargs):
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(torch.multiprocessing, "start_processes", cannot_start)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=RudraStrategy(start_method="spawn"), logger=False)
+    with pytest.raises(OSError, match="no more processes"):
+        trainer.strategy.launcher.launch(lambda: None, trainer=trainer)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_arguments_read_back_but_cannot_be_changed_once_the_strategy_is_built():
     strategy = RudraStrategy(protocol="softsync", n=2)
     with pytest.raises(AttributeError, match=r"RudraStrategy.protocol cannot be changed once the strategy is built"):
@@ -234,3 +254,5 @@ def test_the_arguments_read_back_but_cannot_be_changed_once_the_strategy_is_buil
         value = getattr(strategy, name)
         with pytest.raises(AttributeError, match=rf"RudraStrategy.{name} cannot be changed"):
             setattr(strategy, name, value)
+        with pytest.raises(AttributeError, match=rf"RudraStrategy.{name} cannot be deleted"):
+            delattr(strategy, name)

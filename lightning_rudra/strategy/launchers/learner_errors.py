@@ -28,8 +28,11 @@ def record(folder: Optional[str], process: int, error: BaseException) -> None:
     """In learner ``process``: the class of ``error``, if the calling process can raise it (:func:`kept`)."""
     ours = next((kind.__name__ for kind in type(error).__mro__ if kind in BY_NAME.values()), None)
     if folder is not None and ours is not None:
-        with open(os.path.join(folder, str(process)), "w") as file:
-            file.write(ours)
+        try:
+            with open(os.path.join(folder, str(process)), "w") as file:
+                file.write(ours)
+        except OSError:  # the folder is gone (the launcher ended first): the learner's own error matters, not this
+            pass
 
 
 def _recorded(folder: str, process: int) -> Optional[type[RudraError]]:

@@ -91,13 +91,17 @@ class SpawnLauncher(_MultiProcessingLauncher):
         process_args = (trainer, function, args, kwargs, return_queue, global_states)
         # without min_learners a learner's failure ends the run: it records the class of its error there
         self._errors = errors_folder() if self._strategy.min_learners is None else None
-        context = mp.start_processes(
-            self._wrapping_function,
-            nprocs=self._strategy.num_processes,
-            join=False,
-            args=process_args,
-            start_method=self._start_method,
-        )
+        try:
+            context = mp.start_processes(
+                self._wrapping_function,
+                nprocs=self._strategy.num_processes,
+                join=False,
+                args=process_args,
+                start_method=self._start_method,
+            )
+        except BaseException:
+            with kept(self._errors):  # removes the folder: no learner will record in it
+                raise
         self.procs = context.processes
         outputs: list[_WorkerOutput] = []
         min_learners = self._strategy.min_learners

@@ -15,6 +15,7 @@ from lightning_rudra.learner.world import join, leave
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.transport.rpc_world import StageWorld, free_port
 from lightning_rudra.learner.sampler import SharedEpochSampler
+from lightning_rudra.server.starter import SERVER_STARTER, STARTER_ENV
 
 DATA_SEED = 1234
 
@@ -41,6 +42,7 @@ def run_learners(
     ctx.set_forkserver_preload([__name__])
     queue = ctx.Queue()
     environ = dict(os.environ)  # a fork server's children have the environment of when it started
+    environ[STARTER_ENV] = SERVER_STARTER.ensure_running()  # the server processes are forked too
     procs = [
         ctx.Process(
             target=_learner_main,

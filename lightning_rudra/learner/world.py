@@ -3,7 +3,6 @@ processes it starts, an elastic run's incarnations, and, when the servers run on
 rendezvous' store kept by learner 0. Nothing here knows about Lightning."""
 
 import json
-import subprocess
 import time
 from typing import Optional, Sequence
 
@@ -56,7 +55,7 @@ class RendezvousStores:
 RENDEZVOUS_STORES = RendezvousStores()  # learner 0's, for the process's life (see the class)
 
 
-def join(rank: int, world: StageWorld) -> tuple[list[LearnerClient], list[subprocess.Popen]]:
+def join(rank: int, world: StageWorld) -> tuple[list[LearnerClient], list[launch.ServerProcess]]:
     """Join ``world`` as learner ``rank``, with one server process per entry of ``world.started_by`` (the learner
     that starts it, on its host; learner 0 starts the first, which hosts the rendezvous, and checks the port).
     Returns a client per server and the server processes this learner started. In an elastic world a process for
@@ -70,7 +69,7 @@ def join(rank: int, world: StageWorld) -> tuple[list[LearnerClient], list[subpro
         rank: this learner's number.
         world: the stage's world, the same on every learner.
     """
-    processes: list[subprocess.Popen] = []
+    processes: list[launch.ServerProcess] = []
     try:
         store, incarnation = _open_store(rank, world)
         if not incarnation:
@@ -108,9 +107,9 @@ def _open_store(rank: int, world: StageWorld) -> tuple[Optional[RunStore], int]:
     return None, 0
 
 
-def _start_servers(rank: int, world: StageWorld) -> list[subprocess.Popen]:
+def _start_servers(rank: int, world: StageWorld) -> list[launch.ServerProcess]:
     """The server processes that learner ``rank`` starts, on its host."""
-    processes: list[subprocess.Popen] = []
+    processes: list[launch.ServerProcess] = []
     try:
         for server, started_by in enumerate(world.started_by):
             if started_by == rank:
@@ -121,7 +120,7 @@ def _start_servers(rank: int, world: StageWorld) -> list[subprocess.Popen]:
     return processes
 
 
-def _kill(processes: Sequence[subprocess.Popen]) -> None:
+def _kill(processes: Sequence[launch.ServerProcess]) -> None:
     for process in processes:
         process.kill()
         process.wait()
@@ -199,7 +198,7 @@ def _incarnation(store: RunStore, rank: int, where: str) -> int:
 
 def leave(
     clients: Sequence[LearnerClient],
-    processes: Sequence[subprocess.Popen],
+    processes: Sequence[launch.ServerProcess],
     timeout: float,
     error: Optional[str] = None,
     elastic: bool = False,

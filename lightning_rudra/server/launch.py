@@ -7,10 +7,16 @@ import json
 import os
 import subprocess
 import sys
-from typing import Optional
+import logging
+from typing import Optional, Union
 
+from lightning_rudra.server.starter import STARTER_ENV, ForkedServer, fork_server
 from lightning_rudra.transport.logs import check_switches
 from lightning_rudra.transport.rpc_world import StageWorld, rpc_counters
+
+log = logging.getLogger(__name__)
+
+ServerProcess = Union[subprocess.Popen, ForkedServer]  # a fresh interpreter, or forked by the server starter
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Not `python -m`: the RPC handlers must live in the module `lightning_rudra.server.process`, not in a copy named
@@ -45,11 +51,13 @@ os._exit(0)"""
 
 def start_server(
     world: StageWorld, server: int, code: Optional[str] = None, server_node: bool = False
-) -> subprocess.Popen:
+) -> ServerProcess:
     """Start the process of server ``server`` of ``world``. It exits when every learner has left or is lost.
     Outside an elastic world it also exits at once if this process dies; in one (``world.min_learners``), it
     outlives this process (in a session of its own, so that what ends this learner's process group, a terminal's
     Ctrl-C or torchrun restarting its workers, does not end it): a new process for this learner rejoins it.
+    Where this process's environment names a server starter (``start_method="forkserver"``), the starter forks it;
+    otherwise it is a fresh interpreter.
 
     Args:
         world: the stage's world, as the learners agree on it (the server rebuilds it from its command line).
@@ -60,13 +68,28 @@ def start_server(
             ``world.learner_store`` (a run with server nodes, every stage).
     """
     check_switches()
+    argv = command_line(world, server, server_node)
+    starter = os.environ.get(STARTER_ENV)
+    if starter and code is None:
+        try:
+            return fork_server(starter, argv, new_session=world.elastic, timeout=world.timeout)
+        except OSError as error:  # the process that owns the starter is ending, or ended: a fresh interpreter
+            log.warning(
+                "the server starter in %s did not answer (%s): server %d starts in a new process",
+                starter,
+                error,
+                server,
+            )
     env = dict(os.environ)
     # the server must import whatever the learner's optimizers are made of
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
-    command = [
-        sys.executable,
-        "-c",
-        code or _SERVER_ENTRY.format(package=_PACKAGE),
+    command = [sys.executable, "-c", code or _SERVER_ENTRY.format(package=_PACKAGE), *argv]
+    return subprocess.Popen(command, env=env, start_new_session=world.elastic)
+
+
+def command_line(world: StageWorld, server: int, server_node: bool = False) -> list[str]:
+    """The arguments that carry ``world`` to server ``server`` (:func:`read_command_line` reads them)."""
+    argv = [
         "--init-method",
         world.init_method,
         "--rpc-counters",
@@ -83,17 +106,17 @@ def start_server(
         json.dumps(list(world.started_by)),
     ]
     if server_node or world.learner_store:
-        command += ["--server-node" if server_node else "--learner-store"]
+        argv += ["--server-node" if server_node else "--learner-store"]
     if world.elastic:
-        command += ["--min-learners", str(world.min_learners), "--rejoin-wait", str(world.rejoin_wait)]
-    return subprocess.Popen(command, env=env, start_new_session=world.elastic)
+        argv += ["--min-learners", str(world.min_learners), "--rejoin-wait", str(world.rejoin_wait)]
+    return argv
 
 
 NO_LEARNERS = 2  # a server node's server's exit code when learner 0 never opened the rendezvous
 RUN_FAILED = 4  # a server node's server's exit code when training failed (a learner lost or raised)
 
 
-def stop_server(process: subprocess.Popen, timeout: float) -> None:
+def stop_server(process: ServerProcess, timeout: float) -> None:
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -127,6 +150,12 @@ def read_command_line(argv: Optional[list[str]]) -> argparse.Namespace:
         help="seconds lost learners have to rejoin when fewer than min_learners are left (0: training ends)",
     )
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument(
+        "--parent-fd",
+        type=int,
+        default=None,
+        help="forked by the server starter: a pipe that ends when the learner does",
+    )
     parser.add_argument("--server", type=int, default=0, help="which of the server processes this is")
     parser.add_argument(
         "--started-by",

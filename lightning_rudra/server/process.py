@@ -216,8 +216,12 @@ def _send_norm(timeout: float, to: int, optimizer: int, round: int, partial: flo
     sent.add_done_callback(delivered)
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
-    """The learner that started this server died: nobody will ever ask us to stop."""
+def _exit_when_orphaned(parent_pid: int, parent_fd: Optional[int]) -> None:
+    """The learner that started this server died: nobody will ever ask us to stop. Forked by the server starter,
+    the learner is not our parent: the pipe it holds open (``parent_fd``) ends when it dies."""
+    if parent_fd is not None:
+        while os.read(parent_fd, 1):
+            pass
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     _release_shared_memory()
@@ -301,7 +305,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     # first optimizer: here, before the learners can call, not in learner 0's register call, which has rpc_timeout
     torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     if not world.elastic:  # an elastic run's servers outlive the learners that started them
-        threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid,), daemon=True).start()
+        threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid, args.parent_fd), daemon=True).start()
     global _server
     _server = _make_server(world, args.server)
     set_rpc_counters(counters)

@@ -10,7 +10,6 @@ server nodes, and on a server node they return at once. Every stage meets on ``M
 same script) meets the server nodes' next ``fit`` there."""
 
 import os
-import subprocess
 import time
 from typing import Any, Callable, Optional
 
@@ -21,7 +20,7 @@ from pytorch_lightning.trainer.states import TrainerFn, TrainerStatus
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_rudra.core.errors import ConfigurationError
-from lightning_rudra.server.launch import NO_LEARNERS, RUN_FAILED, start_server
+from lightning_rudra.server.launch import NO_LEARNERS, RUN_FAILED, ServerProcess, start_server
 from lightning_rudra.transport.rpc_world import StageWorld
 
 _POLL_S = 0.2
@@ -109,7 +108,7 @@ class ServerNodeLauncher(_Launcher):
     def __init__(self, strategy: Any, environment: ClusterEnvironment) -> None:
         self.strategy = strategy
         self.environment = environment
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list[ServerProcess] = []
 
     @property
     def is_interactive_compatible(self) -> bool:

@@ -3,13 +3,13 @@ torchrun through its store), who starts which server process, telling them of a 
 and leaving them when the stage ends (agreeing on the next stage's port first)."""
 
 import os
-from subprocess import Popen
 from typing import Optional
 
 from lightning_fabric.plugins import ClusterEnvironment
 
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.learner.world import join, leave
+from lightning_rudra.server.launch import ServerProcess
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.transport.rpc_world import StageWorld, free_port, port_from_agent_store, quiet_peers_leaving
 
@@ -52,7 +52,7 @@ class StageServers:
     def reset(self) -> None:
         self.clients: list[LearnerClient] = []  # one per server process
         self.client: Optional[LearnerClient] = None  # the first server's: collectives, the shared epoch
-        self.processes: list[Popen] = []  # the server processes this learner started
+        self.processes: list[ServerProcess] = []  # the server processes this learner started
         self.elastic = False  # min_learners: the servers outlive the learners that started them
 
     def join(

@@ -17,6 +17,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 from torchmetrics import Metric
 
+from lightning_rudra.server.starter import SERVER_STARTER, STARTER_ENV
 from lightning_rudra.strategy.launchers.learner_errors import errors_folder, kept, record
 from lightning_rudra.strategy.launchers.popen import Restarts, join_survivors
 from lightning_rudra.core.stats import Stats
@@ -59,7 +60,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
     compiled parts' names would not match and their trained weights would be silently dropped).
 
     With ``"forkserver"``, Python's fork server (one per calling process, ending with it) imports Lightning and
-    this package once, and every learner of every later ``fit`` is forked from it: seconds saved per learner.
+    this package once, and every learner of every later ``fit`` is forked from it, and every server process from
+    a server starter forked from it (:mod:`~lightning_rudra.server.starter`): seconds saved per process.
     Lightning hands spawned processes the caller's random and deterministic state but not forked ones, and a
     fork server's children have the environment of when it started: both are brought here as spawn has them.
     With ``min_learners``, a learner that fails (learner 0 too) does not end the others
@@ -86,6 +88,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
         assert self._strategy.cluster_environment is not None
         os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
         self._environ = dict(os.environ)
+        if self._start_method == "forkserver":  # the learners' server processes are forked too
+            self._environ[STARTER_ENV] = SERVER_STARTER.ensure_running()
         global_states = _GlobalStateSnapshot.capture()  # forkserver's too: Lightning's launch captures spawn's only
         return_queue = mp.get_context(self._start_method).SimpleQueue()
         process_args = (trainer, function, args, kwargs, return_queue, global_states)

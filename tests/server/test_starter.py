@@ -1,0 +1,148 @@
+"""The server starter (``start_method="forkserver"``): it forks a server only for a peer that has its key, reads
+nothing but a bounded JSON request, never waits on one peer for long, and leaves no process behind: a forked server
+ends with its learner, and the starter with the process that owns it. Real processes; the training runs through it
+are the RPC and Trainer tests'."""
+
+import hmac
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from lightning_rudra.server import launch
+from lightning_rudra.server.starter import SERVER_STARTER, STARTER_ENV, fork_server
+from lightning_rudra.transport.rpc_world import StageWorld, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return SERVER_STARTER.ensure_running()
+
+
+def _waiting_world(timeout: float = 300.0) -> StageWorld:
+    """A world whose learners never come: its server waits in the rendezvous (``timeout`` seconds)."""
+    return StageWorld("127.0.0.1", free_port(), 1, timeout, (0,))
+
+
+def _children(pid: int) -> set[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return {int(child) for child in f.read().split()}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _raw_request(folder: str, key: bytes, request: bytes, fds=(1, 2, 1)) -> bytes:
+    """What the starter answers a hand-made request: the 4 bytes of its pid (0: refused), or less if it hung up."""
+    with socket.socket(socket.AF_UNIX) as connection:
+        connection.settimeout(30)
+        connection.connect(os.path.join(folder, "socket"))
+        challenge = connection.recv(32)
+        socket.send_fds(connection, [hmac.digest(key, challenge, "sha256") + len(request).to_bytes(4, "big")], fds)
+        connection.sendall(request)
+        return connection.recv(4)
+
+
+def test_a_forked_server_has_the_learners_stderr_and_its_exit_code_comes_back(folder, capfd):
+    server = fork_server(folder, ["--no-such-option"], new_session=False, timeout=30)
+    assert server.wait(timeout=60) == 2  # argparse's exit code, as for a fresh interpreter
+    assert "the following arguments are required: --init-method" in capfd.readouterr().err
+
+
+def test_a_forked_server_waits_kills_and_runs_in_a_session_of_its_own_when_asked(folder):
+    argv = launch.command_line(_waiting_world(), 0)
+    for new_session in (False, True):
+        server = fork_server(folder, argv, new_session=new_session, timeout=30)
+        assert server.pid in _children(SERVER_STARTER.pid)
+        with pytest.raises(subprocess.TimeoutExpired):
+            server.wait(timeout=0.2)
+        assert server.poll() is None
+        assert (os.getsid(server.pid) == server.pid) is new_session
+        server.kill()
+        assert server.wait(timeout=60) == -9 and server.poll() == -9
+
+
+def test_requests_without_the_key_or_malformed_are_refused_and_the_starter_serves_on(folder):
+    before = _children(SERVER_STARTER.pid)
+    with open(os.path.join(folder, "key"), "rb") as f:
+        key = f.read()
+    request = json.dumps({"argv": [], "env": {}, "cwd": "/", "path": [], "new_session": False}).encode()
+    assert _raw_request(folder, b"not the key", request) in (b"\0\0\0\0", b"")
+    for bad in (b"not json", json.dumps({"argv": "a string"}).encode(), json.dumps([1, 2]).encode()):
+        assert _raw_request(folder, key, bad) == b"\0\0\0\0"
+    wrong_types = json.dumps({"argv": [1], "env": {}, "cwd": "/", "path": [], "new_session": False}).encode()
+    assert _raw_request(folder, key, wrong_types) == b"\0\0\0\0"
+    assert _raw_request(folder, key, request, fds=(1,)) == b"\0\0\0\0"  # without its descriptors
+    assert _children(SERVER_STARTER.pid) == before  # nothing forked
+    assert fork_server(folder, ["--no-such-option"], new_session=False, timeout=30).wait(timeout=60) == 2
+
+
+def test_a_silent_peer_holds_the_starter_for_seconds_not_for_ever(folder):
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(os.path.join(folder, "socket"))
+    answered = []
+    thread = threading.Thread(
+        target=lambda: answered.append(fork_server(folder, ["--no-such-option"], False, timeout=60).wait(60))
+    )
+    thread.start()
+    silent.settimeout(60)
+    assert silent.recv(32) and silent.recv(4) == b"\0\0\0\0"  # its challenge, then refused once it timed out
+    thread.join(timeout=90)
+    assert answered == [2]
+    silent.close()
+
+
+def _start_server_and_report(folder: str, port: int, queue) -> None:
+    os.environ[STARTER_ENV] = folder
+    server = launch.start_server(StageWorld("127.0.0.1", port, 1, 300.0, (0,)), 0)
+    queue.put(server.pid)
+    time.sleep(300)  # killed by the test
+
+
+def test_a_forked_server_ends_when_its_learner_dies(folder):
+    ctx = mp.get_context("forkserver")
+    queue = ctx.Queue()
+    learner = ctx.Process(target=_start_server_and_report, args=(folder, free_port(), queue))
+    learner.start()
+    pid = queue.get(timeout=60)
+    assert pid in _children(SERVER_STARTER.pid) and not _gone(pid)
+    learner.kill()
+    learner.join()
+    while not _gone(pid):  # its rendezvous would wait 300 s: the test's timeout fails it if the pipe is not seen
+        time.sleep(0.1)
+
+
+def test_start_server_falls_back_to_a_new_interpreter_when_the_starter_is_gone(tmp_path, monkeypatch, caplog):
+    started = []
+    monkeypatch.setenv(STARTER_ENV, str(tmp_path))  # no socket, no key: its owner ended
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda command, **kwargs: started.append(command))
+    with caplog.at_level(logging.WARNING, logger=launch.__name__):
+        launch.start_server(_waiting_world(), 0)
+    assert started and started[0][:2] == [sys.executable, "-c"]
+    assert f"the server starter in {tmp_path} did not answer" in caplog.text
+
+
+def test_the_starter_and_its_folder_end_with_the_process_that_owns_it():
+    code = (
+        "from lightning_rudra.server.starter import SERVER_STARTER\n"
+        "print(SERVER_STARTER.ensure_running(), SERVER_STARTER.pid, flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110, check=True)
+    owned_folder, pid = out.stdout.split()
+    while not _gone(int(pid)) or os.path.exists(owned_folder):
+        time.sleep(0.1)
+    assert out.stderr == ""

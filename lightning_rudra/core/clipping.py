@@ -70,11 +70,16 @@ def check(clipping: Any) -> None:
             f"{', '.join(map(repr, CLIP_ALGORITHMS))}."
         )
     servers = getattr(clipping, "servers", None)
-    if not isinstance(servers, tuple) or not all(isinstance(s, int) and s >= 0 for s in servers):
+    if not isinstance(servers, tuple) or not all(is_server(s) for s in servers):
         raise ValueError(f"gradient clipping servers {servers!r} are not valid: expected a tuple of server indices.")
     norm = getattr(clipping, "norm", None)
     if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm >= 0):
         raise ValueError(f"gradient norm {norm!r} is not valid: expected None or a number >= 0.")
+
+
+def is_server(server: Any) -> bool:
+    """A server's index: an int >= 0, not a bool (which Python counts as 0 or 1)."""
+    return isinstance(server, int) and not isinstance(server, bool) and server >= 0
 
 
 def check_all(clippings: Any) -> tuple[Clipping, ...]:

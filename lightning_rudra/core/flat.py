@@ -56,6 +56,11 @@ class FlatLayout:
     def check(self, flats: Sequence[Tensor], what: str) -> None:
         """Raise a ValueError naming the mismatch if ``flats`` was not packed with this layout."""
         expected = [f"{dtype} x {numel}" for dtype, numel in self.numels.items()]
+        if not isinstance(flats, (list, tuple)):  # a tensor would pass as its rows
+            raise ValueError(
+                f"{what} are a {type(flats).__name__}: expected a list of flat buffers [{', '.join(expected)}] "
+                "(dtype x number of elements, one 1-D buffer per dtype)."
+            )
         got = [
             f"{f.dtype} x {f.numel()}" + ("" if f.dim() == 1 else f" ({f.dim()}-D)")
             if isinstance(f, Tensor)

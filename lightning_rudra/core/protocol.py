@@ -31,7 +31,14 @@ from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, shar
 from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
 from lightning_rudra.core.stats import Stats
-from lightning_rudra.core.push_checks import all_finite, check_clipping, check_fields, check_optimizer, check_round
+from lightning_rudra.core.push_checks import (
+    all_finite,
+    check_clipping,
+    check_fields,
+    check_optimizer,
+    check_round,
+    is_index,
+)
 from lightning_rudra.core.update import Push, PushResult, Update
 
 
@@ -159,10 +166,10 @@ class Server:
         """``push``, its gradient widened and its clippings as the update applies them, once every check passed
         (:mod:`lightning_rudra.core.push_checks`)."""
         optimizer = push.optimizer
-        if optimizer in range(len(self.grad_layouts)) and isinstance(push.grads, (list, tuple)):
-            push = replace(push, grads=decompress(push.grads, list(self.grad_layouts[optimizer].groups)))
         self._check_learner(push.learner)
         check_optimizer(optimizer, len(self.optimizers))
+        if isinstance(push.grads, (list, tuple)):
+            push = replace(push, grads=decompress(push.grads, list(self.grad_layouts[optimizer].groups)))
         num_groups = len(self.optimizers[optimizer].param_groups)
         check_fields(push, self.grad_layouts[optimizer], num_groups, self.buffer_layout, self.clock)
         clipping = check_clipping(push, self.config, self.gradients_per_update)
@@ -259,6 +266,11 @@ class Server:
         return pending.received >= self.gradients_per_update
 
     def _check_learner(self, learner: int) -> None:
+        if not is_index(learner):
+            raise ValueError(
+                f"learner {learner!r} is not a learner's index: expected an int (not a bool), one of the active "
+                f"learners {sorted(self.active)} (λ={self.config.num_learners})."
+            )
         if learner not in self.active:
             state = (
                 "is unknown"

@@ -21,8 +21,18 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def is_index(value: object) -> bool:
+    """An int, not a bool: Python counts True as 1, so ``True in range(2)`` holds."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_optimizer(optimizer: int, count: int) -> None:
     """``optimizer`` is the index of one of the server's ``count`` optimizers."""
+    if not is_index(optimizer):
+        raise ValueError(
+            f"optimizer index {optimizer!r} is not valid: expected an int (not a bool), one of the server's {count} "
+            f"optimizer(s), indices 0..{count - 1}."
+        )
     if optimizer not in range(count):
         raise ValueError(
             f"optimizer index {optimizer!r} is unknown: the server holds {count} optimizer(s), indices 0..{count - 1}."
@@ -47,6 +57,11 @@ def check_fields(push: Push, grad_layout: FlatLayout, num_groups: int, buffer_la
             f"timestamp {timestamp!r} from learner {learner} is not valid: expected an integer "
             f"between 0 and the server clock {clock}."
         )
+    if not isinstance(push.hparams, (list, tuple)):
+        raise ValueError(
+            f"hparams={push.hparams!r} from learner {learner} is not valid: expected a list of {num_groups} dicts, "
+            f"the hyper-parameters of each parameter group of optimizer {optimizer}."
+        )
     if len(push.hparams) != num_groups:
         raise ValueError(
             f"learner {learner} sent hyper-parameters for {len(push.hparams)} parameter groups of "
@@ -60,6 +75,17 @@ def check_fields(push: Push, grad_layout: FlatLayout, num_groups: int, buffer_la
                 "expected a number >= 0 in every parameter group."
             )
     buffer_layout.check(push.buffers, f"the buffers pushed by learner {learner}")
+    if push.finite is not None and not isinstance(push.finite, bool):  # anything truthy would skip the NaN check
+        raise ValueError(
+            f"finite={push.finite!r} from learner {learner} is not valid: expected True or False (the learner checked "
+            "the whole gradient for NaN and Inf) or None (the server checks its part)."
+        )
+    for name, learners in (("members", push.members), ("refused", push.refused)):
+        if not isinstance(learners, (list, tuple)) or not all(is_index(who) for who in learners):
+            raise ValueError(
+                f"{name}={learners!r} from learner {learner} is not valid: expected a list of learners' indices "
+                "(ints; empty but for a node's push)."
+            )
 
 
 def check_clipping(push: Push, config: ProtocolConfig, gradients_per_update: int) -> tuple[Clipping, ...]:

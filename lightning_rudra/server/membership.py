@@ -182,14 +182,19 @@ class Membership:
         """Every learner has left or is lost, and none is awaited back: the server's work is over."""
         return len(self.left | set(self.lost)) == self.num_learners and not self.awaiting_rejoins
 
+    def check_index(self, learner: Any, refused: str) -> None:
+        """``learner`` is one of this run's learners' indices; if not, a ValueError that begins with ``refused``
+        (which call, from whom) says why."""
+        if isinstance(learner, int) and not isinstance(learner, bool) and learner in range(self.num_learners):
+            return
+        why = "a learner is an int, not a bool (which Python counts as 0 or 1): " if isinstance(learner, bool) else ""
+        raise ValueError(f"{refused}{why}this run's learners are 0..{self.num_learners - 1}")
+
     def check_caller(self, method: str, learner: Any) -> None:
         """A call from a learner this run does not know, or no longer counts, is refused before it changes
         anything: a lost learner's process (a stalled one that wakes up) is not merged back in; a new process for it
         may ask to rejoin (``min_learners``), and until it is admitted it may only wait, beat and leave."""
-        if not isinstance(learner, int) or learner not in range(self.num_learners):
-            raise ValueError(
-                f"{method} from learner {learner!r} refused: this run's learners are 0..{self.num_learners - 1}"
-            )
+        self.check_index(learner, f"{method} from learner {learner!r} refused: ")
         incarnation = incarnation_of(learner)
         if self.joining.get(learner) == incarnation and incarnation:
             if method in ("heartbeat", "leave", "stats"):

@@ -110,6 +110,7 @@ class ParameterServer(ModelServer):
         """``reporter``'s launcher saw ``learner``'s process end (on another machine, sooner than its silence).
         ``process``: which one, (machine, pid) as :func:`~lightning_rudra.server.membership.this_process` says; a
         report about another process than the one counted or waiting to rejoin (an earlier one, late) is ignored."""
+        self.membership.check_index(learner, f"report from learner {reporter} refused: it names learner {learner!r}; ")
         with self.lock:
             outcomes = []
             if not self._is_current(learner, process):

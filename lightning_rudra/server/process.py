@@ -20,7 +20,7 @@ import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from lightning_rudra.core.compression import WeightDeltas
+from lightning_rudra.core.compression import COMPRESSIONS, WeightDeltas
 from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.server.launch import NO_LEARNERS, RUN_FAILED, read_command_line
 from lightning_rudra.server.parameter_server import ParameterServer
@@ -129,9 +129,22 @@ def _push_deltas(compression: str, count: int, push: Push) -> Future:
         the future of the :class:`PushReply`, its weights as differences.
     """
     assert _server is not None
-    deltas = _server.weight_deltas.setdefault(compression, WeightDeltas(compression))
+    server, learner = _server, push.learner
+    if not isinstance(compression, str) or compression not in COMPRESSIONS:
+        raise ValueError(
+            f"push_deltas from learner {learner} refused: compression={compression!r} is not one the server knows: "
+            f"expected one of {', '.join(map(repr, COMPRESSIONS))} (a learner of another version of lightning_rudra?)"
+        )
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(
+            f"push_deltas from learner {learner} refused: count={count!r} is not valid: expected the number of "
+            "replies the learner has applied, an int >= 0 (0: it holds no weights yet)."
+        )
+    pushed = server.push(push)  # a refused push raises here: no copy of the learner's weights is made for it
+    with server.lock:  # where a loss or a leave forgets the copies
+        deltas = server.weight_deltas.setdefault(compression, WeightDeltas(compression))
     # a new process of the learner holds nothing yet: it sends count 0 and gets the whole weights
-    key = int(push.learner)
+    key = int(learner)
 
     def encoded(replied: Future) -> Any:
         reply = replied.value()
@@ -139,7 +152,7 @@ def _push_deltas(compression: str, count: int, push: Push) -> Future:
             return reply._replace(params=deltas.encode(key, count, reply.params))  # type: ignore[arg-type]  # decoded by the learner
         return reply  # a failed wait arrives as a value: the learner raises it
 
-    return _server.push(push).then(encoded)
+    return pushed.then(encoded)
 
 
 # pushes from learners on other hosts (transport.stream): opened when the first of them asks (stream_address)

@@ -164,6 +164,11 @@ def test_bad_clipping_values_are_refused_by_name(value, algorithm, message):
         Clipping(value, algorithm)
 
 
+def test_a_bool_is_not_a_server_index_of_a_clipping():
+    with pytest.raises(ValueError, match=r"gradient clipping servers \(True, 2\) are not valid"):
+        Clipping(1.0, "norm", (True, 2))
+
+
 def test_one_clipping_by_norm_per_step_where_several_servers_hold_an_optimizers_parameters():
     check_servers([Clipping(0.5), Clipping(0.5)], 1, 0)  # one server: torch clips each in turn
     check_servers([Clipping(0.5), Clipping(0.5, "value")], 3, 0)

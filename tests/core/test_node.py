@@ -95,6 +95,10 @@ def test_a_nodes_push_is_refused_where_it_does_not_apply():
         node_push(server, 0, [1.0, 1.0], members=[0])
     with pytest.raises(ValueError, match="learner 7 is unknown"):
         node_push(server, 0, [1.0, 1.0], members=[7])
+    with pytest.raises(ValueError, match=r"members=\[True\] from learner 0 is not valid: expected a list of"):
+        node_push(server, 0, [1.0, 1.0], members=[True])
+    with pytest.raises(ValueError, match=r"refused=\[True\] from learner 0 is not valid: expected a list of"):
+        node_push(server, 0, [1.0, 1.0], members=[1], refused=[True])
     node_push(server, 1, [1.0, 1.0])
     with pytest.raises(RuntimeError, match="learner 1 pushed twice"):
         node_push(server, 0, [1.0, 1.0], members=[1])

@@ -1,5 +1,7 @@
 """Protocol semantics without processes: scripted pushes into the in-process server, weights by hand."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -165,6 +167,16 @@ def test_a_gradient_is_stale_only_by_the_updates_of_its_own_optimizers_parameter
     assert server.stats.staleness == {0: 3, 1: 3} and server.clock == 6
 
 
+def test_a_bool_is_neither_a_learner_nor_an_optimizer_index():
+    """Python counts True as 1: a push from learner True for optimizer True would be learner 1's for optimizer 1."""
+    server = two_optimizer_server(protocol="async")
+    with pytest.raises(ValueError, match="optimizer index True is not valid: expected an int"):
+        push_to(server, True, 0, 1.0, 0)
+    with pytest.raises(ValueError, match="learner True is not a learner's index: expected an int"):
+        push_to(server, 1, True, 1.0, 0)
+    assert server.clock == 0 and server.stats.gradients == 0 and server.params[1].tolist() == [0.0]
+
+
 def clocks_kept(server):
     return [[update.clock for update in kept] for kept in server.clocks.updates]
 
@@ -295,6 +307,22 @@ def test_hardsync_round_with_a_refused_gradient_averages_the_others():
             lambda s: s.push(Push(0, 3, [torch.ones(2)], torch.tensor([True]), 0, [{"lr": 0.1}], [])),
             "optimizer index 3",
         ),
+        # a bool is an int to Python: True would be learner 1, optimizer 1
+        (lambda s: s.push(pushed(learner=True)), "learner True is not a learner's index: expected an int"),
+        (lambda s: s.push(pushed(learner=1.0)), "learner 1.0 is not a learner's index"),
+        (lambda s: s.push(pushed(optimizer=0.0)), "optimizer index 0.0 is not valid"),
+        # fields of the wrong type: refused by name, not a TypeError or AttributeError from reading them
+        (lambda s: s.push(pushed(hparams=None)), "hparams=None from learner 0 is not valid: expected a list of 1"),
+        (lambda s: s.push(pushed(hparams={"lr": 0.1})), "hparams={'lr': 0.1} from learner 0 is not valid"),
+        (lambda s: s.push(pushed(buffers=None)), "the buffers pushed by learner 0 are a NoneType: expected a list"),
+        (lambda s: s.push(pushed(grads=torch.ones(1, 2))), "learner 0 for optimizer 0 are a Tensor: expected a list"),
+        (lambda s: s.push(pushed(members=None)), "members=None from learner 0 is not valid: expected a list of"),
+        (lambda s: s.push(pushed(refused=None)), "refused=None from learner 0 is not valid"),
+        (lambda s: s.push(pushed(members=[True])), "members=.True. from learner 0 is not valid"),
+        (lambda s: s.push(pushed(clipping=None)), "clipping=None is not valid: expected a tuple"),
+        # anything but True, False or None would skip the check for NaN and Inf
+        (lambda s: s.push(pushed([float("nan"), 1.0], finite="no")), "finite='no' from learner 0 is not valid"),
+        (lambda s: s.push(pushed([float("nan"), 1.0], finite=1)), "finite=1 from learner 0 is not valid: expected"),
     ],
 )
 def test_bad_push_is_refused_with_a_clear_error_and_changes_nothing(call, message):
@@ -304,6 +332,12 @@ def test_bad_push_is_refused_with_a_clear_error_and_changes_nothing(call, messag
     with pytest.raises(ValueError, match=message):
         call(server)
     assert (weights(server), server.stats.to_dict()) == before
+
+
+def pushed(grad=(1.0, 1.0), **fields):
+    """Learner 0's push of ``grad`` to :func:`make_server`'s server, with ``fields`` in place of a good push's."""
+    good = Push(0, 0, [torch.tensor(grad)], torch.tensor([True]), 0, [{"lr": 0.1, "momentum": 0.0}], [])
+    return replace(good, **fields)
 
 
 @pytest.mark.parametrize(

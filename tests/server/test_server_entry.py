@@ -2,6 +2,7 @@
 calls run, without RPC)."""
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,9 +26,12 @@ def parameter_server(monkeypatch):
 
 
 def push(learner):
-    return server.call_async(
-        "push", Push(learner, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], [])
-    )
+    return server.call_async("push", good_push(learner=learner))
+
+
+def good_push(**fields):
+    """A push the fixture's server takes, with ``fields`` in its place."""
+    return replace(Push(0, 0, [torch.ones(3)], torch.ones(1, dtype=torch.bool), 0, [{"lr": 0.1}], []), **fields)
 
 
 @pytest.mark.parametrize(
@@ -38,6 +42,14 @@ def push(learner):
         ("heartbeat", (2, "10.0.0.3"), ValueError, r"heartbeat from learner 2 refused: this run's learners are 0..1"),
         ("push", ("0",), ValueError, r"push from learner '0' refused"),
         ("leave", (), ValueError, r"leave from learner None refused"),
+        # Python counts True as 1: refused as a learner, not taken for learner 1
+        ("heartbeat", (True, "10.0.0.3"), ValueError, r"heartbeat from learner True refused: a learner is an int"),
+        ("push", (good_push(learner=True),), ValueError, r"push from learner True refused: a learner is an int"),
+        ("finish", (True,), ValueError, r"finish from learner True refused"),
+        ("leave", (True,), ValueError, r"leave from learner True refused"),
+        ("report", (True, 1, "exit code 1"), ValueError, r"report from learner True refused"),
+        ("report", (0, True, "exit code 1"), ValueError, r"0 refused: it names learner True; a learner is an int"),
+        ("report", (0, "1", "exit code 1"), ValueError, r"it names learner '1'; this run's learners are 0..1"),
     ],
 )
 def test_unknown_calls_and_learners_are_refused(parameter_server, method, args, error, message):
@@ -46,6 +58,7 @@ def test_unknown_calls_and_learners_are_refused(parameter_server, method, args, 
         server.call(method, *args)
     membership = parameter_server.membership
     assert membership.last_heard == heard and parameter_server.failure is None and not membership.left
+    assert not membership.lost and not parameter_server.finished and parameter_server.core.stats.gradients == 0
 
 
 def test_a_learner_that_left_or_was_lost_cannot_come_back(parameter_server):
@@ -101,3 +114,24 @@ def test_every_entry_point_names_a_parameter_of_its_method(parameter_server):
     for method, name in server.ENTRY_POINTS.items():
         answer = server._HERE.get(method) or getattr(parameter_server, method)
         assert name is None or name in inspect.signature(answer).parameters, (method, name)
+
+
+@pytest.mark.parametrize(
+    "compression, count, push, error, message",
+    [
+        ("bf16", 0, good_push(timestamp=7), ValueError, "timestamp 7 from learner 0 is not valid"),
+        ("bf16", 0, good_push(hparams=None), ValueError, "hparams=None from learner 0 is not valid"),
+        ("zstd", 0, good_push(), ValueError, "push_deltas from learner 0 refused: compression='zstd' is not one"),
+        ("bf16", -1, good_push(), ValueError, "push_deltas from learner 0 refused: count=-1 is not valid"),
+        ("bf16", True, good_push(), ValueError, "push_deltas from learner 0 refused: count=True is not valid"),
+    ],
+)
+def test_a_refused_push_with_weight_deltas_keeps_no_copy_of_the_learners_weights(
+    parameter_server, compression, count, push, error, message
+):
+    """The server's copy of what each learner holds (for replies as differences) is made once a push is taken."""
+    with pytest.raises(error, match=message):
+        server.call_async("push_deltas", compression, count, push)
+    assert parameter_server.weight_deltas == {} and parameter_server.core.stats.gradients == 0
+    reply = server.call_async("push_deltas", "bf16", 0, good_push()).wait()
+    assert reply.params.whole and list(parameter_server.weight_deltas["bf16"].held) == [0]

@@ -8,6 +8,7 @@ ask it with :func:`fork_server`: the starter answers only a peer that proves it 
 challenge), reads a request of plain JSON (never a pickle), forks, runs :func:`lightning_rudra.server.process.main`
 on the request's command line with the learner's standard output and error, working folder, environment and
 ``sys.path``, and reports the server's pid and then its exit code. Every read and wait of either side is bounded.
+A forked server's command line (``ps``) is its starter's: :func:`forked_servers` says which is which.
 """
 
 import atexit
@@ -31,7 +32,7 @@ from typing import Any, Optional
 log = logging.getLogger(__name__)
 
 STARTER_ENV = "LIGHTNING_RUDRA_SERVER_STARTER"  # the starter's folder, in the environment of the learners it serves
-_SOCKET, _KEY = "socket", "key"
+_SOCKET, _KEY, _SERVERS = "socket", "key", "servers"
 _HANDSHAKE_S = 5.0  # the longest the starter waits on one peer's challenge and request: it serves one at a time
 _MAX_REQUEST = 1 << 20  # bytes: a command line, an environment and a sys.path
 _FDS = 3  # a request carries the learner's stdout, stderr and the read end of a pipe it keeps open while alive
@@ -162,6 +163,7 @@ def serve(folder: str) -> None:
 
     with open(os.path.join(folder, _KEY), "rb") as f:
         key = f.read()
+    os.mkdir(os.path.join(folder, _SERVERS))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.path.join(folder, _SOCKET) + ".new")
     listener.listen(64)
@@ -183,11 +185,11 @@ def serve(folder: str) -> None:
             if owner.sentinel in ready:
                 break
             if child_ended_r in ready:
-                _report_ended(child_ended_r, children)
+                _report_ended(child_ended_r, children, folder)
             if listener in ready:
                 connection, _ = listener.accept()
                 others = (selector, listener, connection, child_ended_r, child_ended_w, *children.values())
-                pid = _answer(connection, key, others)
+                pid = _answer(connection, folder, key, others)
                 if pid is None:
                     connection.close()
                 else:
@@ -195,7 +197,7 @@ def serve(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _answer(connection: socket.socket, key: bytes, close_in_child: tuple) -> Optional[int]:
+def _answer(connection: socket.socket, folder: str, key: bytes, close_in_child: tuple) -> Optional[int]:
     """Read one request and fork its server; the pid, or None for a request refused."""
     fds: list[int] = []
     try:
@@ -229,11 +231,31 @@ def _answer(connection: socket.socket, key: bytes, close_in_child: tuple) -> Opt
         _run_server(request, fds, close_in_child)  # never returns
     for fd in fds:
         os.close(fd)
+    _record(folder, pid, request["argv"])
     try:
         connection.sendall(_INT.pack(pid))
     except OSError:  # the learner is gone: its server sees it (the pipe's write end closed) and exits
         pass
     return pid
+
+
+def forked_servers(folder: str) -> dict[int, list[str]]:
+    """The servers the starter in ``folder`` forked that have not ended, by pid: each one's command line."""
+    found = {}
+    for name in os.listdir(os.path.join(folder, _SERVERS)):
+        try:
+            with open(os.path.join(folder, _SERVERS, name)) as f:
+                found[int(name)] = json.load(f)
+        except (FileNotFoundError, ValueError):  # ended, or being written
+            pass
+    return found
+
+
+def _record(folder: str, pid: int, argv: list[str]) -> None:
+    path = os.path.join(folder, _SERVERS, str(pid))
+    with open(path + ".new", "w") as f:
+        json.dump(argv, f)
+    os.rename(path + ".new", path)
 
 
 def _checked(request: Any) -> dict:
@@ -249,7 +271,7 @@ def _checked(request: Any) -> dict:
     return request
 
 
-def _report_ended(child_ended_r: int, children: dict[int, socket.socket]) -> None:
+def _report_ended(child_ended_r: int, children: dict[int, socket.socket], folder: str) -> None:
     try:
         while os.read(child_ended_r, 512):
             pass
@@ -263,6 +285,10 @@ def _report_ended(child_ended_r: int, children: dict[int, socket.socket]) -> Non
         if pid == 0:
             return
         connection = children.pop(pid, None)
+        try:
+            os.remove(os.path.join(folder, _SERVERS, str(pid)))
+        except FileNotFoundError:
+            pass
         if connection is not None:
             try:
                 connection.sendall(_INT.pack(os.waitstatus_to_exitcode(status)))

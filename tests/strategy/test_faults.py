@@ -54,6 +54,7 @@ from tests.lightning_models import (
     sgd_after_a_loss,
 )
 from tests.script_runs import printed_result, run_script
+from tests.server_processes import server_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -78,26 +79,6 @@ class Marked(Regression):
     def on_train_end(self) -> None:
         with open(os.path.join(self.directory, f"finished{self.global_rank}"), "w") as file:
             file.write(str(self.trainer.current_epoch))
-
-
-def server_pids(port: int, shard: Optional[int] = None) -> list[int]:
-    """The server processes of the run on ``port`` (``shard``: that one only) still there (read from /proc: ps may
-    cut lines)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as file:
-                command = file.read().replace(b"\0", b" ").decode(errors="replace")
-        except (OSError, ValueError):
-            continue
-        if (
-            entry.isdigit()
-            and "lightning_rudra.server.process" in command
-            and f"tcp://127.0.0.1:{port} " in command
-            and (shard is None or f"--server {shard} " in command)
-        ):
-            found.append(int(entry))
-    return found
 
 
 def pid_of(tmp_path, who: str, port: int) -> int:

@@ -2,7 +2,6 @@
 
 import os
 import socket
-import subprocess
 import time
 
 import pytest
@@ -32,6 +31,7 @@ from tests.lightning_models import (
     single_process_sgd,
 )
 from tests.script_runs import printed_result, run_script
+from tests.server_processes import server_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -351,15 +351,10 @@ def test_a_failing_learner_ends_the_run_with_an_error_and_leaves_no_process(how)
         trainer.fit(FailingLearner(how), loader(8))
     port = os.environ["MASTER_PORT"]
     for _ in range(40):  # the server process notices within about a second that its learner is gone
-        if not _server_processes(port):
+        if not server_pids(int(port)):
             break
         time.sleep(0.25)
-    assert not _server_processes(port)
-
-
-def _server_processes(port: str) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, timeout=10).stdout
-    return [line for line in ps.splitlines() if "lightning_rudra.server.process" in line and f":{port}" in line]
+    assert not server_pids(int(port))
 
 
 def test_a_port_in_use_is_reported_clearly(monkeypatch):

@@ -183,6 +183,19 @@ def test_a_killed_server_ends_every_learner_with_an_error_that_names_it(tmp_path
     assert isinstance(caught[0], ServerLostError), repr(caught[0])  # what the user catches around fit
 
 
+def test_with_min_learners_a_killed_server_still_ends_the_run_with_server_lost_error(tmp_path, monkeypatch):
+    """The learners outlive one another with min_learners, not their server: learner 0's error is the run's, with
+    its class (the class a learner raised crosses the launcher with min_learners too)."""
+    caught: list[BaseException] = []
+    with pytest.warns(UserWarning, match="learner 1's process ended"):
+        error, alive, _, _ = run_with_fault(
+            tmp_path, monkeypatch, "server", signal.SIGKILL, min_learners=1, caught=caught
+        )
+    assert error is not None and "the parameter server (on 127.0.0.1) is gone" in error, error
+    assert alive == []
+    assert isinstance(caught[0], ServerLostError), repr(caught[0])
+
+
 def test_a_killed_second_server_ends_every_learner_with_an_error_that_names_it(tmp_path, monkeypatch):
     caught: list[BaseException] = []
     error, alive, _, _ = run_with_fault(tmp_path, monkeypatch, "server1", signal.SIGKILL, num_servers=2, caught=caught)

@@ -35,12 +35,21 @@ def record(folder: Optional[str], process: int, error: BaseException) -> None:
             pass
 
 
-def _recorded(folder: str, process: int) -> Optional[type[RudraError]]:
+def recorded(folder: str, process: int) -> Optional[type[RudraError]]:
     try:
         with open(os.path.join(folder, str(process))) as file:
             return BY_NAME.get(file.read())
     except OSError:
         return None
+
+
+def forget(folder: Optional[str], process: int) -> None:
+    """Before learner ``process`` starts again: its last process's error is not its next one's."""
+    if folder is not None:
+        try:
+            os.remove(os.path.join(folder, str(process)))
+        except FileNotFoundError:
+            pass
 
 
 def errors_folder() -> str:
@@ -59,7 +68,7 @@ def kept(folder: Optional[str]) -> Iterator[None]:
             exited.msg, exited.error_index, exited.error_pid, exited.exit_code, exited.signal_name
         ) from exited
     except ProcessRaisedException as raised:
-        error = _recorded(folder, raised.error_index) if folder is not None else None
+        error = recorded(folder, raised.error_index) if folder is not None else None
         if error is None:
             raise
         raise error(str(raised)) from raised

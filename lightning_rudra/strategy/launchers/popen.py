@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 from lightning_fabric.utilities.distributed import _set_num_threads_if_needed
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
-from lightning_rudra.core.errors import LearnerLostError
+from lightning_rudra.core.errors import LearnerLostError, RudraError
 from lightning_rudra.server.membership import this_process
 from lightning_rudra.transport.rpc_world import real_stderr
 
@@ -170,8 +170,7 @@ def join_survivors(
     started again (``restart``). Once a learner has ended well, training is over: none is restarted. Once learner 0
     has ended well, ``stats_ready()`` names the learners the server lost; those still running are ended, and so is
     any learner still running ``grace`` seconds after the first ended well (one lost after learner 0 took the
-    statistics, or any if learner 0 was lost). Raises if learner 0's last process did not end well: only it brings
-    the results back."""
+    statistics, or any if learner 0 was lost). Then :func:`check_learner_zero`."""
     ended: Optional[set[int]] = None  # the learners ended here, once one has ended well
     asked = False  # for the learners the server lost
     deadline = float("inf")
@@ -192,7 +191,6 @@ def join_survivors(
         for rank in ended:
             if context.processes[rank].is_alive():
                 context.processes[rank].kill()
-    _check_learner_zero(context, restarts)
 
 
 def _reap(context: Any, min_learners: int, restarts: Restarts, ended: set[int]) -> None:
@@ -221,14 +219,16 @@ def _still_running(context: Any, grace: float) -> set[int]:
     return late
 
 
-def _check_learner_zero(context: Any, restarts: Restarts) -> None:
-    """Raises if learner 0's last process did not end well: only it brings the results back."""
+def check_learner_zero(context: Any, restarts: Restarts, raised: Optional[type[RudraError]] = None) -> None:
+    """After :func:`join_survivors`: raises if learner 0's last process did not end well, as only it brings the
+    results back; where no learner finished training, with the class of the package's error learner 0 ``raised``
+    (a lost server, a refused option), if it raised one."""
     code = context.processes[0].exitcode
     if code != 0:
         trace = _trace(context.error_files[0])
         error = f"\n\n-- learner 0's error:\n{trace}" if trace else ""
         if not restarts.closed:  # no learner finished training: learner 0's error is the run's
-            raise LearnerLostError(f"learner 0's process ended with {describe_exit(code)}.{error}")
+            raise (raised or LearnerLostError)(f"learner 0's process ended with {describe_exit(code)}.{error}")
         raise LearnerLostError(
             f"learner 0's process ended with {describe_exit(code)} and was not restarted (max_restarts="
             f"{restarts.max_restarts}): the other learners trained to the end, but only learner 0 brings the trained "

@@ -18,8 +18,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_rudra.server.starter import SERVER_STARTER, STARTER_ENV
-from lightning_rudra.strategy.launchers.learner_errors import errors_folder, kept, record
-from lightning_rudra.strategy.launchers.popen import Restarts, join_survivors
+from lightning_rudra.strategy.launchers.learner_errors import errors_folder, forget, kept, record, recorded
+from lightning_rudra.strategy.launchers.popen import Restarts, check_learner_zero, join_survivors
 from lightning_rudra.core.stats import Stats
 
 if TYPE_CHECKING:  # rudra.py imports this module
@@ -93,8 +93,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
         global_states = _GlobalStateSnapshot.capture()  # forkserver's too: Lightning's launch captures spawn's only
         return_queue = mp.get_context(self._start_method).SimpleQueue()
         process_args = (trainer, function, args, kwargs, return_queue, global_states)
-        # without min_learners a learner's failure ends the run: it records the class of its error there
-        self._errors = errors_folder() if self._strategy.min_learners is None else None
+        self._errors = errors = errors_folder()  # where a learner that fails records the class of its error
         try:
             context = mp.start_processes(
                 self._wrapping_function,
@@ -116,14 +115,17 @@ class SpawnLauncher(_MultiProcessingLauncher):
                 while not context.join(grace_period=5):
                     pass
         else:
-            join_survivors(
-                context,
-                min_learners,
-                lambda: _lost(outputs, return_queue),
-                grace=self._strategy.rpc_timeout + 10,
-                restarts=Restarts(self._strategy.max_restarts),
-                restart=lambda index: self._restart(context, index, process_args),
-            )
+            restarts = Restarts(self._strategy.max_restarts)
+            with kept(self._errors):
+                join_survivors(
+                    context,
+                    min_learners,
+                    lambda: _lost(outputs, return_queue),
+                    grace=self._strategy.rpc_timeout + 10,
+                    restarts=restarts,
+                    restart=lambda index: self._restart(context, index, process_args),
+                )
+                check_learner_zero(context, restarts, recorded(errors, 0))
         worker_output = outputs[0] if outputs else return_queue.get()
         if trainer is None:
             return worker_output
@@ -133,6 +135,7 @@ class SpawnLauncher(_MultiProcessingLauncher):
 
     def _restart(self, context: Any, index: int, args: tuple) -> None:
         """Start learner ``index`` again, as torch's ``start_processes`` started it (its error file included)."""
+        forget(self._errors, index)
         error_file = tempfile.NamedTemporaryFile(prefix="pytorch-errorfile-", suffix=".pickle", delete=False)
         error_file.close()
         os.unlink(error_file.name)

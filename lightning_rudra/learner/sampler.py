@@ -55,7 +55,7 @@ class SharedEpochSampler(Sampler[list[int]]):
             self.positions.clear()
 
     def __len__(self) -> int:
-        """Batches in one learner's share of the epoch (1/λ of them, as DDP's shard): what Lightning counts per
+        """Batches in one learner's share of the epoch (1/λ of them, as DDP's part): what Lightning counts per
         learner before training starts (``limit_train_batches``, ``estimated_stepping_batches``)."""
         if not self.sized:
             raise TypeError("a learner's share of the shared epoch is not known in advance")

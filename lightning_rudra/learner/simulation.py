@@ -5,7 +5,7 @@ uses it unchanged) and serves every virtual learner from an in-process
 :class:`~lightning_rudra.core.protocol.Server`, the same one the parameter server process runs. Each virtual learner
 holds the weights it last received and their timestamp, so a gradient is computed from exactly the weights a
 real learner would hold when it pushes. :class:`SimulatedSampler` deals every learner the batches its own
-DistributedSampler shard would give it, in the order the timing model (:mod:`lightning_rudra.core.timing`) says
+DistributedSampler part would give it, in the order the timing model (:mod:`lightning_rudra.core.timing`) says
 they reach the server, and :class:`LearnerSchedules` keeps every learner's own LR schedule. No Lightning here.
 """
 

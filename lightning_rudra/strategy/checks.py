@@ -241,7 +241,7 @@ def check_trainer_clipping(trainer: "pl.Trainer", check: Callable[[float, str, i
 
 
 def warn_of_meetings_per_batch(trainer: "pl.Trainer") -> None:
-    """With static shards, Lightning features that broadcast a decision after every batch put softsync and async
+    """With static parts of the data (sampling='static'), Lightning features that broadcast a decision after every batch put softsync and async
     learners in lock-step. (Under the shared epoch each learner decides for itself: no meeting.)"""
     timed = [
         f"Trainer(max_time={cb._duration:g} s)"

@@ -44,7 +44,7 @@ class ServerParallelStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Makes Lightning shard the data with a DistributedSampler and sync ``self.log(..., sync_dist=True)``."""
+        """Makes Lightning split the data into parts with a DistributedSampler and sync ``self.log(..., sync_dist=True)``."""
         return True
 
     @override

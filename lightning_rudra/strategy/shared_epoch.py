@@ -53,7 +53,7 @@ def start_shared_epoch(
         raise ConfigurationError(
             f"{len(samplers)} train dataloaders cannot share their epochs yet: Lightning cycles the shorter ones "
             "until the longest is done, and a drained shared pool does not cycle, so the epoch would end with the "
-            "shortest. Use RudraStrategy(sampling='static') (each learner its own shard of every dataloader), or "
+            "shortest. Use RudraStrategy(sampling='static') (each learner its own part of every dataloader), or "
             "one train dataloader."
         )
     if not samplers:

@@ -39,8 +39,8 @@ def check_simulation(
         )
     if sampling == "shared":
         raise ConfigurationError(
-            "sampling='shared' cannot be simulated: simulated learners read the fixed shards of "
-            "sampling='static' (each its own DistributedSampler shard). Leave sampling unset."
+            "sampling='shared' cannot be simulated: simulated learners read the fixed parts of "
+            "sampling='static' (each its own DistributedSampler part). Leave sampling unset."
         )
     if overlap:
         raise ConfigurationError(
@@ -60,7 +60,7 @@ def simulated_dataloader(
     if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler or not dataloader.batch_size:
         raise ConfigurationError(
             "RudraStrategy(simulate=...) needs a train DataLoader over a map-style dataset with a batch_size and "
-            "Lightning's own sampler, so that every simulated learner reads the shard a real learner of its rank "
+            "Lightning's own sampler, so that every simulated learner reads the part of the data a real learner of its rank "
             f"would; got {type(dataloader).__name__} with sampler {type(sampler).__name__}. An IterableDataset or a "
             "sampler of your own keeps one stream per process: run real learners (devices=λ) instead."
         )

@@ -18,6 +18,7 @@ from lightning_rudra.learner.sampler import SharedEpochSampler
 from lightning_rudra.server.starter import SERVER_STARTER, STARTER_ENV
 
 DATA_SEED = 1234
+SERVER_PIDS: list[int] = []  # in a learner process: the server processes it started (forked: not its children)
 
 
 def data(num_samples: int = 96):
@@ -76,6 +77,7 @@ def _learner_main(rank, num_learners, port, timeout, num_servers, target, kwargs
     clients, processes = [], []
     try:
         clients, processes = join(rank, StageWorld("127.0.0.1", port, num_learners, timeout, (0,) * num_servers))
+        SERVER_PIDS[:] = [process.pid for process in processes]
         result = target(rank, clients, **kwargs)
     except BaseException as error:  # report it to the test instead of dying silently
         result = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"

@@ -43,18 +43,6 @@ class _RunsCode:
         return (open, (self.path, "w"))
 
 
-def _server_pid() -> int:
-    """The server process this learner started (its only child)."""
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                if entry.isdigit() and int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    return int(entry)
-        except OSError:
-            continue
-    raise AssertionError("no server process")
-
-
 def _status(pid: int, field: str) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
@@ -235,7 +223,7 @@ def fuzzed_training(rank, clients, config, marker):
     """Learner 0 believes its server is on another host, so its pushes go over the stream; a thread fuzzes the
     stream meanwhile."""
     link_module.socket = types.SimpleNamespace(gethostname=lambda: "another-host")
-    server = _server_pid()
+    [server] = harness.SERVER_PIDS  # the one this learner started
     ports_before = _listening_ports(server)
     net, learner, wrapped = harness.start(rank, clients, config, lr=LR)
     client = clients[0]

@@ -113,14 +113,26 @@ def step(net, wrapped, rows):
 
 
 def train(
-    rank, clients, config, steps, mu, lr=0.1, momentum=0.9, overlap=False, shared_memory=True, optimizer=torch.optim.SGD
+    rank,
+    clients,
+    config,
+    steps,
+    mu,
+    lr=0.1,
+    momentum=0.9,
+    overlap=False,
+    shared_memory=True,
+    optimizer=torch.optim.SGD,
+    delays=None,
 ):
-    """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler)."""
+    """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler).
+    ``delays``: rank -> seconds that learner sleeps before each step (a straggler)."""
     net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer)
     lam = config.num_learners
     pushes = []
     learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
     for i in range(steps):
+        time.sleep((delays or {}).get(rank, 0.0))
         step(net, wrapped, torch.arange(i * mu * lam, (i + 1) * mu * lam)[rank::lam])
     learner.finish()
     stats = clients[0].stats() if rank == 0 else None

@@ -8,8 +8,14 @@ from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.compensation import parse_compensation
 
 PROTOCOLS = ("hardsync", "softsync", "async")
+OVERLAP_BLOCKS = (
+    "on_stale='block' is not available with overlap=True: a learner computes its next step before its push is "
+    "answered, so holding its push back does not hold back the weights it computes on. Use overlap=False with "
+    "on_stale='block', or on_stale='drop'."
+)
 LR_MODULATIONS = ("none", "mean", "per_gradient")
 NONFINITE_POLICIES = ("skip", "raise")
+ON_STALE = ("drop", "block")
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
@@ -17,8 +23,14 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> None:
         raise ConfigurationError(f"{name}={value!r} is not supported: expected one of {', '.join(map(repr, choices))}.")
 
 
-def validate_options(
-    protocol: str, n: int, lr_modulation: str, max_staleness: Optional[int], nonfinite: str, compensation: str = "none"
+def validate_options(  # 7 params: the rule's options as the user gave them
+    protocol: str,
+    n: int,
+    lr_modulation: str,
+    max_staleness: Optional[int],
+    nonfinite: str,
+    compensation: str = "none",
+    on_stale: str = "drop",
 ) -> None:
     """Check the options that do not depend on the number of learners."""
     _choice("protocol", protocol, PROTOCOLS)
@@ -37,6 +49,41 @@ def validate_options(
     ):
         raise ConfigurationError(
             f"max_staleness={max_staleness!r} is not valid: expected None (no bound) or an integer >= 0."
+        )
+    _choice("on_stale", on_stale, ON_STALE)
+    if on_stale == "block" and max_staleness is None:
+        raise ConfigurationError(
+            "on_stale='block' needs a bound to keep: max_staleness=None keeps every gradient whatever its staleness. "
+            "Set max_staleness=s (σ <= s), or leave on_stale='drop'."
+        )
+    if on_stale == "block" and protocol == "hardsync":
+        raise ConfigurationError(
+            f"on_stale='block' with max_staleness={max_staleness} has nothing to block under protocol='hardsync': "
+            "every gradient is applied with σ = 0. Leave on_stale='drop', or use protocol='async' or 'softsync'."
+        )
+
+
+def min_blocking_staleness(protocol: str, n: int, num_learners: int) -> int:
+    """The smallest max_staleness that on_stale='block' can keep with λ learners: an update applies c gradients,
+    and a gradient handed the newest weights may follow the λ - 1 gradients of weights no newer, in the update
+    open now (up to c - 1 already in it) and the next ones, so σ reaches ⌊(λ + c - 2) / c⌋ whatever the order."""
+    c = ProtocolConfig(num_learners, protocol, n).gradients_per_update
+    return (num_learners + c - 2) // c
+
+
+def validate_blocking(protocol: str, n: int, max_staleness: Optional[int], on_stale: str, num_learners: int) -> None:
+    """on_stale='block' with λ learners needs max_staleness >= :func:`min_blocking_staleness`."""
+    if on_stale != "block" or max_staleness is None or protocol == "hardsync":
+        return
+    least = min_blocking_staleness(protocol, n, num_learners)
+    if max_staleness < least:
+        rule = "async" if protocol == "async" else f"{n}-softsync"
+        raise ConfigurationError(
+            f"max_staleness={max_staleness} with on_stale='block' cannot be kept by {rule} with λ={num_learners} "
+            f"learners: each update applies c={ProtocolConfig(num_learners, protocol, n).gradients_per_update} "
+            f"gradient(s), and the learners' gradients computed on the same or older weights wait before the newest, "
+            f"so σ reaches {least} whatever the server holds back. Use max_staleness >= {least}, fewer learners or a "
+            "smaller n, or on_stale='drop'."
         )
 
 
@@ -63,14 +110,25 @@ class ProtocolConfig:
     # the learners push while their next step computes (Rudra-adv*): their own last updates may be missing from the
     # weights a gradient came from, so none of them is exempt from its staleness (core/staleness.py)
     overlap: bool = False
+    # what a gradient staler than max_staleness gets: dropped, or the pushes that would make it so held back (SSP)
+    on_stale: str = "drop"
 
     def __post_init__(self) -> None:
         if isinstance(self.num_learners, bool) or not isinstance(self.num_learners, int) or self.num_learners < 1:
             raise ConfigurationError(f"num_learners={self.num_learners!r} is not valid: expected an integer >= 1.")
         validate_options(
-            self.protocol, self.n, self.lr_modulation, self.max_staleness, self.nonfinite, self.compensation
+            self.protocol,
+            self.n,
+            self.lr_modulation,
+            self.max_staleness,
+            self.nonfinite,
+            self.compensation,
+            self.on_stale,
         )
         validate_n(self.protocol, self.n, self.num_learners)
+        validate_blocking(self.protocol, self.n, self.max_staleness, self.on_stale, self.num_learners)
+        if self.on_stale == "block" and self.overlap:
+            raise ConfigurationError(OVERLAP_BLOCKS)
 
     @property
     def gradients_per_update(self) -> int:

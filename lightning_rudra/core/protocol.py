@@ -8,7 +8,7 @@ has staleness σ = i - j (with several optimizers, of the updates that changed i
 """
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import AbstractSet, Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -25,10 +25,12 @@ from lightning_rudra.core.compensation import (
 )
 from lightning_rudra.core.compression import decompress
 from lightning_rudra.core.config import ProtocolConfig
+from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.node_plan import check_node_push
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
 from lightning_rudra.core.pending import Gradient, Pending
+from lightning_rudra.core.ssp import StaleGate
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.push_checks import (
@@ -103,6 +105,21 @@ class Server:
         # hardsync rounds closed per optimizer, and the one whose clipping waits for the other servers' norms
         self.rounds = [0] * len(optimizers)
         self.awaiting_norm: dict[int, tuple[GlobalNorm, Pending, float, float]] = {}
+        self.gate = self._gate(len(optimizers))
+
+    def _gate(self, num_optimizers: int) -> Optional[StaleGate]:
+        """on_stale='block': what holds pushes back (:mod:`lightning_rudra.core.ssp`); None: stale ones are dropped."""
+        if self.config.on_stale != "block":
+            return None
+        assert self.config.max_staleness is not None  # refused by ProtocolConfig otherwise
+        if num_optimizers > 1:
+            raise ConfigurationError(
+                f"on_stale='block' is not available with {num_optimizers} optimizers: a learner pushes them one after "
+                "the other, so a push held back for another learner whose push of another optimizer is held back "
+                "in turn would wait for ever. Use on_stale='drop' (max_staleness drops the stale gradients), or one "
+                "optimizer."
+            )
+        return StaleGate(self.config.max_staleness, self.config.num_learners, self.clock)
 
     @property
     def clock(self) -> int:
@@ -140,10 +157,44 @@ class Server:
         Args:
             push: the learner's gradient for this server, with what it asks of the update.
 
+        With ``on_stale="block"`` a push whose update could make another learner's gradient staler than
+        ``max_staleness`` is held back (status ``held``, nothing changed but the gate): :meth:`release` applies it
+        once it may go (:mod:`lightning_rudra.core.ssp`).
+
         Returns:
             what became of the gradient, and the update it closed, if any.
         """
         push = self._checked(push)
+        if self.gate is not None:
+            if self.gate.holds(push.learner):
+                raise ValueError(
+                    f"push from learner {push.learner} refused: its previous push is held back (on_stale='block') "
+                    "and has had no reply yet; a learner pushes again once it has its reply."
+                )
+            if not self.gate.may_take(push, self.active, self.clock, self._received(), self.gradients_per_update):
+                self.gate.hold(push)
+                return PushResult("held", self._staleness(push.optimizer, push.timestamp, None))
+        return self._apply(push)
+
+    def release(self, away: AbstractSet[int] = frozenset()) -> list[tuple[Push, PushResult]]:
+        """on_stale='block': apply the held pushes that may go now, oldest first, with what became of each (their
+        replies are due). ``away``: the learners waiting at a collective, who push nothing until it completes, so
+        nobody waits for them."""
+        if self.gate is None:
+            return []
+        self.gate.away = frozenset(away)
+        released = []
+        while (
+            push := self.gate.next_ready(self.active, self.clock, self._received(), self.gradients_per_update)
+        ) is not None:
+            released.append((push, self._apply(push)))
+        return released
+
+    def _received(self) -> int:
+        return self._pending[0].received if self._pending else 0
+
+    def _apply(self, push: Push) -> PushResult:
+        """Take a checked push that may go now (see :meth:`push`)."""
         pending = self._pending[push.optimizer]
         own = self.clocks.own_steps(push.learner, push.optimizer, self.clock)
         sigma = self._staleness(push.optimizer, push.timestamp, own)
@@ -156,11 +207,18 @@ class Server:
         for who in group:
             self.clocks.pushed(who, push.optimizer, push.timestamp, self.clock)
         if not self._ready(pending):
+            self._handed(push.learner)
             return PushResult(status, sigma)
         update = self._close(push.optimizer, push.learner)
         if status == "queued":  # applied just now, with the σ it arrived with
             status = "dropped" if self._too_stale(sigma) else "accepted"
+        self._handed(push.learner)
         return PushResult(status, sigma, closed=True, update=update)
+
+    def _handed(self, learner: int) -> None:
+        """``learner``'s push was taken: its reply hands it the newest weights."""
+        if self.gate is not None:
+            self.gate.applied(learner, self.clock)
 
     def _checked(self, push: Push) -> Push:
         """``push``, its gradient widened and its clippings as the update applies them, once every check passed
@@ -213,6 +271,8 @@ class Server:
         self._check_learner(learner)
         self.active.discard(learner)
         self.clocks.left(learner)  # it pushes from no old weights any more
+        if self.gate is not None:
+            self.gate.left(learner)
         closed = [i for i, p in enumerate(self._pending) if p.learners and (self._ready(p) or not self.active)]
         for optimizer in closed:
             self._close(optimizer)
@@ -220,8 +280,12 @@ class Server:
 
     def remove(self, learner: int) -> list[int]:
         """A learner is lost (``min_learners``): it stops pushing, as with :meth:`finish`, and softsync's c is
-        ⌊λ'/n⌋ of the λ' learners left (at least 1) from now on. Returns the optimizers whose wait this closed."""
+        ⌊λ'/n⌋ of the λ' learners left (at least 1) from now on. Its push held back (``on_stale="block"``), if any, is
+        not applied: its gradient may lie in the shared memory that goes with its process. Returns the optimizers
+        whose wait this closed."""
         self.members.discard(learner)
+        if self.gate is not None:
+            self.gate.discard(learner)
         return self.finish(learner) if learner in self.active else []
 
     def add(self, learner: int) -> None:
@@ -230,6 +294,8 @@ class Server:
         self.members.add(learner)
         self.active.add(learner)
         self.clocks.joined(learner, self.clock)
+        if self.gate is not None:
+            self.gate.joined(learner, self.clock)
 
     @property
     def gradients_per_update(self) -> int:

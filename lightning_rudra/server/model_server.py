@@ -95,6 +95,7 @@ class ModelServer:
         self.lock = threading.Lock()
         self.registered: Future = Future()
         self.round_waiters: dict[int, list[RoundWaiter]] = {}  # per optimizer
+        self.held_replies: dict[int, Future] = {}  # learner -> the reply to its push held back (on_stale='block')
         self.gatherings = Gatherings()
         self.finished: set[int] = set()
         self.finish_waiters: list[Future] = []
@@ -189,17 +190,23 @@ class ModelServer:
             self.norm_exchange.pushed(optimizer, push.clipping)
             applied = self._applied([optimizer] if result.closed else [])
             in_round = core.config.protocol == "hardsync" and optimizer not in applied
+            held = result.status == "held"
             if in_round:
                 reply: Future = Future()
                 self.round_waiters.setdefault(optimizer, []).append(
                     RoundWaiter(reply, learner, result.status, result.staleness)
                 )
                 outcomes = self._give_up_if_deadlocked()
+            elif core.gate is not None:  # its push taken or held, it may let held ones go
+                if held:
+                    reply = self.held_replies[learner] = Future()
+                outcomes, weights = self._release_held(None if held else learner)
+                lr_scale = self._lr_scale(optimizer)
             else:
                 outcomes, weights = self._release_rounds(applied, learner)
                 lr_scale = self._lr_scale(optimizer)
         self._resolve_and_report(outcomes)
-        if not in_round:
+        if not (in_round or held):
             reply = Future()
             reply.set_result(
                 PushReply(result.status, result.staleness, lr_scale, weights.params, weights.buffers, weights.clock)
@@ -258,6 +265,34 @@ class ModelServer:
             weights,
         )
 
+    def _release_held(self, pusher: Optional[int] = None) -> Released:
+        """on_stale='block': the replies to the held pushes that may go now (:meth:`Server.release`, which applies
+        them), and the weights they carry (also for ``pusher``, whose push was taken). The learners waiting at a
+        collective hold nobody back. Called under the lock."""
+        core = self._protocol()
+        released = core.release(self.gatherings.waiting() & core.active)
+        learners = ([] if pusher is None else [pusher]) + [push.learner for push, _ in released]
+        if not learners:
+            return Released([], Weights(None, None, core.clock))
+        weights = self._weights(learners)
+        return Released(
+            [
+                (
+                    self.held_replies.pop(push.learner),
+                    PushReply(
+                        result.status,
+                        result.staleness,
+                        self._lr_scale(push.optimizer),
+                        weights.params,
+                        weights.buffers,
+                        weights.clock,
+                    ),
+                )
+                for push, result in released
+            ],
+            weights,
+        )
+
     def _lr_scale(self, optimizer: int) -> float:
         update = self._protocol().last_updates[optimizer]
         return update.lr_scale if update is not None else 1.0
@@ -270,6 +305,7 @@ class ModelServer:
         with self.lock:
             self._check_alive()
             outcomes = self._release_rounds(self._applied(self._protocol().finish(learner))).outcomes
+            outcomes += self._release_held().outcomes
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
@@ -294,6 +330,8 @@ class ModelServer:
             outcomes = self.gatherings.complete(self.membership.members)
             if not outcomes:
                 outcomes = self._give_up_if_deadlocked()
+            if self.core is not None and self.failure is None:  # nobody is held back for a learner waiting here
+                outcomes += self._release_held().outcomes
         self._resolve_and_report(outcomes)
         return future
 
@@ -341,8 +379,8 @@ class ModelServer:
         self.shared.release()  # nobody maps the files any more
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
         waiters = [waiter.reply for waiting in self.round_waiters.values() for waiter in waiting]
-        waiters += self.gatherings.close() + self.finish_waiters
-        self.round_waiters, self.finish_waiters = {}, []
+        waiters += self.gatherings.close() + self.finish_waiters + list(self.held_replies.values())
+        self.round_waiters, self.finish_waiters, self.held_replies = {}, [], {}
         self.norm_exchange.clear()
         waiters += [self.registered] if not self.registered.done() else []
         return [(waiter, error(reason)) for waiter in waiters] + self.rejoins.stop(reason)

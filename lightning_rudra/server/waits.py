@@ -17,6 +17,11 @@ def open_waits(server: ModelServer) -> dict[Hashable, tuple[str, str]]:
                 f"the hardsync round of optimizer {optimizer}",
                 learners(server.core.awaited(optimizer)),
             )
+    if server.held_replies and server.core is not None:  # on_stale='block': the clock moves as they go
+        waits[("held", server.core.clock)] = (
+            f"the pushes of {learners(server.held_replies)} held back (on_stale='block')",
+            "the learners whose older gradients would otherwise go staler than max_staleness",
+        )
     for sequence, (_, arrived) in server.gatherings.open.items():
         waits[("collective", sequence)] = (f"collective {sequence}", learners(members - set(arrived)))
     if server.finish_waiters:

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.clipping import refuse_softsync
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
-from lightning_rudra.core.config import ProtocolConfig, validate_n
+from lightning_rudra.core.config import OVERLAP_BLOCKS, ProtocolConfig, validate_blocking, validate_n
 from lightning_rudra.core.node_plan import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.strategy.options import StrategyOptions
@@ -30,6 +30,20 @@ from lightning_rudra.strategy.server_nodes import check_server_nodes
 
 SAMPLINGS = ("shared", "static")
 START_METHODS = ("popen", "spawn", "forkserver")
+
+
+def check_blocking(on_stale: str, overlap: bool, simulate: Optional[int]) -> None:
+    """on_stale='block' (its own values: :func:`lightning_rudra.core.config.validate_options`) with the strategy's
+    other arguments."""
+    if on_stale != "block":
+        return
+    if overlap:
+        raise ConfigurationError(OVERLAP_BLOCKS)
+    if simulate is not None:
+        raise ConfigurationError(
+            f"on_stale='block' cannot be simulated (simulate={simulate!r}): the timing model orders the simulated "
+            "learners' pushes, and none of them can be held back. Use real learners, or on_stale='drop'."
+        )
 
 
 def check_arguments(  # 8 params: the strategy's own arguments as the user gave them, before any default fills in
@@ -274,6 +288,7 @@ def check_learners(options: StrategyOptions, num_nodes: int, num_processes: int)
     """Once the Trainer is built, λ is known: the arguments that depend on it, before any process starts."""
     num_learners = options.simulate or num_nodes * num_processes
     validate_n(options.protocol, options.n, num_learners)
+    validate_blocking(options.protocol, options.n, options.max_staleness, options.on_stale, num_learners)
     check_min_learners(options.min_learners, num_learners, options.simulate)
     check_num_servers(options.num_servers, options.simulate)
     check_simulated_devices(options.simulate, num_nodes, num_processes)

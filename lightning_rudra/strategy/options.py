@@ -22,6 +22,7 @@ class StrategyOptions:
     lr_modulation: str
     compensation: str
     max_staleness: Optional[int]
+    on_stale: str
     nonfinite: str
     sampling: str
     rpc_timeout: float
@@ -48,6 +49,7 @@ class StrategyOptions:
             nonfinite=self.nonfinite,
             compensation=self.compensation,
             overlap=self.overlap,
+            on_stale=self.on_stale,
         )
 
 
@@ -91,6 +93,7 @@ class StrategyArguments:
     lr_modulation = Option[str]()
     compensation = Option[str]()
     max_staleness = Option[Optional[int]]()
+    on_stale = Option[str]()
     nonfinite = Option[str]()
     sampling = Option[str]()
     rpc_timeout = Option[float]()

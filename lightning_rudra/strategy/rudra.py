@@ -30,6 +30,7 @@ from lightning_rudra.strategy.checkpoints import Checkpoints, keep_final_states,
 from lightning_rudra.strategy.clipping import clip_on_the_learner, clip_on_the_server
 from lightning_rudra.strategy.checks import (
     check_arguments,
+    check_blocking,
     check_clipping,
     check_learners,
     check_module,
@@ -64,6 +65,9 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         compensation: the server's rule for stale gradients (:mod:`lightning_rudra.core.compensation`):
             ``"momentum"`` (the default), ``"dc"``, ``"gap"``, several joined by ``+``, or ``"none"``.
         max_staleness: gradients more than this many updates stale are dropped and counted; None keeps all.
+        on_stale: ``"drop"`` (a gradient staler than ``max_staleness`` is dropped and counted) or ``"block"`` (Stale
+            Synchronous Parallel: the server holds back the pushes that would make one so, until the lagging
+            learner's gradient came; none is dropped).
         nonfinite: a gradient with NaN or Inf is refused and counted (``"skip"``) or stops training (``"raise"``).
         sampling: ``"shared"`` (softsync's and async's default: one pool of batches per epoch) or ``"static"``.
         rpc_timeout: seconds a call to the server may take, and a process's silence before it counts as lost.
@@ -90,7 +94,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
 
     strategy_name = "rudra"
 
-    # 24 params: the user's arguments, each typed for LightningCLI (as DDPStrategy's); kept in one StrategyOptions
+    # 25 params: the user's arguments, each typed for LightningCLI (as DDPStrategy's); kept in one StrategyOptions
     def __init__(
         self,
         protocol: Literal["hardsync", "softsync", "async"] = "softsync",
@@ -98,6 +102,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         lr_modulation: Optional[Literal["none", "mean", "per_gradient"]] = None,
         compensation: Optional[str] = None,
         max_staleness: Optional[int] = None,
+        on_stale: Literal["drop", "block"] = "drop",
         nonfinite: Literal["skip", "raise"] = "skip",
         sampling: Optional[Literal["shared", "static"]] = None,
         rpc_timeout: float = 120.0,
@@ -127,7 +132,8 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
             precision_plugin=precision_plugin,
         )
         modulation, compensation = staleness_options(lr_modulation, compensation)
-        validate_options(protocol, n, modulation, max_staleness, nonfinite, compensation)
+        validate_options(protocol, n, modulation, max_staleness, nonfinite, compensation, on_stale)
+        check_blocking(on_stale, overlap, simulate)
         check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts)
         check_simulation(simulate, timing, sampling, overlap)
         check_node_aggregation(node_aggregation, protocol, min_learners, simulate, server_nodes)
@@ -137,6 +143,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
             lr_modulation=modulation,
             compensation=compensation,
             max_staleness=max_staleness,
+            on_stale=on_stale,
             nonfinite=nonfinite,
             sampling=sampling or ("static" if protocol == "hardsync" or simulate else "shared"),
             rpc_timeout=float(rpc_timeout),

@@ -185,3 +185,16 @@ def test_the_shared_epoch_deals_every_sample_once_and_more_to_the_fast_learner()
         assert len(mine) > 2 * len(theirs), (len(mine), len(theirs))
     # positions are taken by the trainer loop; here nobody took them
     assert sorted(results[0]["positions"] + results[1]["positions"]) == list(range(24))
+
+
+def test_ssp_keeps_a_straggler_within_the_bound_and_drops_nothing(no_shared_memory_left):
+    # async, λ = 2, s = 1, on_stale='block': learner 1 sleeps before each step, so learner 0 would run ahead (under
+    # 'drop' learner 1's gradients arrive several updates stale and are dropped); held back, it waits for learner 1
+    learners, steps = 2, 12
+    config = ProtocolConfig(learners, "async", max_staleness=1, on_stale="block")
+    results = harness.run_learners(learners, harness.train, config=config, steps=steps, mu=2, delays={1: 0.05})
+    check_ok(results)
+    stats = results[0]["stats"]
+    assert stats.max_staleness <= 1 and stats.dropped == 0
+    assert stats.gradients == learners * steps == sum(stats.staleness.values()) == stats.clock
+    assert all(status == "accepted" and sigma <= 1 for r in results for status, sigma in r["pushes"])

@@ -100,6 +100,11 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         (dict(protocol="hardsync", node_aggregation=True, min_learners=1), "cannot be used with min_learners=1"),
         (dict(protocol="hardsync", node_aggregation=True, simulate=2), "cannot be used with simulate=2"),
         (dict(node_aggregation="yes"), "node_aggregation='yes' is not valid"),
+        (dict(on_stale="wait"), "on_stale='wait' is not supported: expected one of 'drop', 'block'"),
+        (dict(on_stale="block"), "on_stale='block' needs a bound to keep: max_staleness=None"),
+        (dict(protocol="hardsync", max_staleness=0, on_stale="block"), "nothing to block under protocol='hardsync'"),
+        (dict(protocol="async", max_staleness=3, on_stale="block", overlap=True), "not available with overlap=True"),
+        (dict(protocol="async", max_staleness=3, on_stale="block", simulate=2), "cannot be simulated \\(simulate=2\\)"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
@@ -135,6 +140,18 @@ def test_n_larger_than_the_learners_is_refused_when_the_trainer_is_built():
     trainer(RudraStrategy(protocol="async", n=3))  # n only matters to softsync
 
 
+def test_on_stale_defaults_to_drop_reads_back_and_a_bound_too_small_for_the_learners_is_refused():
+    assert RudraStrategy().on_stale == "drop" and RudraStrategy(max_staleness=1).on_stale == "drop"
+    strategy = RudraStrategy(protocol="async", max_staleness=1, on_stale="block")
+    assert (strategy.on_stale, strategy._options.protocol_config(2).on_stale) == ("block", "block")
+    trainer(strategy)  # λ = 2: async needs max_staleness >= 1
+    with pytest.raises(
+        ValueError, match="max_staleness=1 with on_stale='block' cannot be kept by async with λ=3"
+    ) as refused:
+        trainer(RudraStrategy(protocol="async", max_staleness=1, on_stale="block"), devices=3)
+    assert isinstance(refused.value, ConfigurationError) and "Use max_staleness >= 2" in str(refused.value)
+
+
 @pytest.mark.parametrize("protocol", ["hardsync", "softsync", "async"])
 def test_one_learner_is_valid_for_every_protocol(protocol):
     assert trainer(RudraStrategy(protocol=protocol), devices=1).strategy.num_learners == 1
@@ -146,6 +163,7 @@ def test_lightning_cli_reads_the_strategy_from_yaml(tmp_path):
         "trainer:\n  accelerator: cpu\n  devices: 3\n  logger: false\n  strategy:\n"
         "    class_path: lightning_rudra.RudraStrategy\n"
         "    init_args:\n      protocol: softsync\n      n: 3\n      lr_modulation: per_gradient\n      max_staleness: 5\n"
+        "      on_stale: block\n"
     )
     cli = LightningCLI(Regression, run=False, args=["--config", str(config)])
     strategy = cli.trainer.strategy
@@ -156,7 +174,7 @@ def test_lightning_cli_reads_the_strategy_from_yaml(tmp_path):
         "per_gradient",
         5,
     )
-    assert strategy.num_learners == 3
+    assert strategy.num_learners == 3 and strategy.on_stale == "block"
 
 
 def test_lightning_cli_takes_a_registered_name_on_the_command_line():

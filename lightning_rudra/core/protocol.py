@@ -8,7 +8,7 @@ has staleness σ = i - j (with several optimizers, of the updates that changed i
 """
 
 from dataclasses import replace
-from typing import AbstractSet, Any, Optional, Sequence
+from typing import AbstractSet, Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -171,23 +171,33 @@ class Server:
                     f"push from learner {push.learner} refused: its previous push is held back (on_stale='block') "
                     "and has had no reply yet; a learner pushes again once it has its reply."
                 )
-            if not self.gate.may_take(push, self.active, self.clock, self._received(), self.gradients_per_update):
+            # a gradient with NaN or Inf is refused (or raises) at once, to its own learner: it changes no clock, and
+            # refused only when another learner's push let it go, that push's reply would carry the error
+            if push.finite is None and push.grads is not None:
+                push = replace(push, finite=all_finite(push.grads))
+            if push.finite is not False and not self.gate.may_take(
+                push, self.active, self.clock, self._received(), self.gradients_per_update
+            ):
                 self.gate.hold(push)
                 return PushResult("held", self._staleness(push.optimizer, push.timestamp, None))
         return self._apply(push)
 
-    def release(self, away: AbstractSet[int] = frozenset()) -> list[tuple[Push, PushResult]]:
+    def release(self, away: AbstractSet[int] = frozenset()) -> list[tuple[Push, Union[PushResult, Exception]]]:
         """on_stale='block': apply the held pushes that may go now, oldest first, with what became of each (their
-        replies are due). ``away``: the learners waiting at a collective, who push nothing until it completes, so
-        nobody waits for them."""
+        replies are due): a push whose application raised gets its error, and the others go on. ``away``: the
+        learners waiting at a collective, who push nothing until it completes, so nobody waits for them."""
         if self.gate is None:
             return []
         self.gate.away = frozenset(away)
-        released = []
+        released: list[tuple[Push, Union[PushResult, Exception]]] = []
         while (
             push := self.gate.next_ready(self.active, self.clock, self._received(), self.gradients_per_update)
         ) is not None:
-            released.append((push, self._apply(push)))
+            try:
+                released.append((push, self._apply(push)))
+            except Exception as error:  # its own learner's, not that of the call that let it go
+                self.gate.applied(push.learner, self.clock)  # refused, as it would have been on arrival
+                released.append((push, error))
         return released
 
     def _received(self) -> int:

@@ -267,7 +267,7 @@ class ModelServer:
 
     def _release_held(self, pusher: Optional[int] = None) -> Released:
         """on_stale='block': the replies to the held pushes that may go now (:meth:`Server.release`, which applies
-        them), and the weights they carry (also for ``pusher``, whose push was taken). The learners waiting at a
+        them; a push whose application raised fails with its error), and the weights they carry (also for ``pusher``, whose push was taken). The learners waiting at a
         collective hold nobody back. Called under the lock."""
         core = self._protocol()
         released = core.release(self.gatherings.waiting() & core.active)
@@ -279,7 +279,9 @@ class ModelServer:
             [
                 (
                     self.held_replies.pop(push.learner),
-                    PushReply(
+                    result
+                    if isinstance(result, Exception)
+                    else PushReply(
                         result.status,
                         result.staleness,
                         self._lr_scale(push.optimizer),

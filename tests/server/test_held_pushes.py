@@ -15,19 +15,20 @@ from lightning_rudra.server.parameter_server import ParameterServer
 from tests.server.test_lost_learners import lose
 
 
-def blocking_server(monkeypatch, learners=2, max_staleness=1, min_learners=None) -> ParameterServer:
+def blocking_server(monkeypatch, learners=2, max_staleness=1, min_learners=None, nonfinite="skip") -> ParameterServer:
     ps = ParameterServer(learners, timeout=5.0, min_learners=min_learners)
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-    config = ProtocolConfig(learners, "async", max_staleness=max_staleness, on_stale="block")
+    config = ProtocolConfig(learners, "async", max_staleness=max_staleness, on_stale="block", nonfinite=nonfinite)
     server.call("register", Registration(config, params, [], [spec], None, False))
     return ps
 
 
-def push(learner: int, timestamp: int):
+def push(learner: int, timestamp: int, grad=None):
+    grad = torch.ones(2) if grad is None else grad
     return server.call_async(
-        "push", Push(learner, 0, [torch.ones(2)], torch.ones(1, dtype=torch.bool), timestamp, [{"lr": 1.0}], [])
+        "push", Push(learner, 0, [grad], torch.ones(1, dtype=torch.bool), timestamp, [{"lr": 1.0}], [])
     )
 
 
@@ -94,3 +95,38 @@ def test_a_run_that_cannot_go_on_fails_the_held_push(monkeypatch):
     with pytest.raises(LearnerLostError, match="ended before training did"):
         held.wait()
     assert ps.held_replies == {}
+
+
+def test_a_gradient_with_nan_is_never_held_its_own_learner_hears_of_it_at_once(monkeypatch):
+    # held, it would be refused only when another learner's push let it go: that push's reply would carry the error
+    # (after its own gradient was applied) and the held reply would wait for ever
+    nan = torch.tensor([float("nan"), 0.0])
+    ps = blocking_server(monkeypatch, min_learners=1, nonfinite="raise")
+    assert push(0, 0).wait().clock == 1
+    with pytest.raises(FloatingPointError, match="learner 0 pushed a gradient with NaN or Inf"):
+        push(0, 1, nan)  # would be held (learner 1 computes from clock 0): raises to learner 0, as under 'drop'
+    assert ps.held_replies == {} and ps.core.gate.held == [] and ps.core.clock == 1
+    reply = push(1, 0).wait()
+    assert (reply.status, reply.clock) == ("accepted", 2)
+    ps = blocking_server(monkeypatch, nonfinite="skip")
+    assert push(0, 0).wait().clock == 1
+    reply = push(0, 1, nan).wait()  # refused and counted at once: nothing of it is applied, so nobody's σ grows
+    assert (reply.status, reply.clock) == ("rejected", 1) and ps.core.stats.rejected == 1 and ps.held_replies == {}
+
+
+def test_a_held_push_that_fails_as_it_goes_fails_its_own_reply_not_the_call_that_let_it_go(monkeypatch):
+    ps = blocking_server(monkeypatch)
+    held = held_push(ps)
+    apply = ps.core._apply
+
+    def failing(push):
+        if push.learner == 0:
+            raise RuntimeError("the optimizer's step failed")
+        return apply(push)
+
+    monkeypatch.setattr(ps.core, "_apply", failing)
+    reply = push(1, 0).wait()  # its own push went; learner 0's, let go by it, failed
+    assert (reply.status, reply.clock) == ("accepted", 2)
+    with pytest.raises(RuntimeError, match="the optimizer's step failed"):
+        held.wait()
+    assert ps.held_replies == {} and ps.core.gate.held == []

@@ -13,13 +13,10 @@ from typing import AbstractSet, Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from lightning_rudra.core.clipping import GlobalNorm, clip, global_norm_step, squared_norm
+from lightning_rudra.core.clipping import GlobalNorm
 from lightning_rudra.core.compensation import (
     StaleWeights,
-    compensate,
-    momentum_hyperparameters,
     parse_compensation,
-    record_steps,
     with_rules_state,
     without_rules_state,
 )
@@ -28,7 +25,7 @@ from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.node_plan import check_node_push
-from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters, sharing_parameters
+from lightning_rudra.core.optimizers import OptimizerSpec, sharing_parameters
 from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.ssp import StaleGate
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
@@ -42,10 +39,12 @@ from lightning_rudra.core.push_checks import (
     is_index,
 )
 from lightning_rudra.core.update import Push, PushResult, Update
+from lightning_rudra.core.updating import Updating
 
 
-class Server:
-    """The parameter server's state and rules, driven in-process by :meth:`push`.
+class Server(Updating):
+    """The parameter server's state and rules, driven in-process by :meth:`push`; how it makes an update once they
+    say one is due: :class:`~lightning_rudra.core.updating.Updating`.
 
     Holds the master copy of the parameters and buffers (flat, one buffer per dtype), the clock, one
     server-side optimizer per learner optimizer, and the gradients waiting for the next update. It takes
@@ -120,10 +119,6 @@ class Server:
                 "optimizer."
             )
         return StaleGate(self.config.max_staleness, self.config.num_learners, self.clock)
-
-    @property
-    def clock(self) -> int:
-        return self.stats.clock
 
     def _stored(self, name: str, layout: FlatLayout, tensors: Sequence[Tensor]) -> list[Tensor]:
         return [
@@ -359,129 +354,3 @@ class Server:
                 f"learner {learner!r} {state}: expected one of the active learners "
                 f"{sorted(self.active)} (λ={self.config.num_learners})."
             )
-
-    def _staleness(self, optimizer: int, timestamp: int, own: Optional[OwnSteps]) -> int:
-        """σ of a gradient of ``optimizer`` from the weights of ``timestamp``, applied now (``own``: its learner's
-        steps that are no staleness to it). Under hardsync 0: every learner waits for each round, so only another
-        optimizer's round of the same batch can lie in between, as in one process."""
-        if self.config.protocol == "hardsync":
-            return 0
-        return self.clocks.staleness(optimizer, timestamp, self.clock, own)
-
-    def _too_stale(self, sigma: int) -> bool:
-        return self.config.max_staleness is not None and sigma > self.config.max_staleness
-
-    def _admit(self, pending: Pending, optimizer: int, gradient: Gradient, sigma: int) -> str:
-        """Drop a gradient staler than the bound, or compensate it and add it to the sum; count its σ. Returns
-        its status. ``gradient.count``: how many learners' gradients it sums (a node's push)."""
-        if self._too_stale(sigma):
-            self.stats.dropped += 1
-            return "dropped"
-        if sigma and self.history is not None:
-            indices = self.optimizer_params[optimizer]
-            stale = self.param_layout.unpack(self.history.at(gradient.timestamp))
-            compensate(
-                self.rules,
-                [self.params[i] for i in indices],
-                [stale[i] for i in indices],
-                self.grad_layouts[optimizer].unpack(gradient.grads),
-                self.rules_states[optimizer],
-            )
-        scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
-        pending.add(gradient.grads, gradient.has_grad, gradient.buffers, sigma, scale, gradient.count)
-        self.stats.count_staleness(optimizer, sigma, gradient.count)
-        return "accepted"
-
-    def _close(self, optimizer: int, pusher: Optional[int] = None) -> Optional[Update]:
-        """Average the pending gradients of ``optimizer`` into one update; None if every one was refused, or if
-        its clipping waits for the other servers' parts of the norm (:attr:`awaiting_norm`). ``pusher``: the
-        learner whose push closed it (None: a learner leaving did)."""
-        pending, self._pending[optimizer] = self._pending[optimizer], Pending()
-        # its learner made this step itself, in its program's order, if its own push closed it: unless its weights
-        # may lag its pushes (overlap), or a learner leaving closed it (its weights came before, or after)
-        if pending.learners == {pusher} and not self.config.overlap:
-            pending.author = pusher
-        self.rounds[optimizer] += 1
-        for gradient in pending.waiting:  # σ counted now, as the update applies
-            self._admit(pending, optimizer, gradient, self._staleness(optimizer, gradient.timestamp, gradient.own))
-        self.clocks.applied(optimizer)
-        if pending.grads is None:
-            return None
-        # set with the first gradient summed; hparams with every gradient received
-        assert pending.has_grad is not None and pending.hparams is not None
-        count = len(pending.staleness)
-        lr_factor = 1.0
-        if self.config.lr_modulation == "mean":
-            lr_factor = 1.0 / max(1.0, sum(pending.staleness) / count)
-        rule_scale = self._set_hyperparameters(optimizer, pending.hparams, lr_factor, count)
-        layout = self.grad_layouts[optimizer]
-        if count > 1:  # async and 1-gradient updates: no pass over the model for nothing
-            for total in pending.grads:
-                total.div_(count)
-        flat_grads = [total.to(dtype) for total, dtype in zip(pending.grads, layout.groups)]
-        indices = self.optimizer_params[optimizer]
-        for i, grad, has in zip(indices, layout.unpack(flat_grads), pending.has_grad.tolist()):
-            self.params[i].grad = grad if has else None
-        params = [self.params[i] for i in indices]
-        scale = sum(pending.scales) / len(pending.scales)
-        # a server that holds none of the optimizer's parameters has no part of its norm: nobody waits for it
-        step = global_norm_step(pending.clipping) if self.config.protocol == "hardsync" and params else None
-        if step is None:  # one server's norm, by value, or the learner's norm (an update of one gradient)
-            clip(params, pending.clipping, scale)
-            return self._step(optimizer, pending, lr_factor, rule_scale)
-        clip(params, pending.clipping[:step], scale)
-        servers = pending.clipping[step].servers
-        wait = GlobalNorm(step, servers, squared_norm(params), self.rounds[optimizer])
-        assert optimizer not in self.awaiting_norm, "hardsync's learners wait for a round before the next one"
-        self.awaiting_norm[optimizer] = (wait, pending, lr_factor, rule_scale)
-        return None
-
-    def apply_norm(self, optimizer: int, total_norm: float) -> Update:
-        """The hardsync update of ``optimizer`` that waited for the norm of its gradient over every server's part
-        (:attr:`awaiting_norm`): clipped by it, and by the clippings after it, then applied."""
-        wait, pending, lr_factor, rule_scale = self.awaiting_norm.pop(optimizer)
-        params = [self.params[i] for i in self.optimizer_params[optimizer]]
-        scale = sum(pending.scales) / len(pending.scales)
-        clip(params, pending.clipping[wait.step :], scale, total_norm)
-        return self._step(optimizer, pending, lr_factor, rule_scale)
-
-    def _step(self, optimizer: int, pending: Pending, lr_factor: float, rule_scale: float) -> Update:
-        """The optimizer steps with the gradients set on the parameters; the update's buffers are averaged."""
-        assert pending.buffers is not None  # set with the first gradient summed
-        count = len(pending.staleness)
-        indices = self.optimizer_params[optimizer]
-        self.store.begin()
-        try:
-            self.optimizers[optimizer].step()
-            for master, total in zip(self.flat_buffers, pending.buffers):
-                master.copy_(total.div_(count) if total.is_floating_point() else total)
-            self.stats.clock += 1
-        finally:
-            self.store.end(self.clock)
-        self.clocks.updated(optimizer, self.clock, pending.author)
-        if self.history is not None:
-            if "gap" in self.rules:
-                before = self.param_layout.unpack(self.history.at(self.clock - 1))
-                params = [self.params[i] for i in indices]
-                record_steps(params, [before[i] for i in indices], self.rules_states[optimizer])
-            self.history.record(self.clock, self.flat_params, self.clocks.oldest(self.clock))
-        for i in indices:
-            self.params[i].grad = None
-        update = Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales), rule_scale)
-        self.last_updates[optimizer] = update
-        return update
-
-    def _set_hyperparameters(
-        self, optimizer: int, hparams: Sequence[dict[str, Any]], lr_factor: float, count: int
-    ) -> float:
-        """The learners' hyper-parameters on the server's optimizer, with the rate modulated by ``lr_factor`` and
-        the ``momentum`` rule applied to ``count`` gradients. Returns the rule's factor on the first group's rate."""
-        opt = self.optimizers[optimizer]
-        rule_scales = []
-        for group, hp in zip(opt.param_groups, hparams):
-            group.update(hyperparameters(hp))
-            group["lr"] = hp["lr"] * lr_factor
-            if "momentum" in self.rules:  # the mean staleness of this optimizer's gradients: another's says nothing
-                mean_staleness = self.stats.mean_staleness_of(optimizer)
-                rule_scales.append(momentum_hyperparameters(group, type(opt), count, len(self.members), mean_staleness))
-        return rule_scales[0] if rule_scales else 1.0

@@ -2,7 +2,8 @@
 by concurrent learners (the model's registration, pulls, pushes and hardsync rounds, the collectives, the shared
 epoch, the end of training, what a checkpoint holds), plus the shared epoch's pools (``shared_epochs.py``), its shared
 memory (``shared_side.py``), the learners' rendezvous for collectives (``gatherings.py``) and the servers' exchange
-of their parts of a hardsync round's gradient norm (``norm_exchange.py``).
+of their parts of a hardsync round's gradient norm (``norm_exchange.py``); the replies it settles once its lock is
+released are ``replies.py``'s.
 :class:`~lightning_rudra.server.parameter_server.ParameterServer` adds who is alive. No RPC here.
 
 Nothing blocks: whatever must wait (a hardsync round, a collective, the end of training) gets a
@@ -15,7 +16,7 @@ fail or block, and must not stop the learners left.
 import logging
 import threading
 from dataclasses import replace
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 from torch.futures import Future
 
@@ -26,8 +27,9 @@ from lightning_rudra.server.membership import Membership
 from lightning_rudra.server.norm_exchange import NormExchange, check_part
 from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.compression import WeightDeltas
-from lightning_rudra.core.update import Push, PushReply
+from lightning_rudra.core.update import Push
 from lightning_rudra.server.rejoins import RejoinAdmissions
+from lightning_rudra.server.replies import Outcomes, Released, RoundWaiter, push_reply, resolve
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.server.shared_side import SharedSide
 from lightning_rudra.core.registration import Registration
@@ -36,36 +38,6 @@ from lightning_rudra.core.weights import Snapshot, Weights
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 
 log = logging.getLogger(__name__)
-
-Outcomes = list[tuple[Future, Any]]  # futures to resolve once the lock is released: a value, or an exception
-
-
-class RoundWaiter(NamedTuple):
-    """A push that waits for the end of its hardsync round: its reply, its learner, and what became of its
-    gradient (:class:`~lightning_rudra.core.update.PushResult`'s ``status`` and ``staleness``)."""
-
-    reply: Future
-    learner: int
-    status: str
-    staleness: int
-
-
-class Released(NamedTuple):
-    """The replies to the pushes that waited in closed hardsync rounds, and the weights they carry."""
-
-    outcomes: Outcomes
-    weights: Weights
-
-
-def _resolve(outcomes: Outcomes) -> None:
-    """Resolve each future not yet done with its value, or fail it with its exception."""
-    for future, value in outcomes:
-        if future.done():
-            continue
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
 
 
 class ModelServer:
@@ -208,9 +180,7 @@ class ModelServer:
         self._resolve_and_report(outcomes)
         if not (in_round or held):
             reply = Future()
-            reply.set_result(
-                PushReply(result.status, result.staleness, lr_scale, weights.params, weights.buffers, weights.clock)
-            )
+            reply.set_result(push_reply(result.status, result.staleness, lr_scale, weights))
         return reply
 
     def _applied(self, closed: list[int]) -> list[int]:
@@ -251,14 +221,7 @@ class ModelServer:
             [
                 (
                     waiter.reply,
-                    PushReply(
-                        waiter.status,
-                        waiter.staleness,
-                        self._lr_scale(optimizer),
-                        weights.params,
-                        weights.buffers,
-                        weights.clock,
-                    ),
+                    push_reply(waiter.status, waiter.staleness, self._lr_scale(optimizer), weights),
                 )
                 for waiter, optimizer in released
             ],
@@ -281,14 +244,7 @@ class ModelServer:
                     self.held_replies.pop(push.learner),
                     result
                     if isinstance(result, Exception)
-                    else PushReply(
-                        result.status,
-                        result.staleness,
-                        self._lr_scale(push.optimizer),
-                        weights.params,
-                        weights.buffers,
-                        weights.clock,
-                    ),
+                    else push_reply(result.status, result.staleness, self._lr_scale(push.optimizer), weights),
                 )
                 for push, result in released
             ],
@@ -352,7 +308,7 @@ class ModelServer:
     def _resolve_and_report(self, outcomes: Outcomes) -> None:
         """Resolve ``outcomes`` once the lock is released, then log what there is to say and tell :attr:`on_lost`
         of the learners lost since."""
-        _resolve(outcomes)
+        resolve(outcomes)
         # most calls have nothing more (read without the lock: who adds, settles after)
         if not (self._told or self._lost_queue or self.norm_exchange.outbox):
             return
@@ -376,7 +332,7 @@ class ModelServer:
     def _give_up(self, reason: str, error: type[RuntimeError] = RuntimeError) -> Outcomes:
         """Training cannot go on: every wait fails, now and later, with ``error(reason)`` (a
         :class:`~lightning_rudra.core.errors.LearnerLostError` for a loss). Called under the lock; the caller
-        settles the returned outcomes once it has released it (:func:`_resolve`)."""
+        settles the returned outcomes once it has released it (:func:`~lightning_rudra.server.replies.resolve`)."""
         self.failure, self.failed_with = reason, error
         self.shared.release()  # nobody maps the files any more
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))

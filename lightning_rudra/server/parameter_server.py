@@ -13,7 +13,8 @@ from typing import Any, Callable, Hashable, Optional
 
 from torch.futures import Future
 
-from lightning_rudra.server.model_server import ModelServer, Outcomes
+from lightning_rudra.server.model_server import ModelServer
+from lightning_rudra.server.replies import Outcomes
 from lightning_rudra.core.errors import LearnerLostError
 from lightning_rudra.transport.elastic import incarnation_of
 from lightning_rudra.server.waits import open_waits

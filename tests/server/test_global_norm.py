@@ -9,7 +9,7 @@ from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.registration import Registration
-from lightning_rudra.server.model_server import _resolve
+from lightning_rudra.server.replies import resolve
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.core.update import Push
 
@@ -86,7 +86,7 @@ def test_a_part_that_cannot_be_sent_ends_training_with_why_and_a_lost_learner_re
     # server 1 never gets server 0's part: its round's waits end when the learners are lost, as every wait does
     with servers[1].lock:
         outcomes = servers[1]._lose(0, "ended before training did")
-    _resolve(outcomes)
+    resolve(outcomes)
     for reply in replies[2:]:
         with pytest.raises(RuntimeError, match="learner 0"):
             reply.wait()
@@ -107,7 +107,7 @@ def test_learners_whose_clippings_differ_are_refused_instead_of_waiting_forever(
     for ps in servers:
         with ps.lock:
             outcomes = ps._lose(0, "failed")
-        _resolve(outcomes)
+        resolve(outcomes)
     for reply in replies:
         with pytest.raises(RuntimeError, match="learner 0"):
             reply.wait()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_rudra.server import process as server
-from lightning_rudra.server.model_server import _resolve
+from lightning_rudra.server.replies import resolve
 from lightning_rudra.server.parameter_server import ParameterServer
 from lightning_rudra.server.membership import Membership, this_process
 from lightning_rudra.core.errors import LearnerLostError, carried
@@ -42,7 +42,7 @@ def push(learner: int, value: float, timestamp: int = 0):
 def lose(ps: ParameterServer, learner: int, why: str = "ended before training did: its process (pid 1) is gone"):
     with ps.lock:
         outcomes = ps._lose(learner, why)
-    _resolve(outcomes)
+    resolve(outcomes)
 
 
 def test_hardsync_rounds_wait_only_for_the_learners_left(monkeypatch):

@@ -104,16 +104,19 @@ class ForkedServer:
         return self.returncode
 
     def kill(self) -> None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.poll() is None:  # not a pid the starter has reaped, and the kernel may have given to another process
+            self._kill()
+
+    def _kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _read_code(self) -> None:
         data = _receive(self._connection, _INT.size, eof_ok=True)
         if data is None:  # the starter ended first (its owner is ending): no code to read, and nobody reaps it
-            self.kill()
+            self._kill()
             self.returncode = -signal.SIGKILL
         else:
             (self.returncode,) = _INT.unpack(data)
@@ -143,6 +146,7 @@ def fork_server(folder: str, argv: list[str], new_session: bool, timeout: float)
         (pid,) = _INT.unpack(_receive(connection, _INT.size))
         if pid <= 0:
             raise ConnectionRefusedError(f"the server starter in {folder} refused the request")
+        os.write(alive_w, b"\1")  # the server is this learner's: had it given up, the server would see EOF first
         connection.settimeout(None)  # from here the waits are ForkedServer's, each with its own bound
     except BaseException:
         connection.close()  # a server forked all the same sees its learner gone (alive_w closed) and exits
@@ -171,6 +175,9 @@ def serve(folder: str) -> None:
     os.set_blocking(child_ended_w, False)
     signal.set_wakeup_fd(child_ended_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # a terminal's Ctrl-C reaches this process group: the starter ends with its owner, not with that (a learner
+    # whose starter ended kills its server, an elastic one too, which runs in a session of its own not to see it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     owner = multiprocessing.parent_process()
     assert owner is not None
     children: dict[int, socket.socket] = {}
@@ -198,12 +205,13 @@ def serve(folder: str) -> None:
 def _answer(connection: socket.socket, key: bytes, close_in_child: tuple) -> Optional[int]:
     """Read one request and fork its server; the pid, or None for a request refused."""
     fds: list[int] = []
+    deadline = time.monotonic() + _HANDSHAKE_S  # for the whole handshake: a peer that trickles bytes is cut off too
     try:
         connection.settimeout(_HANDSHAKE_S)
         challenge = os.urandom(32)
         connection.sendall(challenge)
         data, fds, _, _ = socket.recv_fds(connection, 32 + _INT.size, _FDS)
-        data += _receive(connection, 32 + _INT.size - len(data))
+        data += _receive(connection, 32 + _INT.size - len(data), deadline=deadline)
         if not hmac.compare_digest(data[:32], hmac.digest(key, challenge, "sha256")):
             raise PermissionError("a request without the key")
         (size,) = _INT.unpack(data[32:])
@@ -211,20 +219,18 @@ def _answer(connection: socket.socket, key: bytes, close_in_child: tuple) -> Opt
             raise ValueError(
                 f"a request of {size} bytes and {len(fds)} descriptors: expected 1 to {_MAX_REQUEST}, {_FDS}"
             )
-        request = _checked(json.loads(_receive(connection, size)))
+        request = _checked(json.loads(_receive(connection, size, deadline=deadline)))
         connection.settimeout(None)
-    except (OSError, ValueError, TypeError) as error:
-        log.warning("server starter: a request refused: %s", error)
-        for fd in fds:
-            os.close(fd)
-        try:
-            connection.sendall(_INT.pack(0))  # pid 0: refused
-        except OSError:
-            pass
+    except Exception as error:  # whatever a peer sends (JSON nested too deep: RecursionError) is refused, not fatal
+        _refuse(connection, fds, error)
         return None
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as error:  # EAGAIN, ENOMEM: this request is refused (its learner starts a fresh interpreter)
+        _refuse(connection, fds, error)
+        return None
     if pid == 0:
         _run_server(request, fds, close_in_child)  # never returns
     for fd in fds:
@@ -234,6 +240,17 @@ def _answer(connection: socket.socket, key: bytes, close_in_child: tuple) -> Opt
     except OSError:  # the learner is gone: its server sees it (the pipe's write end closed) and exits
         pass
     return pid
+
+
+def _refuse(connection: socket.socket, fds: list[int], error: Exception) -> None:
+    log.warning("server starter: a request refused: %s", error)
+    for fd in fds:
+        os.close(fd)
+    try:
+        connection.settimeout(_HANDSHAKE_S)
+        connection.sendall(_INT.pack(0))  # pid 0: refused
+    except OSError:
+        pass
 
 
 def _checked(request: Any) -> dict:
@@ -277,8 +294,10 @@ def _run_server(request: dict, fds: list[int], close_in_child: tuple) -> None:
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's
         for item in close_in_child:
             item.close() if hasattr(item, "close") else os.close(item)
+        _forget_the_fork_server()
         if request["new_session"]:
             os.setsid()
         stdout, stderr, alive = fds
@@ -296,13 +315,39 @@ def _run_server(request: dict, fds: list[int], close_in_child: tuple) -> None:
         code = 0
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        if exit.code is not None and not isinstance(exit.code, int):
+            print(exit.code, file=sys.stderr)  # as the interpreter does
     except BaseException:
         traceback.print_exc()
     finally:
+        from lightning_rudra.transport.logs import drain_records
+
+        drain_records(2.0)  # what an interpreter's exit does (atexit), which os._exit skips
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _forget_the_fork_server() -> None:
+    """A forked server holds nothing of the fork server's that a fresh interpreter has not: the pipes that keep the
+    owner's fork server and resource tracker running (an elastic server outlives the owner) and its sentinel."""
+    from multiprocessing import forkserver, process, resource_tracker
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    tracker: Any = resource_tracker._resource_tracker
+    inherited = [server._forkserver_alive_fd, tracker._fd, *(getattr(server, "_inherited_fds", None) or [])]
+    parent = process._parent_process  # type: ignore[attr-defined]
+    if parent is not None:
+        inherited.append(parent.sentinel)
+    for fd in inherited:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    server._forkserver_alive_fd, server._inherited_fds, tracker._fd = None, [], None
+    process._parent_process = None  # type: ignore[attr-defined]
 
 
 def _readable(connection: socket.socket, timeout: Optional[float]) -> bool:
@@ -311,9 +356,14 @@ def _readable(connection: socket.socket, timeout: Optional[float]) -> bool:
         return bool(selector.select(timeout))
 
 
-def _receive(connection: socket.socket, size: int, eof_ok: bool = False) -> Any:
+def _receive(connection: socket.socket, size: int, eof_ok: bool = False, deadline: Optional[float] = None) -> Any:
     data = b""
     while len(data) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(data)} of {size} bytes in {_HANDSHAKE_S:g} s")
+            connection.settimeout(left)
         chunk = connection.recv(size - len(data))
         if not chunk:
             if eof_ok and not data:

@@ -309,9 +309,11 @@ def _run_server(request: dict, fds: list[int], close_in_child: tuple) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path[:] = request["path"]
+        argv = [*request["argv"], "--parent-fd", str(alive)]
+        _show_as([sys.executable, "lightning_rudra.server.process", *argv])
         from lightning_rudra.server.process import main
 
-        main([*request["argv"], "--parent-fd", str(alive)])
+        main(argv)
         code = 0
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
@@ -327,6 +329,22 @@ def _run_server(request: dict, fds: list[int], close_in_child: tuple) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _show_as(command: list[str]) -> None:
+    """What ps and ``/proc/<pid>/cmdline`` show of this process: not the fork server's command line, which hides
+    that it is a server and which one. As setproctitle does, the bytes of the original command line are overwritten
+    (truncated to their length); best effort."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end, fields 48 and 49 of proc(5)
+        title = "\0".join(command).encode()[: end - start - 1]
+        with open("/proc/self/mem", "r+b", buffering=0) as memory:
+            memory.seek(start)
+            memory.write(title + b"\0" * (end - start - len(title)))
+    except (OSError, ValueError, IndexError):
+        pass
 
 
 def _forget_the_fork_server() -> None:

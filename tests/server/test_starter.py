@@ -48,6 +48,17 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _shown(pid: int) -> str:
+    """What ps shows of ``pid``, once it shows a server (its first milliseconds, the fork server's command line)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            shown = f.read().replace(b"\0", b" ").decode()
+        if "lightning_rudra.server.process --init-method " in shown or time.monotonic() > deadline:
+            return shown
+        time.sleep(0.05)
+
+
 def _raw_request(folder: str, key: bytes, request: bytes, fds=(1, 2, 1)) -> bytes:
     """What the starter answers a hand-made request: the 4 bytes of its pid (0: refused), or less if it hung up."""
     with socket.socket(socket.AF_UNIX) as connection:
@@ -80,6 +91,7 @@ def test_a_forked_server_waits_kills_and_runs_in_a_session_of_its_own_when_asked
             server.wait(timeout=0.2)
         assert server.poll() is None
         assert (os.getsid(server.pid) == server.pid) is new_session
+        assert " --server 0 " in _shown(server.pid)  # test_faults finds a server by it
         server.kill()
         assert server.wait(timeout=60) == -9 and server.poll() == -9
 

@@ -44,14 +44,16 @@ class _RunsCode:
 
 
 def _server_pid() -> int:
-    """The server process this learner started (its only child)."""
+    """The server process this learner started: its child, or forked by the server starter (the harness's), either
+    one with a command line that names this learner."""
     for entry in os.listdir("/proc"):
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                if entry.isdigit() and int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                    return int(entry)
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
+        if entry.isdigit() and " --init-method " in command and f" --parent-pid {os.getpid()} " in command:
+            return int(entry)
     raise AssertionError("no server process")
 
 

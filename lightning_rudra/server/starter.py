@@ -56,6 +56,7 @@ class ServerStarter:
             assert self.folder is not None
             return self.folder
         self.folder = tempfile.mkdtemp(prefix="rudra-starter-")  # mode 0700: only this user reaches the socket
+        atexit.register(shutil.rmtree, self.folder, True)  # first: the key goes even if the starter cannot start
         with open(os.open(os.path.join(self.folder, _KEY), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(os.urandom(32))
         process = multiprocessing.get_context("forkserver").Process(
@@ -63,7 +64,6 @@ class ServerStarter:
         )
         process.start()
         self._process = process
-        atexit.register(shutil.rmtree, self.folder, True)
         deadline = time.monotonic() + timeout
         while not os.path.exists(os.path.join(self.folder, _SOCKET)):
             if not process.is_alive() or time.monotonic() > deadline:

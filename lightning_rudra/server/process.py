@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import sys
 import threading
 import time
@@ -233,12 +234,37 @@ def _exit_when_orphaned(parent_pid: int, parent_fd: Optional[int]) -> None:
     """The learner that started this server died: nobody will ever ask us to stop. Forked by the server starter,
     the learner is not our parent: the pipe it holds open (``parent_fd``) ends when it dies."""
     if parent_fd is not None:
-        while os.read(parent_fd, 1):
-            pass
+        _wait_for_learner_end(parent_pid, parent_fd)
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     _release_shared_memory()
     os._exit(3)
+
+
+def _wait_for_learner_end(parent_pid: int, parent_fd: int) -> None:
+    """Returns when the learner has ended: its pipe ends, or, as a process the learner forked (a DataLoader worker)
+    holds the pipe's write end too, the learner's process does (a pidfd, where the kernel has them)."""
+    watched = [parent_fd]
+    try:
+        watched.append(os.pidfd_open(parent_pid))
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd: the pipe alone
+        pass
+    while True:
+        ready, _, _ = select.select(watched, [], [])
+        if parent_fd not in ready or not os.read(parent_fd, 1):
+            return
+
+
+def _exit_unless_confirmed(parent_fd: int) -> None:
+    """An elastic world's server forked by the server starter outlives its learner, but only once that learner has
+    it (one byte on the pipe): a learner that gave up waiting for the starter's answer, and started a fresh
+    interpreter instead, closed the pipe first."""
+    if not os.read(parent_fd, 1):
+        _release_shared_memory()
+        os._exit(3)
+    os.close(parent_fd)
 
 
 def _open_to_rejoins(world: StageWorld, server: int, rpc_counters: dict[str, Any]) -> None:
@@ -319,6 +345,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     if not world.elastic:  # an elastic run's servers outlive the learners that started them
         threading.Thread(target=_exit_when_orphaned, args=(args.parent_pid, args.parent_fd), daemon=True).start()
+    elif args.parent_fd is not None:
+        threading.Thread(target=_exit_unless_confirmed, args=(args.parent_fd,), daemon=True).start()
     global _server
     _server = _make_server(world, args.server)
     set_rpc_counters(counters)

@@ -57,6 +57,7 @@ class ServerStarter:
             assert self.folder is not None
             return self.folder
         self.folder = tempfile.mkdtemp(prefix="rudra-starter-")  # mode 0700: only this user reaches the socket
+        atexit.register(shutil.rmtree, self.folder, True)  # first: the key goes even if the starter cannot start
         with open(os.open(os.path.join(self.folder, _KEY), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(os.urandom(32))
         process = multiprocessing.get_context("forkserver").Process(
@@ -64,7 +65,6 @@ class ServerStarter:
         )
         process.start()
         self._process = process
-        atexit.register(shutil.rmtree, self.folder, True)
         deadline = time.monotonic() + timeout
         while not os.path.exists(os.path.join(self.folder, _SOCKET)):
             if not process.is_alive() or time.monotonic() > deadline:
@@ -105,16 +105,19 @@ class ForkedServer:
         return self.returncode
 
     def kill(self) -> None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.poll() is None:  # not a pid the starter has reaped, and the kernel may have given to another process
+            self._kill()
+
+    def _kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _read_code(self) -> None:
         data = _receive(self._connection, _INT.size, eof_ok=True)
         if data is None:  # the starter ended first (its owner is ending): no code to read, and nobody reaps it
-            self.kill()
+            self._kill()
             self.returncode = -signal.SIGKILL
         else:
             (self.returncode,) = _INT.unpack(data)
@@ -144,6 +147,7 @@ def fork_server(folder: str, argv: list[str], new_session: bool, timeout: float)
         (pid,) = _INT.unpack(_receive(connection, _INT.size))
         if pid <= 0:
             raise ConnectionRefusedError(f"the server starter in {folder} refused the request")
+        os.write(alive_w, b"\1")  # the server is this learner's: had it given up, the server would see EOF first
         connection.settimeout(None)  # from here the waits are ForkedServer's, each with its own bound
     except BaseException:
         connection.close()  # a server forked all the same sees its learner gone (alive_w closed) and exits
@@ -173,6 +177,9 @@ def serve(folder: str) -> None:
     os.set_blocking(child_ended_w, False)
     signal.set_wakeup_fd(child_ended_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    # a terminal's Ctrl-C reaches this process group: the starter ends with its owner, not with that (a learner
+    # whose starter ended kills its server, an elastic one too, which runs in a session of its own not to see it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     owner = multiprocessing.parent_process()
     assert owner is not None
     children: dict[int, socket.socket] = {}
@@ -200,12 +207,13 @@ def serve(folder: str) -> None:
 def _answer(connection: socket.socket, folder: str, key: bytes, close_in_child: tuple) -> Optional[int]:
     """Read one request and fork its server; the pid, or None for a request refused."""
     fds: list[int] = []
+    deadline = time.monotonic() + _HANDSHAKE_S  # for the whole handshake: a peer that trickles bytes is cut off too
     try:
         connection.settimeout(_HANDSHAKE_S)
         challenge = os.urandom(32)
         connection.sendall(challenge)
         data, fds, _, _ = socket.recv_fds(connection, 32 + _INT.size, _FDS)
-        data += _receive(connection, 32 + _INT.size - len(data))
+        data += _receive(connection, 32 + _INT.size - len(data), deadline=deadline)
         if not hmac.compare_digest(data[:32], hmac.digest(key, challenge, "sha256")):
             raise PermissionError("a request without the key")
         (size,) = _INT.unpack(data[32:])
@@ -213,20 +221,18 @@ def _answer(connection: socket.socket, folder: str, key: bytes, close_in_child: 
             raise ValueError(
                 f"a request of {size} bytes and {len(fds)} descriptors: expected 1 to {_MAX_REQUEST}, {_FDS}"
             )
-        request = _checked(json.loads(_receive(connection, size)))
+        request = _checked(json.loads(_receive(connection, size, deadline=deadline)))
         connection.settimeout(None)
-    except (OSError, ValueError, TypeError) as error:
-        log.warning("server starter: a request refused: %s", error)
-        for fd in fds:
-            os.close(fd)
-        try:
-            connection.sendall(_INT.pack(0))  # pid 0: refused
-        except OSError:
-            pass
+    except Exception as error:  # whatever a peer sends (JSON nested too deep: RecursionError) is refused, not fatal
+        _refuse(connection, fds, error)
         return None
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as error:  # EAGAIN, ENOMEM: this request is refused (its learner starts a fresh interpreter)
+        _refuse(connection, fds, error)
+        return None
     if pid == 0:
         _run_server(request, fds, close_in_child)  # never returns
     for fd in fds:
@@ -256,6 +262,17 @@ def _record(folder: str, pid: int, argv: list[str]) -> None:
     with open(path + ".new", "w") as f:
         json.dump(argv, f)
     os.rename(path + ".new", path)
+
+
+def _refuse(connection: socket.socket, fds: list[int], error: Exception) -> None:
+    log.warning("server starter: a request refused: %s", error)
+    for fd in fds:
+        os.close(fd)
+    try:
+        connection.settimeout(_HANDSHAKE_S)
+        connection.sendall(_INT.pack(0))  # pid 0: refused
+    except OSError:
+        pass
 
 
 def _checked(request: Any) -> dict:
@@ -303,8 +320,10 @@ def _run_server(request: dict, fds: list[int], close_in_child: tuple) -> None:
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's
         for item in close_in_child:
             item.close() if hasattr(item, "close") else os.close(item)
+        _forget_the_fork_server()
         if request["new_session"]:
             os.setsid()
         stdout, stderr, alive = fds
@@ -316,19 +335,63 @@ def _run_server(request: dict, fds: list[int], close_in_child: tuple) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path[:] = request["path"]
+        argv = [*request["argv"], "--parent-fd", str(alive)]
+        _show_as([sys.executable, "lightning_rudra.server.process", *argv])
         from lightning_rudra.server.process import main
 
-        main([*request["argv"], "--parent-fd", str(alive)])
+        main(argv)
         code = 0
     except SystemExit as exit:
         code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        if exit.code is not None and not isinstance(exit.code, int):
+            print(exit.code, file=sys.stderr)  # as the interpreter does
     except BaseException:
         traceback.print_exc()
     finally:
+        from lightning_rudra.transport.logs import drain_records
+
+        drain_records(2.0)  # what an interpreter's exit does (atexit), which os._exit skips
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _show_as(command: list[str]) -> None:
+    """What ps and ``/proc/<pid>/cmdline`` show of this process: not the fork server's command line, which hides
+    that it is a server and which one. As setproctitle does, the bytes of the original command line are overwritten
+    (truncated to their length); best effort."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end, fields 48 and 49 of proc(5)
+        title = "\0".join(command).encode()[: end - start - 1]
+        with open("/proc/self/mem", "r+b", buffering=0) as memory:
+            memory.seek(start)
+            memory.write(title + b"\0" * (end - start - len(title)))
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+def _forget_the_fork_server() -> None:
+    """A forked server holds nothing of the fork server's that a fresh interpreter has not: the pipes that keep the
+    owner's fork server and resource tracker running (an elastic server outlives the owner) and its sentinel."""
+    from multiprocessing import forkserver, process, resource_tracker
+
+    server: Any = forkserver._forkserver  # type: ignore[attr-defined]
+    tracker: Any = resource_tracker._resource_tracker
+    inherited = [server._forkserver_alive_fd, tracker._fd, *(getattr(server, "_inherited_fds", None) or [])]
+    parent = process._parent_process  # type: ignore[attr-defined]
+    if parent is not None:
+        inherited.append(parent.sentinel)
+    for fd in inherited:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    server._forkserver_alive_fd, server._inherited_fds, tracker._fd = None, [], None
+    process._parent_process = None  # type: ignore[attr-defined]
 
 
 def _readable(connection: socket.socket, timeout: Optional[float]) -> bool:
@@ -337,9 +400,14 @@ def _readable(connection: socket.socket, timeout: Optional[float]) -> bool:
         return bool(selector.select(timeout))
 
 
-def _receive(connection: socket.socket, size: int, eof_ok: bool = False) -> Any:
+def _receive(connection: socket.socket, size: int, eof_ok: bool = False, deadline: Optional[float] = None) -> Any:
     data = b""
     while len(data) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{len(data)} of {size} bytes in {_HANDSHAKE_S:g} s")
+            connection.settimeout(left)
         chunk = connection.recv(size - len(data))
         if not chunk:
             if eof_ok and not data:

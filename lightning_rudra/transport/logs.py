@@ -23,6 +23,7 @@ from typing import Callable, Hashable, Optional, TextIO
 WAITS = "RUDRA_LOG_WAITS"
 LEVEL = "RUDRA_LOG_LEVEL"
 _QUEUED = 10_000  # records waiting to be written: past that, a stderr nobody reads loses records, not memory
+_DRAINS: list[Callable[[float], None]] = []  # log_to_stderr's, for drain_records
 
 
 def waits_after() -> Optional[float]:
@@ -89,7 +90,15 @@ def log_to_stderr(stream: Optional[TextIO] = None) -> Callable[[float], None]:
             time.sleep(0.01)
 
     atexit.register(drain, 2.0)
+    _DRAINS.append(drain)
     return drain
+
+
+def drain_records(seconds: float) -> None:
+    """What :func:`log_to_stderr`'s exit does, for a process that ends with ``os._exit`` (a server forked by the
+    server starter): waits, at most ``seconds``, for the records logged so far to be written."""
+    for drain in _DRAINS:
+        drain(seconds)
 
 
 class SlowWaits:

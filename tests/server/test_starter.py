@@ -7,6 +7,8 @@ import hmac
 import json
 import logging
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +48,17 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _shown(pid: int) -> str:
+    """What ps shows of ``pid``, once it shows a server (its first milliseconds, the fork server's command line)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            shown = f.read().replace(b"\0", b" ").decode()
+        if "lightning_rudra.server.process --init-method " in shown or time.monotonic() > deadline:
+            return shown
+        time.sleep(0.05)
+
+
 def _raw_request(folder: str, key: bytes, request: bytes, fds=(1, 2, 1)) -> bytes:
     """What the starter answers a hand-made request: the 4 bytes of its pid (0: refused), or less if it hung up."""
     with socket.socket(socket.AF_UNIX) as connection:
@@ -53,8 +66,14 @@ def _raw_request(folder: str, key: bytes, request: bytes, fds=(1, 2, 1)) -> byte
         connection.connect(os.path.join(folder, "socket"))
         challenge = connection.recv(32)
         socket.send_fds(connection, [hmac.digest(key, challenge, "sha256") + len(request).to_bytes(4, "big")], fds)
-        connection.sendall(request)
-        return connection.recv(4)
+        try:
+            connection.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):  # refused, and closed, before it read the request
+            pass
+        try:
+            return connection.recv(4)
+        except ConnectionResetError:
+            return b""
 
 
 def test_a_forked_server_has_the_learners_stderr_and_its_exit_code_comes_back(folder, capfd):
@@ -73,6 +92,7 @@ def test_a_forked_server_waits_kills_and_runs_in_a_session_of_its_own_when_asked
             server.wait(timeout=0.2)
         assert server.poll() is None
         assert (os.getsid(server.pid) == server.pid) is new_session
+        assert " --server 0 " in _shown(server.pid)  # test_faults finds a server by it
         server.kill()
         assert server.wait(timeout=60) == -9 and server.poll() == -9
         assert server.pid not in forked_servers(folder)
@@ -108,10 +128,100 @@ def test_a_silent_peer_holds_the_starter_for_seconds_not_for_ever(folder):
     silent.close()
 
 
+def test_a_peer_that_trickles_its_bytes_holds_the_starter_for_the_handshake_bound_in_all(folder):
+    with socket.socket(socket.AF_UNIX) as slow:
+        slow.connect(os.path.join(folder, "socket"))
+        slow.settimeout(60)
+        slow.recv(32)
+        start = time.monotonic()
+        answer = b""
+        for _ in range(35):  # a byte every 2 s: each read of the starter's is answered before its 5 s
+            try:
+                slow.send(b"x")
+            except OSError:
+                break
+            answer = slow.recv(4) if select_readable(slow, 2.0) else b""
+            if answer:
+                break
+        assert answer == b"\0\0\0\0" and time.monotonic() - start < 9
+
+
+def select_readable(connection: socket.socket, timeout: float) -> bool:
+    import select
+
+    return bool(select.select([connection], [], [], timeout)[0])
+
+
+def test_what_a_peer_sends_never_ends_the_starter(folder):
+    with open(os.path.join(folder, "key"), "rb") as f:
+        key = f.read()
+    assert _raw_request(folder, key, b"[" * 100_000 + b"]" * 100_000) == b"\0\0\0\0"  # RecursionError in json
+    os.kill(SERVER_STARTER.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+    assert fork_server(folder, ["--no-such-option"], new_session=False, timeout=30).wait(timeout=60) == 2
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace injects the failure of fork")
+def test_a_fork_that_fails_refuses_that_request_and_the_servers_running_run_on(folder):
+    running = fork_server(folder, launch.command_line(_waiting_world(), 0), new_session=False, timeout=30)
+    strace = subprocess.Popen(
+        ["strace", "-qq", "-o", os.devnull, "-p", str(SERVER_STARTER.pid), "-e", "trace=clone,clone3"]
+        + ["-e", "inject=clone,clone3:error=EAGAIN"]
+    )
+    try:
+        time.sleep(2)  # attached
+        with pytest.raises(ConnectionRefusedError):
+            fork_server(folder, ["--no-such-option"], new_session=False, timeout=30)
+    finally:
+        strace.terminate()
+        strace.wait()
+    assert running.poll() is None
+    running.kill()
+    assert running.wait(timeout=60) == -9
+
+
+def test_an_elastic_server_whose_learner_gave_up_before_it_had_its_pid_exits(folder):
+    """The learner fell back to a fresh interpreter (its wait for the pid timed out): no second server 0 runs on."""
+    with open(os.path.join(folder, "key"), "rb") as f:
+        key = f.read()
+    world = StageWorld("127.0.0.1", free_port(), 2, 300.0, (0,), min_learners=1, rejoin_wait=30)
+    request = json.dumps(
+        {"argv": launch.command_line(world, 0), "env": dict(os.environ), "cwd": os.getcwd(), "path": sys.path}
+        | {"new_session": True}
+    ).encode()
+    alive_r, alive_w = os.pipe()
+    try:
+        pid = int.from_bytes(_raw_request(folder, key, request, fds=(1, 2, alive_r)), "big")
+    finally:
+        os.close(alive_r)
+        os.close(alive_w)  # never confirmed
+    assert pid > 0
+    while not _gone(pid):  # its rendezvous would wait 300 s
+        time.sleep(0.1)
+
+
+def test_a_forked_server_logs_what_it_logged_before_it_exits_and_holds_nothing_of_the_fork_server(folder, capfd):
+    world = StageWorld("127.0.0.1", free_port(), 1, 0.5, (None,), learner_store=True)
+    server = fork_server(folder, launch.command_line(world, 0, server_node=True), new_session=False, timeout=30)
+    assert server.wait(timeout=60) == launch.NO_LEARNERS
+    assert "nothing listens there" in capfd.readouterr().err  # log.error, then sys.exit
+    waiting = fork_server(folder, launch.command_line(_waiting_world(), 0), new_session=False, timeout=30)
+    time.sleep(1)
+    held = {os.readlink(f"/proc/{waiting.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{waiting.pid}/fd")}
+    from multiprocessing import forkserver, resource_tracker
+
+    fork_servers = {forkserver._forkserver._forkserver_alive_fd, resource_tracker._resource_tracker._fd}
+    assert not held & {os.readlink(f"/proc/self/fd/{fd}") for fd in fork_servers if fd is not None}
+    waiting.kill()
+    waiting.wait(timeout=60)
+
+
 def _start_server_and_report(folder: str, port: int, queue) -> None:
     os.environ[STARTER_ENV] = folder
     server = launch.start_server(StageWorld("127.0.0.1", port, 1, 300.0, (0,)), 0)
-    queue.put(server.pid)
+    # a process this learner forked (a DataLoader worker) holds the write end of the server's pipe too
+    forked = mp.get_context("fork").Process(target=time.sleep, args=(300,), daemon=True)
+    forked.start()
+    queue.put((server.pid, forked.pid))
     time.sleep(300)  # killed by the test
 
 
@@ -120,12 +230,15 @@ def test_a_forked_server_ends_when_its_learner_dies(folder):
     queue = ctx.Queue()
     learner = ctx.Process(target=_start_server_and_report, args=(folder, free_port(), queue))
     learner.start()
-    pid = queue.get(timeout=60)
+    pid, forked = queue.get(timeout=60)
     assert pid in _children(SERVER_STARTER.pid) and not _gone(pid)
     learner.kill()
     learner.join()
-    while not _gone(pid):  # its rendezvous would wait 300 s: the test's timeout fails it if the pipe is not seen
-        time.sleep(0.1)
+    try:
+        while not _gone(pid):  # its rendezvous would wait 300 s: the test's timeout fails it if the end is not seen
+            time.sleep(0.1)
+    finally:
+        os.kill(forked, signal.SIGKILL)
 
 
 def test_start_server_falls_back_to_a_new_interpreter_when_the_starter_is_gone(tmp_path, monkeypatch, caplog):

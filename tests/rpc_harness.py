@@ -15,7 +15,8 @@ from lightning_rudra.learner.world import join, leave
 from lightning_rudra.learner.learner import Learner
 from lightning_rudra.transport.rpc_world import StageWorld, free_port
 from lightning_rudra.learner.sampler import SharedEpochSampler
-from lightning_rudra.server.starter import SERVER_STARTER, STARTER_ENV
+from lightning_rudra.server.forked_server import STARTER_ENV
+from lightning_rudra.server.starter import SERVER_STARTER
 
 DATA_SEED = 1234
 SERVER_PIDS: list[int] = []  # in a learner process: the server processes it started (forked: not its children)

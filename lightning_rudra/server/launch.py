@@ -10,7 +10,7 @@ import sys
 import logging
 from typing import Optional, Union
 
-from lightning_rudra.server.starter import STARTER_ENV, ForkedServer, fork_server
+from lightning_rudra.server.forked_server import STARTER_ENV, ForkedServer, fork_server
 from lightning_rudra.transport.logs import check_switches
 from lightning_rudra.transport.rpc_world import StageWorld, rpc_counters
 

@@ -3,12 +3,13 @@ package once (``start_method="forkserver"``): a server process then starts in te
 of a fresh interpreter's imports, which every learner waits for at the start of every stage.
 
 The process that calls ``fit`` owns the starter (:data:`SERVER_STARTER`); it ends with that process. Its learners
-find it through :data:`STARTER_ENV`, a private folder (mode 0700) that holds its Unix socket and a random key, and
-ask it with :func:`fork_server`: the starter answers only a peer that proves it read the key (an HMAC of a fresh
-challenge), reads a request of plain JSON (never a pickle), forks, runs :func:`lightning_rudra.server.process.main`
-on the request's command line with the learner's standard output and error, working folder, environment and
-``sys.path``, and reports the server's pid and then its exit code. Every read and wait of either side is bounded.
-A forked server's command line (``ps``) is its starter's: :func:`forked_servers` says which is which.
+find it through ``STARTER_ENV``, a private folder (mode 0700) that holds its Unix socket and a random key, and ask it
+with :func:`~lightning_rudra.server.forked_server.fork_server`: the starter answers only a peer that proves it read
+the key (an HMAC of a fresh challenge), reads a request of plain JSON (never a pickle), forks, runs
+:func:`lightning_rudra.server.process.main` on the request's command line with the learner's standard output and
+error, working folder, environment and ``sys.path``, and reports the server's pid and then its exit code. Every read
+and wait of either side is bounded. A forked server shows its command line in ``ps`` where the fork server's was
+long enough to hold it; :func:`forked_servers` names every one exactly.
 """
 
 import atexit
@@ -21,22 +22,19 @@ import selectors
 import shutil
 import signal
 import socket
-import struct
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Optional
 
+from lightning_rudra.server.forked_server import FDS, INT, KEY, SOCKET, receive
+
 log = logging.getLogger(__name__)
 
-STARTER_ENV = "LIGHTNING_RUDRA_SERVER_STARTER"  # the starter's folder, in the environment of the learners it serves
-_SOCKET, _KEY, _SERVERS = "socket", "key", "servers"
+_SERVERS = "servers"  # in the starter's folder: a record per forked server
 _HANDSHAKE_S = 5.0  # the longest the starter waits on one peer's challenge and request: it serves one at a time
 _MAX_REQUEST = 1 << 20  # bytes: a command line, an environment and a sys.path
-_FDS = 3  # a request carries the learner's stdout, stderr and the read end of a pipe it keeps open while alive
-_INT = struct.Struct("!i")
 
 
 class ServerStarter:
@@ -58,7 +56,7 @@ class ServerStarter:
             return self.folder
         self.folder = tempfile.mkdtemp(prefix="rudra-starter-")  # mode 0700: only this user reaches the socket
         atexit.register(shutil.rmtree, self.folder, True)  # first: the key goes even if the starter cannot start
-        with open(os.open(os.path.join(self.folder, _KEY), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        with open(os.open(os.path.join(self.folder, KEY), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(os.urandom(32))
         process = multiprocessing.get_context("forkserver").Process(
             target=serve, args=(self.folder,), daemon=True, name="rudra-server-starter"
@@ -66,7 +64,7 @@ class ServerStarter:
         process.start()
         self._process = process
         deadline = time.monotonic() + timeout
-        while not os.path.exists(os.path.join(self.folder, _SOCKET)):
+        while not os.path.exists(os.path.join(self.folder, SOCKET)):
             if not process.is_alive() or time.monotonic() > deadline:
                 process.kill()
                 raise RuntimeError(
@@ -80,84 +78,6 @@ class ServerStarter:
 SERVER_STARTER = ServerStarter()
 
 
-class ForkedServer:
-    """A server process forked by the starter, as the learner that asked for it sees it: what
-    :class:`subprocess.Popen` offers the code that starts and stops servers (``pid``, ``returncode``, ``poll``,
-    ``wait``, ``kill``). While this object is open, the server knows its learner is alive."""
-
-    def __init__(self, connection: socket.socket, pid: int, alive: int) -> None:
-        self.pid = pid
-        self.returncode: Optional[int] = None
-        self._connection = connection
-        self._alive = alive  # the write end of the pipe whose end tells the server its learner died
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None and _readable(self._connection, 0):
-            self._read_code()
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        if self.returncode is None:
-            if not _readable(self._connection, timeout):
-                raise subprocess.TimeoutExpired(f"parameter server (pid {self.pid})", timeout or 0.0)
-            self._read_code()
-        assert self.returncode is not None
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:  # not a pid the starter has reaped, and the kernel may have given to another process
-            self._kill()
-
-    def _kill(self) -> None:
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def _read_code(self) -> None:
-        data = _receive(self._connection, _INT.size, eof_ok=True)
-        if data is None:  # the starter ended first (its owner is ending): no code to read, and nobody reaps it
-            self._kill()
-            self.returncode = -signal.SIGKILL
-        else:
-            (self.returncode,) = _INT.unpack(data)
-        self._connection.close()
-        os.close(self._alive)
-
-
-def fork_server(folder: str, argv: list[str], new_session: bool, timeout: float) -> ForkedServer:
-    """Ask the starter in ``folder`` for a server process that runs
-    :func:`lightning_rudra.server.process.main` on ``argv`` (:func:`~lightning_rudra.server.launch.start_server`'s
-    command line), in a session of its own if ``new_session``. Raises ``OSError`` when the starter cannot be reached
-    or refuses, after ``timeout`` seconds at most."""
-    with open(os.path.join(folder, _KEY), "rb") as f:
-        key = f.read()
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    alive_r, alive_w = os.pipe()
-    try:
-        connection.settimeout(timeout)
-        connection.connect(os.path.join(folder, _SOCKET))
-        challenge = _receive(connection, 32)
-        request = json.dumps(
-            {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "path": sys.path, "new_session": new_session}
-        ).encode()
-        answer = hmac.digest(key, challenge, "sha256") + _INT.pack(len(request))
-        socket.send_fds(connection, [answer], [1, 2, alive_r])  # the descriptors a server started by Popen inherits
-        connection.sendall(request)
-        (pid,) = _INT.unpack(_receive(connection, _INT.size))
-        if pid <= 0:
-            raise ConnectionRefusedError(f"the server starter in {folder} refused the request")
-        os.write(alive_w, b"\1")  # the server is this learner's: had it given up, the server would see EOF first
-        connection.settimeout(None)  # from here the waits are ForkedServer's, each with its own bound
-    except BaseException:
-        connection.close()  # a server forked all the same sees its learner gone (alive_w closed) and exits
-        os.close(alive_w)
-        raise
-    finally:
-        os.close(alive_r)
-    return ForkedServer(connection, pid, alive_w)
-
-
 def serve(folder: str) -> None:
     """The starter's process: imports what a server process needs, then forks one per authenticated request
     until the process that owns it ends. Single-threaded, so that a fork copies no other thread's state."""
@@ -165,13 +85,13 @@ def serve(folder: str) -> None:
 
     import lightning_rudra.server.process  # noqa: F401
 
-    with open(os.path.join(folder, _KEY), "rb") as f:
+    with open(os.path.join(folder, KEY), "rb") as f:
         key = f.read()
     os.mkdir(os.path.join(folder, _SERVERS))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(os.path.join(folder, _SOCKET) + ".new")
+    listener.bind(os.path.join(folder, SOCKET) + ".new")
     listener.listen(64)
-    os.rename(os.path.join(folder, _SOCKET) + ".new", os.path.join(folder, _SOCKET))  # ready once it exists
+    os.rename(os.path.join(folder, SOCKET) + ".new", os.path.join(folder, SOCKET))  # ready once it exists
     child_ended_r, child_ended_w = os.pipe()
     os.set_blocking(child_ended_r, False)
     os.set_blocking(child_ended_w, False)
@@ -212,16 +132,16 @@ def _answer(connection: socket.socket, folder: str, key: bytes, close_in_child: 
         connection.settimeout(_HANDSHAKE_S)
         challenge = os.urandom(32)
         connection.sendall(challenge)
-        data, fds, _, _ = socket.recv_fds(connection, 32 + _INT.size, _FDS)
-        data += _receive(connection, 32 + _INT.size - len(data), deadline=deadline)
+        data, fds, _, _ = socket.recv_fds(connection, 32 + INT.size, FDS)
+        data += receive(connection, 32 + INT.size - len(data), deadline=deadline)
         if not hmac.compare_digest(data[:32], hmac.digest(key, challenge, "sha256")):
             raise PermissionError("a request without the key")
-        (size,) = _INT.unpack(data[32:])
-        if len(fds) != _FDS or not 0 < size <= _MAX_REQUEST:
+        (size,) = INT.unpack(data[32:])
+        if len(fds) != FDS or not 0 < size <= _MAX_REQUEST:
             raise ValueError(
-                f"a request of {size} bytes and {len(fds)} descriptors: expected 1 to {_MAX_REQUEST}, {_FDS}"
+                f"a request of {size} bytes and {len(fds)} descriptors: expected 1 to {_MAX_REQUEST}, {FDS}"
             )
-        request = _checked(json.loads(_receive(connection, size, deadline=deadline)))
+        request = _checked(json.loads(receive(connection, size, deadline=deadline)))
         connection.settimeout(None)
     except Exception as error:  # whatever a peer sends (JSON nested too deep: RecursionError) is refused, not fatal
         _refuse(connection, fds, error)
@@ -239,7 +159,7 @@ def _answer(connection: socket.socket, folder: str, key: bytes, close_in_child: 
         os.close(fd)
     _record(folder, pid, request["argv"])
     try:
-        connection.sendall(_INT.pack(pid))
+        connection.sendall(INT.pack(pid))
     except OSError:  # the learner is gone: its server sees it (the pipe's write end closed) and exits
         pass
     return pid
@@ -270,7 +190,7 @@ def _refuse(connection: socket.socket, fds: list[int], error: Exception) -> None
         os.close(fd)
     try:
         connection.settimeout(_HANDSHAKE_S)
-        connection.sendall(_INT.pack(0))  # pid 0: refused
+        connection.sendall(INT.pack(0))  # pid 0: refused
     except OSError:
         pass
 
@@ -308,7 +228,7 @@ def _report_ended(child_ended_r: int, children: dict[int, socket.socket], folder
             pass
         if connection is not None:
             try:
-                connection.sendall(_INT.pack(os.waitstatus_to_exitcode(status)))
+                connection.sendall(INT.pack(os.waitstatus_to_exitcode(status)))
             except OSError:
                 pass  # its learner is gone
             connection.close()
@@ -392,26 +312,3 @@ def _forget_the_fork_server() -> None:
                 pass
     server._forkserver_alive_fd, server._inherited_fds, tracker._fd = None, [], None
     process._parent_process = None  # type: ignore[attr-defined]
-
-
-def _readable(connection: socket.socket, timeout: Optional[float]) -> bool:
-    with selectors.DefaultSelector() as selector:
-        selector.register(connection, selectors.EVENT_READ)
-        return bool(selector.select(timeout))
-
-
-def _receive(connection: socket.socket, size: int, eof_ok: bool = False, deadline: Optional[float] = None) -> Any:
-    data = b""
-    while len(data) < size:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{len(data)} of {size} bytes in {_HANDSHAKE_S:g} s")
-            connection.settimeout(left)
-        chunk = connection.recv(size - len(data))
-        if not chunk:
-            if eof_ok and not data:
-                return None
-            raise ConnectionResetError(f"the peer closed the connection after {len(data)} of {size} bytes")
-        data += chunk
-    return data

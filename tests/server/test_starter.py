@@ -19,7 +19,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from lightning_rudra.server import launch
-from lightning_rudra.server.starter import SERVER_STARTER, STARTER_ENV, fork_server, forked_servers
+from lightning_rudra.server.forked_server import STARTER_ENV, fork_server
+from lightning_rudra.server.starter import SERVER_STARTER, forked_servers
 from lightning_rudra.transport.rpc_world import StageWorld, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

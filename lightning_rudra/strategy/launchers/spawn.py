@@ -17,7 +17,8 @@ from pytorch_lightning.trainer.states import TrainerFn
 from pytorch_lightning.utilities import rank_zero_warn
 from torchmetrics import Metric
 
-from lightning_rudra.server.starter import SERVER_STARTER, STARTER_ENV
+from lightning_rudra.server.forked_server import STARTER_ENV
+from lightning_rudra.server.starter import SERVER_STARTER
 from lightning_rudra.strategy.launchers.learner_errors import errors_folder, forget, kept, record, recorded
 from lightning_rudra.strategy.launchers.popen import Restarts, check_learner_zero, join_survivors
 from lightning_rudra.core.stats import Stats

@@ -82,7 +82,7 @@ def join(rank: int, world: StageWorld) -> tuple[list[LearnerClient], list[launch
         if store is not None and not incarnation:
             store.arrive(world.num_learners + world.num_servers)
     except BaseException:
-        _kill(processes)
+        _kill(processes, world.timeout)
         raise
     learner = LearnerId(rank, incarnation)
     clients = [
@@ -115,15 +115,15 @@ def _start_servers(rank: int, world: StageWorld) -> list[launch.ServerProcess]:
             if started_by == rank:
                 processes.append(launch.start_server(world, server))
     except BaseException:
-        _kill(processes)
+        _kill(processes, world.timeout)
         raise
     return processes
 
 
-def _kill(processes: Sequence[launch.ServerProcess]) -> None:
+def _kill(processes: Sequence[launch.ServerProcess], timeout: float) -> None:
     for process in processes:
         process.kill()
-        process.wait()
+        launch.stop_server(process, timeout)
 
 
 def _meet(rank: int, world: StageWorld, incarnation: int) -> None:

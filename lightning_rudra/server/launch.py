@@ -117,11 +117,16 @@ RUN_FAILED = 4  # a server node's server's exit code when training failed (a lea
 
 
 def stop_server(process: ServerProcess, timeout: float) -> None:
+    """Wait up to ``timeout`` for ``process`` to end, then kill it and wait as long again (a forked server's end is
+    told by its starter, which may itself be stopped: then it is left to it)."""
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("server process %d did not end within %g s of being killed", process.pid, timeout)
 
 
 def read_command_line(argv: Optional[list[str]]) -> argparse.Namespace:

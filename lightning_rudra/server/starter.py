@@ -80,7 +80,8 @@ SERVER_STARTER = ServerStarter()
 
 def serve(folder: str) -> None:
     """The starter's process: imports what a server process needs, then forks one per authenticated request
-    until the process that owns it ends. Single-threaded, so that a fork copies no other thread's state."""
+    until the process that owns it ends. One Python thread and no OpenMP pool, so that a fork copies no other
+    thread's state (OpenBLAS's idle workers are fork-safe)."""
     import torch._dynamo  # noqa: F401  what a server's first optimizer imports (seconds)
 
     import lightning_rudra.server.process  # noqa: F401
@@ -255,6 +256,7 @@ def _run_server(request: dict, fds: list[int], close_in_child: tuple) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path[:] = request["path"]
+        _as_a_fresh_interpreter()
         argv = [*request["argv"], "--parent-fd", str(alive)]
         _show_as([sys.executable, "lightning_rudra.server.process", *argv])
         from lightning_rudra.server.process import main
@@ -275,6 +277,16 @@ def _run_server(request: dict, fds: list[int], close_in_child: tuple) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _as_a_fresh_interpreter() -> None:
+    """Undo what the fork server's preload of the user's ``__main__`` may have set that a fresh server would not
+    have: the root logger's level and handlers, torch's default dtype."""
+    import torch
+
+    logging.root.handlers.clear()
+    logging.root.setLevel(logging.WARNING)
+    torch.set_default_dtype(torch.float32)
 
 
 def _show_as(command: list[str]) -> None:

@@ -262,3 +262,57 @@ def test_the_starter_and_its_folder_end_with_the_process_that_owns_it():
     while not _gone(int(pid)) or os.path.exists(owned_folder):
         time.sleep(0.1)
     assert out.stderr == ""
+
+
+def test_a_forked_server_starts_as_a_fresh_one_whatever_the_users_main_set():
+    """The fork server preloads the user's ``__main__``: what it set at import (a float64 default, a DEBUG root
+    logger) must not reach a server, which a fresh interpreter would start without."""
+    import torch
+
+    from lightning_rudra.server import starter
+
+    handlers, level = list(logging.root.handlers), logging.root.level
+    try:
+        torch.set_default_dtype(torch.float64)
+        logging.basicConfig(level=logging.DEBUG, force=True)
+        starter._as_a_fresh_interpreter()
+        assert torch.get_default_dtype() == torch.float32
+        assert logging.root.handlers == [] and logging.root.level == logging.WARNING
+    finally:
+        torch.set_default_dtype(torch.float32)
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
+
+
+class _NeverEnds:
+    pid = 12345
+
+    def __init__(self):
+        self.killed = False
+
+    def wait(self, timeout=None):
+        raise subprocess.TimeoutExpired("server", timeout)
+
+    def kill(self):
+        self.killed = True
+
+
+def test_stopping_a_server_whose_end_is_never_told_gives_up_after_twice_the_timeout(caplog):
+    process = _NeverEnds()  # a forked server whose starter was stopped (SIGSTOP): its end is never reported
+    with caplog.at_level(logging.WARNING, logger=launch.__name__):
+        launch.stop_server(process, 0.05)
+    assert process.killed and "server process 12345 did not end within 0.05 s of being killed" in caplog.text
+
+
+def test_a_fit_whose_starter_cannot_start_trains_with_fresh_server_processes(monkeypatch):
+    from lightning_rudra import RudraStrategy
+    from tests.lightning_models import Regression, loader, quiet_trainer
+
+    def cannot(timeout: float = 60.0) -> str:
+        raise RuntimeError("the server starter did not open its socket in /tmp/x within 60 s (exit code 1)")
+
+    monkeypatch.setattr(SERVER_STARTER, "ensure_running", cannot)
+    trainer = quiet_trainer(RudraStrategy(start_method="forkserver", rpc_timeout=30), 1, max_epochs=1)
+    with pytest.warns(UserWarning, match="within 60 s .*; the server processes start as fresh interpreters"):
+        trainer.fit(Regression(), loader(64))
+    assert trainer.strategy.stats.gradients == 4

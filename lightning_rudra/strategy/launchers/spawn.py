@@ -90,7 +90,10 @@ class SpawnLauncher(_MultiProcessingLauncher):
         os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
         self._environ = dict(os.environ)
         if self._start_method == "forkserver":  # the learners' server processes are forked too
-            self._environ[STARTER_ENV] = SERVER_STARTER.ensure_running()
+            try:
+                self._environ[STARTER_ENV] = SERVER_STARTER.ensure_running()
+            except (OSError, RuntimeError) as error:  # slower, not wrong: fresh interpreters, as under spawn
+                rank_zero_warn(f"lightning_rudra: {error}; the server processes start as fresh interpreters.")
         global_states = _GlobalStateSnapshot.capture()  # forkserver's too: Lightning's launch captures spawn's only
         return_queue = mp.get_context(self._start_method).SimpleQueue()
         process_args = (trainer, function, args, kwargs, return_queue, global_states)

@@ -138,10 +138,10 @@ def _breakdown(out, learner, optimizer, numel, iters, server_patches) -> None:
     """The in-process pieces of one push: pack (learner), the server's update + copy of the weights (with the
     same patches as the server process), load."""
     from benchmarks.proto import patched_protocol
+    from lightning_rudra.core.optimizers import hyperparameters
 
     protocol = patched_protocol(server_patches)
     Server, ProtocolConfig, OptimizerSpec = protocol.Server, protocol.ProtocolConfig, protocol.OptimizerSpec
-    hyperparameters = protocol.hyperparameters
 
     grad = learner.params[0].grad
     layout = learner.links[0].grad_layouts[0]

@@ -30,7 +30,7 @@ from tests import rpc_harness as harness
 
 SECONDS = float(os.environ.get("RUDRA_FUZZ_SECONDS", "0"))
 SEED = int(os.environ.get("RUDRA_FUZZ_SEED", "32"))
-MIN_STEPS, MIN_CASES, MU, LR = 40, 150, 4, 0.1  # 150 cases: each of the 15 kinds about 10 times
+MIN_STEPS, MIN_CASES, MU, LR = 40, 300, 4, 0.1
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300 + 2 * SECONDS)]
 

@@ -13,7 +13,7 @@ def server_pids(port: int, server: Optional[int] = None) -> list[int]:
     found = []
     for pid, argv in {**_fresh_servers(), **_forked()}.items():
         named = f"tcp://127.0.0.1:{port}" in argv and "--server" in argv
-        if named and (server is None or argv[argv.index("--server") + 1] == str(server)) and _alive(pid):
+        if named and (server is None or argv[argv.index("--server") + 1] == str(server)) and running(pid):
             found.append(pid)
     return sorted(found)
 
@@ -35,7 +35,8 @@ def _forked() -> dict[int, list[str]]:
     return forked_servers(SERVER_STARTER.folder) if SERVER_STARTER.folder and SERVER_STARTER.pid else {}
 
 
-def _alive(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"

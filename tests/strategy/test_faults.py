@@ -54,7 +54,7 @@ from tests.lightning_models import (
     sgd_after_a_loss,
 )
 from tests.script_runs import printed_result, run_script
-from tests.server_processes import server_pids
+from tests.server_processes import running, server_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -147,7 +147,7 @@ def run_with_fault(
     for pid in signalled:  # a stopped process cannot even die until it runs again
         _signal(pid, signal.SIGCONT)
     for _ in range(40):  # the server notices within about a second that its parent or its learners are gone
-        alive = [pid for pid in pids if _alive(pid)] + server_pids(port)
+        alive = [pid for pid in pids if running(pid)] + server_pids(port)
         if not alive:
             break
         time.sleep(0.25)
@@ -165,14 +165,6 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_killed_server_ends_every_learner_with_an_error_that_names_it(tmp_path, monkeypatch):
@@ -375,7 +367,7 @@ def test_popen_survives_a_lost_learner(tmp_path, how, why):
     assert f"learner 1 (on 127.0.0.1) was lost: it {why}" in done.stderr  # the server says so as it happens
     if how == "exit":
         assert "learner 1's process ended with exit code 7" in done.stderr
-    assert [pid for pid in result["children"] if _alive(pid)] == []
+    assert [pid for pid in result["children"] if running(pid)] == []
 
 
 def test_a_torchmetrics_metric_syncs_over_the_learners_left():

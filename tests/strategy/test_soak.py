@@ -18,7 +18,8 @@ import torch
 from lightning_rudra import RudraStrategy
 from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import START, Regression, flat, loader, quiet_trainer
-from tests.strategy.test_faults import _alive, _signal, pid_of
+from tests.server_processes import running
+from tests.strategy.test_faults import _signal, pid_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timeout(900)]
 
@@ -89,4 +90,4 @@ def test_four_learners_one_killed_one_stalled_for_minutes(tmp_path, monkeypatch)
     assert all(counts[rank][0] > 100 for rank in range(4))  # every learner trained before it was lost
     assert torch.isfinite(flat(model.parameters())).all()
     time.sleep(1)
-    assert [pid for pid in signalled if _alive(pid)] == []
+    assert [pid for pid in signalled if running(pid)] == []

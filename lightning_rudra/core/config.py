@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.compensation import parse_compensation
 
-PROTOCOLS = ("hardsync", "softsync", "async")
+PROTOCOLS = ("hardsync", "softsync", "async", "batchsync")
 OVERLAP_BLOCKS = (
     "on_stale='block' is not available with overlap=True: a learner computes its next step before its push is "
     "answered, so holding its push back does not hold back the weights it computes on. Use overlap=False with "
@@ -63,6 +63,61 @@ def validate_options(  # 7 params: the rule's options as the user gave them
         )
 
 
+def validate_rounds(  # 7 params: the round's options and those they cannot go with
+    protocol: str,
+    k: Optional[int],
+    backup: int,
+    num_learners: Optional[int] = None,
+    max_staleness: Optional[int] = None,
+    on_stale: str = "drop",
+    overlap: bool = False,
+) -> None:
+    """K-batch-sync's ``k`` and hardsync's ``backup`` (:mod:`lightning_rudra.core.rounds`), checked with the options
+    they cannot go with; ``num_learners``: λ once it is known."""
+    if k is not None:
+        if protocol != "batchsync":
+            raise ConfigurationError(
+                f"k={k!r} is K-batch-sync's round size and has no meaning with protocol={protocol!r}. Use "
+                "protocol='batchsync' (an update after the first k gradients of the current weights), or leave k unset."
+            )
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigurationError(
+                f"k={k!r} is not valid: expected an integer >= 1, the gradients of the current weights each update "
+                "averages (None: λ, one per learner)."
+            )
+    if isinstance(backup, bool) or not isinstance(backup, int) or backup < 0:
+        raise ConfigurationError(
+            f"backup={backup!r} is not valid: expected an integer >= 0, the learners a hardsync round does not wait "
+            "for (0: it waits for every learner)."
+        )
+    if backup and protocol != "hardsync":
+        raise ConfigurationError(
+            f"backup={backup} is for protocol='hardsync' (a round takes the first λ - backup learners' gradients), "
+            f"not {protocol!r}. Use protocol='hardsync', or protocol='batchsync' with k for a round of any learners' "
+            "gradients."
+        )
+    if num_learners is not None and backup >= num_learners:
+        raise ConfigurationError(
+            f"backup={backup} with λ={num_learners} learners leaves no learner for a round to wait for: expected "
+            f"0 <= backup < {num_learners}."
+        )
+    if protocol != "batchsync" and not backup:
+        return
+    name = "protocol='batchsync'" if protocol == "batchsync" else f"backup={backup}"
+    if max_staleness is not None or on_stale != "drop":
+        raise ConfigurationError(
+            f"max_staleness={max_staleness!r}, on_stale={on_stale!r} has nothing to bound with {name}: every gradient "
+            "it applies comes from the current weights (σ = 0), and a later one is not applied. Leave max_staleness "
+            "and on_stale unset."
+        )
+    if overlap:
+        raise ConfigurationError(
+            f"overlap=True is not available with {name}: a learner would compute its next gradient before its push "
+            "is answered, on weights the round may already have left, and its gradient would not be applied. Use "
+            "overlap=False."
+        )
+
+
 def min_blocking_staleness(protocol: str, n: int, num_learners: int) -> int:
     """The smallest max_staleness that on_stale='block' can keep with λ learners: an update applies c gradients,
     and a gradient handed the newest weights may follow the λ - 1 gradients of weights no newer, in the update
@@ -112,6 +167,10 @@ class ProtocolConfig:
     overlap: bool = False
     # what a gradient staler than max_staleness gets: dropped, or the pushes that would make it so held back (SSP)
     on_stale: str = "drop"
+    # batchsync: the gradients of the current weights an update averages (None: λ); hardsync: the learners a round
+    # does not wait for (:mod:`lightning_rudra.core.rounds`)
+    k: Optional[int] = None
+    backup: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.num_learners, bool) or not isinstance(self.num_learners, int) or self.num_learners < 1:
@@ -125,14 +184,25 @@ class ProtocolConfig:
             self.compensation,
             self.on_stale,
         )
+        validate_rounds(
+            self.protocol, self.k, self.backup, self.num_learners, self.max_staleness, self.on_stale, self.overlap
+        )
         validate_n(self.protocol, self.n, self.num_learners)
         validate_blocking(self.protocol, self.n, self.max_staleness, self.on_stale, self.num_learners)
         if self.on_stale == "block" and self.overlap:
             raise ConfigurationError(OVERLAP_BLOCKS)
 
     @property
+    def discards_late(self) -> bool:
+        """Whether a gradient that comes after its round closed is not applied (K-batch-sync, backup learners):
+        its batch is then dealt again (:mod:`lightning_rudra.core.rounds`)."""
+        return self.protocol == "batchsync" or self.backup > 0
+
+    @property
     def gradients_per_update(self) -> int:
-        """c: how many gradients one update averages (hardsync: one from every learner)."""
+        """c: how many gradients one update averages (hardsync: one from every learner; batchsync: K)."""
+        if self.protocol == "batchsync":
+            return self.k or self.num_learners
         if self.protocol == "async":
             return 1
         if self.protocol == "softsync":

@@ -8,12 +8,14 @@ learners together (a permutation seeded by ``seed + epoch``), so it is reproduci
 
 Nothing is lost with a learner: the pool keeps, per learner, the batches dealt to it that it has not said it
 trained on (a learner counts its trained batches in every draw: it trains them in the order dealt), and deals
-those of a lost learner again, to whoever asks next, before any new one.
+those of a lost learner again, to whoever asks next, before any new one. Nor with a late gradient (batchsync,
+backup: :mod:`lightning_rudra.core.rounds`): the learner names its batches in its next draw, by their place among
+the batches dealt to it over the run, and they are dealt again the same way.
 """
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -83,11 +85,13 @@ class _Dealt:
     epoch: int
     position: int
     indices: Tensor
+    late_from: Optional[int] = None  # the learner whose gradient of it came late: dealt again to another first
 
 
 @dataclass
 class _Learner:
-    dealt: deque[_Dealt] = field(default_factory=deque)  # dealt and not yet said trained on, in the order dealt
+    # dealt and not yet said trained on, in the order dealt; None: dealt again since (its gradient was late)
+    dealt: deque[Optional[_Dealt]] = field(default_factory=deque)
     acknowledged: int = 0  # batches it said it trained on over the run
 
 
@@ -110,8 +114,14 @@ class EpochPool:
         self.redeal: deque[_Dealt] = deque()  # a lost learner's batches, to be dealt again first
         self.redealt = 0  # batches dealt again over the run
 
-    def draw(
-        self, epoch: int, learner: int, plan: EpochPlan, want: int = 1, trained: Optional[int] = None
+    def draw(  # 6 params: the learner's request, as it sends it
+        self,
+        epoch: int,
+        learner: int,
+        plan: EpochPlan,
+        want: int = 1,
+        trained: Optional[int] = None,
+        late: Sequence[int] = (),
     ) -> tuple[Optional[Tensor], int, str]:
         """The next batches of ``epoch`` for ``learner``: ``(indices, position, "batch")``, the indices of
         consecutive batches from ``position`` (the epoch's batches count from 0); or ``(None, batches in the
@@ -126,7 +136,11 @@ class EpochPool:
         be given again if it is lost. A lost learner's other batches come first, one at a time, at their own place
         if they belong to ``epoch``; one from an earlier epoch (the others had drained it when the loss was seen)
         is trained in this one, at the place this epoch has reached. Such a batch comes as ``(indices, position,
-        "again")``: the learner may get more batches in this epoch than the epoch has."""
+        "again")``: the learner may get more batches in this epoch than the epoch has.
+
+        ``late``: batches whose gradient was not applied (it came after its round closed), each by its place among
+        the batches dealt to ``learner`` over the run (from 0); they are dealt again as a lost learner's are. Only
+        batches it holds and has not said it trained on before this draw (``trained`` may now count them)."""
         if plan != self.plan:
             raise ValueError(
                 f"learner {learner} describes this dataloader's epoch as {plan}, but the server holds "
@@ -142,19 +156,21 @@ class EpochPool:
         state = self.epochs.get(epoch)
         total = self.plan.num_batches
         own = self.learners.setdefault(learner, _Learner())
+        self._give_back(own, learner, late)
         if trained is not None:
             while own.acknowledged < trained and own.dealt:
                 own.dealt.popleft()
                 own.acknowledged += 1
         if self.stopped:
             return None, total, "budget"
-        if self.redeal and self.redeal[0].epoch <= epoch:  # dealt again: they count once in the budget
-            batch = self.redeal.popleft()
+        spent = self.plan.budget is not None and self.drawn >= self.plan.budget
+        batch = self._dealt_again(learner, epoch, drained=spent or state is None or state.cursor >= total)
+        if batch is not None:  # dealt again: they count once in the budget
             self.redealt += 1
             position = batch.position if batch.epoch == epoch else min(state.cursor, total - 1) if state else 0
             indices = batch.indices.clone()  # a view of the draw it came in: RPC would send that draw's storage
             return self._deal(own, learner, [_Dealt(epoch, position, indices)], indices, "again")
-        if self.plan.budget is not None and self.drawn >= self.plan.budget:
+        if spent:
             return None, total, "budget"
         if state is None or state.cursor >= total:
             return None, total, "epoch"
@@ -176,16 +192,51 @@ class EpochPool:
         self.taken[learner] = self.taken.get(learner, 0) + len(batches)
         return indices, batches[0].position, what
 
+    def _dealt_again(self, learner: int, epoch: int, drained: bool) -> Optional[_Dealt]:
+        """The next batch to deal ``learner`` again, taken out of the queue: a lost learner's, or one whose gradient
+        came late from another learner (its own only once nothing new is left, so that a straggler does not train
+        the batch it was late with again and again)."""
+        for i, batch in enumerate(self.redeal):
+            if batch.epoch <= epoch and (drained or batch.late_from != learner):
+                del self.redeal[i]  # by place: a batch's tensor has no truth value to compare by
+                return batch
+        return None
+
+    def _give_back(self, own: _Learner, learner: int, late: Sequence[int]) -> None:
+        """``late`` (see :meth:`draw`): to be dealt again."""
+        if isinstance(late, (str, bytes)) or not isinstance(late, Sequence):
+            raise ValueError(f"late={late!r} from learner {learner} is not valid: expected a list of batch places.")
+        for place in late:
+            index = place - own.acknowledged if is_place(place) else -1
+            if not 0 <= index < len(own.dealt) or own.dealt[index] is None:
+                held = f"{own.acknowledged} to {own.acknowledged + len(own.dealt) - 1}" if own.dealt else "none"
+                raise ValueError(
+                    f"learner {learner} says the gradient of its batch {place!r} came late, but it holds no such "
+                    f"batch not yet trained on (it holds its batches {held}): expected the place, counted from 0 over "
+                    "the run, of a batch dealt to it whose gradient it pushed after its last draw."
+                )
+            batch = own.dealt[index]
+            assert batch is not None
+            batch.late_from = learner
+            self.redeal.append(batch)
+            own.dealt[index] = None
+
     def lose(self, learner: int) -> int:
         """``learner`` is lost: the batches dealt to it and not trained on are dealt again. Returns how many."""
         own = self.learners.pop(learner, None)
         if own is None:
             return 0
-        self.redeal.extend(own.dealt)
-        return len(own.dealt)
+        batches = [batch for batch in own.dealt if batch is not None]
+        self.redeal.extend(batches)
+        return len(batches)
 
     def stop(self) -> None:
         """No more batches for anyone: a learner decided on its own to stop training (``max_time``'s Timer, a
         callback setting ``trainer.should_stop`` during a batch). Every other learner then stops at its next draw,
         as when ``max_steps`` is spent, so that all of them end training at the same place."""
         self.stopped = True
+
+
+def is_place(value: Any) -> bool:
+    """An int >= 0 that is no bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -101,8 +101,13 @@ def check_node_push(
         check_learner(learner)
 
 
-def refusal(protocol: str, min_learners: Optional[int], simulate: Optional[int]) -> Optional[str]:
+def refusal(protocol: str, min_learners: Optional[int], simulate: Optional[int], backup: int = 0) -> Optional[str]:
     """Why node-local aggregation cannot be used with these options, or None."""
+    if backup:
+        return (
+            f"backup={backup}: a round takes the first learners' gradients, and a node's push would bring several at "
+            "once, late or not together"
+        )
     if protocol != "hardsync":
         return (
             f"protocol={protocol!r}: an update there takes the first gradients to arrive, and a node's learners "
@@ -118,8 +123,13 @@ def refusal(protocol: str, min_learners: Optional[int], simulate: Optional[int])
     return None
 
 
-def wanted(
-    node_aggregation: Optional[bool], protocol: str, min_learners: Optional[int], simulate: Optional[int], auto: bool
+def wanted(  # 6 params: the options refusal reads, what the user asked, and where it would apply
+    node_aggregation: Optional[bool],
+    protocol: str,
+    min_learners: Optional[int],
+    simulate: Optional[int],
+    auto: bool,
+    backup: int = 0,
 ) -> bool:
     """Whether the learners decide on node-local aggregation at setup (every learner alike): asked for, or, by
     default, where ``auto`` (several nodes, or server nodes, of several learners each) and the run allows it
@@ -127,4 +137,4 @@ def wanted(
     RPC."""
     if node_aggregation is not None:
         return node_aggregation
-    return auto and not simulate and refusal(protocol, min_learners, simulate) is None
+    return auto and not simulate and refusal(protocol, min_learners, simulate, backup) is None

@@ -27,6 +27,7 @@ from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.node_plan import check_node_push
 from lightning_rudra.core.optimizers import OptimizerSpec, sharing_parameters
 from lightning_rudra.core.pending import Gradient, Pending
+from lightning_rudra.core.rounds import is_late, round_ready
 from lightning_rudra.core.ssp import StaleGate
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
 from lightning_rudra.core.stats import Stats
@@ -94,8 +95,8 @@ class Server(Updating):
         # σ may change between a gradient's arrival and its update (another optimizer's update changes its weights)
         self._defer = any(len(touched) > 1 for touched in touches)
         self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
-        # hardsync has no stale gradient: no rule (it stays SGD with batch μλ)
-        self.rules = parse_compensation(config.compensation) if config.protocol != "hardsync" else ()
+        # hardsync and batchsync apply no stale gradient: no rule (they stay SGD with batch μλ, Kμ)
+        self.rules = parse_compensation(config.compensation) if config.protocol in ("softsync", "async") else ()
         self.history = (
             StaleWeights(config.num_learners, self.clock, self.flat_params) if {"dc", "gap"} & set(self.rules) else None
         )
@@ -105,6 +106,14 @@ class Server(Updating):
         self.rounds = [0] * len(optimizers)
         self.awaiting_norm: dict[int, tuple[GlobalNorm, Pending, float, float]] = {}
         self.gate = self._gate(len(optimizers))
+        self.away: AbstractSet[int] = frozenset()  # learners waiting at a collective: a backup round does not wait
+        if config.discards_late and len(optimizers) > 1:
+            rule = "protocol='batchsync'" if config.protocol == "batchsync" else f"backup={config.backup}"
+            raise ConfigurationError(
+                f"{rule} is not available with {len(optimizers)} optimizers: a learner's gradient of one optimizer could be applied while its gradient of another "
+                "comes late and is not, leaving half a step of its batch. Use one optimizer, or protocol='hardsync' "
+                "without backup, softsync or async."
+            )
 
     def _gate(self, num_optimizers: int) -> Optional[StaleGate]:
         """on_stale='block': what holds pushes back (:mod:`lightning_rudra.core.ssp`); None: stale ones are dropped."""
@@ -156,10 +165,16 @@ class Server(Updating):
         ``max_staleness`` is held back (status ``held``, nothing changed but the gate): :meth:`release` applies it
         once it may go (:mod:`lightning_rudra.core.ssp`).
 
+        Under ``protocol="batchsync"`` and ``backup``, a gradient that comes after its round closed is not applied
+        (status ``late``, nothing changed but the count): :mod:`lightning_rudra.core.rounds`.
+
         Returns:
             what became of the gradient, and the update it closed, if any.
         """
         push = self._checked(push)
+        if is_late(self.config, push.timestamp, self.clock):  # its round closed: not applied, its batch dealt again
+            self.stats.late += 1
+            return PushResult("late", self.clock - push.timestamp)
         if self.gate is not None:
             if self.gate.holds(push.learner):
                 raise ValueError(
@@ -332,9 +347,18 @@ class Server(Updating):
         return self.active - self._pending[optimizer].learners
 
     def _ready(self, pending: Pending) -> bool:
-        if self.config.protocol == "hardsync":
-            return self.active <= pending.learners
-        return pending.received >= self.gradients_per_update
+        return round_ready(self.config, pending, self.active, self.away, self.gradients_per_update)
+
+    def meet(self, away: AbstractSet[int]) -> list[int]:
+        """The learners of ``away`` wait at a collective (they push nothing until it completes): a backup round
+        that waits only for them closes now. Returns the optimizers whose round this closed."""
+        self.away = frozenset(away)
+        if not self.config.backup:
+            return []
+        closed = [i for i, p in enumerate(self._pending) if p.learners and self._ready(p)]
+        for optimizer in closed:
+            self._close(optimizer)
+        return closed
 
     def _check_learner(self, learner: int) -> None:
         if not is_index(learner):

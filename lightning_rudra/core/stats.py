@@ -8,18 +8,19 @@ from typing import Any
 
 @dataclass
 class Stats:
-    """What a user reads after training: updates applied (the clock), gradients received, dropped (staler than
-    ``max_staleness``), rejected (non-finite), the staleness histogram σ -> count of applied gradients (of every
-    optimizer, and per optimizer: optimizer -> σ -> count), and
-    under the shared epoch, or with simulated learners, the batches each learner took (learner -> count, first
-    train dataloader), the batches dealt again because the learner they were dealt to was lost before it trained
-    on them, and the learners lost during training with why (only with ``min_learners``: otherwise a loss ends
-    training): those lost now, and every loss and rejoin in ``events``."""
+    """What a user reads after training: updates applied (the clock), gradients taken, dropped (staler than
+    ``max_staleness``), rejected (non-finite), late (batchsync, backup: they came after their round closed and were
+    not applied, nor counted in ``gradients``), the staleness histogram σ -> count of applied gradients (of every
+    optimizer, and per optimizer: optimizer -> σ -> count), and under the shared epoch, or with simulated learners,
+    the batches each learner took (learner -> count, first train dataloader), the batches dealt again (their learner
+    was lost before it trained on them, or their gradient was late), and the learners lost during training with why
+    (only with ``min_learners``: otherwise a loss ends training): those lost now, and every loss and rejoin in ``events``."""
 
     clock: int = 0
     gradients: int = 0
     dropped: int = 0
     rejected: int = 0
+    late: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
     optimizer_staleness: dict[int, dict[int, int]] = field(default_factory=dict)
     batches: dict[int, int] = field(default_factory=dict)
@@ -55,6 +56,7 @@ class Stats:
             "gradients": self.gradients,
             "dropped": self.dropped,
             "rejected": self.rejected,
+            "late": self.late,
             "staleness": dict(sorted(self.staleness.items())),
             "optimizer_staleness": {k: dict(sorted(c.items())) for k, c in sorted(self.optimizer_staleness.items())},
             "batches": dict(sorted(self.batches.items())),

@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 from contextlib import contextmanager
-from typing import Any, Hashable, Iterator, Optional
+from typing import Any, Hashable, Iterator, Optional, Sequence
 
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -244,12 +244,20 @@ class LearnerClient:
             f"collective {self._collectives}, which every learner reaches", "gather", self._collectives, self.rank, obj
         )
 
-    def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int, trained: Optional[int] = None) -> Future:
+    def draw(  # 6 params: EpochPool.draw's request
+        self,
+        pool: int,
+        epoch: int,
+        plan: EpochPlan,
+        want: int,
+        trained: Optional[int] = None,
+        late: Sequence[int] = (),
+    ) -> Future:
         """Ask for up to ``want`` next batches of the shared epoch of train dataloader ``pool``, saying that this
-        learner has trained on ``trained`` of the batches dealt to it; its :meth:`result` is ``EpochPool.draw``'s."""
-        return rpc.rpc_async(
-            self.server, _server.call, args=("draw", pool, epoch, self.rank, plan, want, trained), timeout=self.timeout
-        )
+        learner has trained on ``trained`` of the batches dealt to it and that the gradients of its batches ``late``
+        came late; its :meth:`result` is ``EpochPool.draw``'s."""
+        args = ("draw", pool, epoch, self.rank, plan, want, trained, tuple(late))
+        return rpc.rpc_async(self.server, _server.call, args=args, timeout=self.timeout)
 
     def stop_drawing(self) -> None:
         """This learner stops training: no learner gets another batch of the shared epoch."""

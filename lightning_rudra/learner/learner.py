@@ -31,7 +31,7 @@ from lightning_rudra.core.shards import ShardPlan, cuts_parameters, parts
 from lightning_rudra.core.stats import Stats
 
 _CPU = torch.device("cpu")
-_SEVERITY = ("accepted", "queued", "dropped", "rejected")  # a push's status over servers: the worst of theirs
+_SEVERITY = ("accepted", "queued", "dropped", "rejected", "late")  # a push's status over servers: the worst of theirs
 
 
 class InFlight(NamedTuple):

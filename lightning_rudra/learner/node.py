@@ -44,7 +44,7 @@ from lightning_rudra.transport.node_board import (
 if TYPE_CHECKING:
     from lightning_rudra.learner.learner import InFlight, Learner
 
-STATUSES = ("accepted", "queued", "dropped", "rejected")
+STATUSES = ("accepted", "queued", "dropped", "rejected", "late")
 Send = Callable[[Push], Future]
 
 

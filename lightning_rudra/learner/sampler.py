@@ -6,7 +6,7 @@ dealt after it; the plan's ``drop_last`` decides whether there is one).
 """
 
 from collections import deque
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from torch.utils.data import Sampler
 
@@ -31,6 +31,8 @@ class SharedEpochSampler(Sampler[list[int]]):
     ``num_learners`` (λ) gives the length its meaning until then: one learner's share of the epoch.
     ``trained``, set by whoever trains, counts the batches this learner has trained on over the run (their
     gradients pushed), told to the server with every draw, which deals the others again if the learner is lost.
+    ``late`` collects, for the next draw, the places (counted like ``trained``) of the batches whose gradient came
+    after its round closed (batchsync, backup): the server deals them again.
     """
 
     def __init__(self, client: LearnerClient, pool: int, plan: EpochPlan, num_learners: int = 1) -> None:
@@ -47,6 +49,7 @@ class SharedEpochSampler(Sampler[list[int]]):
         self.want = BATCHES_PER_DRAW  # batches to ask for at once
         self.ended: Optional[str] = None  # why the last iteration ended: "epoch" (drained) or "budget"
         self.trained: Optional[int] = None
+        self.late: list[int] = []
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -64,8 +67,8 @@ class SharedEpochSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         if self.epoch is None:
             return  # Lightning makes and drops one iterator before the first epoch: it must take nothing
-        epoch, plan, size = self.epoch, self.plan, self.plan.batch_size
-        asked = self.client.draw(self.pool, epoch, plan, self.want, self.trained)
+        epoch, size = self.epoch, self.plan.batch_size
+        asked = self._draw(epoch)
         while True:
             indices, position, what = self.client.result(asked)
             if indices is None:
@@ -78,9 +81,13 @@ class SharedEpochSampler(Sampler[list[int]]):
             batches = indices.split(size)
             for i, batch in enumerate(batches):
                 if i == len(batches) - 1:  # ask for more now, so that the answer comes while this one trains
-                    asked = self.client.draw(self.pool, epoch, plan, self.want, self.trained)
+                    asked = self._draw(epoch)
                 self.positions.append(position + i)
                 yield batch.tolist()
+
+    def _draw(self, epoch: int) -> Any:
+        late, self.late = tuple(self.late), []
+        return self.client.draw(self.pool, epoch, self.plan, self.want, self.trained, late)
 
     def next_position(self) -> int:
         """The place in the epoch of the oldest batch drawn and not yet trained on."""

@@ -16,7 +16,7 @@ fail or block, and must not stop the learners left.
 import logging
 import threading
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from torch.futures import Future
 
@@ -157,11 +157,13 @@ class ModelServer:
             core = self._protocol()
             if push.grads is None:
                 push = replace(push, grads=self.shared.gradient(push.learner, push.optimizer, core))
+            core.away = self.gatherings.waiting() & core.active  # a backup round does not wait for them
             result = core.push(push)
             learner, optimizer = push.learner, push.optimizer
             self.norm_exchange.pushed(optimizer, push.clipping)
             applied = self._applied([optimizer] if result.closed else [])
-            in_round = core.config.protocol == "hardsync" and optimizer not in applied
+            # a late push (batchsync, backup) is answered at once: its round has closed
+            in_round = core.config.protocol == "hardsync" and optimizer not in applied and result.status != "late"
             held = result.status == "held"
             if in_round:
                 reply: Future = Future()
@@ -286,6 +288,8 @@ class ModelServer:
             self._check_alive()
             future = self.gatherings.add(sequence, learner, obj)
             outcomes = self.gatherings.complete(self.membership.members)
+            if self.core is not None and self.failure is None:  # a backup round waits for nobody here
+                outcomes += self._release_rounds(self._applied(self.core.meet(self.gatherings.waiting()))).outcomes
             if not outcomes:
                 outcomes = self._give_up_if_deadlocked()
             if self.core is not None and self.failure is None:  # nobody is held back for a learner waiting here
@@ -293,12 +297,19 @@ class ModelServer:
         self._resolve_and_report(outcomes)
         return future
 
-    def draw(
-        self, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int, trained: Optional[int] = None
+    def draw(  # 7 params: the learner's request (EpochPool.draw's), and which train dataloader
+        self,
+        pool: int,
+        epoch: int,
+        learner: int,
+        plan: EpochPlan,
+        want: int,
+        trained: Optional[int] = None,
+        late: Sequence[int] = (),
     ) -> tuple[Optional[Any], int, str]:
         """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
         with self.lock:
-            return self.epochs.draw(self._protocol().stats, pool, epoch, learner, plan, want, trained)
+            return self.epochs.draw(self._protocol().stats, pool, epoch, learner, plan, want, trained, late)
 
     def stop_drawing(self, learner: int) -> None:
         """``learner`` stops training: every pool of the shared epoch is spent (:meth:`EpochPool.stop`)."""
@@ -346,6 +357,8 @@ class ModelServer:
     def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
         the learner waiting in the round can never join the collective. Called under the lock."""
+        if self.core is not None and self.core.config.backup:  # its rounds close without those at a collective
+            return []
         in_round = sorted({waiter.learner for waiting in self.round_waiters.values() for waiter in waiting})
         at_collective = sorted(self.gatherings.waiting() & (self.core.active if self.core is not None else set()))
         if not (in_round and at_collective):

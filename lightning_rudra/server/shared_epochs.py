@@ -2,7 +2,7 @@
 opened by the first draw, and what the statistics count of it. Its methods run under the
 :class:`~lightning_rudra.server.parameter_server.ParameterServer`'s lock."""
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from lightning_rudra.core.epoch import EpochPlan, EpochPool
 from lightning_rudra.core.stats import Stats
@@ -13,13 +13,21 @@ class SharedEpochs:
         self.num_learners = num_learners
         self.pools: dict[int, EpochPool] = {}  # per train dataloader
 
-    def draw(  # 7 params: EpochPool.draw's five, which pool, and the statistics its batches count in
-        self, stats: Stats, pool: int, epoch: int, learner: int, plan: EpochPlan, want: int, trained: Optional[int]
+    def draw(  # 8 params: EpochPool.draw's six, which pool, and the statistics its batches count in
+        self,
+        stats: Stats,
+        pool: int,
+        epoch: int,
+        learner: int,
+        plan: EpochPlan,
+        want: int,
+        trained: Optional[int],
+        late: Sequence[int] = (),
     ) -> tuple[Optional[Any], int, str]:
         """:meth:`EpochPool.draw` of train dataloader ``pool``; the first one's batches count in ``stats``."""
         if pool not in self.pools:
             self.pools[pool] = EpochPool(plan, self.num_learners)
-        indices, position, what = self.pools[pool].draw(epoch, learner, plan, want, trained)
+        indices, position, what = self.pools[pool].draw(epoch, learner, plan, want, trained, late)
         if indices is not None and pool == 0:
             stats.batches[learner] = stats.batches.get(learner, 0) + -(-len(indices) // plan.batch_size)
             stats.redealt = self.pools[pool].redealt

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.clipping import refuse_softsync
 from lightning_rudra.core.compensation import check_optimizer, parse_compensation
-from lightning_rudra.core.config import OVERLAP_BLOCKS, ProtocolConfig, validate_blocking, validate_n
+from lightning_rudra.core.config import OVERLAP_BLOCKS, ProtocolConfig, validate_blocking, validate_n, validate_rounds
 from lightning_rudra.core.node_plan import refusal
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.strategy.options import StrategyOptions
@@ -46,7 +46,7 @@ def check_blocking(on_stale: str, overlap: bool, simulate: Optional[int]) -> Non
         )
 
 
-def check_arguments(  # 8 params: the strategy's own arguments as the user gave them, before any default fills in
+def check_arguments(  # 9 params: the strategy's own arguments as the user gave them, before any default fills in
     protocol: str,
     sampling: Optional[str],
     rpc_timeout: float,
@@ -55,6 +55,7 @@ def check_arguments(  # 8 params: the strategy's own arguments as the user gave 
     min_learners: Optional[int] = None,
     num_servers: Optional[int] = None,
     max_restarts: int = 0,
+    backup: int = 0,
 ) -> None:
     """RudraStrategy's own arguments, as it is built (the protocol's are :func:`lightning_rudra.core.config.validate_options`)."""
     if start_method not in START_METHODS:
@@ -71,11 +72,18 @@ def check_arguments(  # 8 params: the strategy's own arguments as the user gave 
             f"sampling={sampling!r} is not supported: expected 'shared', 'static' or None (shared "
             "under softsync and async, static under hardsync)."
         )
-    if sampling == "shared" and protocol == "hardsync":
+    if sampling == "shared" and protocol == "hardsync" and not backup:
         raise ConfigurationError(
             "sampling='shared' is not available with protocol='hardsync': a hardsync round takes "
             "one batch from every learner, so every learner needs the same number of batches. "
             "Use sampling='static' (or leave it unset), or protocol='softsync' or 'async'."
+        )
+    late = "protocol='batchsync'" if protocol == "batchsync" else f"backup={backup}" if backup else None
+    if sampling == "static" and late is not None:
+        raise ConfigurationError(
+            f"sampling='static' is not available with {late}: a gradient that comes after its round closed is not "
+            "applied, and its batch must be dealt again, to whichever learner asks next (a straggler would be late "
+            "with every batch of its own part). Leave sampling unset (shared)."
         )
     if not rpc_timeout > 0:
         raise ConfigurationError(f"rpc_timeout={rpc_timeout!r} is not valid: expected a number of seconds > 0.")
@@ -129,12 +137,13 @@ def check_num_servers(num_servers: Optional[int], simulate: Optional[int]) -> No
         )
 
 
-def check_node_aggregation(
+def check_node_aggregation(  # 6 params: node_aggregation and the options it cannot go with
     node_aggregation: Optional[bool],
     protocol: str,
     min_learners: Optional[int],
     simulate: Optional[int],
     server_nodes: int = 0,
+    backup: int = 0,
 ) -> None:
     """``node_aggregation``, and ``server_nodes`` (:func:`~lightning_rudra.strategy.server_nodes.check_server_nodes`)."""
     check_server_nodes(server_nodes, min_learners, simulate)
@@ -142,7 +151,7 @@ def check_node_aggregation(
         raise ConfigurationError(
             f"node_aggregation={node_aggregation!r} is not valid: expected None (on where it applies), True or False."
         )
-    why = refusal(protocol, min_learners, simulate) if node_aggregation else None
+    why = refusal(protocol, min_learners, simulate, backup) if node_aggregation else None
     if why is not None:
         raise ConfigurationError(
             f"node_aggregation=True cannot be used with {why}. Leave node_aggregation unset (None: on only where it "
@@ -284,10 +293,25 @@ def check_simulated_devices(simulate: Optional[int], num_nodes: int, num_process
         )
 
 
+def check_late_servers(options: StrategyOptions, num_nodes: int) -> None:
+    """K-batch-sync and backup learners choose which gradients a round takes: every server must choose alike."""
+    servers = options.num_servers or max(num_nodes, options.server_nodes, 1)
+    if not options.discards_late or servers == 1:
+        return
+    late = "protocol='batchsync'" if options.protocol == "batchsync" else f"backup={options.backup}"
+    raise ConfigurationError(
+        f"{late} needs one parameter server, not {servers} (num_servers={options.num_servers!r}, {num_nodes} "
+        "node(s)): each server would take the first gradients to reach it, which may not be the same learners', "
+        "and the parts of the model would be updated from different batches. Set RudraStrategy(num_servers=1)."
+    )
+
+
 def check_learners(options: StrategyOptions, num_nodes: int, num_processes: int) -> None:
     """Once the Trainer is built, λ is known: the arguments that depend on it, before any process starts."""
     num_learners = options.simulate or num_nodes * num_processes
     validate_n(options.protocol, options.n, num_learners)
+    validate_rounds(options.protocol, options.k, options.backup, num_learners)
+    check_late_servers(options, num_nodes)
     validate_blocking(options.protocol, options.n, options.max_staleness, options.on_stale, num_learners)
     check_min_learners(options.min_learners, num_learners, options.simulate)
     check_num_servers(options.num_servers, options.simulate)

@@ -23,7 +23,7 @@ from lightning_rudra.strategy.checks import is_placeholder, warn_of_meetings_per
 from lightning_rudra.strategy.fit_loop.shared_epoch_loop import SharedEpochLoop
 from lightning_rudra.strategy.fit_loop.simulated import SimulatedEpochLoop
 from lightning_rudra.strategy.rejoin import RejoinRequest, describe
-from lightning_rudra.strategy.shared_epoch import start_shared_epoch
+from lightning_rudra.strategy.shared_epoch import check_late_batches, start_shared_epoch
 from lightning_rudra.strategy.simulated_epoch import start_simulation
 
 
@@ -52,6 +52,7 @@ class FitPlan:
     simulated: bool  # simulated learners in this process
     shared_epoch: bool  # sampling="shared": the learners draw from the epoch pool
     hardsync: bool
+    discards_late: bool = False  # batchsync, backup: a late gradient's batches are dealt again (the shared epoch)
 
 
 class LearnerFit:
@@ -89,7 +90,7 @@ class LearnerFit:
         # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
         stepping = [] if any(map(is_placeholder, optimizers)) else optimizers
         self.learner = Learner(module, clients, plan.overlap, plan.shared_memory, plan.compression)
-        self.learner.on_push = plan.on_push
+        self.learner.on_push = self._pushed
         self.learner.check(stepping)
         if plan.config is not None:
             states = plan.resumed.optimizer_states
@@ -108,6 +109,12 @@ class LearnerFit:
             aggregate(self.learner, client.gather, node, timeout, announce)
         return wrapped
 
+    def _pushed(self, optimizer: int, status: str, staleness: int, lr_scale: float) -> None:
+        assert self.plan is not None, "setup comes first"
+        self.plan.on_push(optimizer, status, staleness, lr_scale)
+        if status == "late" and isinstance(self.loop, SharedEpochLoop):
+            self.loop.on_late()
+
     def start(self, trainer: "pl.Trainer", start_epoch: Callable[[], None], end_training: Callable[[], None]) -> None:
         """At ``on_train_start``: Lightning's fit loop refitted, and the callback that runs first (``start_epoch``
         and ``end_training`` are the strategy's)."""
@@ -123,6 +130,8 @@ class LearnerFit:
             self.rejoin.start(trainer, self.plan.shared_epoch)  # before the shared epoch's first draw
             # the shared epoch goes on from the checkpoint's statistics
             self.loop = start_shared_epoch(trainer, loaders, self.plan.num_learners, self.plan.resumed.stats)
+            if self.plan.discards_late:
+                check_late_batches(trainer, self.loop)
             if self.loop is None and not self.plan.hardsync:
                 warn_of_meetings_per_batch(trainer)
         # before every other callback's on_train_end, which may still change the weights (weight averaging)

@@ -23,6 +23,8 @@ class StrategyOptions:
     compensation: str
     max_staleness: Optional[int]
     on_stale: str
+    k: Optional[int]
+    backup: int
     nonfinite: str
     sampling: str
     rpc_timeout: float
@@ -50,7 +52,14 @@ class StrategyOptions:
             compensation=self.compensation,
             overlap=self.overlap,
             on_stale=self.on_stale,
+            k=self.k,
+            backup=self.backup,
         )
+
+    @property
+    def discards_late(self) -> bool:
+        """K-batch-sync or backup learners: a late gradient is not applied, and its batch is dealt again."""
+        return self.protocol == "batchsync" or self.backup > 0
 
 
 class Option(Generic[T]):
@@ -94,6 +103,8 @@ class StrategyArguments:
     compensation = Option[str]()
     max_staleness = Option[Optional[int]]()
     on_stale = Option[str]()
+    k = Option[Optional[int]]()
+    backup = Option[int]()
     nonfinite = Option[str]()
     sampling = Option[str]()
     rpc_timeout = Option[float]()

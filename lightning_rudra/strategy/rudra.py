@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_rudra.core.compensation import staleness_options
 from lightning_rudra.core.compression import compression_option
-from lightning_rudra.core.config import validate_options
+from lightning_rudra.core.config import validate_options, validate_rounds
 from lightning_rudra.core.node_plan import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
@@ -59,7 +59,9 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
 
     Args:
         protocol: ``"hardsync"`` (wait for every learner, average, one update: SGD with batch μλ), ``"softsync"``
-            (an update after any ⌊λ/n⌋ gradients) or ``"async"`` (every gradient applied on arrival).
+            (an update after any ⌊λ/n⌋ gradients), ``"async"`` (every gradient applied on arrival) or
+            ``"batchsync"`` (K-batch-sync: an update after the first ``k`` gradients of the current weights, from
+            any learners; a later one is not applied and its batch is dealt again).
         n: softsync's splitting parameter, 1 <= n <= λ; the mean staleness is about n.
         lr_modulation: the paper's rules, ``"mean"``, ``"per_gradient"`` or ``"none"``; set alone, no compensation.
         compensation: the server's rule for stale gradients (:mod:`lightning_rudra.core.compensation`):
@@ -68,6 +70,9 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         on_stale: ``"drop"`` (a gradient staler than ``max_staleness`` is dropped and counted) or ``"block"`` (Stale
             Synchronous Parallel: the server holds back the pushes that would make one so, until the lagging
             learner's gradient came; none is dropped).
+        k: batchsync's K, the gradients of the current weights an update averages; None: λ.
+        backup: hardsync's backup learners: a round takes the first λ - ``backup`` learners' gradients, and the
+            others' are not applied (their batches are dealt again).
         nonfinite: a gradient with NaN or Inf is refused and counted (``"skip"``) or stops training (``"raise"``).
         sampling: ``"shared"`` (softsync's and async's default: one pool of batches per epoch) or ``"static"``.
         rpc_timeout: seconds a call to the server may take, and a process's silence before it counts as lost.
@@ -94,15 +99,17 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
 
     strategy_name = "rudra"
 
-    # 25 params: the user's arguments, each typed for LightningCLI (as DDPStrategy's); kept in one StrategyOptions
+    # 27 params: the user's arguments, each typed for LightningCLI (as DDPStrategy's); kept in one StrategyOptions
     def __init__(
         self,
-        protocol: Literal["hardsync", "softsync", "async"] = "softsync",
+        protocol: Literal["hardsync", "softsync", "async", "batchsync"] = "softsync",
         n: int = 1,
         lr_modulation: Optional[Literal["none", "mean", "per_gradient"]] = None,
         compensation: Optional[str] = None,
         max_staleness: Optional[int] = None,
         on_stale: Literal["drop", "block"] = "drop",
+        k: Optional[int] = None,
+        backup: int = 0,
         nonfinite: Literal["skip", "raise"] = "skip",
         sampling: Optional[Literal["shared", "static"]] = None,
         rpc_timeout: float = 120.0,
@@ -134,9 +141,12 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         modulation, compensation = staleness_options(lr_modulation, compensation)
         validate_options(protocol, n, modulation, max_staleness, nonfinite, compensation, on_stale)
         check_blocking(on_stale, overlap, simulate)
-        check_arguments(protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts)
-        check_simulation(simulate, timing, sampling, overlap)
-        check_node_aggregation(node_aggregation, protocol, min_learners, simulate, server_nodes)
+        validate_rounds(protocol, k, backup, None, max_staleness, on_stale, overlap)
+        check_arguments(
+            protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts, backup
+        )
+        check_simulation(simulate, timing, sampling, overlap, protocol == "batchsync" or bool(backup))
+        check_node_aggregation(node_aggregation, protocol, min_learners, simulate, server_nodes, backup)
         self._options = StrategyOptions(
             protocol=protocol,
             n=n,
@@ -144,8 +154,10 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
             compensation=compensation,
             max_staleness=max_staleness,
             on_stale=on_stale,
+            k=k,
+            backup=backup,
             nonfinite=nonfinite,
-            sampling=sampling or ("static" if protocol == "hardsync" or simulate else "shared"),
+            sampling=sampling or ("static" if (protocol == "hardsync" and not backup) or simulate else "shared"),
             rpc_timeout=float(rpc_timeout),
             min_learners=min_learners,
             max_restarts=max_restarts,
@@ -185,7 +197,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         """Whether the learners decide on node-local aggregation at setup (:func:`~lightning_rudra.core.node_plan.wanted`)."""
         several_hosts = self.num_nodes > 1 or self.server_nodes > 0
         args = (self.node_aggregation, self.protocol, self.min_learners, self.simulate)
-        return node_wanted(*args, several_hosts and self.num_processes > 1)
+        return node_wanted(*args, several_hosts and self.num_processes > 1, self.backup)
 
     @override
     def _configure_launcher(self) -> None:
@@ -247,6 +259,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
                 simulated=bool(self.simulate),
                 shared_epoch=self.sampling == "shared",
                 hardsync=self.protocol == "hardsync",
+                discards_late=self._options.discards_late,
             )
             self.optimizers = self._training.setup(self.model, self.optimizers, clients, plan)
         self.setup_precision_plugin()  # the learners' optimizers hold no state: it lives on the server

@@ -63,6 +63,25 @@ def start_shared_epoch(
     return loop
 
 
+def check_late_batches(trainer: "pl.Trainer", loop: Optional[SharedEpochLoop]) -> None:
+    """batchsync, backup: a late gradient's batches are dealt again from the shared epoch (``loop``), and only
+    automatic optimization says which batches a push holds (every learner checks alike, when training starts)."""
+    if loop is None:
+        raise ConfigurationError(
+            "protocol='batchsync' and backup learners need the shared epoch: a gradient that comes after its round "
+            "closed is not applied, and its batch is dealt again to whichever learner asks next. The train "
+            "dataloader cannot be pooled (an IterableDataset, or a sampler of your own, keeps one stream per "
+            "learner). Use a map-style dataset with Lightning's sampler, or protocol='hardsync' without backup, "
+            "'softsync' or 'async'."
+        )
+    if not trainer.lightning_module.automatic_optimization:
+        raise ConfigurationError(
+            "protocol='batchsync' and backup learners need automatic optimization: a late push's batches are dealt "
+            "again, and under manual optimization the module decides which batches a push holds. Use automatic "
+            "optimization, or protocol='hardsync' without backup, 'softsync' or 'async'."
+        )
+
+
 def _trained(trainer: "pl.Trainer", resumed: Stats) -> int:
     """Batches the learners trained on before the checkpoint (all of them: learner 0's own counters restored in
     every learner say only what it took). Its gradients say it exactly for one push per batch; otherwise the

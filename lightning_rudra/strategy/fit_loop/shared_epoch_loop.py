@@ -48,6 +48,7 @@ class SharedEpochLoop:
         self._scheduler_steps: list[int] = []  # per config: times its scheduler has stepped in this run
         self._fetched = 0  # batches fetched in this fit (first dataloader)
         self._fetched_in_epoch = (-1, 0)  # (epoch, batches fetched in it)
+        self._window: list[int] = []  # the places (as _fetched counts them) of the accumulation window's batches
 
     def install(self, trained: int) -> None:
         """``trained``: batches trained on before the checkpoint this run resumes from (0: none)."""
@@ -157,8 +158,16 @@ class SharedEpochLoop:
         window = trainer.accumulate_grad_batches if trainer.lightning_module.automatic_optimization else 1
         if in_epoch % window == 0:
             self.samplers[0].trained = self._fetched
+            self._window = []
+        self._window.append(self._fetched)
         self._fetched += 1
         self._fetched_in_epoch = (epoch, in_epoch + 1)
+
+    def on_late(self) -> None:
+        """The push of this window's gradient came after its round closed (batchsync, backup) and was not applied:
+        its batches are dealt again (told with the next draw)."""
+        self.samplers[0].late += self._window
+        self._window = []
 
     def on_train_epoch_end(self) -> None:
         """Before any other ``on_train_epoch_end``: the step schedulers reach the epoch's end. Still in a batch

@@ -3,6 +3,10 @@
 current weights are applied (σ = 0), the slow learner's late gradients are not, and their batches are trained again
 by someone, so that every batch dealt is trained and every push is applied or late."""
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 
@@ -31,6 +35,7 @@ def check_every_batch_trained(stats, records, epochs, learners):
     assert trained == epochs * BATCHES + stats.redealt, "every batch dealt is trained: the new ones, and again"
     # a late batch is dealt again once its learner says so in its next draw: all but those of the run's last batches
     assert 0 <= stats.late - stats.redealt <= 2 * learners, (stats.late, stats.redealt)
+    assert epochs * BATCHES - 2 * learners <= stats.gradients <= epochs * BATCHES, "each batch applied once"
     for epoch in range(epochs):
         seen = {i for record in records for e, batch in record["batches"] if e == epoch for i in batch}
         assert seen == set(range(256)), "each sample is trained in each epoch"
@@ -96,3 +101,44 @@ def test_manual_optimization_and_an_unpooled_dataloader_are_refused_when_trainin
         quiet_trainer(RudraStrategy(protocol="batchsync", start_method=START, rpc_timeout=30), 2).fit(
             ManualStep(), loader(8)
         )
+
+
+class KilledAtEpochOne(Regression):
+    """Each learner appends ``<epoch> <sample ids>`` of every batch it trains on to ``<dir>/ids<rank>`` (before its
+    push: each line is one push); learner 1 is slow, learner 2 kills itself (SIGKILL) at its fifth batch of epoch 1,
+    before training on it, holding the batches it drew ahead."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(lr=0.01)
+        self.directory = directory
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        if self.global_rank == 2 and self.trainer.current_epoch == 1 and batch_idx == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.03 if self.global_rank == 1 else 0.005)
+        with open(os.path.join(self.directory, f"ids{self.global_rank}"), "a") as file:
+            file.write(f"{self.trainer.current_epoch} {' '.join(map(str, ids.tolist()))}\n")
+        return super().training_step((x, y), batch_idx)
+
+
+@pytest.mark.parametrize("kwargs", [dict(protocol="batchsync"), dict(protocol="hardsync", backup=1)])
+def test_with_min_learners_a_lost_learners_batches_are_dealt_again_and_every_sample_is_trained(tmp_path, kwargs):
+    epochs = 3
+    strategy = RudraStrategy(start_method=START, rpc_timeout=30, min_learners=1, **kwargs)
+    model = KilledAtEpochOne(str(tmp_path))
+    with pytest.warns(UserWarning, match=r"learner 2's process ended with signal SIGKILL"):
+        quiet_trainer(strategy, 3, max_epochs=epochs).fit(model, indexed_loader(8))
+    trained = {epoch: [] for epoch in range(epochs)}
+    for rank in range(3):
+        for line in (tmp_path / f"ids{rank}").read_text().splitlines():
+            epoch, *ids = map(int, line.split())
+            trained[epoch].append(ids)
+    stats = strategy.stats
+    assert list(stats.lost) == [2] and stats.late >= 1 and stats.staleness == {0: stats.gradients}
+    pushes = sum(len(batches) for batches in trained.values())
+    assert pushes == stats.gradients + stats.late
+    assert sum(stats.batches.values()) == epochs * BATCHES + stats.redealt
+    # each batch applied once, but the run's last late ones (at most two a learner); a batch the lost learner
+    # pushed and had not yet said it trained on is dealt again, and may be applied twice
+    assert epochs * BATCHES - 2 * 3 <= stats.gradients <= epochs * BATCHES + stats.redealt

@@ -27,7 +27,13 @@ def trainer(strategy, devices=2, **kwargs):
 
 @pytest.mark.parametrize(
     "name, protocol",
-    [("rudra", "softsync"), ("rudra_hardsync", "hardsync"), ("rudra_softsync", "softsync"), ("rudra_async", "async")],
+    [
+        ("rudra", "softsync"),
+        ("rudra_hardsync", "hardsync"),
+        ("rudra_softsync", "softsync"),
+        ("rudra_async", "async"),
+        ("rudra_batchsync", "batchsync"),
+    ],
 )
 def test_importing_the_package_registers_the_names(name, protocol):
     strategy = trainer(name).strategy
@@ -152,7 +158,7 @@ def test_on_stale_defaults_to_drop_reads_back_and_a_bound_too_small_for_the_lear
     assert isinstance(refused.value, ConfigurationError) and "Use max_staleness >= 2" in str(refused.value)
 
 
-@pytest.mark.parametrize("protocol", ["hardsync", "softsync", "async"])
+@pytest.mark.parametrize("protocol", ["hardsync", "softsync", "async", "batchsync"])
 def test_one_learner_is_valid_for_every_protocol(protocol):
     assert trainer(RudraStrategy(protocol=protocol), devices=1).strategy.num_learners == 1
 
@@ -175,6 +181,22 @@ def test_lightning_cli_reads_the_strategy_from_yaml(tmp_path):
         5,
     )
     assert strategy.num_learners == 3 and strategy.on_stale == "block"
+
+
+def test_lightning_cli_reads_k_batch_sync_and_backup_learners_from_yaml(tmp_path):
+    for init_args, expected in (
+        ("protocol: batchsync\n      k: 6", ("batchsync", 6, 0, "shared")),
+        ("protocol: hardsync\n      backup: 1", ("hardsync", None, 1, "shared")),
+    ):
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            "trainer:\n  accelerator: cpu\n  devices: 3\n  logger: false\n  strategy:\n"
+            f"    class_path: lightning_rudra.RudraStrategy\n    init_args:\n      {init_args}\n"
+        )
+        strategy = LightningCLI(Regression, run=False, args=["--config", str(config)]).trainer.strategy
+        assert (strategy.protocol, strategy.k, strategy.backup, strategy.sampling) == expected
+        config_of_server = strategy._options.protocol_config(strategy.num_learners)
+        assert (config_of_server.k, config_of_server.backup, config_of_server.discards_late) == expected[1:3] + (True,)
 
 
 def test_lightning_cli_takes_a_registered_name_on_the_command_line():

@@ -16,7 +16,8 @@ class Prediction:
     ``epoch_s``: from the start to the epoch's last applied gradient. ``server_utilisation``: per server, the share
     of the epoch it was busy. ``push_order``: (learner, timestamp of its weights) of every applied gradient, in the
     order applied; ``arrivals``: per learner, the times its gradients reached the server (applied or not), for
-    :meth:`timing`. ``held_s``: SSP, the time pushes spent held."""
+    :meth:`timing`. ``held_s``: SSP, the time pushes spent held. ``update_times``: when each update was applied (the
+    wall-time axis of an accuracy curve)."""
 
     protocol: str
     learners: int
@@ -32,6 +33,7 @@ class Prediction:
     arrivals: list[list[float]] = field(repr=False)
     round_starts: list[list[float]] = field(repr=False)
     held_s: float = 0.0
+    update_times: list[float] = field(default_factory=list, repr=False)
 
     @property
     def mean_staleness(self) -> float:

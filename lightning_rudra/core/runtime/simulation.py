@@ -48,6 +48,7 @@ class _State:
     waiting: list[_Push] = field(default_factory=list)
     held: list[_Push] = field(default_factory=list)
     handed: dict[int, int] = field(default_factory=dict)
+    members: set[int] = field(default_factory=set)  # learners whose gradient the open update holds
 
 
 class Simulation:
@@ -61,6 +62,9 @@ class Simulation:
         self.aggregate = (
             self.proto.name == "hardsync" and not self.proto.backup and c.node_aggregation and c.learners_per_host > 1
         )
+        # servers on hosts of their own, each an equal share: all see the same pushes at the same moments, so one
+        # stands for all (its link carries its share; a learner's link carries every share)
+        self.parts = 1 if c.servers_on == "own_hosts" else c.num_servers
         self.shard = scenario.payload.parameters / c.num_servers
         self.push_part = scenario.payload.push_bytes / c.num_servers
         self.pull_part = scenario.payload.pull_bytes / c.num_servers
@@ -69,8 +73,8 @@ class Simulation:
         self.seq = 0
         self.out_free = [0.0] * c.all_hosts
         self.in_free = [0.0] * c.all_hosts
-        self.server_free = [0.0] * c.num_servers
-        self.server_busy = [0.0] * c.num_servers
+        self.server_free = [0.0] * self.parts
+        self.server_busy = [0.0] * self.parts
         self.rngs = [random.Random(scenario.seed * 1_000_003 + r) for r in range(self.learners)]
         self.steps = [0] * self.learners  # computes started, over the run (the step index of the step times)
         self.timestamp = [0] * self.learners  # the clock of the weights each learner holds
@@ -85,6 +89,7 @@ class Simulation:
         self.arrivals: list[list[float]] = [[] for _ in range(self.learners)]
         self.starts: list[list[float]] = [[] for _ in range(self.learners)]
         self.held_s = 0.0
+        self.update_times: list[float] = []
         self.held_since: dict[int, float] = {}
 
     # the event queue
@@ -128,7 +133,7 @@ class Simulation:
     def _computed(self, learner: int) -> None:
         host = self.s.cluster.host_of_learner(learner)
         if not self.aggregate:
-            self._send(_Push([learner], host, self.timestamp[learner], self.s.cluster.num_servers))
+            self._send(_Push([learner], host, self.timestamp[learner], self.parts))
             return
         ready = self.ready.setdefault(host, [])
         ready.append(learner)
@@ -141,23 +146,25 @@ class Simulation:
         mine = [r for r in range(host * lph, (host + 1) * lph) if r in self.active]
         if ready and set(mine) <= set(ready):
             self.ready[host] = []
-            self._send(_Push(sorted(ready), host, self.timestamp[ready[0]], self.s.cluster.num_servers))
+            self._send(_Push(sorted(ready), host, self.timestamp[ready[0]], self.parts))
 
     def _send(self, push: _Push) -> None:
-        for server in range(self.s.cluster.num_servers):
-            arrival = self._transfer(push.host, self.s.cluster.host_of_server(server), self.push_part)
+        whole = self.s.payload.push_bytes if self.parts == 1 else self.push_part
+        for server in range(self.parts):
+            arrival = self._transfer(push.host, self.s.cluster.host_of_server(server), whole, self.push_part)
             self._at(arrival, SHARD, push.members[0], (push, server))
 
-    def _transfer(self, source: int, target: int, nbytes: float) -> float:
-        """When ``nbytes`` sent now from host ``source`` arrive at ``target``: on one host a copy (no queue), between
-        hosts after the sender's outgoing and the receiver's incoming side are both free, holding both."""
+    def _transfer(self, source: int, target: int, sent: float, received: float) -> float:
+        """When a message sent now from host ``source`` arrives at ``target``: on one host a copy (no queue), between
+        hosts once the sender's outgoing and the receiver's incoming side are both free, each held for the bytes it
+        carries (``sent``, ``received``: they differ where one server stands for all)."""
         cluster = self.s.cluster
         if source == target:
-            return self.now + cluster.local.seconds(nbytes) + cluster.local.latency
+            return self.now + cluster.local.seconds(max(sent, received)) + cluster.local.latency
         start = max(self.now, self.out_free[source], self.in_free[target])
-        end = start + cluster.link.seconds(nbytes)
-        self.out_free[source] = self.in_free[target] = end
-        return end + cluster.link.latency
+        self.out_free[source] = start + cluster.link.seconds(sent)
+        self.in_free[target] = start + cluster.link.seconds(received)
+        return start + cluster.link.seconds(max(sent, received)) + cluster.link.latency
 
     def _serve(self, server: int, seconds: float) -> float:
         """The server's FIFO: the job starts once the server is free; returns when it is done."""
@@ -198,6 +205,7 @@ class Simulation:
             self.takes.append((self.now, r, push.timestamp, sigma))
         self.applied += len(push.members)
         st.received += len(push.members)
+        st.members.update(push.members)
         st.waiting.append(push)
         if self._due():
             self._update()
@@ -208,8 +216,7 @@ class Simulation:
     def _due(self) -> bool:
         st, name = self.state, self.proto.name
         if name == "hardsync":
-            members = {r for p in st.waiting for r in p.members}
-            return st.received >= len(self.active) - self.proto.backup or self.active <= members
+            return st.received >= len(self.active) - self.proto.backup or self.active <= st.members
         return st.received >= self.proto.gradients_per_update(self.learners)
 
     def _update(self) -> None:
@@ -217,8 +224,10 @@ class Simulation:
         st = self.state
         st.clock += 1
         self.updates += 1
+        self.update_times.append(self.now)
         st.received = 0
-        done = [self._serve(server, self.s.server.update(self.shard)) for server in range(self.s.cluster.num_servers)]
+        st.members = set()
+        done = [self._serve(server, self.s.server.update(self.shard)) for server in range(self.parts)]
         waiting, st.waiting = st.waiting, []
         for push in waiting:
             self._answer(push, done)
@@ -229,11 +238,12 @@ class Simulation:
         for r in push.members:
             self.timestamp[r] = self.state.clock
             self.state.handed[r] = self.state.clock
-        reply = _Reply(push.members, self.s.cluster.num_servers)
-        for server in range(self.s.cluster.num_servers):
+        reply = _Reply(push.members, self.parts)
+        whole = self.s.payload.pull_bytes if self.parts == 1 else self.pull_part
+        for server in range(self.parts):
             at = leave[server] if isinstance(leave, list) else leave
             saved, self.now = self.now, at
-            arrival = self._transfer(self.s.cluster.host_of_server(server), push.host, self.pull_part)
+            arrival = self._transfer(self.s.cluster.host_of_server(server), push.host, self.pull_part, whole)
             self.now = saved
             self._at(arrival, REPLY, push.members[0], reply)
 
@@ -314,11 +324,13 @@ class Simulation:
             wasted=total_wasted / (len(self.takes) + total_wasted) if self.takes or total_wasted else 0.0,
             epoch_s=end / len(self.epoch_ends) if self.epoch_ends else 0.0,
             updates=self.updates,
-            server_utilisation=[b / end if end else 0.0 for b in self.server_busy],
+            server_utilisation=[b / end if end else 0.0 for b in self.server_busy]
+            * (self.s.cluster.num_servers // self.parts),
             push_order=[(r, ts) for _, r, ts, _ in self.takes],
             arrivals=self.arrivals,
             round_starts=self.starts if self.proto.name == "hardsync" else [[] for _ in self.starts],
             held_s=self.held_s,
+            update_times=self.update_times,
         )
 
 

@@ -65,7 +65,12 @@ def measure_server(sizes: Sequence[int] = (100_000, 1_000_000, 4_000_000, 10_000
         points.append({"parameters": n, "push_s": statistics.median(pushes), "update_s": statistics.median(updates)})
     push = _line([p["parameters"] for p in points], [p["push_s"] for p in points])
     update = _line([p["parameters"] for p in points], [p["update_s"] for p in points])
-    return {"points": points, "push": push, "update": update, "command": "python -m benchmarks.predict --measure-server"}
+    return {
+        "points": points,
+        "push": push,
+        "update": update,
+        "command": "python -m benchmarks.predict --measure-server",
+    }
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -113,7 +118,9 @@ def _protocol(strategy: str) -> Protocol:
     return Protocol("hardsync" if strategy.startswith("hardsync") else "async")
 
 
-def _scenario(inputs: Inputs, strategy: str, learners: int, lph: int, compute: float, straggle: float, **kw: Any) -> Scenario:
+def _scenario(
+    inputs: Inputs, strategy: str, learners: int, lph: int, compute: float, straggle: float, **kw: Any
+) -> Scenario:
     """A benchmark's run: the last learner straggles by ``straggle`` seconds a step."""
     times = [StepTime(compute)] * learners
     if straggle:
@@ -150,12 +157,17 @@ def validation_rows(inputs: Inputs) -> list[dict]:
             "prediction": p.to_dict(),
         }
         ms = measured.get("mean_staleness")
-        row["staleness_ok"] = None if ms is None else (abs(p.mean_staleness - ms) <= STALENESS_TOLERANCE * max(ms, 1e-9))
+        row["staleness_ok"] = (
+            None if ms is None else (abs(p.mean_staleness - ms) <= STALENESS_TOLERANCE * max(ms, 1e-9))
+        )
         row["speed_ok"] = abs(ratio - 1) <= SPEED_TOLERANCE
         rows.append(row)
 
     # section 5 and 7: MNIST-1D, one host, the last learner sleeps or busy-waits (k - 1) t a step
-    for name, key, samples, epochs_key in (("epochs", "epochs", 6000, "epochs_per_run"), ("accuracy", "accuracy", 6000, "accuracy_epochs")):
+    for name, key, samples, epochs_key in (
+        ("epochs", "epochs", 6000, "epochs_per_run"),
+        ("accuracy", "accuracy", 6000, "accuracy_epochs"),
+    ):
         data = _load(name)
         epochs = data["meta"]["config"][epochs_key]
         calibration = {r["learners"]: r["calibration"] for r in data["raw"][key]}
@@ -168,8 +180,19 @@ def validation_rows(inputs: Inputs) -> list[dict]:
             for strategy, measured in row["runs"].items():
                 if strategy == "ddp":
                     continue
-                sc = _scenario(inputs, strategy, lam, lam, compute, straggle, parameters=calibration[lam]["parameters"],
-                               batch_size=mu, batches=batches, epochs=epochs, servers=1)
+                sc = _scenario(
+                    inputs,
+                    strategy,
+                    lam,
+                    lam,
+                    compute,
+                    straggle,
+                    parameters=calibration[lam]["parameters"],
+                    batch_size=mu,
+                    batches=batches,
+                    epochs=epochs,
+                    servers=1,
+                )
                 add(name, config, strategy, measured, sc)
     # section 6: MLPs of 10 M and 50 M parameters, one host
     data = _load("transport-models")
@@ -179,12 +202,26 @@ def validation_rows(inputs: Inputs) -> list[dict]:
         mu, batches = row["batch_size"], row["samples"] // row["batch_size"]
         compute = inputs.compute(row["runs"]["ddp"]["step_ms"], n, lam)
         ddp_compute[(lam, row["target_params"])] = compute
-        for label, runs, straggle in (("no straggler", row["runs"], 0.0), ("3x sleep", row.get("straggler", {}), row.get("sleep_ms", 0) / 1000)):
+        for label, runs, straggle in (
+            ("no straggler", row["runs"], 0.0),
+            ("3x sleep", row.get("straggler", {}), row.get("sleep_ms", 0) / 1000),
+        ):
             for strategy, measured in runs.items():
                 if strategy == "ddp":
                     continue
-                sc = _scenario(inputs, strategy, lam, lam, compute, straggle, parameters=n, batch_size=mu,
-                               batches=batches, epochs=row["epochs"], servers=2 if "2servers" in strategy else 1)
+                sc = _scenario(
+                    inputs,
+                    strategy,
+                    lam,
+                    lam,
+                    compute,
+                    straggle,
+                    parameters=n,
+                    batch_size=mu,
+                    batches=batches,
+                    epochs=row["epochs"],
+                    servers=2 if "2servers" in strategy else 1,
+                )
                 add("transport-models", f"MLP {n / 1e6:.0f} M, λ={lam}, {label}", strategy, measured, sc)
     # section 8: two hosts joined by a shaped link, one server per host
     data = _load("network")
@@ -197,8 +234,20 @@ def validation_rows(inputs: Inputs) -> list[dict]:
         for strategy, measured in row["runs"].items():
             if strategy.startswith("ddp"):
                 continue
-            sc = _scenario(inputs, strategy, lam, lph, compute, 0.0, parameters=n, batch_size=mu,
-                           batches=cfg["network_steps"] * lam, epochs=cfg["network_epochs"], link=Link(rate), servers=2)
+            sc = _scenario(
+                inputs,
+                strategy,
+                lam,
+                lph,
+                compute,
+                0.0,
+                parameters=n,
+                batch_size=mu,
+                batches=cfg["network_steps"] * lam,
+                epochs=cfg["network_epochs"],
+                link=Link(rate),
+                servers=2,
+            )
             add("network", f"2 hosts × {lph}, {row['rate']}, 10 M", strategy, measured, sc)
     return rows
 
@@ -227,8 +276,17 @@ def report_one(protocol: Protocol, learners: int, gbit: float, steps: int = 8, m
     servers = 1
     while servers <= max_servers:
         cluster = Cluster(learners, 1, Link.gbit(gbit, 5e-6), num_servers=servers, servers_on="own_hosts")
-        scenario = Scenario(protocol, cluster, REPORT_STEP, Payload(REPORT_PARAMETERS), MEASURED_SERVER,
-                            batch_size=32, batches=steps * learners, warmup=2, seed=1)
+        scenario = Scenario(
+            protocol,
+            cluster,
+            REPORT_STEP,
+            Payload(REPORT_PARAMETERS),
+            MEASURED_SERVER,
+            batch_size=32,
+            batches=steps * learners,
+            warmup=2,
+            seed=1,
+        )
         p = simulate(scenario)
         row = {"servers": servers, **p.to_dict()}
         if best is not None and row["samples_per_s"] <= best["samples_per_s"] * 1.05:
@@ -245,7 +303,9 @@ def report(learners: Sequence[int], links: Sequence[float] = (10, 100)) -> tuple
     for lam in learners:
         for gbit in links:
             for protocol in report_protocols(lam):
-                rows.append({"learners": lam, "gbit": gbit, "protocol": str(protocol), **report_one(protocol, lam, gbit)})
+                rows.append(
+                    {"learners": lam, "gbit": gbit, "protocol": str(protocol), **report_one(protocol, lam, gbit)}
+                )
     lines = [
         f"# Predicted at scale: {REPORT_PARAMETERS / 1e6:.0f} M parameters (float32), one learner per host",
         "",

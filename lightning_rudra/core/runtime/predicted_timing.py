@@ -26,7 +26,9 @@ class PredictedTiming(TimingModel):
         return own[step % len(own)]
 
     @classmethod
-    def from_arrivals(cls, arrivals: Sequence[Sequence[float]], round_starts: Sequence[Sequence[float]]) -> "PredictedTiming":
+    def from_arrivals(
+        cls, arrivals: Sequence[Sequence[float]], round_starts: Sequence[Sequence[float]]
+    ) -> "PredictedTiming":
         """From each learner's arrival times at the server and the start of the step of each (the reply that began
         it): under hardsync push_order sorts a round by duration, so a duration is the time since the step's start;
         otherwise it adds them up, so a duration is the time since the learner's previous arrival."""

@@ -33,7 +33,9 @@ class Protocol:
         if self.max_staleness is not None:
             count("max_staleness", self.max_staleness, least=0)
         if self.backup and self.name != "hardsync":
-            raise ConfigurationError(f"backup={self.backup} is for protocol='hardsync', not {self.name!r}: expected backup=0.")
+            raise ConfigurationError(
+                f"backup={self.backup} is for protocol='hardsync', not {self.name!r}: expected backup=0."
+            )
         if self.k is not None and self.name != "batchsync":
             raise ConfigurationError(f"k={self.k} is for protocol='batchsync', not {self.name!r}: expected k=None.")
         if self.max_staleness is not None and self.name not in ("softsync", "async"):

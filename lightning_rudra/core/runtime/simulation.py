@@ -290,7 +290,9 @@ class Simulation:
     def _release(self) -> None:
         st = self.state
         while st.held:
-            ready: Optional[_Push] = next((p for p in sorted(st.held, key=lambda p: p.timestamp) if self._may_take(p)), None)
+            ready: Optional[_Push] = next(
+                (p for p in sorted(st.held, key=lambda p: p.timestamp) if self._may_take(p)), None
+            )
             if ready is None:
                 return
             st.held.remove(ready)

@@ -57,7 +57,9 @@ class StepTime:
         elif self.kind == "lognormal":
             base = self.mean * math.exp(rng.gauss(0.0, self.spread))
         elif self.kind == "exponential":
-            base = self.mean * (1 - self.spread) + (rng.expovariate(1 / (self.mean * self.spread)) if self.spread else 0)
+            base = self.mean * (1 - self.spread) + (
+                rng.expovariate(1 / (self.mean * self.spread)) if self.spread else 0
+            )
         else:
             base = self.mean
         return base * self.slowdown

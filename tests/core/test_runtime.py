@@ -1,0 +1,153 @@
+"""The runtime model (lightning_rudra.core.runtime) on cases worked out by hand: each must come out exactly."""
+
+import math
+
+import pytest
+
+from lightning_rudra.core.errors import ConfigurationError
+from lightning_rudra.core.runtime import (
+    Cluster,
+    Link,
+    Payload,
+    Protocol,
+    Scenario,
+    ServerCost,
+    StepTime,
+    simulate,
+)
+from lightning_rudra.core.timing import push_order
+
+
+def run(protocol, learners=4, straggler=None, batches=400, cluster=None, server=None, parameters=1000, **kw):
+    times = [StepTime(1.0)] * learners
+    if straggler:
+        times = times[:-1] + [StepTime(1.0, slowdown=straggler)]
+    return simulate(
+        Scenario(
+            protocol,
+            cluster or Cluster(1, learners),
+            times,
+            Payload(parameters),
+            server or ServerCost(),
+            batches=batches,
+            **kw,
+        )
+    )
+
+
+@pytest.mark.parametrize("learners", [1, 2, 4, 8])
+def test_async_equal_learners_without_costs(learners):
+    p = run(Protocol("async"), learners=learners)
+    assert p.samples_per_s == pytest.approx(learners / 1.0)
+    assert p.mean_staleness == learners - 1 and set(p.staleness) == {learners - 1}
+
+
+def test_hardsync_waits_for_a_3x_straggler():
+    p = run(Protocol("hardsync"), learners=4, straggler=3, batches=400)
+    assert p.epoch_s == pytest.approx(100 * 3.0)  # 100 rounds of 3
+    assert p.update_times[:3] == [3.0, 6.0, 9.0]
+    assert p.samples_per_s == pytest.approx(4 / 3)
+    assert p.mean_staleness == 0 and p.wasted == 0
+
+
+def test_batchsync_k_lambda_with_a_3x_straggler():
+    # by hand: every 2 time units the 3 fast learners compute 6 gradients on one clock and the straggler 2/3 of one;
+    # the update takes the first 4 (k = λ) of them, the other 2 fast ones and every straggler's come on old weights
+    p = run(Protocol("batchsync"), learners=4, straggler=3, batches=400)
+    assert p.wasted == pytest.approx((20 / 3 - 4) / (20 / 3), abs=0.01)  # 0.4
+    assert p.applied_per_s == pytest.approx(2.0, rel=0.02)
+    assert p.epoch_s == pytest.approx(200, abs=1.5)  # 100 updates, one every 2
+    assert p.staleness == {0: sum(p.staleness.values())}
+
+
+def test_backup_learner_drops_every_gradient_of_the_straggler():
+    p = run(Protocol("hardsync", backup=1), learners=4, straggler=3, batches=300)
+    # rounds of 1: the 3 fast learners close each (at the epoch's very end, the rounds wait for the batches the
+    # straggler wasted, dealt again)
+    assert p.update_times[:95] == [float(t) for t in range(1, 96)]
+    assert p.wasted == pytest.approx((1 / 3) / (3 + 1 / 3), abs=0.005)
+    assert all(r != 3 for r, _ in p.push_order)  # the straggler's gradients are never applied
+
+
+def test_link_bound():
+    # 4 learners on one host, the server on its own: the host's link carries every push (8 MB at 1 Gbit/s)
+    link = Link(1e9)
+    cluster = Cluster(1, 4, link=link, servers_on="own_hosts")
+    times = StepTime(1e-9)
+    p = simulate(Scenario(Protocol("async"), cluster, times, Payload(2_000_000), batches=2000))
+    assert p.samples_per_s == pytest.approx(1e9 / (8 * 8_000_000), rel=0.01)
+
+
+def test_server_bound_and_num_servers():
+    cost = ServerCost(push_per_parameter=1e-3, update_per_parameter=1e-3)  # 1000 parameters: 2 s a push
+    one = run(Protocol("async"), learners=8, server=cost, cluster=Cluster(1, 8), batches=800)
+    assert one.samples_per_s == pytest.approx(1 / 2.0, rel=0.01)
+    assert one.server_utilisation[0] == pytest.approx(1.0, rel=0.01)
+    two = run(Protocol("async"), learners=8, server=cost, cluster=Cluster(1, 8, num_servers=2), batches=800)
+    assert two.samples_per_s == pytest.approx(2 * one.samples_per_s, rel=0.01)  # each server holds half: 1 s
+
+
+def test_softsync_applies_c_gradients_per_update():
+    p = run(Protocol("softsync", n=2), learners=4, batches=400)
+    assert p.updates == 200 and p.samples_per_s == pytest.approx(4.0)
+    assert p.mean_staleness == pytest.approx(1.5)
+
+
+def test_ssp_never_exceeds_its_bound():
+    free = run(Protocol("async"), learners=4, straggler=3, batches=400)
+    assert free.max_staleness == 9
+    held = run(Protocol("async", max_staleness=4), learners=4, straggler=3, batches=400)
+    assert held.max_staleness <= 4 and held.held_s > 0
+
+
+def test_node_aggregation_sends_one_push_per_host():
+    # 2 hosts × 2 learners, one server per host, the link the only cost: aggregation halves what crosses it
+    link = Link(1e9)
+    kw = dict(hosts=2, learners_per_host=2, link=link, num_servers=2)
+    times = StepTime(1e-9)
+    on = simulate(Scenario(Protocol("hardsync"), Cluster(**kw), times, Payload(1_000_000), batches=400))
+    off = simulate(
+        Scenario(Protocol("hardsync"), Cluster(**kw, node_aggregation=False), times, Payload(1_000_000), batches=400)
+    )
+    assert on.samples_per_s == pytest.approx(2 * off.samples_per_s, rel=0.02)
+
+
+def test_deterministic_given_a_seed():
+    def once(seed):
+        times = StepTime(1.0, "exponential", 1.0)
+        return simulate(Scenario(Protocol("async"), Cluster(2, 4), times, Payload(1000), batches=300, seed=seed))
+
+    a, b, c = once(1), once(1), once(2)
+    assert a.to_dict() == b.to_dict() and a.push_order == b.push_order
+    assert a.push_order != c.push_order
+
+
+@pytest.mark.parametrize("protocol", [Protocol("async"), Protocol("softsync", n=2), Protocol("hardsync")])
+def test_its_timing_orders_the_simulated_learners_as_predicted(protocol):
+    times = [StepTime(1.0, "lognormal", 0.4)] * 4
+    p = simulate(Scenario(protocol, Cluster(1, 4, local=Link(1e9, 1e-3)), times, Payload(100_000), batches=200))
+    steps = [len(a) for a in p.arrivals]
+    order = push_order(protocol.name, steps, p.timing(), [0] * 4)
+    assert order == [r for r, _ in p.push_order]
+
+
+@pytest.mark.parametrize(
+    "make, named",
+    [
+        (lambda: Link(bandwidth=0), "Link bandwidth=0"),
+        (lambda: Link(latency=-1), "Link latency=-1"),
+        (lambda: Payload(100, "fp8"), "compression='fp8'"),
+        (lambda: Cluster(num_servers=0), "num_servers=0"),
+        (lambda: StepTime(kind="gamma"), "kind='gamma'"),
+        (lambda: StepTime(mean=math.nan), "StepTime mean=nan"),
+        (lambda: Protocol("bsp"), "protocol='bsp'"),
+        (lambda: Protocol("async", backup=1), "backup=1"),
+        (lambda: run(Protocol("hardsync", backup=4), learners=4), "backup=4"),
+        (lambda: run(Protocol("async", max_staleness=1), learners=4), "max_staleness=1"),
+        (lambda: Scenario(Protocol(), Cluster(), StepTime(), Payload(1), batches=0), "batches=0"),
+    ],
+)
+def test_bad_inputs_are_refused_by_name(make, named):
+    with pytest.raises(ConfigurationError, match="expected") as error:
+        make()
+    assert named in str(error.value)

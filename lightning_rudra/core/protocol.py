@@ -342,6 +342,11 @@ class Server(Updating):
         for i, state in enumerate(states):
             self.load_optimizer_state(i, state)
 
+    def open_update(self, optimizer: int = 0) -> tuple[int, frozenset[int]]:
+        """The gradients received towards ``optimizer``'s next update, and the learners who pushed them."""
+        pending = self._pending[optimizer]
+        return pending.received, frozenset(pending.learners)
+
     def awaited(self, optimizer: int) -> set[int]:
         """The learners whose gradient the open hardsync round of ``optimizer`` still waits for."""
         return self.active - self._pending[optimizer].learners

@@ -11,7 +11,7 @@ they reach the server, and :class:`LearnerSchedules` keeps every learner's own L
 
 import copy
 from collections import deque
-from typing import Any, Iterator, Optional, Sequence
+from typing import AbstractSet, Any, Callable, Iterator, Optional, Sequence
 
 from torch import Tensor
 from torch.futures import Future
@@ -24,6 +24,7 @@ from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.weights import Snapshot
+from lightning_rudra.core.rounds_order import RoundsStart, RoundStep, rounds_order
 from lightning_rudra.core.timing import TimingModel, push_order
 
 
@@ -41,7 +42,8 @@ class SimulatedClient:
         self.server: Optional[Server] = None
         self._held = [0] * num_learners  # per learner, the clock of the weights it holds
         self._snapshots: dict[int, tuple[list[Tensor], list[Tensor]]] = {}  # clock -> flat weights and buffers
-        self._parked: dict[int, list[int]] = {}  # hardsync, per optimizer: learners waiting for the round to close
+        self._parked: dict[int, list[int]] = {}  # per optimizer: learners waiting for the round to close
+        self._waits = False  # batchsync: the next push's reply waits for its round (RoundStep.waits)
         self._loaded: Optional[int] = None  # the clock of the weights in the module, while nothing changed them
         # compression: (the server's, the learners') records of the weights each learner holds, sent as differences
         self._deltas: Optional[tuple[WeightDeltas, WeightDeltas]] = None
@@ -115,16 +117,12 @@ class SimulatedClient:
             )
         result = server.push(push)
         received = []
-        if hardsync and not result.closed:
+        paced = self._waits and result.status == "accepted"
+        if (hardsync or paced) and not result.closed and result.status != "late":  # a late push: answered at once
             self._parked.setdefault(optimizer, []).append(self.learner)
         else:
             received = [self.learner] + (self._parked.pop(optimizer, []) if result.closed else [])
-            for learner in received:
-                self._held[learner] = server.clock
-                if self._deltas is not None:
-                    server_side, learner_side = self._deltas
-                    sent = server_side.encode(learner, learner_side.count(learner), self._weights(server.clock)[0])
-                    learner_side.decode(sent, learner)
+            self._hand_newest(received)
         clock = self._held[self.learner]
         update = server.last_updates[optimizer]
         reply: Future = Future()
@@ -138,6 +136,52 @@ class SimulatedClient:
             )
         )
         return reply
+
+    def _hand_newest(self, learners: Sequence[int]) -> None:
+        """``learners`` get the newest weights (their replies)."""
+        server = self._server()
+        for learner in learners:
+            self._held[learner] = server.clock
+            if self._deltas is not None:
+                server_side, learner_side = self._deltas
+                sent = server_side.encode(learner, learner_side.count(learner), self._weights(server.clock)[0])
+                learner_side.decode(sent, learner)
+
+    def meet(self, away: AbstractSet[int]) -> None:
+        """Backup learners: the learners of ``away`` are out of batches (at a real run's collective), so a round
+        that waits only for them closes (:meth:`Server.meet`), and its learners get their replies."""
+        for optimizer in self._server().meet(away):
+            self._hand_newest(self._parked.pop(optimizer, []))
+
+    def end_epoch(self) -> None:
+        """batchsync and backup learners: every learner is out of batches (real ones meet at the epoch's end), so
+        no reply waits for a round any more: a backup round closes, batchsync's waiting replies are answered."""
+        self.meet(set(range(self.num_learners)))
+        self._hand_newest(self._parked.pop(0, []))
+
+    def step(self, step: RoundStep) -> None:
+        """batchsync and backup learners: the server as it is when ``step``'s push comes (:func:`rounds_order`):
+        who is out of batches, whose waiting replies were answered meanwhile, whether this one's will wait."""
+        self.meet(step.away)
+        if step.released:
+            parked = self._parked.get(0, [])
+            self._parked[0] = [learner for learner in parked if learner not in step.released]
+            self._hand_newest([learner for learner in parked if learner in step.released])
+        self._waits = step.waits
+
+    def rounds_start(self) -> RoundsStart:
+        """The server as an epoch of batchsync or backup learners starts (:func:`rounds_order`)."""
+        server = self._server()
+        batchsync = server.config.protocol == "batchsync"
+        received, learners = server.open_update()
+        return RoundsStart(
+            k=server.config.gradients_per_update if batchsync else 0,
+            backup=server.config.backup,
+            held=list(self._held),
+            clock=server.clock,
+            received=received if batchsync else 0,
+            in_round=frozenset() if batchsync else learners,
+        )
 
     def receive(self, pushed: Future) -> PushReply:
         reply: PushReply = pushed.wait()
@@ -211,6 +255,11 @@ class SimulatedSampler(Sampler[list[int]]):
     (``limit_train_batches``), ``budget`` its steps over the run (``max_steps``); ``taken`` counts the batches
     each learner took before this epoch (the server's statistics, restored with a checkpoint). Its length is
     one learner's batches per epoch, or, once ``whole``, every learner's.
+
+    Under batchsync and backup learners (``rounds``: the client, whose server's state each epoch starts from), the
+    learners draw from one pool of the epoch's batches instead, as real ones do from the shared epoch, in the
+    order of :func:`~lightning_rudra.core.rounds_order.rounds_order`: a late gradient's batch is trained again, so
+    an epoch has more steps than batches, which ``on_steps`` is told when the epoch starts.
     """
 
     def __init__(
@@ -233,6 +282,9 @@ class SimulatedSampler(Sampler[list[int]]):
         self.max_batches: Optional[int] = None
         self.budget: Optional[int] = None
         self.learners: deque[int] = deque()
+        self.rounds: Optional[SimulatedClient] = None
+        self.on_steps: Optional[Callable[[int], None]] = None
+        self._steps: deque[RoundStep] = deque()
 
     def set_epoch(self, epoch: int) -> None:
         for part in self.parts:
@@ -244,9 +296,14 @@ class SimulatedSampler(Sampler[list[int]]):
         return batches if self.max_batches is None else min(batches, self.max_batches)
 
     def __len__(self) -> int:
+        if self.rounds is not None:  # late gradients' batches are trained again: Lightning must look ahead
+            raise TypeError("the steps of an epoch of batchsync or backup learners are not known in advance")
         return self.batches_per_learner() * (len(self.parts) if self.whole else 1)
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.rounds is not None:
+            yield from self._pooled(self.rounds)
+            return
         per_learner = self.batches_per_learner()
         batches = [self._cut(list(part))[:per_learner] for part in self.parts]
         done = [self.taken.get(r, 0) for r in range(len(self.parts))]
@@ -259,7 +316,31 @@ class SimulatedSampler(Sampler[list[int]]):
             yield batches[learner][position[learner]]
             position[learner] += 1
 
+    def _pooled(self, client: SimulatedClient) -> Iterator[list[int]]:
+        """The epoch of batchsync or backup learners: the shared epoch's pool (DistributedSampler's order over all
+        learners, which their parts interleave), dealt as :func:`rounds_order` says."""
+        learners = len(self.parts)
+        parts = [list(part) for part in self.parts]
+        pool = self._cut([parts[i % learners][i // learners] for i in range(sum(map(len, parts)))])
+        batches = min(len(pool), self.batches_per_learner() * learners)
+        done = [self.taken.get(r, 0) for r in range(learners)]
+        if self.budget is not None:
+            batches = min(batches, max(0, self.budget * learners - sum(done)))
+        steps = rounds_order(client.rounds_start(), batches, self.timing, done)
+        if self.on_steps is not None:
+            self.on_steps(len(steps))
+        self.learners.clear()
+        self._steps.clear()
+        for step in steps:
+            self.learners.append(step.learner)
+            self._steps.append(step)
+            yield pool[step.batch]
+
     def next_learner(self) -> int:
+        """The learner of the next batch to train (under batchsync and backup learners the server first learns
+        what happened since the step before: :meth:`SimulatedClient.step`)."""
+        if self.rounds is not None:
+            self.rounds.step(self._steps.popleft())
         return self.learners.popleft()
 
     def _cut(self, indices: list[int]) -> list[list[int]]:

@@ -15,6 +15,7 @@ fail or block, and must not stop the learners left.
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -25,6 +26,7 @@ from lightning_rudra.core.errors import ServerLostError
 from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.server.norm_exchange import NormExchange, check_part
+from lightning_rudra.server.pacing import RoundPacing
 from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import Push
@@ -89,6 +91,7 @@ class ModelServer:
         self.server = server
         self.norm_exchange = NormExchange(server)
         self.send_norm: Optional[Callable[[int, int, int, float], None]] = None  # (to server, optimizer, round, norm²)
+        self.pacing: Optional[RoundPacing] = None  # batchsync: whose reply waits for the round (pacing.py)
 
     def register(self, registration: Registration) -> None:
         """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics and the
@@ -115,6 +118,8 @@ class ModelServer:
             except BaseException:
                 self.shared.release()  # learner 0 leaves with this error: its loss fails the waits for the model
                 raise
+            if config.protocol == "batchsync":
+                self.pacing = RoundPacing(config.gradients_per_update)
             core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
             for learner in self.membership.lost:
                 core.remove(learner)
@@ -158,12 +163,16 @@ class ModelServer:
             if push.grads is None:
                 push = replace(push, grads=self.shared.gradient(push.learner, push.optimizer, core))
             core.away = self.gatherings.waiting() & core.active  # a backup round does not wait for them
+            now = time.monotonic()
+            if self.pacing is not None:
+                self.pacing.pushed(push.learner, now)
             result = core.push(push)
             learner, optimizer = push.learner, push.optimizer
             self.norm_exchange.pushed(optimizer, push.clipping)
             applied = self._applied([optimizer] if result.closed else [])
             # a late push (batchsync, backup) is answered at once: its round has closed
             in_round = core.config.protocol == "hardsync" and optimizer not in applied and result.status != "late"
+            in_round = in_round or self._paced(learner, result.status, result.closed, now)
             held = result.status == "held"
             if in_round:
                 reply: Future = Future()
@@ -179,11 +188,36 @@ class ModelServer:
             else:
                 outcomes, weights = self._release_rounds(applied, learner)
                 lr_scale = self._lr_scale(optimizer)
+            outcomes += self._release_paced()
         self._resolve_and_report(outcomes)
         if not (in_round or held):
             reply = Future()
             reply.set_result(push_reply(result.status, result.staleness, lr_scale, weights))
         return reply
+
+    def _paced(self, learner: int, status: str, closed: bool, now: float) -> bool:
+        """batchsync: whether the reply to ``learner``'s push waits for its round (:class:`RoundPacing`). Called
+        under the lock."""
+        if self.pacing is None or status != "accepted" or closed:
+            return False
+        core = self._protocol()
+        received, _ = core.open_update()
+        computing = core.active - self.gatherings.waiting() - self.pacing.waiting
+        if not self.pacing.waits(learner, now, core.clock, received, computing):
+            return False
+        self.pacing.waiting.add(learner)
+        return True
+
+    def _release_paced(self) -> Outcomes:
+        """batchsync: the replies waiting for a round that the learners computing can no longer close, answered with
+        the current weights. Called under the lock, after anything that takes a learner from them."""
+        if self.pacing is None or not self.pacing.waiting or self.core is None or self.failure is not None:
+            return []
+        received, _ = self.core.open_update()
+        computing = self.core.active - self.gatherings.waiting() - self.pacing.waiting
+        if self.pacing.enough(self.core.clock, received, computing):
+            return []
+        return self._release_rounds([0]).outcomes
 
     def _applied(self, closed: list[int]) -> list[int]:
         """Of the optimizers whose wait just ``closed``, those whose update applied (:class:`NormExchange`). Called
@@ -219,6 +253,10 @@ class ModelServer:
         weights they carry (also for ``pusher``, which did not wait). Called under the lock."""
         released = [(waiter, optimizer) for optimizer in closed for waiter in self.round_waiters.pop(optimizer, [])]
         weights = self._weights(([] if pusher is None else [pusher]) + [waiter.learner for waiter, _ in released])
+        if self.pacing is not None:  # what each of them computes on from now
+            now = time.monotonic()
+            for who in ([] if pusher is None else [pusher]) + [waiter.learner for waiter, _ in released]:
+                self.pacing.handed_out(who, now, weights.clock)
         return Released(
             [
                 (
@@ -265,7 +303,7 @@ class ModelServer:
         with self.lock:
             self._check_alive()
             outcomes = self._release_rounds(self._applied(self._protocol().finish(learner))).outcomes
-            outcomes += self._release_held().outcomes
+            outcomes += self._release_held().outcomes + self._release_paced()
             self.finished.add(learner)
             future: Future = Future()
             self.finish_waiters.append(future)
@@ -290,6 +328,7 @@ class ModelServer:
             outcomes = self.gatherings.complete(self.membership.members)
             if self.core is not None and self.failure is None:  # a backup round waits for nobody here
                 outcomes += self._release_rounds(self._applied(self.core.meet(self.gatherings.waiting()))).outcomes
+                outcomes += self._release_paced()
             if not outcomes:
                 outcomes = self._give_up_if_deadlocked()
             if self.core is not None and self.failure is None:  # nobody is held back for a learner waiting here
@@ -357,7 +396,7 @@ class ModelServer:
     def _give_up_if_deadlocked(self) -> Outcomes:
         """Hardsync: a learner waiting at a collective can never push the gradient that a round waits for, and
         the learner waiting in the round can never join the collective. Called under the lock."""
-        if self.core is not None and self.core.config.backup:  # its rounds close without those at a collective
+        if self.core is not None and self.core.config.discards_late:  # rounds close, or pace, without them
             return []
         in_round = sorted({waiter.learner for waiting in self.round_waiters.values() for waiter in waiting})
         at_collective = sorted(self.gatherings.waiting() & (self.core.active if self.core is not None else set()))

@@ -190,8 +190,10 @@ class ParameterServer(ModelServer):
         outcomes += self.gatherings.complete(self.membership.members) + self._complete_finish()
         if learner in self.held_replies:  # its push held back (on_stale='block') is not applied: it is lost
             outcomes.append((self.held_replies.pop(learner), LearnerLostError(f"learner {learner} was lost ({why})")))
+        if self.pacing is not None:
+            self.pacing.forget(learner)
         if self.core is not None:  # nobody is held back for it any more
-            outcomes += self._release_held().outcomes
+            outcomes += self._release_held().outcomes + self._release_paced()
         if self.core is not None:
             outcomes += self.rejoins.admit(self.core)
         elif learner == 0 and not self.registered.done():  # only learner 0 registers the model

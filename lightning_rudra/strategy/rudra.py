@@ -145,7 +145,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         check_arguments(
             protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts, backup
         )
-        check_simulation(simulate, timing, sampling, overlap, protocol == "batchsync" or bool(backup))
+        check_simulation(simulate, timing, sampling, overlap)
         check_node_aggregation(node_aggregation, protocol, min_learners, simulate, server_nodes, backup)
         self._options = StrategyOptions(
             protocol=protocol,

@@ -17,7 +17,7 @@ from lightning_rudra.core.timing import TimingModel
 
 
 def check_simulation(
-    simulate: Optional[int], timing: Optional[TimingModel], sampling: Optional[str], overlap: bool, late: bool = False
+    simulate: Optional[int], timing: Optional[TimingModel], sampling: Optional[str], overlap: bool
 ) -> None:
     """The arguments of RudraStrategy that concern simulated learners (at construction: nothing started)."""
     if simulate is None:
@@ -41,12 +41,6 @@ def check_simulation(
         raise ConfigurationError(
             "sampling='shared' cannot be simulated: simulated learners read the fixed parts of "
             "sampling='static' (each its own DistributedSampler part). Leave sampling unset."
-        )
-    if late:
-        raise ConfigurationError(
-            f"simulate={simulate} cannot run protocol='batchsync' or backup learners yet: their late gradients' "
-            "batches are dealt again to other learners, and simulated learners read fixed parts. Use real learners, "
-            "or simulate hardsync, softsync or async."
         )
     if overlap:
         raise ConfigurationError(

@@ -382,3 +382,55 @@ def test_step_times_measured_in_a_run_time_a_simulation(tmp_path):
     assert len(timing.times) == 1 and len(timing.times[0]) == 32 and min(timing.times[0]) > 0
     _, trainer = fit(RudraStrategy(protocol="async", simulate=4, timing=timing), max_epochs=1)
     assert trainer.strategy.stats.batches == {r: 8 for r in range(4)}
+
+
+# ---- batchsync and backup learners, simulated --------------------------------------------------------------------
+def test_the_order_of_batchsync_and_backup_pushes_by_hand():
+    from lightning_rudra.core.rounds_order import RoundsStart, rounds_order
+
+    # batchsync, K = 2, learner 1 three times slower: learner 0 gives both gradients of the first two rounds; learner
+    # 1's first gradient (clock 0) comes at t = 3, after round 0 closed: late, and learner 0 trains its batch again
+    start = RoundsStart(k=2, backup=0, held=[0, 0], clock=0)
+    order = [(s.learner, s.batch) for s in rounds_order(start, 8, Stragglers({1: 3.0}), [0, 0])]
+    assert order == [(0, 0), (0, 2), (0, 3), (1, 1), (0, 4), (0, 1), (0, 6), (1, 5), (0, 7), (1, 5)]
+    # K = 3 of 3, learner 2 three times slower: learner 1's push at t = 1 would be followed by a gradient due at t =
+    # 2, no earlier than learner 0's, which closes the round: its reply waits for the round (pacing), and its next
+    # gradient is of the new weights
+    start = RoundsStart(k=3, backup=0, held=[0, 0, 0], clock=0)
+    steps = rounds_order(start, 12, Stragglers({2: 3.0}), [0, 0, 0])
+    assert [(s.learner, s.batch, s.waits) for s in steps[:6]] == [
+        (0, 0, False),
+        (1, 1, True),
+        (0, 3, False),
+        (0, 4, False),
+        (1, 5, True),
+        (2, 2, False),
+    ]
+    # backup = 1 of 3, learner 2 three times slower: rounds of learners 0 and 1 until learner 1 is out of batches
+    # (away, t = 2); learner 0's last push then waits for learner 2, whose gradient of clock 0 is late (t = 3) and
+    # whose batch, with nothing new left, it trains again itself: that one closes the last round (t = 6)
+    start = RoundsStart(k=0, backup=1, held=[0, 0, 0], clock=0)
+    steps = rounds_order(start, 6, Stragglers({2: 3.0}), [0, 0, 0])
+    assert [(s.learner, s.batch) for s in steps] == [(0, 0), (1, 1), (0, 3), (1, 4), (0, 5), (2, 2), (2, 2)]
+    assert [sorted(s.away) for s in steps] == [[]] * 4 + [[1]] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_simulated_batchsync_with_k_lambda_and_equal_learners_is_hardsync():
+    model, trainer = fit(RudraStrategy(protocol="batchsync", simulate=4), max_epochs=2)
+    assert torch.allclose(flat(model.parameters()), single_process_sgd(2, 8 * 4), atol=1e-5)
+    stats = trainer.strategy.stats
+    assert (stats.clock, stats.late, stats.staleness) == (2 * 256 // 32, 0, {0: 2 * 256 // 8})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kwargs", [dict(protocol="batchsync"), dict(protocol="hardsync", backup=1)])
+def test_simulated_late_gradients_batches_are_trained_again_within_the_epoch(kwargs):
+    model, trainer = fit(RudraStrategy(simulate=4, timing=Stragglers({3: 3.0}), **kwargs), max_epochs=2)
+    stats = trainer.strategy.stats
+    assert stats.late >= 4 and stats.staleness == {0: stats.gradients}
+    # every batch applied once per epoch; the late ones trained again, by the fast learners first
+    assert stats.gradients == 2 * 256 // 8 and sum(stats.batches.values()) == stats.gradients + stats.late
+    assert stats.batches[3] < stats.batches[0]

@@ -60,9 +60,11 @@ def test_backup_rounds_take_the_first_learners_and_deal_the_straggler_batches_ag
     [
         (dict(protocol="batchsync", sampling="static"), "sampling='static' is not available with protocol='batchsync'"),
         (dict(protocol="hardsync", backup=1, sampling="static"), "sampling='static' is not available with backup=1"),
-        (dict(protocol="batchsync", simulate=4), "cannot run protocol='batchsync' or backup learners yet"),
         (dict(protocol="batchsync", overlap=True), "overlap=True is not available with protocol='batchsync'"),
-        (dict(protocol="hardsync", backup=1, node_aggregation=True), "node_aggregation=True cannot be used with backup"),
+        (
+            dict(protocol="hardsync", backup=1, node_aggregation=True),
+            "node_aggregation=True cannot be used with backup",
+        ),
         (dict(protocol="async", k=2), "k=2 is K-batch-sync's round size"),
         (dict(protocol="batchsync", on_stale="block", max_staleness=1), "nothing to bound with protocol='batchsync'"),
     ],

@@ -52,6 +52,9 @@ class SimulatedEpochLoop:
         if isinstance(trainer.val_check_interval, float):  # Lightning's rule, over the batches of all learners
             trainer.val_check_batch = max(1, int(fit_loop.max_batches * trainer.val_check_interval))
         self._schedule_per_learner()
+        if self.client.server is not None and self.client.server.config.discards_late:
+            self.sampler.rounds = self.client
+            self.sampler.on_steps = self._steps_in_epoch
         max_steps = fit_loop.epoch_loop.max_steps
         if max_steps not in (-1, None):
             self._max_steps = max_steps
@@ -71,7 +74,14 @@ class SimulatedEpochLoop:
     in_batch = False  # one process: collectives never wait for other learners
 
     def on_train_epoch_end(self) -> None:
-        pass  # its schedules are Lightning's own, per learner
+        """Its schedules are Lightning's own, per learner; under backup learners every learner is out of batches
+        now, so the round open waits for nobody (the real learners meet at the epoch's end)."""
+        if self.sampler.rounds is not None:
+            self.client.end_epoch()
+
+    def _steps_in_epoch(self, steps: int) -> None:
+        """batchsync, backup: late gradients' batches are trained again within the epoch."""
+        self.trainer.fit_loop.max_batches = steps
 
     def on_batch_fetched(self, learner: Learner) -> None:
         """The batch of the next simulated learner: the module takes that learner's weights and LR schedule."""

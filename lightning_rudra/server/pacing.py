@@ -1,0 +1,71 @@
+"""K-batch-sync's pacing (:class:`RoundPacing`): whose reply waits for the round to close.
+
+Dutta et al.'s K-batch-sync interrupts every learner when a round closes, so that no learner goes on computing on
+weights the round has left. A learner here cannot be interrupted mid-step: a gradient it starts on weights whose
+round then closes comes late, and the whole step is lost. So a push that does not close its round is answered at
+once (its learner gives another gradient of the same weights) only if that gradient can come before the round
+closes; otherwise its reply waits for the round, and its learner then computes on the new weights. The server
+judges by each learner's step time, measured from its reply to its next push: it holds the reply of learner L if
+the gradients still computing on the current weights, each due at its reply's time plus its step, would close the
+round no later than L's next one. With equally fast learners and K = λ every learner then gives one gradient per
+round, as under hardsync; a learner faster by a whole step gives several; a straggler's still come late.
+
+A held reply waits only while the learners computing on the current weights can still close the round: when a
+learner leaves them (it pushed and waits too, its gradient was refused, it went to a collective, finished or was
+lost) the server asks again (:meth:`RoundPacing.enough`) and answers the held ones if they cannot. Plain Python;
+runs under the :class:`~lightning_rudra.server.model_server.ModelServer`'s lock.
+"""
+
+from typing import AbstractSet
+
+# the weight of a learner's newest step time in its estimate: steps vary, a straggler stays one
+NEWEST = 0.5
+
+
+class RoundPacing:
+    """Per learner: when it was handed which weights, and its step time (from the reply to the next push)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.handed: dict[int, tuple[float, int]] = {}  # learner -> (when, clock) of the weights it computes on
+        self.step: dict[int, float] = {}  # learner -> estimated seconds from a reply to its next push
+        self.waiting: set[int] = set()  # learners whose reply waits for the round
+
+    def handed_out(self, learner: int, now: float, clock: int) -> None:
+        self.handed[learner] = (now, clock)
+        self.waiting.discard(learner)
+
+    def pushed(self, learner: int, now: float) -> None:
+        """``learner``'s push arrived: its step time is measured, and it computes no more until its reply."""
+        if learner in self.handed:
+            since, _ = self.handed.pop(learner)
+            took = now - since
+            self.step[learner] = took if learner not in self.step else NEWEST * took + (1 - NEWEST) * self.step[learner]
+
+    def waits(self, learner: int, now: float, clock: int, received: int, computing: AbstractSet[int]) -> bool:
+        """Whether ``learner``'s reply should wait for the round at ``clock`` (``received`` of its K gradients in,
+        ``computing``: the learners that may still push in it): the others' gradients due would close it before its
+        next one."""
+        needed = self.k - received
+        if needed <= 0 or learner not in self.step:
+            return False
+        due = sorted(self._due(clock, computing - {learner}))
+        return len(due) >= needed and now + self.step[learner] >= due[needed - 1]
+
+    def enough(self, clock: int, received: int, computing: AbstractSet[int]) -> bool:
+        """Whether the learners computing on the weights of ``clock`` can still bring the round its K gradients."""
+        return sum(1 for who, (_, at) in self.handed.items() if at == clock and who in computing) >= self.k - received
+
+    def forget(self, learner: int) -> None:
+        """``learner`` was lost: a new process measures its own steps."""
+        self.handed.pop(learner, None)
+        self.step.pop(learner, None)
+        self.waiting.discard(learner)
+
+    def _due(self, clock: int, computing: AbstractSet[int]) -> list[float]:
+        """When the gradients computing on the weights of ``clock`` are due (an unmeasured learner's: now)."""
+        return [
+            since + self.step.get(who, 0.0)
+            for who, (since, at) in self.handed.items()
+            if at == clock and who in computing
+        ]

@@ -20,7 +20,7 @@ from lightning_rudra.core.timing import TimingModel
 @dataclass(frozen=True)
 class RoundStep:
     """One push in a simulated epoch: ``learner`` trains the pool's batch ``batch`` (its place in the epoch's
-    order) and pushes it; ``away``: the learners out of batches by then, which a backup round does not wait for;
+    order) and pushes it at ``moment`` (from the epoch's start, in the timing model's units); ``away``: the learners out of batches by then, which a backup round does not wait for;
     batchsync's pacing (:mod:`lightning_rudra.server.pacing`): ``released``, the learners whose replies waited and
     were answered since the step before, the round still open, and ``waits``, whether this push's reply waits."""
 
@@ -29,6 +29,7 @@ class RoundStep:
     away: frozenset[int]
     released: frozenset[int] = frozenset()
     waits: bool = False
+    moment: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class _Epoch:
                 self.in_round.add(learner)
                 self.parked.append(learner)
                 self._close_if_ready(moment)
-            self.order.append(RoundStep(learner, batch, away, released, waits))
+            self.order.append(RoundStep(learner, batch, away, released, waits, moment))
             if self.k:
                 self._release_if_short(moment)
         return self.order

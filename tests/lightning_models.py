@@ -468,3 +468,22 @@ class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         x, y = regression_data().tensors
         return iter(zip(x[: self.num_samples], y[: self.num_samples]))
+
+
+class KilledAtEpochOne(Regression):
+    """Each learner appends ``<epoch> <sample ids>`` of every batch it trains on to ``<dir>/ids<rank>`` (before its
+    push: each line is one push); learner 1 is slow, learner 2 kills itself (SIGKILL) at its fifth batch of epoch 1,
+    before training on it, holding the batches it drew ahead."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(lr=0.01)
+        self.directory = directory
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        if self.global_rank == 2 and self.trainer.current_epoch == 1 and batch_idx == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.03 if self.global_rank == 1 else 0.005)
+        with open(os.path.join(self.directory, f"ids{self.global_rank}"), "a") as file:
+            file.write(f"{self.trainer.current_epoch} {' '.join(map(str, ids.tolist()))}\n")
+        return super().training_step((x, y), batch_idx)

@@ -189,6 +189,7 @@ class Server(Updating):
                 push, self.active, self.clock, self._received(), self.gradients_per_update
             ):
                 self.gate.hold(push)
+                self.stats.held += 1
                 return PushResult("held", self._staleness(push.optimizer, push.timestamp, None))
         return self._apply(push)
 

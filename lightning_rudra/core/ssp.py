@@ -40,7 +40,6 @@ class StaleGate:
         self.handed = {learner: clock for learner in range(num_learners)}
         self.held: list[Push] = []  # in the order they came
         self.away: AbstractSet[int] = frozenset()  # learners waiting at a collective
-        self.times_held = 0
 
     def holds(self, learner: int) -> bool:
         return any(push.learner == learner for push in self.held)
@@ -54,7 +53,6 @@ class StaleGate:
 
     def hold(self, push: Push) -> None:
         self.held.append(push)
-        self.times_held += 1
 
     def next_ready(self, active: AbstractSet[int], clock: int, received: int, c: int) -> Optional[Push]:
         """The oldest held push that may be applied now, taken out of the held ones; None if none may."""

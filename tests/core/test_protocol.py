@@ -125,6 +125,7 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
         "dropped": 1,
         "rejected": 0,
         "late": 0,
+        "held": 0,
         "staleness": {0: 1, 1: 1},
         "optimizer_staleness": {0: {0: 1, 1: 1}},
         "batches": {},

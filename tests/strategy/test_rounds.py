@@ -3,16 +3,20 @@
 current weights are applied (σ = 0), the slow learner's late gradients are not, and their batches are trained again
 by someone, so that every batch dealt is trained and every push is applied or late."""
 
-import os
-import signal
-import time
-
 import pytest
 import torch
 
 from lightning_rudra import RudraStrategy
 from lightning_rudra.core.errors import ConfigurationError
-from tests.lightning_models import START, Recording, Regression, indexed_loader, loader, quiet_trainer
+from tests.lightning_models import (
+    START,
+    KilledAtEpochOne,
+    Recording,
+    Regression,
+    indexed_loader,
+    loader,
+    quiet_trainer,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -103,25 +107,6 @@ def test_manual_optimization_and_an_unpooled_dataloader_are_refused_when_trainin
         quiet_trainer(RudraStrategy(protocol="batchsync", start_method=START, rpc_timeout=30), 2).fit(
             ManualStep(), loader(8)
         )
-
-
-class KilledAtEpochOne(Regression):
-    """Each learner appends ``<epoch> <sample ids>`` of every batch it trains on to ``<dir>/ids<rank>`` (before its
-    push: each line is one push); learner 1 is slow, learner 2 kills itself (SIGKILL) at its fifth batch of epoch 1,
-    before training on it, holding the batches it drew ahead."""
-
-    def __init__(self, directory: str) -> None:
-        super().__init__(lr=0.01)
-        self.directory = directory
-
-    def training_step(self, batch, batch_idx):
-        x, y, ids = batch
-        if self.global_rank == 2 and self.trainer.current_epoch == 1 and batch_idx == 4:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.03 if self.global_rank == 1 else 0.005)
-        with open(os.path.join(self.directory, f"ids{self.global_rank}"), "a") as file:
-            file.write(f"{self.trainer.current_epoch} {' '.join(map(str, ids.tolist()))}\n")
-        return super().training_step((x, y), batch_idx)
 
 
 @pytest.mark.parametrize("kwargs", [dict(protocol="batchsync"), dict(protocol="hardsync", backup=1)])

@@ -427,6 +427,9 @@ class Simulation:
         staleness: dict[int, int] = {}
         for _, _, sigma in applied:
             staleness[sigma] = staleness.get(sigma, 0) + 1
+        run_staleness: dict[int, int] = {}
+        for _, _, _, sigma in self.takes:
+            run_staleness[sigma] = run_staleness.get(sigma, 0) + 1
         rate = 1 / span if span > 0 else 0.0
         total_wasted = self.wasted
         return Prediction(
@@ -446,6 +449,7 @@ class Simulation:
             round_starts=self.starts if self.proto.name == "hardsync" else [[] for _ in self.starts],
             held_s=self.held_s,
             update_times=self.update_times,
+            run_staleness=dict(sorted(run_staleness.items())),
         )
 
 

@@ -13,8 +13,11 @@ from benchmarks.predict.server import measure_server
 from benchmarks.predict.validate import validation_markdown, validation_rows
 from lightning_rudra.core.runtime import MEASURED_SERVER
 
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.predict", description=(package.__doc__ or "").strip().split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.predict", description=(package.__doc__ or "").strip().split("\n")[0]
+    )
     parser.add_argument("--validate", action="store_true", help="predicted vs measured: results/predict.md, .json")
     parser.add_argument("--report", action="store_true", help="the prediction at scale (Markdown to stdout)")
     parser.add_argument("--learners", default="64,256,1000", help="λ list of the report")
@@ -50,4 +53,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(os.path.join(args.out, "predict.md"), "w") as f:
             f.write(text)
     return 0
-

@@ -80,5 +80,3 @@ def report(learners: Sequence[int], links: Sequence[float] = (10, 100)) -> tuple
             f"{busy:.2f} | {r['epoch_s']:.2f} |"
         )
     return "\n".join(lines) + "\n", rows
-
-

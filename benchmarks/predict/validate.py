@@ -189,5 +189,3 @@ def validation_markdown(rows: list[dict], server: dict) -> str:
             f"{r['predicted_staleness']:.2f}{smark} |"
         )
     return "\n".join(lines) + "\n"
-
-

@@ -14,6 +14,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional
 
 from lightning_rudra.core.runtime.prediction import Prediction
@@ -96,7 +97,7 @@ class Simulation:
         self.push_part = scenario.payload.push_bytes / c.num_servers
         self.pull_part = scenario.payload.pull_bytes / c.num_servers
         self.now = 0.0
-        self.events: list[tuple[float, int, int, int, Any]] = []
+        self.events: list[tuple[float, int, int, int, Callable[..., None], tuple[Any, ...]]] = []
         self.seq = 0
         self.out_free = [0.0] * c.all_hosts
         self.in_free = [0.0] * c.all_hosts
@@ -117,6 +118,7 @@ class Simulation:
         self.held_s = 0.0
         self.update_times: list[float] = []
         self.held_since: dict[int, float] = {}
+        self.oldest_handed: Optional[int] = 0  # SSP: min(state.handed), None until found again
         self.shared = c.cores != math.inf
         self.cpus = [_Cpu(c.cores) for _ in range(1 if c.one_machine else c.all_hosts)] if self.shared else []
         self.jobs = 0
@@ -336,12 +338,14 @@ class Simulation:
         waiting, st.waiting = st.waiting, []
         replies = [(push, self._hand(push)) for push in waiting]
         for server in range(self.parts):
-            self._serve(server, self.s.server.update(self.shard), lambda server=server: self._reply_from(server, replies))
+            self._serve(server, self.s.server.update(self.shard), partial(self._reply_from, server, replies))
 
     def _hand(self, push: _Push) -> _Reply:
         """``push``'s learners are handed the weights of the clock now."""
         for r in push.members:
             self.timestamp[r] = self.state.clock
+            if self.state.handed[r] == self.oldest_handed:  # the oldest may move: found again when asked
+                self.oldest_handed = None
             self.state.handed[r] = self.state.clock
         return _Reply(push.members, self.parts)
 
@@ -388,6 +392,15 @@ class Simulation:
     # SSP (lightning_rudra.core.ssp.StaleGate's rule, in plain Python)
     def _may_take(self, push: _Push) -> bool:
         st, learner = self.state, push.members[0]
+        c = self.proto.gradients_per_update(self.learners)
+        bound = self.proto.max_staleness
+        assert bound is not None
+        # at once where even the oldest weights handed out, after every learner's gradient, stay within the bound
+        # (every timestamp below is one of them or newer)
+        if self.oldest_handed is None:
+            self.oldest_handed = min(st.handed.values())
+        if st.clock + (st.received + self.learners) // c - self.oldest_handed <= bound:
+            return True
         held = {p.members[0] for p in st.held}
         others = sorted(
             [t for who, t in st.handed.items() if who != learner and who in self.active and who not in held]
@@ -395,9 +408,6 @@ class Simulation:
         )
         if not others or push.timestamp <= others[0]:
             return True
-        c = self.proto.gradients_per_update(self.learners)
-        bound = self.proto.max_staleness
-        assert bound is not None
         return all(st.clock + (st.received + 1 + m) // c - t <= bound for m, t in enumerate(others))
 
     def _release(self) -> None:

@@ -138,6 +138,9 @@ def test_its_timing_orders_the_simulated_learners_as_predicted(protocol):
         (lambda: Link(latency=-1), "Link latency=-1"),
         (lambda: Payload(100, "fp8"), "compression='fp8'"),
         (lambda: Cluster(num_servers=0), "num_servers=0"),
+        (lambda: Cluster(cores=0), "cores=0"),
+        (lambda: StepTime(sleep=-1), "StepTime sleep=-1"),
+        (lambda: Link(per_byte=-1), "Link per_byte=-1"),
         (lambda: StepTime(kind="gamma"), "kind='gamma'"),
         (lambda: StepTime(mean=math.nan), "StepTime mean=nan"),
         (lambda: Protocol("bsp"), "protocol='bsp'"),
@@ -151,3 +154,89 @@ def test_bad_inputs_are_refused_by_name(make, named):
     with pytest.raises(ConfigurationError, match="expected") as error:
         make()
     assert named in str(error.value)
+
+
+def test_cores_shared_by_the_learners_of_a_host():
+    # 4 learners on 2 cores, 1 s of one core a step, no other cost: each runs at half speed, 2 s a step
+    times = StepTime(1.0)
+    p = simulate(Scenario(Protocol("async"), Cluster(1, 4, cores=2), times, Payload(1000), batches=400))
+    assert p.samples_per_s == pytest.approx(4 / 2.0)
+    # one learner asleep 3 s after each compute: while it sleeps the other 3 share 2 cores. By hand, the first
+    # steps: 4 busy until 2 s; the sleeper sleeps to 5 s, the 3 others run at 2/3 and end 1.5 s later (3.5 s),
+    # then again 4.5 s at 2/3 ... the fast ones' step is 1.5 s while the sleeper sleeps
+    sleeper = simulate(
+        Scenario(
+            Protocol("async"),
+            Cluster(1, 4, cores=2),
+            [times, times, times, StepTime(1.0, sleep=3.0)],
+            Payload(1000),
+            batches=8,
+            warmup=0,
+        )
+    )
+    assert sleeper.arrivals[0][:2] == pytest.approx([2.0, 3.5])
+
+
+def test_a_busy_waiting_straggler_holds_its_core():
+    # 2 learners on 1 core; the second spins 1 s after its 1 s compute: the first shares the core throughout
+    spin = simulate(
+        Scenario(
+            Protocol("async"),
+            Cluster(1, 2, cores=1),
+            [StepTime(1.0), StepTime(1.0, spin=1.0)],
+            Payload(1000),
+            batches=4,
+            warmup=0,
+        )
+    )
+    # both at half a core to 2 s; then the first shares the core with the spinner (to 3 s), then with its next
+    # compute: half a core throughout, its second step ends at 4 s
+    assert spin.arrivals[0][:2] == pytest.approx([2.0, 4.0])
+    asleep = simulate(
+        Scenario(
+            Protocol("async"),
+            Cluster(1, 2, cores=1),
+            [StepTime(1.0), StepTime(1.0, sleep=1.0)],
+            Payload(1000),
+            batches=4,
+            warmup=0,
+        )
+    )
+    assert asleep.arrivals[0][:2] == pytest.approx([2.0, 3.0])  # its second step alone on the core
+
+
+def test_a_working_server_takes_a_share_of_the_cores():
+    # 1 learner, 1 core, 1 s compute and a 1 s push at the server on the same host: never together, 2 s a step
+    cost = ServerCost(push_per_parameter=1e-3)
+    one = run(Protocol("async"), learners=1, server=cost, cluster=Cluster(1, 1, cores=1), batches=50)
+    assert one.samples_per_s == pytest.approx(1 / 2.0)
+    # 2 learners and the server on 2 cores: at most 2 busy at any time (one learner computes while the other's push
+    # is served, in turn): nothing slows, as without sharing
+    two = run(Protocol("async"), learners=2, server=cost, cluster=Cluster(1, 2, cores=2), batches=400)
+    free = run(Protocol("async"), learners=2, server=cost, cluster=Cluster(1, 2), batches=400)
+    assert two.samples_per_s == pytest.approx(free.samples_per_s)
+
+
+def test_shared_memory_reads_the_newest_weights():
+    # equal learners, no cost: all push at once and reply at once. A reply carrying the weights of its sending
+    # sees λ - 1 updates by the others; read from shared memory once every update of the moment is made, the k-th
+    # of a moment's pushes is stale by k (0 .. λ - 1): mean (λ - 1) / 2
+    sent = run(Protocol("async"), learners=4)
+    read = run(Protocol("async"), learners=4, cluster=Cluster(1, 4, shared_memory=True))
+    assert sent.mean_staleness == 3
+    assert read.mean_staleness == pytest.approx(1.5)
+    assert read.mean_run_staleness == pytest.approx(1.5)
+
+
+def test_the_run_staleness_counts_the_first_pushes():
+    # 2 equal learners, 10 batches: the first push has σ 0, the other 9 σ 1
+    p = run(Protocol("async"), learners=2, batches=10)
+    assert p.run_staleness == {0: 1, 1: 9}
+
+
+def test_transport_cost_per_message_and_byte():
+    # a learner and its server on one host through RPC: 1 ms a message and 1 ns a byte on 1 MB each way, 1 s compute
+    link = Link(per_message=1e-3, per_byte=1e-9)
+    p = run(Protocol("async"), learners=1, cluster=Cluster(1, 1, local=link), parameters=250_000, batches=50)
+    assert p.samples_per_s == pytest.approx(1 / (1.0 + 2 * (1e-3 + 1e-3)))
+    assert Link(1e9).with_transport(link).overhead(1e6) == pytest.approx(2e-3)

@@ -17,7 +17,8 @@ class Prediction:
     of the epoch it was busy. ``push_order``: (learner, timestamp of its weights) of every applied gradient, in the
     order applied; ``arrivals``: per learner, the times its gradients reached the server (applied or not), for
     :meth:`timing`. ``held_s``: SSP, the time pushes spent held. ``update_times``: when each update was applied (the
-    wall-time axis of an accuracy curve)."""
+    wall-time axis of an accuracy curve). ``run_staleness``: σ -> every gradient applied in the run, warm-up
+    and every epoch's start included, as ``RudraStrategy.stats`` counts them."""
 
     protocol: str
     learners: int
@@ -34,11 +35,16 @@ class Prediction:
     round_starts: list[list[float]] = field(repr=False)
     held_s: float = 0.0
     update_times: list[float] = field(default_factory=list, repr=False)
+    run_staleness: dict[int, int] = field(default_factory=dict)
 
     @property
     def mean_staleness(self) -> float:
-        total = sum(self.staleness.values())
-        return sum(s * c for s, c in self.staleness.items()) / total if total else 0.0
+        return _mean(self.staleness)
+
+    @property
+    def mean_run_staleness(self) -> float:
+        """Mean σ of every gradient the run applied (``RudraStrategy.stats.mean_staleness``)."""
+        return _mean(self.run_staleness)
 
     @property
     def max_staleness(self) -> int:
@@ -59,6 +65,7 @@ class Prediction:
             "computed_per_s": self.computed_per_s,
             "mean_staleness": self.mean_staleness,
             "max_staleness": self.max_staleness,
+            "mean_run_staleness": self.mean_run_staleness,
             "staleness": dict(sorted(self.staleness.items())),
             "wasted": self.wasted,
             "epoch_s": self.epoch_s,
@@ -66,3 +73,8 @@ class Prediction:
             "server_utilisation": self.server_utilisation,
             "held_s": self.held_s,
         }
+
+
+def _mean(histogram: dict[int, int]) -> float:
+    total = sum(histogram.values())
+    return sum(s * c for s, c in histogram.items()) / total if total else 0.0

@@ -10,15 +10,43 @@ dealt again); the learners meet at every epoch's end, as under Lightning's end-o
 """
 
 import heapq
+import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 from lightning_rudra.core.runtime.prediction import Prediction
 from lightning_rudra.core.runtime.scenario import Scenario
 
-# at one moment: computes end before parts arrive, before the protocol decides, before replies land; then by learner
+# at one moment: computes (and CPU work) end before parts arrive, before the protocol decides, before replies land;
+# then by learner
 COMPUTED, SHARD, ARRIVE, REPLY = range(4)
+
+
+class _Cpu:
+    """One machine's cores under processor sharing: each of n busy processes runs at min(1, cores / n) of a core.
+    ``jobs``: CPU work left (core-seconds) and what to call once done; ``holds``: processes busy for a set wall time
+    (busy-waiting)."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = cores
+        self.jobs: dict[int, list[Any]] = {}
+        self.holds = 0
+        self.last = 0.0
+        self.version = 0
+
+    def rate(self) -> float:
+        busy = len(self.jobs) + self.holds
+        return min(1.0, self.cores / busy) if busy else 1.0
+
+    def advance(self, now: float) -> None:
+        done = (now - self.last) * self.rate()
+        if done:
+            for job in self.jobs.values():
+                job[0] -= done
+        self.last = now
 
 
 @dataclass
@@ -69,11 +97,10 @@ class Simulation:
         self.push_part = scenario.payload.push_bytes / c.num_servers
         self.pull_part = scenario.payload.pull_bytes / c.num_servers
         self.now = 0.0
-        self.events: list[tuple[float, int, int, int, Any]] = []
+        self.events: list[tuple[float, int, int, int, Callable[..., None], tuple[Any, ...]]] = []
         self.seq = 0
         self.out_free = [0.0] * c.all_hosts
         self.in_free = [0.0] * c.all_hosts
-        self.server_free = [0.0] * self.parts
         self.server_busy = [0.0] * self.parts
         self.rngs = [random.Random(scenario.seed * 1_000_003 + r) for r in range(self.learners)]
         self.steps = [0] * self.learners  # computes started, over the run (the step index of the step times)
@@ -91,11 +118,69 @@ class Simulation:
         self.held_s = 0.0
         self.update_times: list[float] = []
         self.held_since: dict[int, float] = {}
+        self.oldest_handed: Optional[int] = 0  # SSP: min(state.handed), None until found again
+        self.shared = c.cores != math.inf
+        self.cpus = [_Cpu(c.cores) for _ in range(1 if c.one_machine else c.all_hosts)] if self.shared else []
+        self.jobs = 0
+        self.queues: list[deque[tuple[float, Callable[[], None]]]] = [deque() for _ in range(self.parts)]
+        # σ as server 0 counts it: a learner on its host with shared memory reads the newest weights on its reply
+        self.reads_latest = [
+            c.shared_memory and c.host_of_learner(r) == c.host_of_server(0) for r in range(self.learners)
+        ]
 
     # the event queue
-    def _at(self, time: float, kind: int, learner: int, what: Any) -> None:
+    def _at(self, time: float, kind: int, learner: int, call: Callable[..., None], *args: Any) -> None:
         self.seq += 1
-        heapq.heappush(self.events, (time, kind, learner, self.seq, what))
+        heapq.heappush(self.events, (time, kind, learner, self.seq, call, args))
+
+    # the cores
+    def _work(self, machine: int, seconds: float, then: Callable[[], None], kind: int = COMPUTED) -> None:
+        """``seconds`` of CPU work on ``machine``; ``then`` once done (at once, without sharing: its wall time)."""
+        if not self.shared:
+            self._at(self.now + seconds, kind, 0, then)
+            return
+        cpu = self.cpus[machine]
+        cpu.advance(self.now)
+        self.jobs += 1
+        cpu.jobs[self.jobs] = [seconds, then]
+        self._next(machine)
+
+    def _hold(self, machine: int, seconds: float, then: Callable[[], None]) -> None:
+        """A process busy ``seconds`` of wall time on ``machine`` (busy-waiting), holding its share of the cores."""
+        if not self.shared:
+            self._at(self.now + seconds, COMPUTED, 0, then)
+            return
+        cpu = self.cpus[machine]
+        cpu.advance(self.now)
+        cpu.holds += 1
+        self._next(machine)
+
+        def release() -> None:
+            cpu.advance(self.now)
+            cpu.holds -= 1
+            self._next(machine)
+            then()
+
+        self._at(self.now + seconds, COMPUTED, 0, release)
+
+    def _next(self, machine: int) -> None:
+        """Schedule the next job to end on ``machine`` (a newer schedule voids this one)."""
+        cpu = self.cpus[machine]
+        cpu.version += 1
+        if cpu.jobs:
+            left = min(job[0] for job in cpu.jobs.values())
+            self._at(self.now + max(left, 0.0) / cpu.rate(), COMPUTED, 0, self._cpu_done, machine, cpu.version)
+
+    def _cpu_done(self, machine: int, version: int) -> None:
+        cpu = self.cpus[machine]
+        if version != cpu.version:
+            return
+        cpu.advance(self.now)
+        done = [key for key, job in cpu.jobs.items() if job[0] <= 1e-12]
+        calls = [cpu.jobs.pop(key)[1] for key in done]
+        self._next(machine)
+        for call in calls:
+            call()
 
     def run(self) -> Prediction:
         for _ in range(self.s.epochs):
@@ -108,15 +193,8 @@ class Simulation:
         for r in range(self.learners):
             self._start(r)
         while self.events:
-            self.now, kind, _, _, what = heapq.heappop(self.events)
-            if kind == COMPUTED:
-                self._computed(what)
-            elif kind == SHARD:
-                self._shard(*what)
-            elif kind == ARRIVE:
-                self._arrive(what)
-            else:
-                self._reply(what)
+            self.now, _, _, _, call, args = heapq.heappop(self.events)
+            call(*args)
         self.epoch_ends.append(self.now)
 
     # a learner's loop
@@ -126,9 +204,24 @@ class Simulation:
             return
         self.inflight += 1
         self.starts[learner].append(self.now)
-        duration = self.s.step_time(learner).sample(self.rngs[learner], self.steps[learner])
+        step = self.s.step_time(learner)
+        duration = step.sample(self.rngs[learner], self.steps[learner])
         self.steps[learner] += 1
-        self._at(self.now + duration, COMPUTED, learner, learner)
+        machine = self.s.cluster.machine_of_host(self.s.cluster.host_of_learner(learner))
+        if not (step.sleep or step.spin) and not self.shared:  # the common case, one event
+            self._at(self.now + duration, COMPUTED, learner, self._computed, learner)
+            return
+
+        def waited() -> None:
+            self._at(self.now + step.sleep, COMPUTED, learner, self._computed, learner)
+
+        def computed() -> None:
+            if step.spin:
+                self._hold(machine, step.spin, waited)
+            else:
+                waited()
+
+        self._work(machine, duration, computed)
 
     def _computed(self, learner: int) -> None:
         host = self.s.cluster.host_of_learner(learner)
@@ -152,32 +245,47 @@ class Simulation:
         whole = self.s.payload.push_bytes if self.parts == 1 else self.push_part
         for server in range(self.parts):
             arrival = self._transfer(push.host, self.s.cluster.host_of_server(server), whole, self.push_part)
-            self._at(arrival, SHARD, push.members[0], (push, server))
+            self._at(arrival, SHARD, push.members[0], self._shard, push, server)
 
     def _transfer(self, source: int, target: int, sent: float, received: float) -> float:
         """When a message sent now from host ``source`` arrives at ``target``: on one host a copy (no queue), between
         hosts once the sender's outgoing and the receiver's incoming side are both free, each held for the bytes it
         carries (``sent``, ``received``: they differ where one server stands for all)."""
         cluster = self.s.cluster
+        size = max(sent, received)
         if source == target:
-            return self.now + cluster.local.seconds(max(sent, received)) + cluster.local.latency
+            return self.now + cluster.local.seconds(size) + cluster.local.latency + cluster.local.overhead(size)
         start = max(self.now, self.out_free[source], self.in_free[target])
         self.out_free[source] = start + cluster.link.seconds(sent)
         self.in_free[target] = start + cluster.link.seconds(received)
-        return start + cluster.link.seconds(max(sent, received)) + cluster.link.latency
+        return start + cluster.link.seconds(size) + cluster.link.latency + cluster.link.overhead(size)
 
-    def _serve(self, server: int, seconds: float) -> float:
-        """The server's FIFO: the job starts once the server is free; returns when it is done."""
-        start = max(self.now, self.server_free[server])
-        self.server_free[server] = start + seconds
+    def _serve(self, server: int, seconds: float, then: Callable[[], None]) -> None:
+        """The server's FIFO: one process, its jobs in turn (sharing its host's cores while it works)."""
         self.server_busy[server] += seconds
-        return start + seconds
+        queue = self.queues[server]
+        queue.append((seconds, then))
+        if len(queue) == 1:
+            self._serve_next(server)
+
+    def _serve_next(self, server: int) -> None:
+        seconds, _ = self.queues[server][0]
+        machine = self.s.cluster.machine_of_host(self.s.cluster.host_of_server(server))
+        self._work(machine, seconds, lambda: self._served(server), SHARD)
+
+    def _served(self, server: int) -> None:
+        _, then = self.queues[server].popleft()
+        if self.queues[server]:
+            self._serve_next(server)
+        then()
 
     def _shard(self, push: _Push, server: int) -> None:
-        push.ready = max(push.ready, self._serve(server, self.s.server.push(self.shard)))
+        self._serve(server, self.s.server.push(self.shard), lambda: self._shard_done(push))
+
+    def _shard_done(self, push: _Push) -> None:
         push.parts_left -= 1
         if not push.parts_left:
-            self._at(push.ready, ARRIVE, push.members[0], push)
+            self._at(self.now, ARRIVE, push.members[0], self._arrive, push)
 
     # the protocol
     def _arrive(self, push: _Push) -> None:
@@ -188,7 +296,7 @@ class Simulation:
         if name in ("hardsync", "batchsync") and push.timestamp < st.clock:
             self.wasted += len(push.members)  # late for its round, or computed on old weights: its batch is dealt again
             self.wastes.append(self.now)
-            self._answer(push, self.now)
+            self._answer(push)
             self._wake()
             return
         if self.proto.max_staleness is not None and not self._may_take(push):
@@ -211,7 +319,7 @@ class Simulation:
             self._update()
         elif self.proto.name != "hardsync":  # replies at once, with the current weights
             st.waiting.remove(push)
-            self._answer(push, self.now)
+            self._answer(push)
 
     def _due(self) -> bool:
         st, name = self.state, self.proto.name
@@ -227,31 +335,40 @@ class Simulation:
         self.update_times.append(self.now)
         st.received = 0
         st.members = set()
-        done = [self._serve(server, self.s.server.update(self.shard)) for server in range(self.parts)]
         waiting, st.waiting = st.waiting, []
-        for push in waiting:
-            self._answer(push, done)
+        replies = [(push, self._hand(push)) for push in waiting]
+        for server in range(self.parts):
+            self._serve(server, self.s.server.update(self.shard), partial(self._reply_from, server, replies))
 
-    def _answer(self, push: _Push, leave: Any) -> None:
-        """Reply to ``push`` with the weights of the clock now, leaving each server at ``leave`` (one time, or one
-        per server)."""
+    def _hand(self, push: _Push) -> _Reply:
+        """``push``'s learners are handed the weights of the clock now."""
         for r in push.members:
             self.timestamp[r] = self.state.clock
+            if self.state.handed[r] == self.oldest_handed:  # the oldest may move: found again when asked
+                self.oldest_handed = None
             self.state.handed[r] = self.state.clock
-        reply = _Reply(push.members, self.parts)
-        whole = self.s.payload.pull_bytes if self.parts == 1 else self.pull_part
+        return _Reply(push.members, self.parts)
+
+    def _answer(self, push: _Push) -> None:
+        """Reply to ``push`` now with the weights of the clock now."""
+        reply = self._hand(push)
         for server in range(self.parts):
-            at = leave[server] if isinstance(leave, list) else leave
-            saved, self.now = self.now, at
+            self._reply_from(server, [(push, reply)])
+
+    def _reply_from(self, server: int, replies: list[tuple[_Push, _Reply]]) -> None:
+        """Server ``server``'s part of each reply leaves now."""
+        whole = self.s.payload.pull_bytes if self.parts == 1 else self.pull_part
+        for push, reply in replies:
             arrival = self._transfer(self.s.cluster.host_of_server(server), push.host, self.pull_part, whole)
-            self.now = saved
-            self._at(arrival, REPLY, push.members[0], reply)
+            self._at(arrival, REPLY, push.members[0], self._reply, reply)
 
     def _reply(self, reply: _Reply) -> None:
         reply.parts_left -= 1
         if reply.parts_left:
             return
         for r in reply.members:
+            if self.reads_latest[r]:  # read from shared memory now: the newest weights
+                self.timestamp[r] = self.state.clock
             self.batch_ends[r].append(self.now)
             self._start(r)
 
@@ -275,6 +392,15 @@ class Simulation:
     # SSP (lightning_rudra.core.ssp.StaleGate's rule, in plain Python)
     def _may_take(self, push: _Push) -> bool:
         st, learner = self.state, push.members[0]
+        c = self.proto.gradients_per_update(self.learners)
+        bound = self.proto.max_staleness
+        assert bound is not None
+        # at once where even the oldest weights handed out, after every learner's gradient, stay within the bound
+        # (every timestamp below is one of them or newer)
+        if self.oldest_handed is None:
+            self.oldest_handed = min(st.handed.values())
+        if st.clock + (st.received + self.learners) // c - self.oldest_handed <= bound:
+            return True
         held = {p.members[0] for p in st.held}
         others = sorted(
             [t for who, t in st.handed.items() if who != learner and who in self.active and who not in held]
@@ -282,9 +408,6 @@ class Simulation:
         )
         if not others or push.timestamp <= others[0]:
             return True
-        c = self.proto.gradients_per_update(self.learners)
-        bound = self.proto.max_staleness
-        assert bound is not None
         return all(st.clock + (st.received + 1 + m) // c - t <= bound for m, t in enumerate(others))
 
     def _release(self) -> None:
@@ -314,6 +437,9 @@ class Simulation:
         staleness: dict[int, int] = {}
         for _, _, sigma in applied:
             staleness[sigma] = staleness.get(sigma, 0) + 1
+        run_staleness: dict[int, int] = {}
+        for _, _, _, sigma in self.takes:
+            run_staleness[sigma] = run_staleness.get(sigma, 0) + 1
         rate = 1 / span if span > 0 else 0.0
         total_wasted = self.wasted
         return Prediction(
@@ -333,6 +459,7 @@ class Simulation:
             round_starts=self.starts if self.proto.name == "hardsync" else [[] for _ in self.starts],
             held_s=self.held_s,
             update_times=self.update_times,
+            run_staleness=dict(sorted(run_staleness.items())),
         )
 
 

@@ -20,13 +20,18 @@ class StepTime:
     shape of shared machines, as :class:`~lightning_rudra.core.timing.Jittered`), ``exponential`` (a shifted
     exponential as in Dutta et al. 2018: ``mean`` × (1 − ``spread``) plus an exponential of mean ``mean`` ×
     ``spread``; ``spread=1``: purely exponential) or ``measured`` (``times`` in turn, from the start again once
-    used up). ``slowdown`` multiplies every step: a 3× straggler is ``slowdown=3``."""
+    used up). ``slowdown`` multiplies every step: a 3× straggler is ``slowdown=3``. With a host's ``cores`` set
+    (:class:`Cluster`), the compute is CPU time on one core, stretched when more processes than cores are busy.
+    ``sleep`` / ``spin``: wall seconds each step waits after its compute, with its core free for the others (a
+    sleeping straggler) or held (a busy-waiting one, as a slow device's compute)."""
 
     mean: float = 1.0
     kind: str = "fixed"
     spread: float = 0.0
     slowdown: float = 1.0
     times: tuple[float, ...] = ()
+    sleep: float = 0.0
+    spin: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -36,6 +41,8 @@ class StepTime:
         positive("StepTime mean", self.mean)
         positive("StepTime slowdown", self.slowdown)
         non_negative("StepTime spread", self.spread)
+        non_negative("StepTime sleep", self.sleep)
+        non_negative("StepTime spin", self.spin)
         if self.kind == "exponential" and self.spread > 1:
             raise ConfigurationError(
                 f"StepTime spread={self.spread!r} is not valid for kind='exponential': expected the exponential "
@@ -48,7 +55,7 @@ class StepTime:
                 positive("a measured step time", t)
 
     def with_slowdown(self, factor: float) -> "StepTime":
-        return StepTime(self.mean, self.kind, self.spread, self.slowdown * factor, self.times)
+        return StepTime(self.mean, self.kind, self.spread, self.slowdown * factor, self.times, self.sleep, self.spin)
 
     def sample(self, rng: random.Random, step: int) -> float:
         """Step ``step``'s compute time, drawn from ``rng`` (the learner's own: deterministic given the seed)."""

@@ -1,0 +1,55 @@
+"""The command line."""
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Optional, Sequence
+
+import benchmarks.predict as package
+from benchmarks.predict.inputs import RESULTS, Inputs
+from benchmarks.predict.report import report
+from benchmarks.predict.server import measure_server
+from benchmarks.predict.validate import validation_markdown, validation_rows
+from lightning_rudra.core.runtime import MEASURED_SERVER
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.predict", description=(package.__doc__ or "").strip().split("\n")[0]
+    )
+    parser.add_argument("--validate", action="store_true", help="predicted vs measured: results/predict.md, .json")
+    parser.add_argument("--report", action="store_true", help="the prediction at scale (Markdown to stdout)")
+    parser.add_argument("--learners", default="64,256,1000", help="λ list of the report")
+    parser.add_argument("--measure-server", action="store_true", help="measure the server's time per push, update")
+    parser.add_argument("--out", default=RESULTS, help="where predict.md and predict.json go")
+    args = parser.parse_args(argv)
+    if not (args.validate or args.report or args.measure_server):
+        parser.error("give --validate, --report or --measure-server")
+    server = {"command": "python -m benchmarks.predict --measure-server", "coefficients": vars(MEASURED_SERVER)}
+    if args.measure_server:
+        measured = measure_server()
+        print(json.dumps(measured, indent=1))
+    out: dict[str, Any] = {"server": server}
+    text = ""
+    if args.validate:
+        rows = validation_rows(Inputs(MEASURED_SERVER))
+        out["validation"] = rows
+        text += validation_markdown(rows, server)
+    if args.report:
+        learners = [int(x) for x in args.learners.split(",")]
+        began = time.perf_counter()
+        md, rows = report(learners)
+        seconds = time.perf_counter() - began
+        out["report"] = rows
+        out["report_seconds"] = seconds
+        text += ("\n" if text else "") + md + f"\nThe report took {seconds:.0f} s to compute here.\n"
+    if text:
+        print(text)
+    if args.validate:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "predict.json"), "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        with open(os.path.join(args.out, "predict.md"), "w") as f:
+            f.write(text)
+    return 0

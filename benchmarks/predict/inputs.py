@@ -1,0 +1,71 @@
+"""The validation's inputs, read from the committed results files (docs/prediction.md says which number comes from
+where)."""
+
+import json
+import math
+import os
+import statistics
+from typing import Sequence
+
+from benchmarks.predict.server import _line
+from lightning_rudra.core.runtime import Link, ServerCost
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "results")
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(RESULTS, f"{name}.json")) as f:
+        return json.load(f)
+
+
+class Inputs:
+    """What the committed transport results say of this machine's paths, fitted as lines in the parameters N over
+    the transport table's sizes (medians of its repetitions): the one-host path through shared memory (a learner
+    alone: push+pull minus the server's work), RPC (an echo of 4N bytes each way: its intercept is two messages'
+    fixed cost, its slope two copies of 4 bytes a parameter) and gloo's all-reduce (to take DDP's from a DDP step,
+    leaving the compute). ``cores``: the machine's that measured (every results file's meta ``nproc``)."""
+
+    def __init__(self, server: ServerCost) -> None:
+        data = _load("transport-models")
+        raw = data["raw"]["transport"]
+        sizes = sorted(int(n) for n in raw)
+        med = {n: {k: statistics.median(v) for k, v in raw[str(n)].items()} for n in sizes}
+        self.server = server
+        self.cores = float(data["meta"]["nproc"])
+        # a push and its reply each move 4N bytes: time = 2 latency + 2 × 32 N / bandwidth
+        self.shared = self._path(sizes, [med[n]["solo"] - server.push(n) - server.update(n) for n in sizes])
+        slope, intercept = _line(sizes, [med[n]["echo"] for n in sizes])
+        self.rpc = Link(per_message=intercept / 2, per_byte=slope / 8)
+        self.gloo = _line(sizes, [med[n]["gloo"] for n in sizes])
+        self.jitter = self._jitter()
+
+    @staticmethod
+    def _jitter() -> float:
+        """A step's coefficient of variation: the accuracy file's async runs, λ = 2 without straggler, record each
+        learner's batches per epoch; for steps of mean m and CV c a learner ends N ≈ T / m of them with variance
+        N c², so c = √(var / mean) of the counts over the epochs (median over runs and learners)."""
+        row = next(r for r in _load("accuracy")["raw"]["accuracy"] if r["learners"] == 2)
+        cvs = [
+            math.sqrt(statistics.pvariance(counts) / statistics.fmean(counts))
+            for run in row["runs"]["1x"]
+            if run["strategy"] == "async"
+            for counts in run["epoch_batches"]
+        ]
+        return statistics.median(cvs)
+
+    @staticmethod
+    def _path(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
+        slope, intercept = _line(sizes, seconds)
+        return Link(64 / slope if slope > 0 else math.inf, intercept / 2)
+
+    def allreduce(self, parameters: int, learners: int) -> float:
+        """gloo's all-reduce among λ processes: the 2-process fit × the ring's 2(λ − 1)/λ relative to λ = 2."""
+        a, b = self.gloo
+        return (a * parameters + b) * (2 * (learners - 1) / learners)
+
+    def compute(self, ddp_step_ms: float, parameters: int, learners: int, straggle_s: float = 0.0) -> float:
+        """One learner's compute in seconds of one core, from a DDP step measured beside the runs: the step less
+        the all-reduce and the straggler's added wait (DDP waits for it every step), the rest spent with all λ
+        learners computing at once on ``cores`` (each had min(1, cores / λ) of a core)."""
+        wall = ddp_step_ms / 1000 - straggle_s - self.allreduce(parameters, learners)
+        return max(wall * min(1.0, self.cores / learners), 1e-4)

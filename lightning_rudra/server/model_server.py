@@ -172,7 +172,8 @@ class ModelServer:
             applied = self._applied([optimizer] if result.closed else [])
             # a late push (batchsync, backup) is answered at once: its round has closed
             in_round = core.config.protocol == "hardsync" and optimizer not in applied and result.status != "late"
-            in_round = in_round or self._paced(learner, result.status, result.closed, now)
+            if self.pacing is not None and result.status == "accepted" and not result.closed:
+                in_round = self.pacing.hold(learner, now, core, self.gatherings.waiting())
             held = result.status == "held"
             if in_round:
                 reply: Future = Future()
@@ -195,29 +196,13 @@ class ModelServer:
             reply.set_result(push_reply(result.status, result.staleness, lr_scale, weights))
         return reply
 
-    def _paced(self, learner: int, status: str, closed: bool, now: float) -> bool:
-        """batchsync: whether the reply to ``learner``'s push waits for its round (:class:`RoundPacing`). Called
-        under the lock."""
-        if self.pacing is None or status != "accepted" or closed:
-            return False
-        core = self._protocol()
-        received, _ = core.open_update()
-        computing = core.active - self.gatherings.waiting() - self.pacing.waiting
-        if not self.pacing.waits(learner, now, core.clock, received, computing):
-            return False
-        self.pacing.waiting.add(learner)
-        return True
-
     def _release_paced(self) -> Outcomes:
         """batchsync: the replies waiting for a round that the learners computing can no longer close, answered with
         the current weights. Called under the lock, after anything that takes a learner from them."""
-        if self.pacing is None or not self.pacing.waiting or self.core is None or self.failure is not None:
+        if self.pacing is None or self.core is None or self.failure is not None:
             return []
-        received, _ = self.core.open_update()
-        computing = self.core.active - self.gatherings.waiting() - self.pacing.waiting
-        if self.pacing.enough(self.core.clock, received, computing):
-            return []
-        return self._release_rounds([0]).outcomes
+        short = self.pacing.cannot_close(self.core, self.gatherings.waiting())
+        return self._release_rounds([0]).outcomes if short else []
 
     def _applied(self, closed: list[int]) -> list[int]:
         """Of the optimizers whose wait just ``closed``, those whose update applied (:class:`NormExchange`). Called

@@ -18,6 +18,8 @@ runs under the :class:`~lightning_rudra.server.model_server.ModelServer`'s lock.
 
 from typing import AbstractSet
 
+from lightning_rudra.core.protocol import Server
+
 # the weight of a learner's newest step time in its estimate: steps vary, a straggler stays one
 NEWEST = 0.5
 
@@ -41,6 +43,20 @@ class RoundPacing:
             since, _ = self.handed.pop(learner)
             took = now - since
             self.step[learner] = took if learner not in self.step else NEWEST * took + (1 - NEWEST) * self.step[learner]
+
+    def hold(self, learner: int, now: float, core: Server, away: AbstractSet[int]) -> bool:
+        """Whether the reply to ``learner``'s push (taken, its round still open) waits for the round, the learners of
+        ``away`` waiting at a collective; if it does, ``learner`` is waiting from now."""
+        received, _ = core.open_update()
+        if not self.waits(learner, now, core.clock, received, core.active - away - self.waiting):
+            return False
+        self.waiting.add(learner)
+        return True
+
+    def cannot_close(self, core: Server, away: AbstractSet[int]) -> bool:
+        """Whether replies wait for a round that the learners computing (not ``away``, not waiting) cannot close."""
+        received, _ = core.open_update()
+        return bool(self.waiting) and not self.enough(core.clock, received, core.active - away - self.waiting)
 
     def waits(self, learner: int, now: float, clock: int, received: int, computing: AbstractSet[int]) -> bool:
         """Whether ``learner``'s reply should wait for the round at ``clock`` (``received`` of its K gradients in,

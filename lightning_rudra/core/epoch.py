@@ -86,6 +86,7 @@ class _Dealt:
     position: int
     indices: Tensor
     late_from: Optional[int] = None  # the learner whose gradient of it came late: dealt again to another first
+    returned: bool = False  # dealt again to the learner it came late from once already
 
 
 @dataclass
@@ -114,7 +115,7 @@ class EpochPool:
         self.redeal: deque[_Dealt] = deque()  # a lost learner's batches, to be dealt again first
         self.redealt = 0  # batches dealt again over the run
 
-    def draw(  # 6 params: the learner's request, as it sends it
+    def draw(  # 7 params: the learner's request, as it sends it, and whether the others are all away
         self,
         epoch: int,
         learner: int,
@@ -122,6 +123,7 @@ class EpochPool:
         want: int = 1,
         trained: Optional[int] = None,
         late: Sequence[int] = (),
+        alone: bool = False,
     ) -> tuple[Optional[Tensor], int, str]:
         """The next batches of ``epoch`` for ``learner``: ``(indices, position, "batch")``, the indices of
         consecutive batches from ``position`` (the epoch's batches count from 0); or ``(None, batches in the
@@ -140,7 +142,10 @@ class EpochPool:
 
         ``late``: batches whose gradient was not applied (it came after its round closed), each by its place among
         the batches dealt to ``learner`` over the run (from 0); they are dealt again as a lost learner's are. Only
-        batches it holds and has not said it trained on before this draw (``trained`` may now count them)."""
+        batches it holds and has not said it trained on before this draw (``trained`` may now count them). Its own
+        late batch comes back to it once its epoch is drained, once (the others may still train on: they take it);
+        again if it is ``alone`` (every other learner waits at a collective or is done: nobody else's push can make
+        its gradient late, and nobody else would take the batch in this epoch)."""
         if plan != self.plan:
             raise ValueError(
                 f"learner {learner} describes this dataloader's epoch as {plan}, but the server holds "
@@ -164,12 +169,14 @@ class EpochPool:
         if self.stopped:
             return None, total, "budget"
         spent = self.plan.budget is not None and self.drawn >= self.plan.budget
-        batch = self._dealt_again(learner, epoch, drained=spent or state is None or state.cursor >= total)
+        drained = spent or state is None or state.cursor >= total
+        batch = self._dealt_again(learner, epoch, drained, alone)
         if batch is not None:  # dealt again: they count once in the budget
             self.redealt += 1
             position = batch.position if batch.epoch == epoch else min(state.cursor, total - 1) if state else 0
             indices = batch.indices.clone()  # a view of the draw it came in: RPC would send that draw's storage
-            return self._deal(own, learner, [_Dealt(epoch, position, indices)], indices, "again")
+            again = _Dealt(epoch, position, indices, returned=batch.late_from == learner)
+            return self._deal(own, learner, [again], indices, "again")
         if spent:
             return None, total, "budget"
         if state is None or state.cursor >= total:
@@ -192,12 +199,13 @@ class EpochPool:
         self.taken[learner] = self.taken.get(learner, 0) + len(batches)
         return indices, batches[0].position, what
 
-    def _dealt_again(self, learner: int, epoch: int, drained: bool) -> Optional[_Dealt]:
+    def _dealt_again(self, learner: int, epoch: int, drained: bool, alone: bool) -> Optional[_Dealt]:
         """The next batch to deal ``learner`` again, taken out of the queue: a lost learner's, or one whose gradient
-        came late from another learner (its own only once nothing new is left, so that a straggler does not train
-        the batch it was late with again and again)."""
+        came late from another learner; its own late batch as :meth:`draw` says (a straggler whose gradient of it
+        comes late again while the others train on leaves it to them, rather than train it again and again)."""
         for i, batch in enumerate(self.redeal):
-            if batch.epoch <= epoch and (drained or batch.late_from != learner):
+            mine = drained and batch.epoch == epoch and (alone or not batch.returned)
+            if batch.epoch <= epoch and (batch.late_from != learner or mine):
                 del self.redeal[i]  # by place: a batch's tensor has no truth value to compare by
                 return batch
         return None

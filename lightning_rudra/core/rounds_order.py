@@ -65,6 +65,7 @@ class _Epoch:
         self.received, self.in_round = start.received, set(start.in_round)
         self.parked: list[int] = []  # learners whose push waits for the round
         self.released: set[int] = set()  # batchsync: answered since the step before, the round still open
+        self.returned: set[int] = set()  # late batches dealt again to the learner they came late from
         self.order: list[RoundStep] = []
         self.events: list[tuple[float, int, int, int]] = []  # (moment, learner, batch, its weights' clock)
 
@@ -147,9 +148,15 @@ class _Epoch:
         heapq.heappush(self.events, (finish, learner, batch, self.held[learner]))
 
     def _next_batch(self, learner: int) -> Optional[int]:
-        """A late batch of another learner first, then a new one, then its own late one (as the pool deals)."""
+        """A late batch of another learner first, then a new one, then its own late one, once, or again if the
+        others are all out of batches (as :meth:`EpochPool.draw <lightning_rudra.core.epoch.EpochPool.draw>` deals:
+        the others are then at the epoch's end, which every learner reaches before the next starts)."""
+        alone = set(range(self.learners)) - self.away <= {learner}
         for i, (batch, late_from) in enumerate(self.redeal):
-            if late_from != learner or not self.pool:
+            mine = not self.pool and (alone or batch not in self.returned)
+            if late_from != learner or mine:
                 del self.redeal[i]
+                if late_from == learner:
+                    self.returned.add(batch)
                 return batch
         return self.pool.pop() if self.pool else None

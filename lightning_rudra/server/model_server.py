@@ -333,7 +333,9 @@ class ModelServer:
     ) -> tuple[Optional[Any], int, str]:
         """The next batches of the shared epoch (see :meth:`EpochPool.draw`) of train dataloader ``pool``."""
         with self.lock:
-            return self.epochs.draw(self._protocol().stats, pool, epoch, learner, plan, want, trained, late)
+            core = self._protocol()
+            alone = core.active - self.gatherings.waiting() - self.finished <= {learner}
+            return self.epochs.draw(core.stats, pool, epoch, learner, plan, want, trained, late, alone)
 
     def stop_drawing(self, learner: int) -> None:
         """``learner`` stops training: every pool of the shared epoch is spent (:meth:`EpochPool.stop`)."""

@@ -13,7 +13,7 @@ class SharedEpochs:
         self.num_learners = num_learners
         self.pools: dict[int, EpochPool] = {}  # per train dataloader
 
-    def draw(  # 8 params: EpochPool.draw's six, which pool, and the statistics its batches count in
+    def draw(  # 9 params: EpochPool.draw's seven, which pool, and the statistics its batches count in
         self,
         stats: Stats,
         pool: int,
@@ -23,11 +23,12 @@ class SharedEpochs:
         want: int,
         trained: Optional[int],
         late: Sequence[int] = (),
+        alone: bool = False,
     ) -> tuple[Optional[Any], int, str]:
         """:meth:`EpochPool.draw` of train dataloader ``pool``; the first one's batches count in ``stats``."""
         if pool not in self.pools:
             self.pools[pool] = EpochPool(plan, self.num_learners)
-        indices, position, what = self.pools[pool].draw(epoch, learner, plan, want, trained, late)
+        indices, position, what = self.pools[pool].draw(epoch, learner, plan, want, trained, late, alone)
         if indices is not None and pool == 0:
             stats.batches[learner] = stats.batches.get(learner, 0) + -(-len(indices) // plan.batch_size)
             stats.redealt = self.pools[pool].redealt

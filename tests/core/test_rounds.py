@@ -192,3 +192,20 @@ def test_a_late_place_the_learner_does_not_hold_is_refused(late):
     draw(pool, 0)
     with pytest.raises(ValueError, match="late|came late"):
         draw(pool, 0, trained=1, late=late)
+
+
+def test_a_straggler_gets_its_own_late_batch_back_once_unless_the_others_are_all_away():
+    pool = EpochPool(EpochPlan(4, 2, shuffle=False), num_learners=2)
+    assert draw(pool, 0) == ([0, 1], 0, "batch")
+    assert draw(pool, 1) == ([2, 3], 1, "batch")
+    assert draw(pool, 0, trained=1, late=[0]) == ([0, 1], 0, "again")  # drained: back to it, once
+    # late again while learner 1 trains on (here, in the next epoch): learner 1 takes it, not learner 0 again
+    assert draw(pool, 0, trained=2, late=[1]) == (None, 2, "epoch")
+    assert draw(pool, 1, epoch=1, trained=1) == ([0, 1], 0, "again")
+    # the same, but learner 1 waits at a collective (alone): learner 0 trains it again, nobody can make it late
+    pool = EpochPool(EpochPlan(4, 2, shuffle=False), num_learners=2)
+    draw(pool, 0)
+    draw(pool, 1)
+    assert draw(pool, 0, trained=1, late=[0]) == ([0, 1], 0, "again")
+    indices, _, what = pool.draw(0, 0, pool.plan, 1, 2, [1], alone=True)
+    assert (indices.tolist(), what) == ([0, 1], "again")

@@ -201,7 +201,7 @@ class ModelServer:
         the current weights. Called under the lock, after anything that takes a learner from them."""
         if self.pacing is None or self.core is None or self.failure is not None:
             return []
-        short = self.pacing.cannot_close(self.core, self.gatherings.waiting())
+        short = self.pacing.cannot_close(self.core, self.gatherings.waiting(), time.monotonic())
         return self._release_rounds([0]).outcomes if short else []
 
     def _applied(self, closed: list[int]) -> list[int]:

@@ -12,7 +12,8 @@ round, as under hardsync; a learner faster by a whole step gives several; a stra
 
 A held reply waits only while the learners computing on the current weights can still close the round: when a
 learner leaves them (it pushed and waits too, its gradient was refused, it went to a collective, finished or was
-lost) the server asks again (:meth:`RoundPacing.enough`) and answers the held ones if they cannot. Plain Python;
+lost, or is overdue: twice its step time late, as a stalled one is) the server asks again (:meth:`RoundPacing.enough`;
+for the overdue, its watch asks every second at most) and answers the held ones if they cannot. Plain Python;
 runs under the :class:`~lightning_rudra.server.model_server.ModelServer`'s lock.
 """
 
@@ -22,6 +23,10 @@ from lightning_rudra.core.protocol import Server
 
 # the weight of a learner's newest step time in its estimate: steps vary, a straggler stays one
 NEWEST = 0.5
+# a gradient later than this many of its learner's steps (plus GRACE seconds) is not waited for: the learner may
+# have stalled, in its own code or a collective of its own; the server's watch answers the replies held for it
+OVERDUE = 2.0
+GRACE = 0.05
 
 
 class RoundPacing:
@@ -53,10 +58,12 @@ class RoundPacing:
         self.waiting.add(learner)
         return True
 
-    def cannot_close(self, core: Server, away: AbstractSet[int]) -> bool:
-        """Whether replies wait for a round that the learners computing (not ``away``, not waiting) cannot close."""
+    def cannot_close(self, core: Server, away: AbstractSet[int], now: float) -> bool:
+        """Whether replies wait for a round that the learners computing (not ``away``, not waiting, not overdue)
+        cannot close: then they are answered."""
         received, _ = core.open_update()
-        return bool(self.waiting) and not self.enough(core.clock, received, core.active - away - self.waiting)
+        computing = core.active - away - self.waiting
+        return bool(self.waiting) and not self.enough(core.clock, received, computing, now)
 
     def waits(self, learner: int, now: float, clock: int, received: int, computing: AbstractSet[int]) -> bool:
         """Whether ``learner``'s reply should wait for the round at ``clock`` (``received`` of its K gradients in,
@@ -65,12 +72,12 @@ class RoundPacing:
         needed = self.k - received
         if needed <= 0 or learner not in self.step:
             return False
-        due = sorted(self._due(clock, computing - {learner}))
+        due = sorted(self._due(clock, computing - {learner}, now))
         return len(due) >= needed and now + self.step[learner] >= due[needed - 1]
 
-    def enough(self, clock: int, received: int, computing: AbstractSet[int]) -> bool:
+    def enough(self, clock: int, received: int, computing: AbstractSet[int], now: float) -> bool:
         """Whether the learners computing on the weights of ``clock`` can still bring the round its K gradients."""
-        return sum(1 for who, (_, at) in self.handed.items() if at == clock and who in computing) >= self.k - received
+        return len(self._due(clock, computing, now)) >= self.k - received
 
     def forget(self, learner: int) -> None:
         """``learner`` was lost: a new process measures its own steps."""
@@ -78,10 +85,14 @@ class RoundPacing:
         self.step.pop(learner, None)
         self.waiting.discard(learner)
 
-    def _due(self, clock: int, computing: AbstractSet[int]) -> list[float]:
-        """When the gradients computing on the weights of ``clock`` are due (an unmeasured learner's: now)."""
-        return [
-            since + self.step.get(who, 0.0)
-            for who, (since, at) in self.handed.items()
-            if at == clock and who in computing
-        ]
+    def _due(self, clock: int, computing: AbstractSet[int], now: float) -> list[float]:
+        """When the gradients computing on the weights of ``clock`` are due (an unmeasured learner's: now), but those
+        overdue: a learner more than ``OVERDUE`` of its steps (or of the slowest measured) past its reply may have
+        stalled, and nobody waits for it."""
+        slowest = max(self.step.values(), default=0.0)
+        due = []
+        for who, (since, at) in self.handed.items():
+            step = self.step.get(who, slowest)
+            if at == clock and who in computing and now <= since + OVERDUE * step + GRACE:
+                due.append(since + self.step.get(who, 0.0))
+        return due

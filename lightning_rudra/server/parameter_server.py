@@ -79,6 +79,7 @@ class ParameterServer(ModelServer):
             if too_few is not None and self.failure is None:
                 outcomes += self._give_up(too_few, LearnerLostError)
             self._check_all_left()
+            outcomes += self._release_paced()  # a batchsync reply held for a learner now overdue
             if self.waits.on:
                 waits = open_waits(self)
         self._resolve_and_report(outcomes)

@@ -37,7 +37,7 @@ def test_an_unmeasured_learner_is_not_held_and_others_on_older_weights_do_not_co
     assert not pacing.waits(0, 1.0, 5, 1, {0, 1})  # learner 0 not measured yet
     measured(pacing, {0: 1.0})
     assert not pacing.waits(0, 1.0, 5, 1, {0, 1}), "learner 1 cannot close the round of clock 5"
-    assert not pacing.enough(5, 1, {1}) and pacing.enough(4, 1, {1})
+    assert not pacing.enough(5, 1, {1}, 1.0) and pacing.enough(4, 1, {1}, 1.0)
 
 
 def test_held_replies_are_let_go_once_the_learners_computing_cannot_close_the_round():
@@ -50,9 +50,25 @@ def test_held_replies_are_let_go_once_the_learners_computing_cannot_close_the_ro
     pacing.handed_out(1, 0.0, 0)
     pacing.handed_out(2, 0.0, 0)
     assert pacing.hold(0, 1.0, core, set()) and pacing.waiting == {0}
-    assert not pacing.cannot_close(core, set())  # learners 1 and 2 bring the two gradients missing
-    assert pacing.cannot_close(core, {2}), "learner 2 went to a collective: the round cannot close"
+    assert not pacing.cannot_close(core, set(), 1.0)  # learners 1 and 2 bring the two gradients missing
+    assert pacing.cannot_close(core, {2}, 1.0), "learner 2 went to a collective: the round cannot close"
     pacing.forget(1)
-    assert pacing.cannot_close(core, set()) and 1 not in pacing.step
+    assert pacing.cannot_close(core, set(), 1.0) and 1 not in pacing.step
     pacing.handed_out(0, 2.0, 0)
     assert not pacing.waiting
+
+
+def test_a_held_reply_is_answered_once_the_gradient_it_waits_for_is_overdue():
+    """A stalled learner (alive, silent in its own code) does not hold the others' replies for ever: once its
+    gradient is twice its step time late, the server's watch answers them."""
+    w = torch.zeros(2)
+    opt = torch.optim.SGD([w], lr=0.1)
+    core = Server(ProtocolConfig(2, "batchsync"), [w], [], [OptimizerSpec.from_optimizer(opt, [w])])
+    core.push(Push(0, 0, [torch.ones(2)], torch.tensor([True]), 0, [{"lr": 0.1}], []))
+    pacing = RoundPacing(k=2)
+    measured(pacing, {0: 1.0, 1: 1.0})
+    pacing.handed_out(1, 0.5, 0)  # learner 1's gradient due at 1.5
+    assert pacing.hold(0, 1.0, core, set())
+    assert not pacing.cannot_close(core, set(), 2.0)  # a little late: still waited for
+    assert pacing.cannot_close(core, set(), 100.0), "overdue: the held reply is answered"
+    assert not pacing.waits(0, 100.0, 0, 1, {0, 1}), "nor is a new push held for it"

@@ -51,13 +51,34 @@ def test_hardsync_waits_for_a_3x_straggler():
 
 
 def test_batchsync_k_lambda_with_a_3x_straggler():
-    # by hand: every 2 time units the 3 fast learners compute 6 gradients on one clock and the straggler 2/3 of one;
-    # the update takes the first 4 (k = λ) of them, the other 2 fast ones and every straggler's come on old weights
+    # by hand, with the pacing (lightning_rudra.server.pacing): at 1 the 3 fast learners push on clock 0; learner 0's
+    # next gradient (due 2) comes before the round can close (the straggler's, due 3, is its 3rd), so it is answered
+    # at once; learners 1 and 2 would next push at 2, no sooner than learner 0's: their replies wait. At 2 learner
+    # 0's second gradient closes the round (0, 1, 2, 0) and all three go on. So a round every 2, learner 0 giving
+    # two gradients of it; the straggler's step (3) always spans a round's close: every one of its gradients is
+    # wasted, 1/3 a second against 2 applied: 1/7 of those computed
     p = run(Protocol("batchsync"), learners=4, straggler=3, batches=400)
-    assert p.wasted == pytest.approx((20 / 3 - 4) / (20 / 3), abs=0.01)  # 0.4
-    assert p.applied_per_s == pytest.approx(2.0, rel=0.02)
+    assert p.update_times[:4] == [2.0, 4.0, 6.0, 8.0]
+    assert [r for r, _ in p.push_order[:8]] == [0, 1, 2, 0] * 2
+    assert p.wasted == pytest.approx(1 / 7, abs=0.005)
+    assert p.applied_per_s == pytest.approx(2.0, rel=0.01)
+    assert p.samples_per_s == pytest.approx(2 + 1 / 3, rel=0.01)  # batches ended, the wasted ones too
     assert p.epoch_s == pytest.approx(200, abs=1.5)  # 100 updates, one every 2
     assert p.staleness == {0: sum(p.staleness.values())}
+    assert all(r != 3 for r, _ in p.push_order[:-1])  # but the very last, the others out of batches
+
+
+@pytest.mark.parametrize("learners", [2, 4, 8])
+def test_batchsync_equal_learners_k_lambda_is_hardsync(learners):
+    # fixed, equal steps: every reply but the round's last waits (the others' gradients close the round first), so
+    # each learner gives one gradient a round: nothing wasted, hardsync's rate and rounds
+    link = Link(1e9, 1e-3)
+    cluster = Cluster(1, learners, local=link)
+    batch = run(Protocol("batchsync"), learners=learners, cluster=cluster, parameters=100_000)
+    hard = run(Protocol("hardsync"), learners=learners, cluster=cluster, parameters=100_000)
+    assert batch.wasted == 0 and batch.updates == hard.updates == 400 // learners
+    assert batch.samples_per_s == pytest.approx(hard.samples_per_s)
+    assert batch.update_times == pytest.approx(hard.update_times)
 
 
 def test_backup_learner_drops_every_gradient_of_the_straggler():

@@ -9,6 +9,7 @@ the batch ends and the next step starts. The epoch ends when ``batches`` gradien
 dealt again); the learners meet at every epoch's end, as under Lightning's end-of-epoch collectives.
 """
 
+import bisect
 import heapq
 import math
 import random
@@ -127,6 +128,13 @@ class Simulation:
         self.reads_latest = [
             c.shared_memory and c.host_of_learner(r) == c.host_of_server(0) for r in range(self.learners)
         ]
+        # batchsync's pacing: the next compute time each learner will draw (drawn ahead from its own generator:
+        # the same draws), and per learner handed weights it computes on, (their clock, when its compute ends);
+        # per clock, those ends sorted
+        self.paced = self.proto.name == "batchsync"
+        self.drawn: dict[int, float] = {}
+        self.computing: dict[int, tuple[int, float]] = {}
+        self.ends: dict[int, list[float]] = {}
 
     # the event queue
     def _at(self, time: float, kind: int, learner: int, call: Callable[..., None], *args: Any) -> None:
@@ -205,8 +213,11 @@ class Simulation:
         self.inflight += 1
         self.starts[learner].append(self.now)
         step = self.s.step_time(learner)
-        duration = step.sample(self.rngs[learner], self.steps[learner])
+        duration = self._draw(learner)
+        self.drawn.pop(learner, None)
         self.steps[learner] += 1
+        if self.paced:
+            self._computes(learner, self.timestamp[learner], self.now + duration + step.sleep + step.spin)
         machine = self.s.cluster.machine_of_host(self.s.cluster.host_of_learner(learner))
         if not (step.sleep or step.spin) and not self.shared:  # the common case, one event
             self._at(self.now + duration, COMPUTED, learner, self._computed, learner)
@@ -222,6 +233,12 @@ class Simulation:
                 waited()
 
         self._work(machine, duration, computed)
+
+    def _draw(self, learner: int) -> float:
+        """The compute time of ``learner``'s next step (drawn once, whether asked ahead or when it starts)."""
+        if learner not in self.drawn:
+            self.drawn[learner] = self.s.step_time(learner).sample(self.rngs[learner], self.steps[learner])
+        return self.drawn[learner]
 
     def _computed(self, learner: int) -> None:
         host = self.s.cluster.host_of_learner(learner)
@@ -291,6 +308,8 @@ class Simulation:
     def _arrive(self, push: _Push) -> None:
         for r in push.members:
             self.arrivals[r].append(self.now)
+            if self.paced:
+                self._computes(r, None)
         self.inflight -= len(push.members)
         name, st = self.proto.name, self.state
         if name in ("hardsync", "batchsync") and push.timestamp < st.clock:
@@ -298,6 +317,7 @@ class Simulation:
             self.wastes.append(self.now)
             self._answer(push)
             self._wake()
+            self._release_if_short()
             return
         if self.proto.max_staleness is not None and not self._may_take(push):
             st.held.append(push)
@@ -305,6 +325,7 @@ class Simulation:
             return
         self._take(push)
         self._release()
+        self._release_if_short()
 
     def _take(self, push: _Push) -> None:
         st = self.state
@@ -317,8 +338,8 @@ class Simulation:
         st.waiting.append(push)
         if self._due():
             self._update()
-        elif self.proto.name != "hardsync":  # replies at once, with the current weights
-            st.waiting.remove(push)
+        elif self.proto.name != "hardsync" and not (self.paced and self._waits(push)):
+            st.waiting.remove(push)  # replies at once, with the current weights
             self._answer(push)
 
     def _due(self) -> bool:
@@ -344,6 +365,8 @@ class Simulation:
         """``push``'s learners are handed the weights of the clock now."""
         for r in push.members:
             self.timestamp[r] = self.state.clock
+            if self.paced:  # its reply's way back, then its next compute
+                self._computes(r, self.state.clock, self.now + self._back(push.host) + self._nominal(r))
             if self.state.handed[r] == self.oldest_handed:  # the oldest may move: found again when asked
                 self.oldest_handed = None
             self.state.handed[r] = self.state.clock
@@ -378,7 +401,10 @@ class Simulation:
         if self.aggregate:
             self._send_host(self.s.cluster.host_of_learner(learner))
         st = self.state
-        if st.waiting and (self._due() or not self.active):
+        if self.paced:
+            self._computes(learner, None)
+            self._release_if_short()
+        elif st.waiting and (self._due() or not self.active):
             self._update()
         self._release()
 
@@ -388,6 +414,59 @@ class Simulation:
         if idle and self.applied + self.inflight < self.s.batches:
             self.active.add(idle[0])
             self._start(idle[0])
+
+    # batchsync's pacing (lightning_rudra.server.pacing.RoundPacing's rule, with the true durations, as
+    # lightning_rudra.core.rounds_order does)
+    def _computes(self, learner: int, clock: Optional[int], end: float = 0.0) -> None:
+        """``learner`` computes on the weights of ``clock`` until ``end`` (None: it computes no more)."""
+        old = self.computing.pop(learner, None)
+        if old is not None:
+            ends = self.ends[old[0]]
+            del ends[bisect.bisect_left(ends, old[1])]
+            if not ends:
+                del self.ends[old[0]]
+        if clock is not None:
+            self.computing[learner] = (clock, end)
+            bisect.insort(self.ends.setdefault(clock, []), end)
+
+    def _nominal(self, learner: int) -> float:
+        """``learner``'s next step in wall seconds: its compute (one core's) and its sleep or spin."""
+        step = self.s.step_time(learner)
+        return self._draw(learner) + step.sleep + step.spin
+
+    def _back(self, host: int) -> float:
+        """A reply's way from the servers to ``host``, the links idle."""
+        cluster, size = self.s.cluster, self.pull_part
+        slowest = 0.0
+        for server in range(self.parts):
+            link = cluster.local if cluster.host_of_server(server) == host else cluster.link
+            whole = self.s.payload.pull_bytes if self.parts == 1 else size
+            slowest = max(slowest, link.seconds(max(size, whole)) + link.latency + link.overhead(max(size, whole)))
+        return slowest
+
+    def _waits(self, push: _Push) -> bool:
+        """Whether ``push``'s reply waits for the round: the gradients computing on the current weights (each due
+        when its compute ends) would close it no later than its learner's next one (its reply's way back and its
+        next step; the pushes' ways there taken as equal)."""
+        st = self.state
+        needed = self.proto.gradients_per_update(self.learners) - st.received
+        ends = self.ends.get(st.clock, [])
+        if needed <= 0 or len(ends) < needed:
+            return False
+        learner = push.members[0]
+        return self.now + self._back(push.host) + self._nominal(learner) >= ends[needed - 1]
+
+    def _release_if_short(self) -> None:
+        """Replies waiting for a round the learners computing on its weights can no longer close go now."""
+        st = self.state
+        if not (self.paced and st.waiting):
+            return
+        needed = self.proto.gradients_per_update(self.learners) - st.received
+        if len(self.ends.get(st.clock, ())) >= needed:
+            return
+        waiting, st.waiting = st.waiting, []
+        for push in sorted(waiting, key=lambda p: p.members[0]):
+            self._answer(push)
 
     # SSP (lightning_rudra.core.ssp.StaleGate's rule, in plain Python)
     def _may_take(self, push: _Push) -> bool:

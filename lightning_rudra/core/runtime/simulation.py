@@ -120,6 +120,11 @@ class Simulation:
         self.update_times: list[float] = []
         self.held_since: dict[int, float] = {}
         self.oldest_handed: Optional[int] = 0  # SSP: min(state.handed), None until found again
+        # SSP: per learner, the clock its next gradient comes from as the gate sees it (a held push's, an active
+        # learner's handed weights'), and those clocks sorted
+        self.ssp = self.proto.max_staleness is not None
+        self.entry: dict[int, int] = {}
+        self.entries: list[int] = []
         self.shared = c.cores != math.inf
         self.cpus = [_Cpu(c.cores) for _ in range(1 if c.one_machine else c.all_hosts)] if self.shared else []
         self.jobs = 0
@@ -198,6 +203,8 @@ class Simulation:
     def _epoch(self) -> None:
         self.applied = self.inflight = 0
         self.active = set(range(self.learners))
+        for r in range(self.learners):
+            self._enter(r)
         for r in range(self.learners):
             self._start(r)
         while self.events:
@@ -322,6 +329,7 @@ class Simulation:
         if self.proto.max_staleness is not None and not self._may_take(push):
             st.held.append(push)
             self.held_since[push.members[0]] = self.now
+            self._enter(push.members[0])
             return
         self._take(push)
         self._release()
@@ -370,6 +378,8 @@ class Simulation:
             if self.state.handed[r] == self.oldest_handed:  # the oldest may move: found again when asked
                 self.oldest_handed = None
             self.state.handed[r] = self.state.clock
+            if self.ssp:
+                self._enter(r)
         return _Reply(push.members, self.parts)
 
     def _answer(self, push: _Push) -> None:
@@ -398,6 +408,7 @@ class Simulation:
     def _finish(self, learner: int) -> None:
         """No batch left for ``learner``: rounds and SSP wait for it no more (as Server.finish)."""
         self.active.discard(learner)
+        self._enter(learner)
         if self.aggregate:
             self._send_host(self.s.cluster.host_of_learner(learner))
         st = self.state
@@ -413,6 +424,7 @@ class Simulation:
         idle = sorted(set(range(self.learners)) - self.active)
         if idle and self.applied + self.inflight < self.s.batches:
             self.active.add(idle[0])
+            self._enter(idle[0])
             self._start(idle[0])
 
     # batchsync's pacing (lightning_rudra.server.pacing.RoundPacing's rule, with the true durations, as
@@ -480,14 +492,38 @@ class Simulation:
             self.oldest_handed = min(st.handed.values())
         if st.clock + (st.received + self.learners) // c - self.oldest_handed <= bound:
             return True
-        held = {p.members[0] for p in st.held}
-        others = sorted(
-            [t for who, t in st.handed.items() if who != learner and who in self.active and who not in held]
-            + [p.timestamp for p in st.held if p.members[0] != learner]
-        )
-        if not others or push.timestamp <= others[0]:
-            return True
-        return all(st.clock + (st.received + 1 + m) // c - t <= bound for m, t in enumerate(others))
+        # the others' clocks, oldest first: the m-th of them is applied after this push and m more, and must stay
+        # within the bound; past the clock that every later one meets, none is looked at
+        mine = self.entry.get(learner)
+        others = len(self.entries) - (mine is not None)
+        enough = st.clock + (st.received + others) // c - bound
+        m = 0
+        for t in self.entries:
+            if mine is not None and t == mine:
+                mine = None  # its own, once
+                continue
+            if (m == 0 and push.timestamp <= t) or t >= enough:
+                return True
+            if st.clock + (st.received + 1 + m) // c - t > bound:
+                return False
+            m += 1
+        return True
+
+    def _enter(self, learner: int) -> None:
+        """SSP: ``learner``'s clock in the gate's sorted list, as it is now (none: inactive and not held)."""
+        if not self.ssp:
+            return
+        held = next((p.timestamp for p in self.state.held if p.members[0] == learner), None)
+        if held is not None:
+            now: Optional[int] = held
+        else:
+            now = self.state.handed[learner] if learner in self.active else None
+        old = self.entry.pop(learner, None)
+        if old is not None:
+            del self.entries[bisect.bisect_left(self.entries, old)]
+        if now is not None:
+            self.entry[learner] = now
+            bisect.insort(self.entries, now)
 
     def _release(self) -> None:
         st = self.state
@@ -498,6 +534,7 @@ class Simulation:
             if ready is None:
                 return
             st.held.remove(ready)
+            self._enter(ready.members[0])
             self.held_s += self.now - self.held_since.pop(ready.members[0], self.now)
             self._take(ready)
 

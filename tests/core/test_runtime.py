@@ -261,3 +261,48 @@ def test_transport_cost_per_message_and_byte():
     p = run(Protocol("async"), learners=1, cluster=Cluster(1, 1, local=link), parameters=250_000, batches=50)
     assert p.samples_per_s == pytest.approx(1 / (1.0 + 2 * (1e-3 + 1e-3)))
     assert Link(1e9).with_transport(link).overhead(1e6) == pytest.approx(2e-3)
+
+
+# the report at λ = 8 as the model computed it before its hot paths were made faster (SSP's gate incremental): the
+# numbers must not move. (gbit, protocol, servers, samples/s, mean σ, wasted, epoch s)
+REPORT_8 = [
+    (10, "hardsync", 32, 250.405943, 0.0, 0.0, 8.199433),
+    (10, "hardsync backup=1", 16, 226.535878, 0.0, 0.123288, 10.197956),
+    (10, "batchsync", 32, 250.405943, 0.0, 0.0, 8.199433),
+    (10, "1-softsync", 4, 269.872973, 0.875, 0.0, 8.06193),
+    (10, "4-softsync", 4, 264.63881, 3.489362, 0.0, 8.208251),
+    (10, "async", 4, 262.154633, 7.0, 0.0, 8.263251),
+    (10, "async, SSP s=16", 4, 262.154633, 7.0, 0.0, 8.263251),
+    (100, "hardsync", 8, 598.677856, 0.0, 0.0, 3.435978),
+    (100, "hardsync backup=1", 8, 590.112193, 0.0, 0.123288, 3.865749),
+    (100, "batchsync", 8, 598.677856, 0.0, 0.0, 3.435978),
+    (100, "1-softsync", 4, 757.200109, 0.875, 0.0, 2.803493),
+    (100, "4-softsync", 8, 762.414229, 3.5, 0.0, 2.783455),
+    (100, "async", 8, 732.096457, 7.0, 0.0, 2.905574),
+    (100, "async, SSP s=16", 8, 732.096457, 7.0, 0.0, 2.905574),
+]
+
+
+def test_the_reports_numbers_are_unchanged():
+    from benchmarks.predict.report import report
+
+    _, rows = report([8])
+    got = [
+        (r["gbit"], r["protocol"], r["servers"], r["samples_per_s"], r["mean_staleness"], r["wasted"], r["epoch_s"])
+        for r in rows
+    ]
+    assert [g[:3] for g in got] == [e[:3] for e in REPORT_8]
+    assert [g[3:] for g in got] == [pytest.approx(e[3:], abs=1e-6) for e in REPORT_8]
+
+
+@pytest.mark.parametrize(
+    "protocol, held_s, run_staleness",
+    [
+        (Protocol("softsync", n=2, max_staleness=2), 129.0, {0: 34, 1: 36, 2: 131}),
+        (Protocol("async", max_staleness=3), 291.0, {0: 1, 1: 1, 2: 2, 3: 196}),
+    ],
+)
+def test_ssp_with_a_tight_bound_holds_as_before(protocol, held_s, run_staleness):
+    # the gate's slow path (the bound reached, a 3x straggler): as computed before the gate kept its clocks sorted
+    p = run(protocol, learners=4, straggler=3, batches=200)
+    assert p.held_s == pytest.approx(held_s) and p.run_staleness == run_staleness

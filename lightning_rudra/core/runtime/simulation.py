@@ -104,6 +104,8 @@ class Simulation:
         self.in_free = [0.0] * c.all_hosts
         self.server_busy = [0.0] * self.parts
         self.rngs = [random.Random(scenario.seed * 1_000_003 + r) for r in range(self.learners)]
+        self.step_times = [scenario.step_time(r) for r in range(self.learners)]
+        self.machine = [c.machine_of_host(c.host_of_learner(r)) for r in range(self.learners)]
         self.steps = [0] * self.learners  # computes started, over the run (the step index of the step times)
         self.timestamp = [0] * self.learners  # the clock of the weights each learner holds
         self.state = _State(handed={r: 0 for r in range(self.learners)})
@@ -219,13 +221,13 @@ class Simulation:
             return
         self.inflight += 1
         self.starts[learner].append(self.now)
-        step = self.s.step_time(learner)
+        step = self.step_times[learner]
         duration = self._draw(learner)
         self.drawn.pop(learner, None)
         self.steps[learner] += 1
         if self.paced:
             self._computes(learner, self.timestamp[learner], self.now + duration + step.sleep + step.spin)
-        machine = self.s.cluster.machine_of_host(self.s.cluster.host_of_learner(learner))
+        machine = self.machine[learner]
         if not (step.sleep or step.spin) and not self.shared:  # the common case, one event
             self._at(self.now + duration, COMPUTED, learner, self._computed, learner)
             return
@@ -244,7 +246,7 @@ class Simulation:
     def _draw(self, learner: int) -> float:
         """The compute time of ``learner``'s next step (drawn once, whether asked ahead or when it starts)."""
         if learner not in self.drawn:
-            self.drawn[learner] = self.s.step_time(learner).sample(self.rngs[learner], self.steps[learner])
+            self.drawn[learner] = self.step_times[learner].sample(self.rngs[learner], self.steps[learner])
         return self.drawn[learner]
 
     def _computed(self, learner: int) -> None:
@@ -443,7 +445,7 @@ class Simulation:
 
     def _nominal(self, learner: int) -> float:
         """``learner``'s next step in wall seconds: its compute (one core's) and its sleep or spin."""
-        step = self.s.step_time(learner)
+        step = self.step_times[learner]
         return self._draw(learner) + step.sleep + step.spin
 
     def _back(self, host: int) -> float:

@@ -106,6 +106,17 @@ class Simulation:
         self.rngs = [random.Random(scenario.seed * 1_000_003 + r) for r in range(self.learners)]
         self.step_times = [scenario.step_time(r) for r in range(self.learners)]
         self.machine = [c.machine_of_host(c.host_of_learner(r)) for r in range(self.learners)]
+        # bf16's CPU cost: a learner's, per step, for the parts it sends to servers on other hosts
+        pay = scenario.payload
+        self.codec = pay.compression != "none" and (pay.learner_codec or pay.server_codec) > 0
+        self.learner_codec = [
+            pay.learner_codec
+            * self.shard
+            * sum(c.host_of_server(i) != c.host_of_learner(r) for i in range(c.num_servers))
+            if self.codec
+            else 0.0
+            for r in range(self.learners)
+        ]
         self.steps = [0] * self.learners  # computes started, over the run (the step index of the step times)
         self.timestamp = [0] * self.learners  # the clock of the weights each learner holds
         self.state = _State(handed={r: 0 for r in range(self.learners)})
@@ -222,7 +233,7 @@ class Simulation:
         self.inflight += 1
         self.starts[learner].append(self.now)
         step = self.step_times[learner]
-        duration = self._draw(learner)
+        duration = self._draw(learner) + self.learner_codec[learner]
         self.drawn.pop(learner, None)
         self.steps[learner] += 1
         if self.paced:
@@ -306,7 +317,10 @@ class Simulation:
         then()
 
     def _shard(self, push: _Push, server: int) -> None:
-        self._serve(server, self.s.server.push(self.shard), lambda: self._shard_done(push))
+        seconds = self.s.server.push(self.shard)
+        if self.codec and push.host != self.s.cluster.host_of_server(server):
+            seconds += self.s.payload.server_codec * self.shard
+        self._serve(server, seconds, lambda: self._shard_done(push))
 
     def _shard_done(self, push: _Push) -> None:
         push.parts_left -= 1
@@ -446,7 +460,7 @@ class Simulation:
     def _nominal(self, learner: int) -> float:
         """``learner``'s next step in wall seconds: its compute (one core's) and its sleep or spin."""
         step = self.step_times[learner]
-        return self._draw(learner) + step.sleep + step.spin
+        return self._draw(learner) + self.learner_codec[learner] + step.sleep + step.spin
 
     def _back(self, host: int) -> float:
         """A reply's way from the servers to ``host``, the links idle."""

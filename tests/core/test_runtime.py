@@ -306,3 +306,14 @@ def test_ssp_with_a_tight_bound_holds_as_before(protocol, held_s, run_staleness)
     # the gate's slow path (the bound reached, a 3x straggler): as computed before the gate kept its clocks sorted
     p = run(protocol, learners=4, straggler=3, batches=200)
     assert p.held_s == pytest.approx(held_s) and p.run_staleness == run_staleness
+
+
+def test_bf16_codec_cost_on_pushes_that_cross_hosts():
+    # 1 learner, its server on a host of its own: 1 s compute + 1 s of the learner's bf16 work (1 ms × 1000
+    # parameters), then 1 s of the server's: 3 s a step; without compression none of it
+    payload = Payload(1000, "bf16", learner_codec=1e-3, server_codec=1e-3)
+    cluster = Cluster(1, 1, servers_on="own_hosts")
+    p = simulate(Scenario(Protocol("async"), cluster, StepTime(1.0), payload, batches=50))
+    assert p.samples_per_s == pytest.approx(1 / 3.0)
+    plain = simulate(Scenario(Protocol("async"), cluster, StepTime(1.0), Payload(1000), batches=50))
+    assert plain.samples_per_s == pytest.approx(1.0)

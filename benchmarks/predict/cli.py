@@ -7,11 +7,12 @@ import time
 from typing import Any, Optional, Sequence
 
 import benchmarks.predict as package
+from benchmarks.predict.codec import measure_codec
 from benchmarks.predict.inputs import RESULTS, Inputs
 from benchmarks.predict.report import report
 from benchmarks.predict.server import measure_server
 from benchmarks.predict.validate import validation_markdown, validation_rows
-from lightning_rudra.core.runtime import MEASURED_SERVER
+from lightning_rudra.core.runtime import MEASURED_BF16, MEASURED_SERVER
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -22,15 +23,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--report", action="store_true", help="the prediction at scale (Markdown to stdout)")
     parser.add_argument("--learners", default="64,256,1000", help="λ list of the report")
     parser.add_argument("--measure-server", action="store_true", help="measure the server's time per push, update")
+    parser.add_argument("--measure-codec", action="store_true", help="measure bf16's CPU time per parameter")
     parser.add_argument("--out", default=RESULTS, help="where predict.md and predict.json go")
     args = parser.parse_args(argv)
-    if not (args.validate or args.report or args.measure_server):
-        parser.error("give --validate, --report or --measure-server")
+    if not (args.validate or args.report or args.measure_server or args.measure_codec):
+        parser.error("give --validate, --report, --measure-server or --measure-codec")
     server = {"command": "python -m benchmarks.predict --measure-server", "coefficients": vars(MEASURED_SERVER)}
     if args.measure_server:
         measured = measure_server()
         print(json.dumps(measured, indent=1))
-    out: dict[str, Any] = {"server": server}
+    if args.measure_codec:
+        print(json.dumps(measure_codec(), indent=1))
+    codec = {
+        "command": "python -m benchmarks.predict --measure-codec",
+        "coefficients": dict(zip(("learner_codec", "server_codec"), MEASURED_BF16)),
+    }
+    out: dict[str, Any] = {"server": server, "codec": codec}
     text = ""
     if args.validate:
         rows = validation_rows(Inputs(MEASURED_SERVER))

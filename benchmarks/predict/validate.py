@@ -4,7 +4,7 @@ transport-models and network, its inputs read from the same files (:class:`~benc
 from typing import Any, Optional
 
 from benchmarks.predict.inputs import Inputs, _load
-from lightning_rudra.core.runtime import Cluster, Link, Payload, Protocol, Scenario, StepTime, simulate
+from lightning_rudra.core.runtime import MEASURED_BF16, Cluster, Link, Payload, Protocol, Scenario, StepTime, simulate
 
 SPEED_TOLERANCE, STALENESS_TOLERANCE = 0.15, 0.20
 
@@ -43,7 +43,9 @@ def _scenario(
         one_machine=True,
         shared_memory=not rpc,
     )
-    payload = Payload(kw.pop("parameters"), "bf16" if "bf16" in strategy else "none")
+    bf16 = "bf16" in strategy
+    codec = dict(zip(("learner_codec", "server_codec"), MEASURED_BF16)) if bf16 else {}
+    payload = Payload(kw.pop("parameters"), "bf16" if bf16 else "none", **codec)
     return Scenario(_protocol(strategy), cluster, times, payload, inputs.server, **kw)
 
 

@@ -6,7 +6,7 @@ discrete-event simulation. Plain Python (no torch): inputs (:class:`StepTime`, :
 
 from lightning_rudra.core.runtime.cluster import Cluster
 from lightning_rudra.core.runtime.link import Link
-from lightning_rudra.core.runtime.payload import Payload
+from lightning_rudra.core.runtime.payload import MEASURED_BF16, Payload
 from lightning_rudra.core.runtime.predicted_timing import PredictedTiming
 from lightning_rudra.core.runtime.prediction import Prediction
 from lightning_rudra.core.runtime.protocol import Protocol
@@ -18,6 +18,7 @@ from lightning_rudra.core.runtime.step_time import StepTime
 __all__ = [
     "Cluster",
     "Link",
+    "MEASURED_BF16",
     "MEASURED_SERVER",
     "Payload",
     "PredictedTiming",

@@ -9,6 +9,7 @@ the batch ends and the next step starts. The epoch ends when ``batches`` gradien
 dealt again); the learners meet at every epoch's end, as under Lightning's end-of-epoch collectives.
 """
 
+import bisect
 import heapq
 import math
 import random
@@ -103,6 +104,19 @@ class Simulation:
         self.in_free = [0.0] * c.all_hosts
         self.server_busy = [0.0] * self.parts
         self.rngs = [random.Random(scenario.seed * 1_000_003 + r) for r in range(self.learners)]
+        self.step_times = [scenario.step_time(r) for r in range(self.learners)]
+        self.machine = [c.machine_of_host(c.host_of_learner(r)) for r in range(self.learners)]
+        # bf16's CPU cost: a learner's, per step, for the parts it sends to servers on other hosts
+        pay = scenario.payload
+        self.codec = pay.compression != "none" and (pay.learner_codec or pay.server_codec) > 0
+        self.learner_codec = [
+            pay.learner_codec
+            * self.shard
+            * sum(c.host_of_server(i) != c.host_of_learner(r) for i in range(c.num_servers))
+            if self.codec
+            else 0.0
+            for r in range(self.learners)
+        ]
         self.steps = [0] * self.learners  # computes started, over the run (the step index of the step times)
         self.timestamp = [0] * self.learners  # the clock of the weights each learner holds
         self.state = _State(handed={r: 0 for r in range(self.learners)})
@@ -119,6 +133,11 @@ class Simulation:
         self.update_times: list[float] = []
         self.held_since: dict[int, float] = {}
         self.oldest_handed: Optional[int] = 0  # SSP: min(state.handed), None until found again
+        # SSP: per learner, the clock its next gradient comes from as the gate sees it (a held push's, an active
+        # learner's handed weights'), and those clocks sorted
+        self.ssp = self.proto.max_staleness is not None
+        self.entry: dict[int, int] = {}
+        self.entries: list[int] = []
         self.shared = c.cores != math.inf
         self.cpus = [_Cpu(c.cores) for _ in range(1 if c.one_machine else c.all_hosts)] if self.shared else []
         self.jobs = 0
@@ -127,6 +146,13 @@ class Simulation:
         self.reads_latest = [
             c.shared_memory and c.host_of_learner(r) == c.host_of_server(0) for r in range(self.learners)
         ]
+        # batchsync's pacing: the next compute time each learner will draw (drawn ahead from its own generator:
+        # the same draws), and per learner handed weights it computes on, (their clock, when its compute ends);
+        # per clock, those ends sorted
+        self.paced = self.proto.name == "batchsync"
+        self.drawn: dict[int, float] = {}
+        self.computing: dict[int, tuple[int, float]] = {}
+        self.ends: dict[int, list[float]] = {}
 
     # the event queue
     def _at(self, time: float, kind: int, learner: int, call: Callable[..., None], *args: Any) -> None:
@@ -191,6 +217,8 @@ class Simulation:
         self.applied = self.inflight = 0
         self.active = set(range(self.learners))
         for r in range(self.learners):
+            self._enter(r)
+        for r in range(self.learners):
             self._start(r)
         while self.events:
             self.now, _, _, _, call, args = heapq.heappop(self.events)
@@ -204,10 +232,13 @@ class Simulation:
             return
         self.inflight += 1
         self.starts[learner].append(self.now)
-        step = self.s.step_time(learner)
-        duration = step.sample(self.rngs[learner], self.steps[learner])
+        step = self.step_times[learner]
+        duration = self._draw(learner) + self.learner_codec[learner]
+        self.drawn.pop(learner, None)
         self.steps[learner] += 1
-        machine = self.s.cluster.machine_of_host(self.s.cluster.host_of_learner(learner))
+        if self.paced:
+            self._computes(learner, self.timestamp[learner], self.now + duration + step.sleep + step.spin)
+        machine = self.machine[learner]
         if not (step.sleep or step.spin) and not self.shared:  # the common case, one event
             self._at(self.now + duration, COMPUTED, learner, self._computed, learner)
             return
@@ -222,6 +253,12 @@ class Simulation:
                 waited()
 
         self._work(machine, duration, computed)
+
+    def _draw(self, learner: int) -> float:
+        """The compute time of ``learner``'s next step (drawn once, whether asked ahead or when it starts)."""
+        if learner not in self.drawn:
+            self.drawn[learner] = self.step_times[learner].sample(self.rngs[learner], self.steps[learner])
+        return self.drawn[learner]
 
     def _computed(self, learner: int) -> None:
         host = self.s.cluster.host_of_learner(learner)
@@ -280,7 +317,10 @@ class Simulation:
         then()
 
     def _shard(self, push: _Push, server: int) -> None:
-        self._serve(server, self.s.server.push(self.shard), lambda: self._shard_done(push))
+        seconds = self.s.server.push(self.shard)
+        if self.codec and push.host != self.s.cluster.host_of_server(server):
+            seconds += self.s.payload.server_codec * self.shard
+        self._serve(server, seconds, lambda: self._shard_done(push))
 
     def _shard_done(self, push: _Push) -> None:
         push.parts_left -= 1
@@ -291,6 +331,8 @@ class Simulation:
     def _arrive(self, push: _Push) -> None:
         for r in push.members:
             self.arrivals[r].append(self.now)
+            if self.paced:
+                self._computes(r, None)
         self.inflight -= len(push.members)
         name, st = self.proto.name, self.state
         if name in ("hardsync", "batchsync") and push.timestamp < st.clock:
@@ -298,13 +340,16 @@ class Simulation:
             self.wastes.append(self.now)
             self._answer(push)
             self._wake()
+            self._release_if_short()
             return
         if self.proto.max_staleness is not None and not self._may_take(push):
             st.held.append(push)
             self.held_since[push.members[0]] = self.now
+            self._enter(push.members[0])
             return
         self._take(push)
         self._release()
+        self._release_if_short()
 
     def _take(self, push: _Push) -> None:
         st = self.state
@@ -317,8 +362,8 @@ class Simulation:
         st.waiting.append(push)
         if self._due():
             self._update()
-        elif self.proto.name != "hardsync":  # replies at once, with the current weights
-            st.waiting.remove(push)
+        elif self.proto.name != "hardsync" and not (self.paced and self._waits(push)):
+            st.waiting.remove(push)  # replies at once, with the current weights
             self._answer(push)
 
     def _due(self) -> bool:
@@ -344,9 +389,13 @@ class Simulation:
         """``push``'s learners are handed the weights of the clock now."""
         for r in push.members:
             self.timestamp[r] = self.state.clock
+            if self.paced:  # its reply's way back, then its next compute
+                self._computes(r, self.state.clock, self.now + self._back(push.host) + self._nominal(r))
             if self.state.handed[r] == self.oldest_handed:  # the oldest may move: found again when asked
                 self.oldest_handed = None
             self.state.handed[r] = self.state.clock
+            if self.ssp:
+                self._enter(r)
         return _Reply(push.members, self.parts)
 
     def _answer(self, push: _Push) -> None:
@@ -375,10 +424,14 @@ class Simulation:
     def _finish(self, learner: int) -> None:
         """No batch left for ``learner``: rounds and SSP wait for it no more (as Server.finish)."""
         self.active.discard(learner)
+        self._enter(learner)
         if self.aggregate:
             self._send_host(self.s.cluster.host_of_learner(learner))
         st = self.state
-        if st.waiting and (self._due() or not self.active):
+        if self.paced:
+            self._computes(learner, None)
+            self._release_if_short()
+        elif st.waiting and (self._due() or not self.active):
             self._update()
         self._release()
 
@@ -387,7 +440,61 @@ class Simulation:
         idle = sorted(set(range(self.learners)) - self.active)
         if idle and self.applied + self.inflight < self.s.batches:
             self.active.add(idle[0])
+            self._enter(idle[0])
             self._start(idle[0])
+
+    # batchsync's pacing (lightning_rudra.server.pacing.RoundPacing's rule, with the true durations, as
+    # lightning_rudra.core.rounds_order does)
+    def _computes(self, learner: int, clock: Optional[int], end: float = 0.0) -> None:
+        """``learner`` computes on the weights of ``clock`` until ``end`` (None: it computes no more)."""
+        old = self.computing.pop(learner, None)
+        if old is not None:
+            ends = self.ends[old[0]]
+            del ends[bisect.bisect_left(ends, old[1])]
+            if not ends:
+                del self.ends[old[0]]
+        if clock is not None:
+            self.computing[learner] = (clock, end)
+            bisect.insort(self.ends.setdefault(clock, []), end)
+
+    def _nominal(self, learner: int) -> float:
+        """``learner``'s next step in wall seconds: its compute (one core's) and its sleep or spin."""
+        step = self.step_times[learner]
+        return self._draw(learner) + self.learner_codec[learner] + step.sleep + step.spin
+
+    def _back(self, host: int) -> float:
+        """A reply's way from the servers to ``host``, the links idle."""
+        cluster, size = self.s.cluster, self.pull_part
+        slowest = 0.0
+        for server in range(self.parts):
+            link = cluster.local if cluster.host_of_server(server) == host else cluster.link
+            whole = self.s.payload.pull_bytes if self.parts == 1 else size
+            slowest = max(slowest, link.seconds(max(size, whole)) + link.latency + link.overhead(max(size, whole)))
+        return slowest
+
+    def _waits(self, push: _Push) -> bool:
+        """Whether ``push``'s reply waits for the round: the gradients computing on the current weights (each due
+        when its compute ends) would close it no later than its learner's next one (its reply's way back and its
+        next step; the pushes' ways there taken as equal)."""
+        st = self.state
+        needed = self.proto.gradients_per_update(self.learners) - st.received
+        ends = self.ends.get(st.clock, [])
+        if needed <= 0 or len(ends) < needed:
+            return False
+        learner = push.members[0]
+        return self.now + self._back(push.host) + self._nominal(learner) >= ends[needed - 1]
+
+    def _release_if_short(self) -> None:
+        """Replies waiting for a round the learners computing on its weights can no longer close go now."""
+        st = self.state
+        if not (self.paced and st.waiting):
+            return
+        needed = self.proto.gradients_per_update(self.learners) - st.received
+        if len(self.ends.get(st.clock, ())) >= needed:
+            return
+        waiting, st.waiting = st.waiting, []
+        for push in sorted(waiting, key=lambda p: p.members[0]):
+            self._answer(push)
 
     # SSP (lightning_rudra.core.ssp.StaleGate's rule, in plain Python)
     def _may_take(self, push: _Push) -> bool:
@@ -401,14 +508,38 @@ class Simulation:
             self.oldest_handed = min(st.handed.values())
         if st.clock + (st.received + self.learners) // c - self.oldest_handed <= bound:
             return True
-        held = {p.members[0] for p in st.held}
-        others = sorted(
-            [t for who, t in st.handed.items() if who != learner and who in self.active and who not in held]
-            + [p.timestamp for p in st.held if p.members[0] != learner]
-        )
-        if not others or push.timestamp <= others[0]:
-            return True
-        return all(st.clock + (st.received + 1 + m) // c - t <= bound for m, t in enumerate(others))
+        # the others' clocks, oldest first: the m-th of them is applied after this push and m more, and must stay
+        # within the bound; past the clock that every later one meets, none is looked at
+        mine = self.entry.get(learner)
+        others = len(self.entries) - (mine is not None)
+        enough = st.clock + (st.received + others) // c - bound
+        m = 0
+        for t in self.entries:
+            if mine is not None and t == mine:
+                mine = None  # its own, once
+                continue
+            if (m == 0 and push.timestamp <= t) or t >= enough:
+                return True
+            if st.clock + (st.received + 1 + m) // c - t > bound:
+                return False
+            m += 1
+        return True
+
+    def _enter(self, learner: int) -> None:
+        """SSP: ``learner``'s clock in the gate's sorted list, as it is now (none: inactive and not held)."""
+        if not self.ssp:
+            return
+        held = next((p.timestamp for p in self.state.held if p.members[0] == learner), None)
+        if held is not None:
+            now: Optional[int] = held
+        else:
+            now = self.state.handed[learner] if learner in self.active else None
+        old = self.entry.pop(learner, None)
+        if old is not None:
+            del self.entries[bisect.bisect_left(self.entries, old)]
+        if now is not None:
+            self.entry[learner] = now
+            bisect.insort(self.entries, now)
 
     def _release(self) -> None:
         st = self.state
@@ -419,6 +550,7 @@ class Simulation:
             if ready is None:
                 return
             st.held.remove(ready)
+            self._enter(ready.members[0])
             self.held_s += self.now - self.held_since.pop(ready.members[0], self.now)
             self._take(ready)
 

@@ -186,7 +186,7 @@ def train(name: str, seed: int, epochs: int, lr: float, learners: int = LEARNERS
     def batch(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x[indices], y[indices]
 
-    while len(rows["errors"]) < 3 * epochs and (len(rows["errors"]) < epochs or now < budget):
+    while len(rows["errors"]) < 3 * epochs and (len(rows["errors"]) < epochs or round(now, 3) < budget):
         perm = torch.randperm(len(y), generator=order_rng)
         shards = perm.chunk(learners)
         steps = [len(shard) // mu for shard in shards]
@@ -212,7 +212,7 @@ def train(name: str, seed: int, epochs: int, lr: float, learners: int = LEARNERS
                 position[learner] += 1
             length = epoch_time(server.config.protocol, steps, timing, done)
             done = [d + s for d, s in zip(done, steps)]
-        now += length
+        now += length  # (hardsync: exactly hardsync_times')
         weights = run.newest()
         finite = math.isfinite(weights.sum().item())
         rows["errors"].append(error(x_test, y_test, finite))

@@ -103,7 +103,7 @@ class Learners:
     def gradient(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.model.zero_grad(set_to_none=False)
         F.cross_entropy(self.model(x), y).backward()
-        return torch.cat([p.grad.reshape(-1) for p in self.params])
+        return torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
 
     def push(self, learner: int, timestamp: int, x: torch.Tensor, y: torch.Tensor) -> Push:
         return Push(learner, 0, [self.gradient(x, y)], self.mask, timestamp, self.hparams, [])

@@ -173,7 +173,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     dm.setup("fit")
     assert dm.test_set is not None
     straggler = Straggler(args.seed, mean=args.straggler_mean) if args.straggler else None
-    errors = EpochErrors(*dm.test_set.tensors, timer) if args.curve else None
+    x_test, y_test = dm.test_set.tensors
+    errors = EpochErrors(x_test, y_test, timer) if args.curve else None
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1 if args.simulate else args.learners,

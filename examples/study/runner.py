@@ -3,7 +3,11 @@
     python -m examples.study.runner --protocol softsync --n 2 --learners 4 --batch-size 16 \\
         --lr-modulation mean --epochs 5 --result /tmp/run.json
 
-``--protocol single`` trains one plain Lightning process (no parameter server): the λ = 1 baseline.
+``--protocol single`` trains one plain Lightning process (no parameter server): the λ = 1 baseline;
+``--protocol ddp`` Lightning's own ``"ddp"`` strategy on λ processes (the reference of the protocols study).
+``--straggler``: the last learner sleeps before every batch for an exponential time (seeded), of mean twice the
+median of its own first batches' times; ``--curve``: learner 0 measures the test error after every epoch
+(validation pulls the newest weights) and the result holds (seconds of training, error) per epoch.
 ``--simulate`` trains the λ learners in this one process (``RudraStrategy(simulate=λ)``), their step times
 log-normal with ``--spread``.
 Otherwise the λ learners train under ``RudraStrategy`` with the ``popen`` launcher, which re-runs this
@@ -15,6 +19,8 @@ import argparse
 import json
 import math
 import os
+import random
+import statistics
 import time
 from typing import Any, Optional
 
@@ -25,7 +31,56 @@ from pytorch_lightning.callbacks import Callback
 
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 
-PROTOCOLS = ("single", "hardsync", "softsync", "async")
+PROTOCOLS = ("single", "hardsync", "softsync", "async", "batchsync", "ddp")
+CALIBRATION = (3, 13)  # the straggler's batches timed before it sleeps (the median of their times: its mean sleep)
+
+
+class Straggler(Callback):
+    """The last learner sleeps before every batch for an exponential time of mean ``factor`` × the median time of
+    batches ``CALIBRATION`` (timed from one batch's start to the next, push included; no sleep then, the first
+    ones warming up), or of mean ``mean`` seconds from the start (the same straggler for every protocol)."""
+
+    def __init__(self, seed: int, factor: float = 2.0, mean: Optional[float] = None) -> None:
+        self.rng = random.Random(seed)
+        self.factor = factor
+        self.starts: list[float] = []
+        self.mean = mean
+        self.slept = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if trainer.global_rank != trainer.world_size - 1:
+            return
+        if self.mean is None:
+            self.starts.append(time.perf_counter())
+            if len(self.starts) > CALIBRATION[1]:
+                gaps = [b - a for a, b in zip(self.starts, self.starts[1:])][CALIBRATION[0] :]
+                self.mean = self.factor * statistics.median(gaps)
+            return
+        pause = self.rng.expovariate(1.0 / self.mean)
+        self.slept += pause
+        time.sleep(pause)
+
+
+class EpochErrors(Callback):
+    """Learner 0: the test error after every epoch (seconds of training by then, validation and this excluded)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, timer: "TrainTimer") -> None:
+        self.x, self.y, self.timer = x, y, timer
+        self.paused = 0.0
+        self.began: Optional[float] = None
+        self.curve: list[tuple[float, float]] = []
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.began = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.began is None or self.timer.start is None or trainer.sanity_checking:
+            return
+        if trainer.is_global_zero:
+            error = evaluate(pl_module, self.x, self.y)[0]
+            pl_module.train()
+            self.curve.append((round(self.began - self.timer.start - self.paused, 3), round(error, 4)))
+        self.paused += time.perf_counter() - self.began
 
 
 class TrainTimer(Callback):
@@ -65,6 +120,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         default="none",
         help="RudraStrategy's compensation (default: none, as the paper study ran; the strategy's is momentum)",
     )
+    p.add_argument("--k", type=int, default=None, help="batchsync: gradients per update (default: λ)")
+    p.add_argument("--backup", type=int, default=0, help="hardsync: learners a round does not wait for")
+    p.add_argument("--max-staleness", type=int, default=None)
+    p.add_argument("--on-stale", choices=("drop", "block"), default="drop")
+    p.add_argument("--straggler", action="store_true", help="the last learner sleeps before every batch")
+    p.add_argument("--straggler-mean", type=float, default=None, help="its mean sleep in seconds (default: measured)")
+    p.add_argument("--curve", action="store_true", help="the test error after every epoch (learner 0)")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--num-samples", type=int, default=4000)
     p.add_argument("--lr", type=float, default=0.05)
@@ -85,8 +147,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     # The data split is the datamodule's; validation is skipped (the study reports test error only).
     dm = MNIST1DDataModule(num_samples=args.num_samples, seed=args.seed, batch_size=args.batch_size)
     model = MNIST1DClassifier(lr=args.lr, momentum=args.momentum)
-    if args.protocol == "single":
-        strategy: Any = "auto"
+    if args.protocol in ("single", "ddp"):
+        strategy: Any = "auto" if args.protocol == "single" else "ddp"
     else:
         from lightning_rudra import RudraStrategy
         from lightning_rudra.timing import Jittered
@@ -99,25 +161,37 @@ def main(argv: Optional[list[str]] = None) -> None:
             n=args.n if args.protocol == "softsync" else 1,
             lr_modulation=args.lr_modulation,
             compensation=args.compensation,
+            max_staleness=args.max_staleness,
+            on_stale=args.on_stale,
+            k=args.k,
+            backup=args.backup,
             rpc_timeout=args.rpc_timeout,
             start_method="popen",
             **simulation,
         )
     timer = TrainTimer()
+    dm.setup("fit")
+    assert dm.test_set is not None
+    straggler = Straggler(args.seed, mean=args.straggler_mean) if args.straggler else None
+    x_test, y_test = dm.test_set.tensors
+    errors = EpochErrors(x_test, y_test, timer) if args.curve else None
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1 if args.simulate else args.learners,
         strategy=strategy,
         max_epochs=args.epochs,
-        limit_val_batches=0,
+        limit_val_batches=1 if args.curve else 0,  # validation pulls the newest weights: EpochErrors measures them
         num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=[c for c in (timer, straggler, errors) if c is not None],
     )
     trainer.fit(model, datamodule=dm)
+    if straggler is not None and straggler.mean is not None:  # the straggler's own process: its mean sleep
+        with open(args.result + ".straggler", "w") as f:
+            json.dump({"rank": trainer.global_rank, "mean_sleep": straggler.mean, "slept": straggler.slept}, f)
     if not trainer.is_global_zero:
         return
 
@@ -149,6 +223,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         "updates": stats.clock if stats is not None else trainer.global_step,
         "gradients": stats.gradients if stats is not None else trainer.global_step,
         "dropped": stats.dropped if stats is not None else 0,
+        "late": stats.late if stats is not None else 0,
+        "k": args.k,
+        "backup": args.backup,
+        "max_staleness_bound": args.max_staleness,
+        "on_stale": args.on_stale,
+        "compensation": args.compensation if args.protocol not in ("single", "ddp") else None,
+        "curve": errors.curve if errors is not None else None,
+        "seed": args.seed,
         "staleness": {str(s): c for s, c in sorted(stats.staleness.items())} if stats is not None else {},
     }
     tmp = args.result + ".tmp"

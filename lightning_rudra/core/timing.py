@@ -56,6 +56,35 @@ class Jittered(TimingModel):
         return self.slowdown.get(learner, 1.0) * math.exp(noise)
 
 
+class ShiftedExponential(TimingModel):
+    """Every step takes ``shift`` plus an exponential time of mean ``scale``: the straggler distribution of Dutta et
+    al. ("Slow and Stale Gradients Can Win the Race", 2018), a fixed compute time plus a memoryless delay, so that
+    once in a while any learner is several times slower than its mean. The defaults give a mean of 1. Deterministic
+    given ``seed``, learner and step. ``slowdown`` multiplies the times of the learners it names (rank -> factor)."""
+
+    def __init__(
+        self, shift: float = 0.5, scale: float = 0.5, seed: int = 0, slowdown: Optional[dict[int, float]] = None
+    ) -> None:
+        for name, value in (("shift", shift), ("scale", scale)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+                raise ConfigurationError(
+                    f"{name}={value!r} is not valid: expected a finite number >= 0 (a step takes shift plus an "
+                    "exponential time of mean scale)."
+                )
+        if shift + scale <= 0:
+            raise ConfigurationError(
+                f"shift={shift!r} and scale={scale!r} make every step take no time: expected shift + scale > 0."
+            )
+        self.shift = float(shift)
+        self.scale = float(scale)
+        self.seed = int(seed)
+        self.slowdown = _checked_slowdown(slowdown or {})
+
+    def duration(self, learner: int, step: int) -> float:
+        delay = random.Random(hash((self.seed, learner, step))).expovariate(1.0 / self.scale) if self.scale else 0.0
+        return self.slowdown.get(learner, 1.0) * (self.shift + delay)
+
+
 class Stragglers(Jittered):
     """Homogeneous learners, except those in ``slowdown`` (rank -> factor, e.g. ``{0: 3.0}``), which are that
     many times slower at every step."""

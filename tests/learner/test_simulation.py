@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_rudra import RudraStrategy
 from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.step_times import StepTimes
-from lightning_rudra.timing import Homogeneous, Jittered, Measured, Stragglers, push_order
+from lightning_rudra.timing import Homogeneous, Jittered, Measured, ShiftedExponential, Stragglers, push_order
 from tests.lightning_models import (
     IndexedData,
     OneBackwardTwoSteps,
@@ -65,10 +65,25 @@ def test_jitter_is_reproducible_from_its_seed():
     )
 
 
+def test_shifted_exponential_times_are_reproducible_never_below_the_shift_and_average_shift_plus_scale():
+    timing = ShiftedExponential(seed=3)
+    times = [timing.duration(r, s) for r in range(8) for s in range(500)]
+    assert times == [ShiftedExponential(seed=3).duration(r, s) for r in range(8) for s in range(500)]
+    assert times != [ShiftedExponential(seed=4).duration(r, s) for r in range(8) for s in range(500)]
+    assert min(times) >= 0.5 and max(times) > 2.5  # a long tail: now and then a step takes several means
+    assert sum(times) / len(times) == pytest.approx(1.0, abs=0.05)  # shift 0.5 + scale 0.5
+    assert ShiftedExponential(1.0, 0.0).duration(0, 0) == 1.0
+    assert ShiftedExponential(seed=3, slowdown={0: 3.0}).duration(0, 7) == pytest.approx(3 * timing.duration(0, 7))
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
         (lambda: Jittered(spread=-1), "spread=-1"),
+        (lambda: ShiftedExponential(shift=-0.5), "shift=-0.5"),
+        (lambda: ShiftedExponential(scale=float("inf")), "scale=inf"),
+        (lambda: ShiftedExponential(0, 0), "shift \\+ scale > 0"),
+        (lambda: ShiftedExponential(slowdown={0: -1.0}), "slowdown of learner 0"),
         (lambda: Stragglers({0: 0.0}), "slowdown of learner 0 is 0.0"),
         (lambda: Stragglers({-1: 2.0}), "slowdown names learner -1"),
         (lambda: Measured([]), "Measured"),

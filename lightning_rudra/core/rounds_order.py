@@ -22,7 +22,8 @@ class RoundStep:
     """One push in a simulated epoch: ``learner`` trains the pool's batch ``batch`` (its place in the epoch's
     order) and pushes it at ``moment`` (from the epoch's start, in the timing model's units); ``away``: the learners out of batches by then, which a backup round does not wait for;
     batchsync's pacing (:mod:`lightning_rudra.server.pacing`): ``released``, the learners whose replies waited and
-    were answered since the step before, the round still open, and ``waits``, whether this push's reply waits."""
+    were answered since the step before, the round still open, and ``waits``, whether this push's reply waits;
+    ``again``: the batch was dealt again (a gradient of it came late before)."""
 
     learner: int
     batch: int
@@ -30,6 +31,7 @@ class RoundStep:
     released: frozenset[int] = frozenset()
     waits: bool = False
     moment: float = 0.0
+    again: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class _Epoch:
         self.parked: list[int] = []  # learners whose push waits for the round
         self.released: set[int] = set()  # batchsync: answered since the step before, the round still open
         self.returned: set[int] = set()  # late batches dealt again to the learner they came late from
+        self.pushed: set[int] = set()  # batches pushed at least once
         self.order: list[RoundStep] = []
         self.events: list[tuple[float, int, int, int]] = []  # (moment, learner, batch, its weights' clock)
 
@@ -94,7 +97,8 @@ class _Epoch:
                 self.in_round.add(learner)
                 self.parked.append(learner)
                 self._close_if_ready(moment)
-            self.order.append(RoundStep(learner, batch, away, released, waits, moment))
+            self.order.append(RoundStep(learner, batch, away, released, waits, moment, batch in self.pushed))
+            self.pushed.add(batch)
             if self.k:
                 self._release_if_short(moment)
         return self.order

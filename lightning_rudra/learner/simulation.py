@@ -163,6 +163,8 @@ class SimulatedClient:
         """batchsync and backup learners: the server as it is when ``step``'s push comes (:func:`rounds_order`):
         who is out of batches, whose waiting replies were answered meanwhile, whether this one's will wait."""
         self.meet(step.away)
+        if step.again:  # as the shared epoch counts the batches it deals again
+            self._server().stats.redealt += 1
         if step.released:
             parked = self._parked.get(0, [])
             self._parked[0] = [learner for learner in parked if learner not in step.released]

@@ -74,8 +74,9 @@ class SharedSide:
                 "memory, but it has not mapped the server's shared memory."
             )
         grads = self.grads[(learner, optimizer)]
-        if core.config.protocol == "softsync" and core.gradients_per_update > 1:
-            return [g.clone() for g in grads]  # it waits for the next update, after this learner's next push
+        if core.config.protocol in ("softsync", "batchsync") and core.gradients_per_update > 1:
+            # it waits for the next update, and its learner may push again before (its reply comes at once)
+            return [g.clone() for g in grads]
         return grads  # applied before the learner gets its reply, and so before it writes the buffer again
 
     def reply(self, learners: list[int], core: Server) -> Weights:

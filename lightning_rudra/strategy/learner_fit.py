@@ -129,7 +129,10 @@ class LearnerFit:
         else:
             self.rejoin.start(trainer, self.plan.shared_epoch)  # before the shared epoch's first draw
             # the shared epoch goes on from the checkpoint's statistics
-            self.loop = start_shared_epoch(trainer, loaders, self.plan.num_learners, self.plan.resumed.stats)
+            plan = self.plan
+            self.loop = start_shared_epoch(
+                trainer, loaders, plan.num_learners, plan.resumed.stats, not plan.discards_late
+            )
             if self.plan.discards_late:
                 check_late_batches(trainer, self.loop)
             if self.loop is None and not self.plan.hardsync:

@@ -35,10 +35,16 @@ def shared_dataloader(dataloader: Any, client: LearnerClient, pool: int, num_lea
 
 
 def start_shared_epoch(
-    trainer: "pl.Trainer", loaders: list[Any], num_learners: int, resumed: Optional[Stats] = None
+    trainer: "pl.Trainer",
+    loaders: list[Any],
+    num_learners: int,
+    resumed: Optional[Stats] = None,
+    static: bool = True,
 ) -> Optional["SharedEpochLoop"]:
     """The shared epoch for this ``fit``, installed; None if no train dataloader draws from the server.
-    ``resumed``: the statistics of the checkpoint this ``fit`` resumes from."""
+    ``resumed``: the statistics of the checkpoint this ``fit`` resumes from; ``static``: whether the refusals may
+    offer ``sampling="static"`` (not under batchsync and backup learners, which need the shared epoch)."""
+    instead = "RudraStrategy(sampling='static') (each learner its own part of every dataloader), or " if static else ""
     samplers = [
         dl.batch_sampler for dl in loaders if isinstance(getattr(dl, "batch_sampler", None), SharedEpochSampler)
     ]
@@ -46,15 +52,14 @@ def start_shared_epoch(
         raise ConfigurationError(
             f"{len(loaders) - len(samplers)} of the {len(loaders)} train dataloaders cannot share their epoch "
             "(an IterableDataset, or a sampler of your own, keeps one stream per learner), and the others do: "
-            "their epochs would end at different batches on different learners. Use "
-            "RudraStrategy(sampling='static'), or plain map-style datasets for every train dataloader."
+            f"their epochs would end at different batches on different learners. Use {instead}plain map-style "
+            "datasets for every train dataloader."
         )
     if len(samplers) > 1:
         raise ConfigurationError(
             f"{len(samplers)} train dataloaders cannot share their epochs yet: Lightning cycles the shorter ones "
             "until the longest is done, and a drained shared pool does not cycle, so the epoch would end with the "
-            "shortest. Use RudraStrategy(sampling='static') (each learner its own part of every dataloader), or "
-            "one train dataloader."
+            f"shortest. Use {instead}one train dataloader."
         )
     if not samplers:
         return None

@@ -198,3 +198,45 @@ def test_ssp_keeps_a_straggler_within_the_bound_and_drops_nothing(no_shared_memo
     assert stats.max_staleness <= 1 and stats.dropped == 0
     assert stats.gradients == learners * steps == sum(stats.staleness.values()) == stats.clock
     assert all(status == "accepted" and sigma <= 1 for r in results for status, sigma in r["pushes"])
+
+
+def _steps_on(rows_per_step, lr=0.1):
+    """Plain SGD from the test model's initial weights, one step per list of rows (their gradient, mean loss)."""
+    net = harness.model()
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    x, y = harness.data()
+    for rows in rows_per_step:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_batchsync_averages_the_first_k_gradients_of_the_current_weights_exactly(shared_memory, no_shared_memory_left):
+    """K = λ = 2, learner 1 a second late to each step: learner 0 gives both gradients of round 0 (its reply comes
+    at once, the round open), learner 1's gradient of the weights of clock 0 comes late, and its second one, alone,
+    is applied when it finishes. Through shared memory the round's sum must not live in learner 0's buffer, which
+    its second gradient overwrites."""
+    mu, lam = 4, 2
+    results = harness.run_learners(
+        lam,
+        harness.train,
+        config=ProtocolConfig(lam, "batchsync"),
+        steps=2,
+        mu=mu,
+        momentum=0.0,
+        shared_memory=shared_memory,
+        delays={1: 1.0},
+    )
+    check_ok(results)
+    assert [r["shared_memory"] for r in results] == [shared_memory] * lam
+    rows = [torch.arange(i * mu * lam, (i + 1) * mu * lam)[r::lam] for i in range(2) for r in range(lam)]
+    # round 0: learner 0's two gradients (rows of steps 0 and 1), averaged; then learner 1's of step 1, alone
+    expected = _steps_on([torch.cat([rows[0], rows[2]]), rows[3]])
+    for result in results:
+        for mine, theirs in zip(result["params"], expected):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+    assert [status for status, _ in results[1]["pushes"]] == ["late", "accepted"]
+    stats = results[0]["stats"]
+    assert (stats.clock, stats.gradients, stats.late, stats.staleness) == (2, 3, 1, {0: 3})

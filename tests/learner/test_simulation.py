@@ -448,4 +448,5 @@ def test_simulated_late_gradients_batches_are_trained_again_within_the_epoch(kwa
     assert stats.late >= 4 and stats.staleness == {0: stats.gradients}
     # every batch applied once per epoch; the late ones trained again, by the fast learners first
     assert stats.gradients == 2 * 256 // 8 and sum(stats.batches.values()) == stats.gradients + stats.late
+    assert stats.redealt == stats.late, "each late batch dealt again, and counted as the shared epoch counts it"
     assert stats.batches[3] < stats.batches[0]

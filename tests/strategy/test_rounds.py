@@ -102,11 +102,18 @@ class ManualStep(Regression):
         opt.step()
 
 
-def test_manual_optimization_and_an_unpooled_dataloader_are_refused_when_training_starts():
+def test_manual_optimization_and_several_train_dataloaders_are_refused_when_training_starts():
     with pytest.raises(ConfigurationError, match="need automatic optimization"):
         quiet_trainer(RudraStrategy(protocol="batchsync", start_method=START, rpc_timeout=30), 2).fit(
             ManualStep(), loader(8)
         )
+    # the shared epoch's refusal offers no sampling='static', which batchsync refuses too
+    trainer = quiet_trainer(RudraStrategy(protocol="batchsync", start_method=START, rpc_timeout=30), 1)
+    with pytest.raises(
+        ConfigurationError, match=r"cannot share their epochs yet.*Use one train dataloader\."
+    ) as refused:
+        trainer.fit(Regression(), {"a": loader(8), "b": loader(8, num_samples=128)})
+    assert "static" not in str(refused.value)
 
 
 @pytest.mark.parametrize("kwargs", [dict(protocol="batchsync"), dict(protocol="hardsync", backup=1)])

@@ -205,12 +205,14 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
                     "job_vs_ddp_reps": job_vs,
                 }
             )
-        share = [r.get("straggler_share") for r in mine]
-        if any(s is not None for s in share):
-            entry["straggler_share"] = median(share)
-        stale = [r.get("mean_staleness") for r in mine]
-        if any(s is not None for s in stale):
-            entry["mean_staleness"] = median(stale)
+        if any("tta_epochs" in r for r in mine):  # the accuracy phase's: epochs done when the target was reached
+            epochs_to, epochs_vs = against("tta_epochs")
+            entry.update(tta_epochs_vs_ddp=never_median(epochs_vs, epochs_to), tta_epochs_vs_ddp_reps=epochs_vs)
+        # the server's counts (late, redealt: rounds that do not wait for the slowest learner), where there are any
+        for field in ("straggler_share", "mean_staleness", "late", "late_share", "redealt"):
+            values = [r.get(field) for r in mine]
+            if any(v is not None for v in values):
+                entry[field] = median(values)
         out[strategy] = entry
     return out
 

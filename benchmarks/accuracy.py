@@ -44,11 +44,11 @@ def epoch_accuracy(run: dict[str, Any], epoch: int) -> Optional[float]:
 
 def epochs_at(run: dict[str, Any], t: Optional[float]) -> Optional[float]:
     """How many epochs the run had done ``t`` s after rank 0's training start: whole epochs (an epoch ends when its
-    last learner ends it) and the share of the current one, by time; all of them once past the last epoch's end."""
+    last learner ends it, a learner left behind in it aside: ``stats.epoch_ends``) and the share of the current one,
+    by time; all of them once past the last epoch's end."""
     if t is None or not run.get("epoch_ends_s"):
         return None
-    ranks = run["epoch_ends_s"]
-    ends = [max(r[e] for r in ranks) for e in range(min(len(r) for r in ranks))]
+    ends = stats.epoch_ends(run["epoch_ends_s"])
     t += run.get("rank0_start_s", 0.0)  # to the epoch ends' clock: from the first rank's training start
     for i, end in enumerate(ends):
         if t <= end:
@@ -199,7 +199,8 @@ def describe(cfg: dict[str, Any], chosen: dict[str, Any]) -> str:
         f"out; they are in *job*) to the first snapshot (every {cfg['snapshot_every']} of rank 0's batches) from "
         f"which every later snapshot and the final weights are at or above the target (never if the final weights "
         f"are below it), read after the runs; in brackets the epochs done by then (an epoch ends when its last "
-        f"learner ends it). *Straggler*: the last learner spends (k − 1)·t before every batch, t being the median "
+        f"learner ends it, but for one still in it after another ended the next: a straggler left behind in a "
+        f"drained epoch, retraining its own late batch). *Straggler*: the last learner spends (k − 1)·t before every batch, t being the median "
         f"DDP step time without a straggler for that λ and μ, measured in this run "
         f"({cfg['epoch_calibration_steps']} steps), either asleep (its core free for the others) or busy-waiting "
         f"(holding its core, as a slow device's compute would); k = 1: none. Runs per row: {reps} of the Rudra "

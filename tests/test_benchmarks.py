@@ -228,6 +228,17 @@ def test_two_rudra_strategies_are_each_timed_against_the_ddp_runs_around_them_an
     assert never["accuracy_epochs_batchsync_4x3"]["met"] is False
 
 
+def test_a_straggler_left_behind_in_a_drained_epoch_does_not_hold_its_end_back():
+    """As measured under batchsync (4 learners, one 3x): the straggler's gradients all came late, it took its own
+    late batch back again and again and ended all its epochs at the run's end; the epochs end with the others'."""
+    ranks = [[0.39, 0.76, 1.15, 1.5], [0.37, 0.81, 1.15, 1.5], [0.33, 0.77, 1.31, 1.47], [1.63, 1.63, 1.63, 1.63]]
+    assert stats.epoch_ends(ranks) == [0.39, 0.81, 1.31, 1.63]  # the last: the job's end
+    run = {"epoch_ends_s": ranks, "rank0_start_s": 0.0}
+    assert accuracy.epochs_at(run, 0.6) == pytest.approx(1 + 0.21 / 0.42)
+    # async's straggler ends each epoch late, but before the others end the next one: the last learner's end
+    assert stats.epoch_ends([[0.8, 1.6], [0.9, 1.7]]) == [0.9, 1.7]
+
+
 def test_the_accuracy_flags_land_in_the_recorded_config_and_each_rudra_run_has_ddp_runs_around_it(
     tmp_path, monkeypatch, capsys
 ):

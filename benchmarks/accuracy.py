@@ -1,19 +1,20 @@
 """Time to accuracy (``python -m benchmarks.run --only accuracy``): samples/s say how fast a strategy goes, not how
 soon it has a model as good as the synchronous one. Real learners (the benchmark's workers), the MNIST-1D example
 CNN, μ·λ = ``BATCH``, momentum SGD at the rate a sweep on the validation split chose for DDP's budget (``sweep``),
-λ = 2 and 4, with one 3x straggler (sleeping, or busy-waiting: holding its core) and without: DDP (gloo) and
-``RudraStrategy(protocol="async")`` with its default options train the same epochs; DDP's plateau (its mean test
-accuracy over its last epoch) minus ``DROP`` is the target, and a run's time to it is when its accuracy reaches it
-for good (``stays_from``). Both keep rank 0's weights every few batches (``benchmarks.training``), so the target is
-set after the runs and the times read from each run's recorded (time, accuracy) snapshots.
+λ = 2 and 4, with one 3x straggler (sleeping, or busy-waiting: holding its core) and without: DDP (gloo) and each
+Rudra strategy of ``accuracy_strategies`` (``RudraStrategy(protocol="async")`` with its default options unless the
+run names others: ``--accuracy-strategies``) train the same epochs; DDP's plateau (its mean test accuracy over its
+last epoch) minus ``DROP`` is the target, and a run's time to it is when its accuracy reaches it for good
+(``stays_from``). All keep rank 0's weights every few batches (``benchmarks.training``), so the target is set after
+the runs and the times read from each run's recorded (time, accuracy) snapshots.
 """
 
 import math
 import statistics
 from typing import Any, Optional
 
-from benchmarks import stats
-from benchmarks.config import TRAINING
+from benchmarks.config import STRATEGY_LABELS, TRAINING
+from benchmarks import report, stats
 from benchmarks.report import _f
 
 BATCH = 128  # μ·λ, the same for every λ: μ = 64 at λ = 2, 32 at λ = 4
@@ -43,11 +44,11 @@ def epoch_accuracy(run: dict[str, Any], epoch: int) -> Optional[float]:
 
 def epochs_at(run: dict[str, Any], t: Optional[float]) -> Optional[float]:
     """How many epochs the run had done ``t`` s after rank 0's training start: whole epochs (an epoch ends when its
-    last learner ends it) and the share of the current one, by time; all of them once past the last epoch's end."""
+    last learner ends it, a learner left behind in it aside: ``stats.epoch_ends``) and the share of the current one,
+    by time; all of them once past the last epoch's end."""
     if t is None or not run.get("epoch_ends_s"):
         return None
-    ranks = run["epoch_ends_s"]
-    ends = [max(r[e] for r in ranks) for e in range(min(len(r) for r in ranks))]
+    ends = stats.epoch_ends(run["epoch_ends_s"])
     t += run.get("rank0_start_s", 0.0)  # to the epoch ends' clock: from the first rank's training start
     for i, end in enumerate(ends):
         if t <= end:
@@ -57,11 +58,12 @@ def epochs_at(run: dict[str, Any], t: Optional[float]) -> Optional[float]:
 
 
 def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
-    """Target, times and ratios of one configuration's runs (``ddp`` and ``async``, in the order ``seq`` they ran).
-    DDP's plateau is the median over its runs of their mean test accuracy over their last epoch; the target is
-    that minus ``drop``; every run's time to it is when it reaches it for good (``stays_from``; None: never).
-    Each async run's ratio is to the mean of the DDP runs just before and after it, and one that never reached
-    the target counts as infinitely slow (``stats.summarize_runs``, ``stats.never_median``)."""
+    """Target, times and ratios of one configuration's runs (``ddp`` and Rudra strategies, in the order ``seq`` they
+    ran). DDP's plateau is the median over its runs of their mean test accuracy over their last epoch; the target
+    is that minus ``drop``; every run's time to it is when it reaches it for good (``stays_from``; None: never),
+    and the epochs done by then. Each Rudra run's ratios (time, epochs) are to the mean of the DDP runs just before
+    and after it, and one that never reached the target counts as infinitely slow (``stats.summarize_runs``,
+    ``stats.never_median``)."""
     for run in runs:
         run["epochs_trained"] = min((len(r) for r in run.get("epoch_ends_s") or []), default=None)
         run["plateau"] = epoch_accuracy(run, run["epochs_trained"] or 0)
@@ -77,6 +79,8 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
         run["tta_s"] = None if target is None else stats.stays_from(points, target)
         run["tta_first_s"] = None if target is None else next((t for t, a in points if a >= target), None)
         run["tta_epochs"] = epochs_at(run, run["tta_s"])
+        if run.get("late") is not None and run.get("gradients"):  # the share of pushes whose round had closed
+            run["late_share"] = run["late"] / (run["late"] + run["gradients"])
     out = stats.summarize_runs(runs)
     for strategy, entry in out.items():
         mine = [r for r in runs if r["strategy"] == strategy]
@@ -87,6 +91,7 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
             tta_epochs_runs=[r["tta_epochs"] for r in mine],
             tta_first_s_runs=[r["tta_first_s"] for r in mine],
             epochs_trained=stats.median([r["epochs_trained"] for r in mine]),
+            half_accuracy=stats.median([r["half_accuracy"] for r in mine]),  # beside DDP's: accuracy per epoch
         )
     return {
         "ddp_plateau": plateau,
@@ -170,54 +175,63 @@ def sweep(suite: Any, learners: int) -> Optional[dict[str, Any]]:
     }
 
 
+def describe(cfg: dict[str, Any], chosen: dict[str, Any]) -> str:
+    """The phase's text in the report: the model, DDP's rate (``chosen``: ``sweep``'s), what each column means."""
+    epochs, reps = cfg["accuracy_epochs"], cfg["accuracy_reps"]
+    rudra = ", ".join(STRATEGY_LABELS.get(k, k) for k in cfg["accuracy_strategies"])
+    name = report.rudra_name(cfg["accuracy_strategies"])  # as the table's columns name them
+    grid = ", ".join(f"{s['lr']:g}" for s in chosen["scores"])
+    return (
+        f"MNIST-1D example CNN, {cfg['accuracy_samples']} samples (72 % of them the train split, 8 % the "
+        f"validation split the rate is chosen on, 20 % the test split the accuracy is of), μ·λ = {BATCH} (μ per "
+        f"learner in the first column), SGD momentum {MOMENTUM}, lr {chosen['lr']:g} for DDP and every Rudra "
+        f"strategy: the best of a sweep for DDP's budget (DDP with μ·λ = {BATCH} does the arithmetic of plain SGD "
+        f"with batch {BATCH}, so the sweep trains that in one process per rate, from the same initial weights, "
+        f"{epochs} epochs in {chosen['orders']} data order(s)), by mean validation accuracy of the final weights; "
+        f"rates {grid}"
+        + (" (the best still on the grid's edge after extending it)" if chosen["edge"] else "")
+        + f", in the table below. DDP (gloo) and {rudra} (RudraStrategy's default options but those named: the "
+        f'shared epoch, `compensation="momentum"` where gradients are stale) all train {epochs} epochs from the '
+        f"same initial weights. *DDP plateau*: the mean test accuracy of rank 0's weights over DDP's last epoch "
+        f"(its snapshots then and its final weights), median over DDP runs; beside it the same over epoch "
+        f"{epochs // 2}, to show whether it still improved. *Target*: the plateau minus {100 * DROP:g} point. "
+        f"*Time to target*: from rank 0's training start (process start, rendezvous and the server's start left "
+        f"out; they are in *job*) to the first snapshot (every {cfg['snapshot_every']} of rank 0's batches) from "
+        f"which every later snapshot and the final weights are at or above the target (never if the final weights "
+        f"are below it), read after the runs; in brackets the epochs done by then (an epoch ends when its last "
+        f"learner ends it, but for one still in it after another ended the next: a straggler left behind in a "
+        f"drained epoch, retraining its own late batch). *Straggler*: the last learner spends (k − 1)·t before every batch, t being the median "
+        f"DDP step time without a straggler for that λ and μ, measured in this run "
+        f"({cfg['epoch_calibration_steps']} steps), either asleep (its core free for the others) or busy-waiting "
+        f"(holding its core, as a slow device's compute would); k = 1: none. Runs per row: {reps} of the Rudra "
+        f"strategy, each between two DDP runs (the strategies take turns); *{name} / DDP*: each run's time against "
+        f"the mean of those two DDP runs' times, median (lowest–highest) over runs, "
+        f'"never" if it did not reach the target in half its runs or more. *Ideal (epoch time)*: async\'s ratio of '
+        f"epoch times without overhead, λ / (k·(λ − 1) + 1) (section 5); time to target would meet it only if "
+        f"async needed no more epochs than DDP. *Job*: each Rudra job's wall time (start-up, the {epochs} "
+        f"epochs, teardown) against the mean of the DDP jobs around it. *Epochs / DDP's* (the second table): the "
+        f"epochs a run had done when it reached the target against the DDP runs' around it: a round of gradients "
+        f"all of the current weights (hardsync, K-batch-sync, backup learners) does DDP's arithmetic, so it should "
+        f"need no more; beside it the mean test accuracy over epoch {epochs // 2}, and the gradients that came "
+        f"after their round closed (*late*: not applied, their batches dealt again), per run and as a share of the "
+        f"pushes. Times are wall clock on a small machine shared with other jobs (see the load average above): "
+        f"they are noisy, the ratios of runs side by side less so."
+    )
+
+
 def phase(suite: Any) -> None:
     """The benchmark phase (``suite``: ``benchmarks.suite.Suite``): DDP's rate (``sweep``); per λ, one DDP
     calibration run (its median step time t scales the straggler's delay, (k − 1)·t per batch on the last rank,
-    slept or busy-waited, as the epochs phase does), then per straggler DDP and async alternated as
-    ``Suite._schedule`` orders them."""
+    slept or busy-waited, as the epochs phase does), then per straggler DDP and each strategy of
+    ``accuracy_strategies`` alternated as ``Suite._schedule`` orders them."""
     cfg = suite.cfg
-    epochs, reps = cfg["accuracy_epochs"], cfg["accuracy_reps"]
+    epochs, reps, strategies = cfg["accuracy_epochs"], cfg["accuracy_reps"], cfg["accuracy_strategies"]
     chosen = sweep(suite, suite.pools["main"].size)
     if chosen is None:
         suite.failures.append("accuracy: no rate sweep, so no rate for DDP")
         return
     optimizer = {"lr": chosen["lr"], "momentum": MOMENTUM}
-    grid = ", ".join(f"{s['lr']:g}" for s in chosen["scores"])
-    raw, configs = suite.publish(
-        "accuracy",
-        (
-            f"MNIST-1D example CNN, {cfg['accuracy_samples']} samples (72 % of them the train split, 8 % the "
-            f"validation split the rate is chosen on, 20 % the test split the accuracy is of), μ·λ = {BATCH} (μ per "
-            f"learner in the first column), SGD momentum {MOMENTUM}, lr {chosen['lr']:g} for both DDP and async: "
-            f"the best of a sweep for DDP's budget (DDP with μ·λ = {BATCH} does the arithmetic of plain SGD with "
-            f"batch {BATCH}, so the sweep trains that in one process per rate, from the same initial weights, "
-            f"{epochs} epochs in {chosen['orders']} data order(s)), by mean validation accuracy of the final "
-            f"weights; "
-            f"rates {grid}"
-            + (" (the best still on the grid's edge after extending it)" if chosen["edge"] else "")
-            + f", in the table below. DDP (gloo) and Rudra async with its default options (shared epoch, "
-            f'`compensation="momentum"`) both train {epochs} epochs from the same initial weights. *DDP plateau*: '
-            f"the mean test accuracy of rank 0's weights over DDP's last epoch (its snapshots then and its final "
-            f"weights), median over DDP runs; beside it the same over epoch {epochs // 2}, to show whether it still "
-            f"improved. *Target*: the plateau minus {100 * DROP:g} point. *Time to target*: from rank 0's training "
-            f"start (process start, rendezvous and the server's start left out; they are in *job*) to the first "
-            f"snapshot (every {cfg['snapshot_every']} of rank 0's batches) from which every later snapshot and the "
-            f"final weights are at or above the target (never if the final weights are below it), read after the "
-            f"runs; in brackets the epochs done by then (an epoch ends when its last learner ends it). *Straggler*: "
-            f"the last learner spends (k − 1)·t before every batch, t being the median DDP step time without a "
-            f"straggler for that λ and μ, measured in this run ({cfg['epoch_calibration_steps']} steps), either "
-            f"asleep (its core free for the others) or busy-waiting (holding its core, as a slow device's compute "
-            f"would); k = 1: none. Runs per row: {reps} of async, each between two DDP runs; *async / DDP*: each "
-            f"async run's time against the mean of those two DDP runs' times, median (lowest–highest) over runs, "
-            f'"never" if async did not reach the target in half its runs or more. *Ideal (epoch time)*: the ratio '
-            f"of epoch times without overhead, λ / (k·(λ − 1) + 1) (section 5); time to target would meet it only if "
-            f"async needed no more epochs than DDP. *Job*: each async job's wall time (start-up, the {epochs} "
-            f"epochs, teardown) against the mean of the DDP jobs around it. Times are wall clock on a small machine "
-            f"shared with other jobs (see the load average above): they are noisy, the ratios of runs side by side "
-            f"less so."
-        ),
-        sweep=chosen,
-    )
+    raw, configs = suite.publish("accuracy", describe(cfg, chosen), sweep=chosen)
     for learners in cfg["accuracy_learners"]:
         pool = suite._pool_for(learners)
         setup = {"num_learners": learners, "batch_size": BATCH // learners, "num_samples": cfg["accuracy_samples"]}
@@ -235,7 +249,7 @@ def phase(suite: Any) -> None:
             timeout = 120 + 3 * epochs * cfg["accuracy_samples"] / BATCH * max(slowdown, 2) * step_s
             runs: list[dict[str, Any]] = []
             raw[-1]["runs"][label] = runs
-            for seq, (key, rep) in enumerate(suite._schedule(["ddp", "async"], reps)):
+            for seq, (key, rep) in enumerate(suite._schedule(["ddp", *strategies], reps)):
                 run = suite._train(
                     key,
                     rep,
@@ -253,11 +267,12 @@ def phase(suite: Any) -> None:
                 if run is None:
                     continue
                 runs.append(run)
+                late = f", late {run['late']} of {run['late'] + run['gradients']}" if run.get("late") else ""
                 suite.log(
                     f"accuracy {learners} learners, {label}, rep {rep} {key}: final accuracy "
                     f"{_f(final_accuracy(run), '{:.3f}')}, best "
                     f"{_f(max((a for _, a in stats.series(run)), default=None), '{:.3f}')}, epoch "
-                    f"{_f(run.get('epoch_s'))} s (job {run['job_wall_s']:.1f} s)"
+                    f"{_f(run.get('epoch_s'))} s (job {run['job_wall_s']:.1f} s){late}"
                 )
             summary = summarize(runs)
             configs.append(
@@ -270,14 +285,17 @@ def phase(suite: Any) -> None:
                     "sleep_ms": 1e3 * (slowdown - 1) * step_s,
                     "epochs": epochs,
                     "lr": chosen["lr"],
-                    "ideal": stats.ideal_epoch_ratio(learners, slowdown),
+                    "ideal": stats.ideal_epoch_ratio(learners, slowdown),  # async's (the shared epoch's)
                     **summary,
                 }
             )
-            rudra, ddp = summary["runs"].get("async", {}), summary["runs"].get("ddp", {})
-            suite.log(
-                f"accuracy {learners} learners, {label}: target {_f(summary['target'], '{:.3f}')}, time to it "
-                f"DDP {_f(ddp.get('tta_s'))} s, async {_f(rudra.get('tta_s'))} s, async / DDP "
-                f"{_f(rudra.get('tta_vs_ddp'))}, job {_f(rudra.get('job_vs_ddp'))}"
-            )
+            ddp = summary["runs"].get("ddp", {})
+            for key in strategies:
+                rudra = summary["runs"].get(key, {})
+                suite.log(
+                    f"accuracy {learners} learners, {label}: target {_f(summary['target'], '{:.3f}')}, time to it "
+                    f"DDP {_f(ddp.get('tta_s'))} s, {key} {_f(rudra.get('tta_s'))} s, {key} / DDP "
+                    f"{_f(rudra.get('tta_vs_ddp'))}, epochs {_f(rudra.get('tta_epochs_vs_ddp'))}, job "
+                    f"{_f(rudra.get('job_vs_ddp'))}"
+                )
     suite._close_extra_pools()

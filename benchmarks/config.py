@@ -44,6 +44,9 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     # the network phase's "1+s" layout: both learners on host 0, the servers on host 1, a server node
     "hardsync+server_node": ("hardsync", 1, [], {"server_nodes": 1}),
     "async+server_node": ("async", 1, [], {"server_nodes": 1}),
+    # issue 35's rounds that do not wait for the slowest learner (k, backup: lightning_rudra.core.rounds)
+    "batchsync": ("batchsync", 1, [], {}),
+    "hardsync+backup1": ("hardsync", 1, [], {"backup": 1}),
 }
 STRATEGY_LABELS = {  # key -> how the report names it
     "ddp": "DDP (gloo)",
@@ -65,6 +68,8 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "hardsync+no_aggregation": "Rudra hardsync, node_aggregation=False",
     "hardsync+server_node": "Rudra hardsync, 2 learners on host 0, server_nodes=1 (host 1)",
     "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",
+    "batchsync": "Rudra K-batch-sync (K = λ)",
+    "hardsync+backup1": "Rudra hardsync, backup=1",
 }
 
 DEFAULT = {
@@ -108,10 +113,12 @@ DEFAULT = {
         {"params": 10 * M, "learners": 4, "samples": 768, "epochs": 3, "reps": 1},
     ],
     "accuracy_learners": [2, 4],
+    # the Rudra strategies each timed against DDP (keys of STRATEGIES), each between two DDP runs
+    "accuracy_strategies": ["async"],
     "accuracy_stragglers": [(3, "sleep"), (3, "busy"), (1, "sleep")],  # k = 1: no straggler
     # the λ that get the busy-waiting straggler's row: not λ = 2, to keep the phase near half an hour on 2 cores
     "accuracy_busy_learners": [4],
-    "accuracy_epochs": 20,  # DDP's and async's: DDP to its plateau, async as many epochs
+    "accuracy_epochs": 20,  # DDP's and the Rudra strategies': DDP to its plateau, the others as many epochs
     "accuracy_reps": 5,
     "accuracy_samples": 6000,
     "accuracy_rates": [0.025, 0.05, 0.1, 0.2, 0.4],  # DDP's rate sweep, extended past an edge winner
@@ -175,6 +182,7 @@ QUICK = {
     "epoch_target_accuracy": 0.3,
     "models": [{"params": 10 * M, "learners": 2, "samples": 384, "epochs": 3, "reps": 1}],
     "accuracy_learners": [2, 4],
+    "accuracy_strategies": ["async"],
     "accuracy_stragglers": [(3, "sleep"), (3, "busy"), (1, "sleep")],
     "accuracy_busy_learners": [4],
     "accuracy_epochs": 4,

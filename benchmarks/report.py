@@ -7,8 +7,8 @@ import argparse
 import json
 from typing import Any, Optional
 
-from benchmarks.config import STRATEGY_LABELS
-from benchmarks.targets import TARGETS, check_targets, model_key, straggler_key
+from benchmarks.config import STRATEGIES, STRATEGY_LABELS
+from benchmarks.targets import TARGETS, accuracy_key, check_targets, model_key, straggler_key
 
 
 def _f(value: Optional[float], fmt: str = "{:.2f}") -> str:
@@ -130,21 +130,38 @@ def _models_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[s
     return _section("6. Real model sizes", info, columns, rows)
 
 
+def rudra_name(keys: list[str]) -> str:
+    """How the accuracy table's columns name the Rudra strategy: its key where there is one (``async``, as in
+    results from before the phase took others), "Rudra" where each row names its own."""
+    return keys[0] if len(keys) == 1 else "Rudra"
+
+
+def _rudra_rows(configs: list[dict[str, Any]]) -> tuple[list[str], list[tuple[dict[str, Any], str]]]:
+    """The accuracy phase's Rudra strategies (every key but DDP's, in the order they ran) and its rows: one per
+    configuration and strategy."""
+    keys = list(dict.fromkeys(k for c in configs for k in c["runs"] if k != "ddp"))
+    return keys, [(c, k) for c in configs for k in keys if k in c["runs"]]
+
+
 def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
+    keys, pairs = _rudra_rows(configs)
+    name = rudra_name(keys)
     columns = (
-        "learners (μ) | straggler (delay ms) | DDP plateau (runs) | DDP, half the epochs | target | "
-        "DDP s to target (epochs) | async s to target (epochs) | async / DDP (runs) | ideal (epoch time) | needed | "
-        "job: async / DDP (runs) | async final acc. (runs) | reached (DDP, async)"
+        "learners (μ) | straggler (delay ms) | "
+        + ("strategy | " if len(keys) > 1 else "")
+        + f"DDP plateau (runs) | DDP, half the epochs | target | DDP s to target (epochs) | {name} s to target "
+        f"(epochs) | {name} / DDP (runs) | ideal (epoch time) | needed | job: {name} / DDP (runs) | {name} final acc. "
+        f"(runs) | reached (DDP, {name})"
     )
     rows = []
-    for c in configs:
-        ddp, rudra = c["runs"].get("ddp", {}), c["runs"].get("async", {})
-        acc = lambda e, k: _f(e.get(k), "{:.3f}")  # noqa: E731
+    acc = lambda e, k: _f(e.get(k), "{:.3f}")  # noqa: E731
+    for c, key in pairs:
+        ddp, rudra = c["runs"].get("ddp", {}), c["runs"][key]
         never = rudra.get("tta_vs_ddp") is None and bool(rudra.get("tta_s_reps"))
         rows.append(
-            [
-                f"{c['learners']} ({c['batch_size']})",
-                _straggler(c),
+            [f"{c['learners']} ({c['batch_size']})", _straggler(c)]
+            + ([STRATEGY_LABELS.get(key, key)] if len(keys) > 1 else [])
+            + [
                 acc(c, "ddp_plateau") + _spread(c.get("ddp_plateau_runs")),
                 acc(c, "ddp_half_accuracy"),
                 acc(c, "target"),
@@ -152,14 +169,17 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
                 f"{_f(rudra.get('tta_s')) if rudra.get('tta_s') is not None else 'never'} "
                 f"({_f(rudra.get('tta_epochs'), '{:.1f}')})",
                 ("never" if never else _f(rudra.get("tta_vs_ddp"))) + _spread(rudra.get("tta_vs_ddp_reps")),
-                _f(c.get("ideal"), "{:.3f}"),
-                _threshold(f"accuracy_{straggler_key(c)}"),
+                # the shared epoch's ideal holds where every gradient is applied as it comes (async, softsync), not
+                # where a round waits (hardsync) or drops late ones (batchsync, backup)
+                _f(c.get("ideal"), "{:.3f}") if STRATEGIES.get(key, (key,))[0] in ("async", "softsync") else "–",
+                _threshold(accuracy_key(c, key)),
                 _vs(rudra, "job_vs_ddp"),
                 acc(rudra, "final_accuracy") + _spread(rudra.get("final_accuracy_runs")),
                 _reached(ddp, rudra),
             ]
         )
     lines = _section("7. Time to DDP's accuracy, momentum SGD", info, columns, rows)
+    lines += _epochs_to_target(pairs)
     sweep = info.get("sweep")
     if sweep:  # DDP's rate: every rate tried, the chosen one in bold
         lines += _table(
@@ -175,6 +195,42 @@ def _accuracy_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list
             ],
         )
     return lines
+
+
+def _epochs_to_target(pairs: list[tuple[dict[str, Any], str]]) -> list[str]:
+    """The accuracy phase's second table: per row, the epochs to the target against DDP's, the accuracy over half
+    the epochs beside DDP's, and the gradients that came too late for their round; none in results from before it
+    was measured."""
+    pairs = [(c, k) for c, k in pairs if "tta_epochs_vs_ddp" in c["runs"][k]]
+    if not pairs:
+        return []
+    rows = []
+    for c, key in pairs:
+        ddp, rudra = c["runs"].get("ddp", {}), c["runs"][key]
+        never = rudra.get("tta_epochs_vs_ddp") is None and bool(rudra.get("tta_s_reps"))
+        late = _f(rudra.get("late"), "{:.0f}") + (f" ({rudra['late_share']:.2f})" if "late_share" in rudra else "")
+        rows.append(
+            [
+                f"{c['learners']} ({c['batch_size']})",
+                _straggler(c),
+                STRATEGY_LABELS.get(key, key),
+                f"{_f(rudra.get('tta_epochs'), '{:.1f}')} ({_f(ddp.get('tta_epochs'), '{:.1f}')})",
+                ("never" if never else _f(rudra.get("tta_epochs_vs_ddp")))
+                + _spread(rudra.get("tta_epochs_vs_ddp_reps")),
+                _threshold(accuracy_key(c, key, "epochs")),
+                f"{_f(rudra.get('half_accuracy'), '{:.3f}')} ({_f(c.get('ddp_half_accuracy'), '{:.3f}')})",
+                _f(rudra.get("mean_staleness")),
+                late,
+                _f(rudra.get("redealt"), "{:.0f}"),
+            ]
+        )
+    return _table(
+        ["Epochs to DDP's accuracy, and the rounds' late gradients (medians over runs)"],
+        "learners (μ) | straggler (delay ms) | strategy | epochs to target (DDP's) | epochs / DDP's (runs) | needed | "
+        "accuracy over half the epochs (DDP's) | mean σ | late gradients per run (share of pushes) | batches dealt "
+        "again per run",
+        rows,
+    )
 
 
 def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:

@@ -13,7 +13,8 @@
 6. Real model sizes: MLPs of 10 M and 50 M parameters on synthetic data, 2 and 4 learners: samples/s over whole
    epochs of hardsync, async and async without shared memory against DDP, and of async with one 3x straggler.
 7. Time to DDP's accuracy (``benchmarks.accuracy``): momentum SGD at DDP's rate, 2 and 4 learners, one 3x
-   straggler and none: the time async with its default options takes to reach DDP's final test accuracy.
+   straggler and none: the time async with its default options (or the strategies ``--accuracy-strategies``
+   names) takes to reach DDP's final test accuracy.
 8. Across hosts (``benchmarks.network``, needs root): two hosts as network namespaces, the link shaped to 1 and
    10 Gbit/s, the 10 M MLP with 1 and 2 learners per host: samples/s and bytes on the link per step of DDP, Rudra
    hardsync and async, with and without compressed pushes.
@@ -33,7 +34,7 @@ import traceback
 from typing import Any, Optional
 
 from benchmarks import network, provenance, report, targets
-from benchmarks.config import DEFAULT, PHASES, QUICK, TRAINING
+from benchmarks.config import DEFAULT, PHASES, QUICK, STRATEGIES, TRAINING
 from benchmarks.suite import Suite
 
 
@@ -66,13 +67,28 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "learner per host and +server_node strategies with both on host 0 and a server node on host 1 "
         "(1gbit:1:2:ddp/hardsync,1gbit:1+s:2:ddp/hardsync+server_node)",
     )
+    # the accuracy phase's configurations, so that a run of other ones needs no edit of config.py (its report's
+    # command, which names them, reruns it)
+    parser.add_argument(
+        "--accuracy-strategies",
+        help="the Rudra strategies the accuracy phase times against DDP, comma-separated keys of "
+        "benchmarks.config.STRATEGIES (default: async), e.g. async,batchsync,hardsync+backup1",
+    )
+    parser.add_argument("--accuracy-learners", help="its λ, comma-separated (default: 2,4)")
+    parser.add_argument(
+        "--accuracy-stragglers",
+        help="its stragglers, comma-separated K:HOW (K: how many times slower, 1 for none; HOW: sleep or busy), "
+        "e.g. 3:sleep,1:sleep; every λ gets each of them (default: 3:sleep,3:busy,1:sleep, busy with 4 learners only)",
+    )
+    parser.add_argument("--accuracy-reps", type=int, help="its runs of each Rudra strategy per row (default: 5)")
     args = parser.parse_args(argv)
     cfg = dict(QUICK if args.quick else DEFAULT)
-    if args.network:
-        try:
+    try:
+        if args.network:
             cfg["network"] = [network.parse_spec(spec) for spec in args.network.split(",")]
-        except ValueError as error:
-            parser.error(str(error))
+        cfg.update(accuracy_options(args, cfg))
+    except ValueError as error:
+        parser.error(str(error))
     phases = [p for p in args.only.split(",") if p]
     try:  # before hours of running, not after
         tree = provenance.check_tree(args.out, args.allow_modified)
@@ -105,6 +121,52 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         parser.exit(2, f"benchmarks.run: refused: {error}\n")
     suite.log(f"wrote {os.path.join(args.out, args.name)}.json and .md")
     return result
+
+
+def accuracy_options(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The accuracy phase's settings that ``args`` names (the ``--accuracy-*`` flags), over the mode's (``cfg``);
+    ``ValueError`` saying what is wrong with one."""
+    out: dict[str, Any] = {}
+    if args.accuracy_strategies is not None:
+        keys = [k for k in args.accuracy_strategies.split(",") if k]
+        wrong = [k for k in keys if k not in STRATEGIES or STRATEGIES[k][0] == "ddp"]
+        if wrong or not keys:
+            raise ValueError(
+                f"--accuracy-strategies {args.accuracy_strategies!r}: {', '.join(wrong) or 'none named'} is not a "
+                f"Rudra strategy of benchmarks.config.STRATEGIES: expected some of "
+                f"{', '.join(k for k, s in STRATEGIES.items() if s[0] != 'ddp')}"
+            )
+        out["accuracy_strategies"] = keys
+    if args.accuracy_learners is not None:
+        try:
+            out["accuracy_learners"] = [int(n) for n in args.accuracy_learners.split(",") if n]
+        except ValueError:
+            raise ValueError(
+                f"--accuracy-learners {args.accuracy_learners!r}: expected numbers, e.g. 4 or 2,4"
+            ) from None
+        if not out["accuracy_learners"] or min(out["accuracy_learners"]) < 2:
+            raise ValueError(f"--accuracy-learners {args.accuracy_learners!r}: expected λ of 2 or more")
+    if args.accuracy_stragglers is not None:
+        stragglers = []
+        for spec in (s for s in args.accuracy_stragglers.split(",") if s):
+            k, _, how = spec.partition(":")
+            try:
+                slowdown = float(k)
+            except ValueError:
+                slowdown = 0.0
+            if slowdown < 1 or how not in ("sleep", "busy"):
+                raise ValueError(
+                    f"--accuracy-stragglers: {spec!r} is not K:HOW (K >= 1, how many times slower; HOW: sleep or busy)"
+                )
+            stragglers.append((int(slowdown) if slowdown.is_integer() else slowdown, how))
+        out["accuracy_stragglers"] = stragglers
+        # the stragglers named are run with every λ, busy-waiting ones too
+        out["accuracy_busy_learners"] = out.get("accuracy_learners", cfg["accuracy_learners"])
+    if args.accuracy_reps is not None:
+        if args.accuracy_reps < 1:
+            raise ValueError(f"--accuracy-reps {args.accuracy_reps}: expected 1 or more")
+        out["accuracy_reps"] = args.accuracy_reps
+    return out
 
 
 if __name__ == "__main__":

@@ -63,6 +63,20 @@ def time_to_accuracy(rank0: dict[str, Any], target: float) -> tuple[Optional[flo
     return stays_from(points, target), max((a for _, a in points), default=None)
 
 
+def epoch_ends(ranks: list[list[float]]) -> list[float]:
+    """When each epoch ended (``ranks``: each rank's epoch ends, one clock): when its last learner ended it, but
+    for a learner still in it after another had ended the next one. The shared epoch keeps only the two newest
+    epochs, so such a learner is one the others left behind in a drained epoch: under K-batch-sync and backup
+    learners a straggler whose gradients are all late takes its own late batch back, again and again, and ends all
+    its epochs at the run's end. The last epoch ends when its last learner ends it (the job's end)."""
+    epochs = min((len(r) for r in ranks), default=0)
+    out = []
+    for e in range(epochs):
+        nxt = min(r[e + 1] for r in ranks) if e + 1 < epochs else math.inf
+        out.append(max((r[e] for r in ranks if r[e] <= nxt), default=max(r[e] for r in ranks)))
+    return out
+
+
 def epoch_times(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Seconds per epoch: an epoch ends when its last learner ends it, and the first one is warm-up (process
     start, rendezvous, first allocations), so the times are between consecutive epoch ends. Under the shared
@@ -73,8 +87,7 @@ def epoch_times(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     And samples/s to the end: all learners' batches from the point where every learner is past ``warmup``
     batches to the end of the last epoch (its last learner's), so that every epoch's end and the waiting for the
     last learner count (``throughput``'s window ends when the first learner stops and leaves them out)."""
-    epochs = min(len(r["epoch_ends"]) for r in ranks)
-    ends = [max(r["epoch_ends"][e] for r in ranks) for e in range(epochs)]
+    ends = epoch_ends([r["epoch_ends"] for r in ranks])
     times = [b - a for a, b in zip(ends, ends[1:])]
     start = min(r["start"] for r in ranks)
     out: dict[str, Any] = {
@@ -205,12 +218,14 @@ def summarize_runs(runs: list[dict[str, Any]], baseline: str = "ddp") -> dict[st
                     "job_vs_ddp_reps": job_vs,
                 }
             )
-        share = [r.get("straggler_share") for r in mine]
-        if any(s is not None for s in share):
-            entry["straggler_share"] = median(share)
-        stale = [r.get("mean_staleness") for r in mine]
-        if any(s is not None for s in stale):
-            entry["mean_staleness"] = median(stale)
+        if any("tta_epochs" in r for r in mine):  # the accuracy phase's: epochs done when the target was reached
+            epochs_to, epochs_vs = against("tta_epochs")
+            entry.update(tta_epochs_vs_ddp=never_median(epochs_vs, epochs_to), tta_epochs_vs_ddp_reps=epochs_vs)
+        # the server's counts (late, redealt: rounds that do not wait for the slowest learner), where there are any
+        for field in ("straggler_share", "mean_staleness", "late", "late_share", "redealt"):
+            values = [r.get(field) for r in mine]
+            if any(v is not None for v in values):
+                entry[field] = median(values)
         out[strategy] = entry
     return out
 

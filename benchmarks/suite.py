@@ -143,6 +143,9 @@ class Suite:
             run["max_staleness"] = server["max_staleness"]
             run["updates"] = server["clock"]
             run["batches"] = server["batches"]
+            run["gradients"] = server["gradients"]
+            run["late"] = server.get("late")
+            run["redealt"] = server.get("redealt")
         return run
 
     def _schedule(self, keys: list[str], reps: int) -> list[tuple[str, int]]:

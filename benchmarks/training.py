@@ -301,6 +301,9 @@ def train(
                 "mean_staleness": stats.mean_staleness,
                 "max_staleness": stats.max_staleness,
                 "batches": stats.batches,
+                # batchsync, backup: gradients that came after their round closed, and their batches dealt again
+                "late": stats.late,
+                "redealt": stats.redealt,
             }
     del trainer, model, recorder
     gc.collect()

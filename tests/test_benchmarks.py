@@ -174,6 +174,104 @@ def test_an_async_run_that_never_reaches_the_target_is_reported_as_never():
     assert "| never (–) | never | – | <= 0.6 |" in "\n".join(report._accuracy_table([config], {}))
 
 
+def _rounds(batchsync_final: float = 0.92) -> dict:
+    """A 4-learner row of DDP, async and K-batch-sync as ``--accuracy-strategies async,batchsync`` runs it: each
+    Rudra run between DDP runs (``_config``'s), batchsync's with the server's late gradients and batches dealt again."""
+    ddp = _config([(0.5, 0.6), (1.0, 0.905), (1.5, 0.93)])  # only to reuse its DDP runs' shapes
+    assert ddp["target"] == pytest.approx(0.90)
+    batchsync = _run("batchsync", 2, [(0.5, 0.7), (1.0, 0.88), (1.5, 0.91)], (2.2, batchsync_final), [[1.0, 2.0]] * 2)
+    batchsync.update(late=30, gradients=150, redealt=28)
+    runs = [
+        _run("ddp", 0, [(1.0, 0.95), (2.0, 0.88), (3.0, 0.90)], (3.2, 0.92), [[1.6, 3.1], [1.6, 3.1]], 10.0),
+        _run("async", 1, [(0.5, 0.6), (1.0, 0.905), (1.5, 0.93)], (2.0, 0.91), [[0.8, 1.6], [0.9, 1.7]], 18.0),
+        batchsync,
+        _run("ddp", 3, [(1.0, 0.6), (2.0, 0.91), (3.0, 0.93)], (3.1, 0.92), [[1.6, 3.0], [1.6, 3.0]], 14.0),
+    ]
+    row = {"learners": 4, "batch_size": 32, "slowdown": 3, "straggle": "sleep", "sleep_ms": 20.0, "ideal": 0.4}
+    return {**row, **accuracy.summarize(runs)}
+
+
+def test_two_rudra_strategies_are_each_timed_against_the_ddp_runs_around_them_and_reported_in_a_row_each():
+    config = _rounds()
+    rudra, ddp = config["runs"]["batchsync"], config["runs"]["ddp"]
+    # DDP: stays above 0.90 from 3.0 s (2.0 epochs) and 2.0 s (1 + 0.5 / 1.4 epochs); batchsync from 1.5 s, when
+    # it had done 1 + 0.6 / 1.0 epochs (1.5 s after rank 0's start is 1.6 s on the epochs' clock)
+    assert rudra["tta_s"] == 1.5 and rudra["tta_vs_ddp"] == pytest.approx(1.5 / 2.5)
+    assert rudra["tta_epochs"] == pytest.approx(1.6) and ddp["tta_epochs_runs"] == [2.0, pytest.approx(1 + 0.5 / 1.4)]
+    assert rudra["tta_epochs_vs_ddp"] == pytest.approx(1.6 / ((2.0 + 1 + 0.5 / 1.4) / 2))
+    assert rudra["late"] == 30 and rudra["late_share"] == pytest.approx(30 / 180) and rudra["redealt"] == 28
+    assert rudra["half_accuracy"] == pytest.approx(0.7) and config["ddp_half_accuracy"] == pytest.approx(0.775)
+    lines = report._accuracy_table([config], {})
+    table = "\n".join(lines)
+    assert "| learners (μ) | straggler (delay ms) | strategy | DDP plateau (runs) |" in table
+    assert "| Rudra s to target (epochs) | Rudra / DDP (runs) |" in table
+    # both strategies, each with its own ratio and target; the shared epoch's ideal is async's only
+    assert "| 4 (32) | 3x sleep (20.0) | Rudra async | 0.910 (0.90–0.92) |" in table
+    assert "| 1.00 (1.2) | 0.40 | 0.400 | <= 0.6 | 1.50 |" in table
+    assert (
+        "| Rudra K-batch-sync (K = λ) | 0.910 (0.90–0.92) | 0.775 | 0.900 | 2.50 (1.7) | 1.50 (1.6) | 0.60 | – "
+        in table
+    )
+    assert "| – | <= 0.5 |" in table
+    # the second table: epochs to the target against DDP's, accuracy over half the epochs, the late gradients
+    assert (
+        "| 4 (32) | 3x sleep (20.0) | Rudra K-batch-sync (K = λ) | 1.6 (1.7) | 0.95 | <= 1.1 | 0.700 (0.775) | – "
+        "| 30 (0.17) | 28 |" in table
+    )
+    assert "| Rudra async | 1.2 (1.7) | 0.74 | – | 0.600 (0.775) |" in table  # async's epochs: no target
+    targets = {t["key"]: t for t in check_targets({"accuracy": [config]})}
+    assert targets["accuracy_batchsync_4x3"]["value"] == pytest.approx(0.6)
+    assert targets["accuracy_batchsync_4x3"]["by"] == "missed: 1.20x off"
+    assert targets["accuracy_epochs_batchsync_4x3"]["met"] and targets["accuracy_4x3"]["met"]
+    never = {t["key"]: t for t in check_targets({"accuracy": [_rounds(batchsync_final=0.85)]})}
+    assert never["accuracy_batchsync_4x3"]["by"] == "missed: batchsync never reached it"
+    assert never["accuracy_epochs_batchsync_4x3"]["met"] is False
+
+
+def test_a_straggler_left_behind_in_a_drained_epoch_does_not_hold_its_end_back():
+    """As measured under batchsync (4 learners, one 3x): the straggler's gradients all came late, it took its own
+    late batch back again and again and ended all its epochs at the run's end; the epochs end with the others'."""
+    ranks = [[0.39, 0.76, 1.15, 1.5], [0.37, 0.81, 1.15, 1.5], [0.33, 0.77, 1.31, 1.47], [1.63, 1.63, 1.63, 1.63]]
+    assert stats.epoch_ends(ranks) == [0.39, 0.81, 1.31, 1.63]  # the last: the job's end
+    run = {"epoch_ends_s": ranks, "rank0_start_s": 0.0}
+    assert accuracy.epochs_at(run, 0.6) == pytest.approx(1 + 0.21 / 0.42)
+    # async's straggler ends each epoch late, but before the others end the next one: the last learner's end
+    assert stats.epoch_ends([[0.8, 1.6], [0.9, 1.7]]) == [0.9, 1.7]
+
+
+def test_the_accuracy_flags_land_in_the_recorded_config_and_each_rudra_run_has_ddp_runs_around_it(
+    tmp_path, monkeypatch, capsys
+):
+    from benchmarks import provenance, run
+    from benchmarks.suite import Suite
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    monkeypatch.setattr(provenance, "ROOT", _repo(root))
+    flags = ["--accuracy-strategies", "async,batchsync,hardsync+backup1", "--accuracy-learners", "4"]
+    flags += ["--accuracy-stragglers", "3:sleep,1:busy", "--accuracy-reps", "2"]
+    meta = run.main(["--only", "", "--out", str(tmp_path / "out"), *flags])["meta"]
+    config = meta["config"]
+    assert config["accuracy_strategies"] == ["async", "batchsync", "hardsync+backup1"]
+    assert config["accuracy_learners"] == [4] and config["accuracy_reps"] == 2
+    assert config["accuracy_stragglers"] == [(3, "sleep"), (1, "busy")] and config["accuracy_busy_learners"] == [4]
+    assert meta["command"].endswith(" ".join(flags))  # the report's command reruns it
+    assert run.main(["--only", "", "--out", str(tmp_path / "out")])["meta"]["config"]["accuracy_strategies"] == [
+        "async"
+    ]
+    for bad, message in (
+        (["--accuracy-strategies", "async,ddp"], "ddp is not a Rudra strategy"),
+        (["--accuracy-stragglers", "3:nap"], "'3:nap' is not K:HOW"),
+        (["--accuracy-learners", "four"], "expected numbers"),
+    ):
+        with pytest.raises(SystemExit):
+            run.main(["--only", "", "--out", str(tmp_path / "out"), *bad])
+        assert message in capsys.readouterr().err
+    order = Suite({"ddp_every": 3}, quick=True)._schedule(["ddp", "async", "batchsync", "hardsync+backup1"], 2)
+    assert order[:5] == [("ddp", 0), ("async", 0), ("batchsync", 0), ("hardsync+backup1", 0), ("ddp", 1)]
+    assert order[5] == ("batchsync", 1) and order[-1] == ("ddp", 2)  # the strategies take turns going first
+
+
 class _SweepSuite:
     """What ``accuracy.sweep`` uses of the suite; every job "trains" a rate to a validation accuracy that peaks at
     lr 0.8, 0.01 higher in data order 1 than in order 0."""

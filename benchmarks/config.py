@@ -47,6 +47,8 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     # issue 35's rounds that do not wait for the slowest learner (k, backup: lightning_rudra.core.rounds)
     "batchsync": ("batchsync", 1, [], {}),
     "hardsync+backup1": ("hardsync", 1, [], {"backup": 1}),
+    # SSP at the smallest bound async can keep with 4 learners (min_blocking_staleness: λ - 1)
+    "async+ssp3": ("async", 1, [], {"max_staleness": 3, "on_stale": "block"}),
 }
 STRATEGY_LABELS = {  # key -> how the report names it
     "ddp": "DDP (gloo)",
@@ -70,6 +72,7 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",
     "batchsync": "Rudra K-batch-sync (K = λ)",
     "hardsync+backup1": "Rudra hardsync, backup=1",
+    "async+ssp3": 'Rudra async, SSP (max_staleness=3, on_stale="block")',
 }
 
 DEFAULT = {

@@ -109,6 +109,30 @@ def _accuracy(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     ]
 
 
+ROUNDS = ("batchsync", "hardsync+backup1", "async+ssp3", "async")  # the protocol family's row, in this order
+ROUND_NAMES = {"batchsync": "K-batch-sync", "hardsync+backup1": "backup=1", "async+ssp3": "SSP s=3", "async": "async"}
+
+
+def _rounds(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
+    """Time to DDP's accuracy of the protocol family (results/rounds.json), 4 learners, a sleeping 3× straggler
+    and none."""
+    rows: list[tuple[str, Optional[Row]]] = []
+    for slowdown, what in ((SLOWDOWN, f"one {SLOWDOWN}× slower (sleeping)"), (1, "no straggler")):
+        what = f"time to DDP's accuracy, 4 learners, {what}"
+        found = _find(s.get("accuracy", []), learners=4, slowdown=slowdown)
+        if found is None:
+            rows.append((what, None))
+            continue
+        runs = {k: found["runs"][k] for k in ROUNDS if k in found["runs"]}
+        never = {k: r.get("tta_vs_ddp") is None and bool(r.get("tta_s_reps")) for k, r in runs.items()}
+        measured = ", ".join(
+            f"{ROUND_NAMES[k]} {'never' if never[k] else _x(r.get('tta_vs_ddp'))}" for k, r in runs.items()
+        )
+        ideal = _x(found.get("ideal")) + " (epoch time)" if slowdown > 1 else "–"
+        rows.append((what, [what, measured, ideal, _jobs(runs, tuple(runs))]))
+    return rows
+
+
 def _transport(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     what = "push+pull, 10 M, 2 learners / gloo all-reduce"
     one = s.get("transport", {}).get("rudra", {}).get(str(10 * M))
@@ -166,6 +190,7 @@ def _simulation(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
 ROWS: list[tuple[str, Callable[[dict[str, Any]], list[tuple[str, Optional[Row]]]]]] = [
     ("epochs", _epochs),
     ("accuracy", _accuracy),
+    ("rounds", _rounds),
     ("transport-models", _transport),
     ("transport-models", _models),
     ("network", _network),

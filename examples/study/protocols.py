@@ -219,7 +219,7 @@ def train(name: str, seed: int, epochs: int, lr: float, learners: int = LEARNERS
         rows["val_errors"].append(error(x_val, y_val, finite))
         rows["times"].append(round(now, 3))
         rows["late"].append(server.stats.late)
-        rows["held"].append(server.gate.times_held if server.gate is not None else 0)
+        rows["held"].append(server.stats.held)
         bound = server.config.max_staleness
         rows["disagreements"].append(disagreements + int(bound is not None and server.stats.max_staleness > bound))
     stats = server.stats

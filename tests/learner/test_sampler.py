@@ -2,7 +2,7 @@
 scripted client. Each batch the DataLoader makes is one batch the pool dealt, also when a partial last batch is
 followed by a lost learner's batch dealt again."""
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import pytest
 from torch.utils.data import DataLoader
@@ -18,9 +18,13 @@ class PoolClient:
     def __init__(self, pool: EpochPool, rank: int, lost: int) -> None:
         self.pool, self.rank, self.lost = pool, rank, lost
         self.dealt: list[list[int]] = []
+        self.late: list[list[int]] = []  # what each draw said came late
 
-    def draw(self, pool: int, epoch: int, plan: EpochPlan, want: int, trained: Optional[int] = None) -> Any:
-        indices, position, what = self.pool.draw(epoch, self.rank, plan, want, trained)
+    def draw(
+        self, pool: int, epoch: int, plan: EpochPlan, want: int, trained: Optional[int] = None, late: Sequence[int] = ()
+    ) -> Any:
+        self.late.append(list(late))
+        indices, position, what = self.pool.draw(epoch, self.rank, plan, want, trained, late)
         if indices is not None:
             self.dealt += [batch.tolist() for batch in indices.split(plan.batch_size)]
             if position + len(indices.split(plan.batch_size)) == plan.num_batches:
@@ -48,3 +52,18 @@ def test_every_batch_is_a_dealt_batch_when_a_partial_last_batch_is_followed_by_o
     seen = sorted(i for batch in batches for i in batch)
     assert seen == list(range(16 if drop_last else 20)), "every sample once in the epoch"
     assert list(sampler.positions) == [1] + ([] if drop_last else [2]) + [0]
+
+
+def test_late_places_go_with_the_next_draw_once_and_their_batch_is_dealt_again():
+    pool = EpochPool(EpochPlan(32, 4, shuffle=False), num_learners=2)
+    client = PoolClient(pool, rank=0, lost=1)
+    sampler = SharedEpochSampler(client, 0, pool.plan, num_learners=2)  # type: ignore[arg-type]
+    sampler.want = 1
+    sampler.set_epoch(0)
+    batches = iter(sampler)
+    assert next(batches) == [0, 1, 2, 3]  # its place 0; the next draw already went, with nothing late
+    sampler.trained, sampler.late = 1, [0]  # place 0's gradient came late
+    assert next(batches) == [4, 5, 6, 7]
+    next(batches)
+    assert client.late[:3] == [[], [], [0]] and sampler.late == []
+    assert [b.indices.tolist() for b in pool.redeal] == [[0, 1, 2, 3]]  # for the next learner that asks

@@ -342,3 +342,18 @@ def test_bf16_codec_cost_on_pushes_that_cross_hosts():
     assert p.samples_per_s == pytest.approx(1 / 3.0)
     plain = simulate(Scenario(Protocol("async"), cluster, StepTime(1.0), Payload(1000), batches=50))
     assert plain.samples_per_s == pytest.approx(1.0)
+
+
+def test_measured_compute_adds_lightnings_time_per_step():
+    # benchmarks.predict's table: a model's forward + backward alone, plus Lightning's own time per step
+    from benchmarks.predict.compute import compute_s
+
+    table = {
+        "rows": [
+            {"model": "m", "batch_size": 32, "median_s": 0.05},
+            {"model": "m", "batch_size": 16, "median_s": 0.03},
+        ],
+        "lightning": {"overhead_s": 0.002},
+    }
+    assert compute_s(table, "m", 16) == pytest.approx(0.032)
+    assert compute_s(table, "m", 32) == pytest.approx(0.052)

@@ -7,6 +7,7 @@ import os
 import statistics
 from typing import Sequence
 
+from benchmarks.predict.compute import compute_s, load_compute
 from benchmarks.predict.server import _line
 from lightning_rudra.core.runtime import Link, ServerCost
 
@@ -23,7 +24,7 @@ class Inputs:
     the transport table's sizes (medians of its repetitions): the one-host path through shared memory (a learner
     alone: push+pull minus the server's work), RPC (an echo of 4N bytes each way: its intercept is two messages'
     fixed cost, its slope two copies of 4 bytes a parameter) and gloo's all-reduce (to take DDP's from a DDP step,
-    leaving the compute). ``cores``: the machine's that measured (every results file's meta ``nproc``)."""
+    leaving the compute); ``table``: one learner's compute measured alone (``measured_compute.json``). ``cores``: the machine's that measured (every results file's meta ``nproc``)."""
 
     def __init__(self, server: ServerCost) -> None:
         data = _load("transport-models")
@@ -38,6 +39,7 @@ class Inputs:
         self.rpc = Link(per_message=intercept / 2, per_byte=slope / 8)
         self.gloo = _line(sizes, [med[n]["gloo"] for n in sizes])
         self.jitter = self._jitter()
+        self.table = load_compute()
 
     @staticmethod
     def _jitter() -> float:
@@ -69,3 +71,8 @@ class Inputs:
         learners computing at once on ``cores`` (each had min(1, cores / λ) of a core)."""
         wall = ddp_step_ms / 1000 - straggle_s - self.allreduce(parameters, learners)
         return max(wall * min(1.0, self.cores / learners), 1e-4)
+
+    def alone(self, model: str, batch_size: int) -> float:
+        """One learner's compute in seconds of one core as ``--measure-compute`` measured it: the model's forward +
+        backward alone (one process, one thread) plus Lightning's own time per step."""
+        return compute_s(self.table, model, batch_size)

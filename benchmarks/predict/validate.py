@@ -49,8 +49,15 @@ def _scenario(
     return Scenario(_protocol(strategy), cluster, times, payload, inputs.server, **kw)
 
 
-def validation_rows(inputs: Inputs) -> list[dict]:
+COMPUTE_SOURCES = ("ddp", "alone")
+
+
+def validation_rows(inputs: Inputs, compute_from: str = "ddp") -> list[dict]:
+    """Every configuration's prediction against its measurement. ``compute_from``: each learner's compute taken
+    from the DDP runs beside it (``ddp``: :meth:`Inputs.compute`) or as measured alone (``alone``:
+    :meth:`Inputs.alone`, ``--measure-compute``'s table)."""
     rows: list[dict] = []
+    alone = compute_from == "alone"
 
     def add(source: str, config: str, strategy: str, measured: dict, scenario: Scenario) -> None:
         p = simulate(scenario)
@@ -74,7 +81,7 @@ def validation_rows(inputs: Inputs) -> list[dict]:
         rows.append(row)
 
     # section 5 and 7: MNIST-1D, one host, the last learner sleeps or busy-waits (k - 1) t a step; the compute from
-    # the DDP runs of the same row (alternated with the Rudra runs, minutes apart at most)
+    # the DDP runs of the same row (alternated with the Rudra runs, minutes apart at most), or measured alone
     for name, key, epochs_key in (("epochs", "epochs", "epochs_per_run"), ("accuracy", "accuracy", "accuracy_epochs")):
         data = _load(name)
         epochs = data["meta"]["config"][epochs_key]
@@ -82,7 +89,11 @@ def validation_rows(inputs: Inputs) -> list[dict]:
         for row in data["summary"][key]:
             lam, mu = row["learners"], row["batch_size"]
             straggle = (row["sleep_ms"] / 1000) if row.get("slowdown", 1) > 1 else 0.0
-            compute = inputs.compute(row["runs"]["ddp"]["step_ms"], parameters[lam], lam, straggle)
+            compute = (
+                inputs.alone("mnist1d", mu)
+                if alone
+                else inputs.compute(row["runs"]["ddp"]["step_ms"], parameters[lam], lam, straggle)
+            )
             batches = int(6000 * 0.72) // mu
             config = f"λ={lam} μ={mu}, " + (f"{row['slowdown']}x {row['straggle']}" if straggle else "no straggler")
             for strategy, measured in row["runs"].items():
@@ -109,13 +120,14 @@ def validation_rows(inputs: Inputs) -> list[dict]:
     for row in data["summary"]["models"]:
         lam, n = row["learners"], row["parameters"]
         mu, batches = row["batch_size"], row["samples"] // row["batch_size"]
-        compute = inputs.compute(row["runs"]["ddp"]["step_ms"], n, lam)
+        model = f"mlp{row['target_params'] // 1_000_000}M"
+        compute = inputs.alone(model, mu) if alone else inputs.compute(row["runs"]["ddp"]["step_ms"], n, lam)
         ddp_compute[(lam, row["target_params"])] = compute
         for label, runs, straggle in (
             ("no straggler", row["runs"], 0.0),
             ("3x sleep", row.get("straggler", {}), row.get("sleep_ms", 0) / 1000),
         ):
-            if straggle and runs.get("ddp", {}).get("step_ms"):
+            if straggle and runs.get("ddp", {}).get("step_ms") and not alone:
                 compute = inputs.compute(runs["ddp"]["step_ms"], n, lam, straggle)
             for strategy, measured in runs.items():
                 if strategy == "ddp":
@@ -166,7 +178,7 @@ def _fmt(x: Optional[float], digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def validation_markdown(rows: list[dict], server: dict) -> str:
+def validation_markdown(rows: list[dict], server: dict, compute: str) -> str:
     speed = sum(r["speed_ok"] for r in rows)
     stale = [r for r in rows if r["staleness_ok"] is not None]
     lines = [
@@ -174,7 +186,7 @@ def validation_markdown(rows: list[dict], server: dict) -> str:
         "",
         "`python -m benchmarks.predict --validate`: every Rudra configuration of results/epochs, accuracy, "
         "transport-models and network, its inputs read from the same file (docs/prediction.md says how), the "
-        f"server's coefficients measured by `{server['command']}`. Targets: samples/s within "
+        f"server's coefficients measured by `{server['command']}`, each learner's compute {compute}. Targets: samples/s within "
         f"{SPEED_TOLERANCE:.0%}, mean σ within {STALENESS_TOLERANCE:.0%}. Met: samples/s {speed} of {len(rows)}, "
         f"mean σ {sum(r['staleness_ok'] for r in stale)} of {len(stale)} (where measured).",
         "",

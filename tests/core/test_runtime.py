@@ -263,6 +263,31 @@ def test_transport_cost_per_message_and_byte():
     assert Link(1e9).with_transport(link).overhead(1e6) == pytest.approx(2e-3)
 
 
+def test_transport_cost_occupies_a_core_on_both_ends():
+    # 1 s compute, RPC of 0.5 s a message on one host (half on the sender's core, half on the receiver's), no server
+    # cost. One learner on 1 core: 1 + 0.5 + 0.5 = 2 s a step, as with the cost as latency. Two learners on 1 core:
+    # every second of a step is CPU work, so the core makes one step per 2 s in all (the cost as latency would
+    # overlap one's compute with the other's transfers: a step a second). On 2 cores each has its own: 2 s a step.
+    link = Link(per_message=0.5)
+    one = run(Protocol("async"), learners=1, cluster=Cluster(1, 1, local=link, cores=1), batches=50)
+    assert one.samples_per_s == pytest.approx(1 / 2.0)
+    shared = run(Protocol("async"), learners=2, cluster=Cluster(1, 2, local=link, cores=1), batches=100)
+    assert shared.samples_per_s == pytest.approx(1 / 2.0)
+    own = run(Protocol("async"), learners=2, cluster=Cluster(1, 2, local=link, cores=2), batches=100)
+    assert own.samples_per_s == pytest.approx(2 / 2.0)
+
+
+def test_transport_cost_between_hosts_is_work_on_each_end():
+    # 2 hosts of one machine with 1 core, a learner on host 0 and its server on host 1, a free wire with 0.5 s of
+    # RPC a message: as above, 2 s a step alone; a second learner on host 0 shares the one core: 2 s a step in all
+    link = Link().with_transport(Link(per_message=0.5))
+    common = dict(link=link, servers_on="own_hosts", cores=1, one_machine=True)
+    one = run(Protocol("async"), learners=1, cluster=Cluster(1, 1, **common), batches=50)
+    assert one.samples_per_s == pytest.approx(1 / 2.0)
+    two = run(Protocol("async"), learners=2, cluster=Cluster(1, 2, **common), batches=100)
+    assert two.samples_per_s == pytest.approx(1 / 2.0)
+
+
 # the report at λ = 8 as the model computed it before its hot paths were made faster (SSP's gate incremental): the
 # numbers must not move. (gbit, protocol, servers, samples/s, mean σ, wasted, epoch s)
 REPORT_8 = [
@@ -317,3 +342,18 @@ def test_bf16_codec_cost_on_pushes_that_cross_hosts():
     assert p.samples_per_s == pytest.approx(1 / 3.0)
     plain = simulate(Scenario(Protocol("async"), cluster, StepTime(1.0), Payload(1000), batches=50))
     assert plain.samples_per_s == pytest.approx(1.0)
+
+
+def test_measured_compute_adds_lightnings_time_per_step():
+    # benchmarks.predict's table: a model's forward + backward alone, plus Lightning's own time per step
+    from benchmarks.predict.compute import compute_s
+
+    table = {
+        "rows": [
+            {"model": "m", "batch_size": 32, "median_s": 0.05},
+            {"model": "m", "batch_size": 16, "median_s": 0.03},
+        ],
+        "lightning": {"overhead_s": 0.002},
+    }
+    assert compute_s(table, "m", 16) == pytest.approx(0.032)
+    assert compute_s(table, "m", 32) == pytest.approx(0.052)

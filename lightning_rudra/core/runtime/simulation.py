@@ -281,21 +281,52 @@ class Simulation:
     def _send(self, push: _Push) -> None:
         whole = self.s.payload.push_bytes if self.parts == 1 else self.push_part
         for server in range(self.parts):
-            arrival = self._transfer(push.host, self.s.cluster.host_of_server(server), whole, self.push_part)
-            self._at(arrival, SHARD, push.members[0], self._shard, push, server)
+            target = self.s.cluster.host_of_server(server)
+            self._transfer(push.host, target, whole, self.push_part, SHARD, push.members[0], self._shard, push, server)
 
-    def _transfer(self, source: int, target: int, sent: float, received: float) -> float:
-        """When a message sent now from host ``source`` arrives at ``target``: on one host a copy (no queue), between
-        hosts once the sender's outgoing and the receiver's incoming side are both free, each held for the bytes it
-        carries (``sent``, ``received``: they differ where one server stands for all)."""
+    def _transfer(
+        self,
+        source: int,
+        target: int,
+        sent: float,
+        received: float,
+        kind: int,
+        learner: int,
+        call: Callable[..., None],
+        *args: Any,
+    ) -> None:
+        """A message sent now from host ``source`` to ``target``; ``call(*args)`` once it arrived. On one host a copy
+        (no queue), between hosts once the sender's outgoing and the receiver's incoming side are both free, each
+        held for the bytes it carries (``sent``, ``received``: they differ where one server stands for all). The
+        transport's own cost (:meth:`Link.overhead`: RPC's serialization and copies) is CPU work where cores are
+        shared: half on the sender's machine before the wire, half on the receiver's after it (as its echo measured
+        it, each end on a core of its own), so that it stretches when more processes than cores are busy; without
+        shared cores, time added to the arrival."""
         cluster = self.s.cluster
+        link = cluster.local if source == target else cluster.link
         size = max(sent, received)
-        if source == target:
-            return self.now + cluster.local.seconds(size) + cluster.local.latency + cluster.local.overhead(size)
-        start = max(self.now, self.out_free[source], self.in_free[target])
-        self.out_free[source] = start + cluster.link.seconds(sent)
-        self.in_free[target] = start + cluster.link.seconds(received)
-        return start + cluster.link.seconds(size) + cluster.link.latency + cluster.link.overhead(size)
+        cpu = link.overhead(size) if self.shared else 0.0
+
+        def wire() -> None:
+            if source == target:
+                arrival = self.now + link.seconds(size) + link.latency
+            else:
+                start = max(self.now, self.out_free[source], self.in_free[target])
+                self.out_free[source] = start + link.seconds(sent)
+                self.in_free[target] = start + link.seconds(received)
+                arrival = start + link.seconds(size) + link.latency
+            if cpu:
+                self._at(arrival, kind, learner, self._work, cluster.machine_of_host(target), cpu / 2, arrived, kind)
+            else:
+                self._at(arrival + link.overhead(size), kind, learner, call, *args)
+
+        def arrived() -> None:
+            self._at(self.now, kind, learner, call, *args)
+
+        if cpu:
+            self._work(cluster.machine_of_host(source), cpu / 2, wire, kind)
+        else:
+            wire()
 
     def _serve(self, server: int, seconds: float, then: Callable[[], None]) -> None:
         """The server's FIFO: one process, its jobs in turn (sharing its host's cores while it works)."""
@@ -408,8 +439,8 @@ class Simulation:
         """Server ``server``'s part of each reply leaves now."""
         whole = self.s.payload.pull_bytes if self.parts == 1 else self.pull_part
         for push, reply in replies:
-            arrival = self._transfer(self.s.cluster.host_of_server(server), push.host, self.pull_part, whole)
-            self._at(arrival, REPLY, push.members[0], self._reply, reply)
+            source = self.s.cluster.host_of_server(server)
+            self._transfer(source, push.host, self.pull_part, whole, REPLY, push.members[0], self._reply, reply)
 
     def _reply(self, reply: _Reply) -> None:
         reply.parts_left -= 1

@@ -162,8 +162,9 @@ class ModelServer:
             core = self._protocol()
             if push.grads is None:
                 push = replace(push, grads=self.shared.gradient(push.learner, push.optimizer, core))
-            core.away = self.gatherings.waiting() & core.active  # a backup round does not wait for them
-            now = time.monotonic()
+            if core.config.backup:  # a backup round does not wait for the learners at a collective
+                core.away = self.gatherings.waiting() & core.active
+            now = time.monotonic() if self.pacing is not None else 0.0  # batchsync's pacing measures steps
             if self.pacing is not None:
                 self.pacing.pushed(push.learner, now)
             result = core.push(push)

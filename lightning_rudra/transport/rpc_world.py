@@ -7,6 +7,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import re
 import socket
 import struct
@@ -34,10 +35,44 @@ def learner_name(rank: int) -> str:
     return f"learner{rank}"
 
 
+# ports free_port gave in this process: two learners' ports picked ahead of their runs must differ
+_HANDED_PORTS: set[int] = set()
+
+
 def free_port() -> int:
+    """A port that nothing listens on now and that the system never gives an outgoing connection as its source
+    port: the caller binds it later, and a port from the ephemeral range (what binding port 0 returns) can meanwhile
+    become the source port of any connection on the machine, the learners' own included (EADDRINUSE in CI)."""
+    ports = _ports_outside_ephemeral_range()
+    for _ in range(100 if ports else 0):
+        port = random.choice(ports)
+        if port in _HANDED_PORTS:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        _HANDED_PORTS.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+def _ports_outside_ephemeral_range() -> range:
+    """Up to 12,000 ports just below the system's ephemeral range (Linux: 32768-60999, so 20768-32767), or above
+    it; empty where the range leaves too little room (then free_port falls back on port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            low, high = (int(value) for value in file.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    if low - 1024 >= 1000:
+        return range(max(1024, low - 12000), low)
+    if 65535 - high >= 1000:
+        return range(high + 1, 65536)
+    return range(0)
 
 
 def port_from_agent_store(rank: int, host: str, port: int, timeout: float, key: str) -> int:

@@ -15,7 +15,7 @@ import torch.distributed.rpc as rpc
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
-from lightning_rudra.transport.rpc_world import address_towards, interface_towards, quiet_peers_leaving
+from lightning_rudra.transport.rpc_world import address_towards, free_port, interface_towards, quiet_peers_leaving
 from tests import rpc_harness as harness
 
 PEER_LEFT = (
@@ -23,6 +23,18 @@ PEER_LEFT = (
     b"reading incoming response from server: EOF: end of file (this error originated at tensorpipe/transport"
     b"/uv/connection_impl.cc:132)\n"
 )
+
+
+def test_free_ports_are_never_ones_the_system_gives_outgoing_connections():
+    # a port picked ahead of its run and bound later must not become some connection's source port meanwhile
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+        low, high = (int(value) for value in file.read().split())
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert not any(low <= port <= high for port in ports), (low, high, ports)
+    for port in ports[:5]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
 
 
 def test_the_interface_towards_the_rendezvous():

@@ -24,7 +24,6 @@ import argparse
 import collections
 import os
 import re
-import socket
 import subprocess
 import tempfile
 import threading
@@ -33,12 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.pool import Pool
-
-
-def _port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from lightning_rudra.transport.rpc_world import free_port
 
 
 def summarize(path: str, top: int, parked: float = 1.01) -> list[tuple[float, str]]:
@@ -132,7 +126,7 @@ def _network(args: argparse.Namespace) -> None:
         "n": n,
         "protos": protos,
         "options": options,
-        "port": _port(),
+        "port": free_port(),
         "lr": TRAINING["lr"],
         "momentum": TRAINING["momentum"],
         "mlp_params": args.params,
@@ -194,14 +188,14 @@ def main() -> None:
     if args.what == "push":
         fn, kwargs, delay = (
             "benchmarks.transport:push_loop",
-            {"numel": args.numel, "port": _port(), "seconds": args.seconds + 8, "both": args.both},
+            {"numel": args.numel, "port": free_port(), "seconds": args.seconds + 8, "both": args.both},
             6.0,
         )
     else:
         fn = "benchmarks.training:train"
         kwargs = {
             "strategy": args.strategy,
-            "port": _port(),
+            "port": free_port(),
             "max_steps": [1_000_000] * 2,
             "sleep_s": [0.0, 0.0],
             "stop_after_s": [args.seconds + 8] * 2,

@@ -3,7 +3,6 @@ runs alternate with DDP; each phase's method runs that phase's module.
 """
 
 import json
-import socket
 import sys
 import time
 from typing import Any, Optional
@@ -11,29 +10,14 @@ from typing import Any, Optional
 from benchmarks import accuracy, e2e, epochs, models, network, stats, transport_phases
 from benchmarks.config import PROTOTYPES, STRATEGIES, THP, TRAINING, TRAINING_PRELOAD
 from benchmarks.pool import JobFailed, Pool
-
-
-class Ports:
-    """Distinct free TCP ports (a rendezvous per job: RPC and gloo must never share one)."""
-
-    def __init__(self) -> None:
-        self.used: set[int] = set()
-
-    def __call__(self) -> int:
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            if port not in self.used:
-                self.used.add(port)
-                return port
+from lightning_rudra.transport.rpc_world import free_port
 
 
 class Suite:
     def __init__(self, cfg: dict[str, Any], quick: bool) -> None:
         self.cfg = cfg
         self.quick = quick
-        self.ports = Ports()
+        self.ports = free_port  # distinct ports: a rendezvous per job, RPC and gloo never sharing one
         self.t0 = time.monotonic()
         self.failures: list[str] = []
         self.raw: dict[str, Any] = {}

@@ -8,7 +8,7 @@ the parameter server runs) with no Lightning around it: each learner computes it
 last received, and pushes in the order the timing model (``Jittered(0.3)``, as the paper grid) says, as a
 simulated run (``RudraStrategy(simulate=λ)``) does, about ten times faster. MNIST-1D, the example CNN, μλ = 128.
 
-Data: each seed generates its own MNIST-1D sample (``NUM_SAMPLES``; 20 % test split) and its own initial weights,
+Data (``examples.study.families``): each seed generates its own MNIST-1D sample (``NUM_SAMPLES``; 20 % test split) and its own initial weights,
 data order and step times. The last ``VAL_FRACTION`` of the training samples are held out as a validation split
 (as ``MNIST1DDataModule`` does), disjoint from the test split; the runs train on the rest.
 
@@ -51,9 +51,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from examples.mnist1d import MNIST1DClassifier, generate_mnist1d
+from examples.study.families import FAMILIES, clipping, make_optimizer
 from lightning_rudra import ProtocolConfig, Server
 from lightning_rudra.core.compression import ErrorFeedback, WeightDeltas
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
@@ -61,9 +60,6 @@ from lightning_rudra.timing import Jittered, TimingModel, push_order
 from lightning_rudra.core.update import Push
 
 EPOCHS = 30  # the full grid's (and the compression study's) hardsync epochs
-NUM_SAMPLES = 4000
-TEST_FRACTION = 0.2
-VAL_FRACTION = 0.1  # of the training samples
 MU_LAMBDA = 128
 SPREAD = 0.3  # of the step times (Jittered)
 TUNE_SEED = 100  # every choice is made on this seed's validation split; never reported
@@ -91,16 +87,6 @@ GRIDS = {
     "full": Grid(EPOCHS, _FULL_STALE, RULES, _FULL_STALE, RULES),
     "reduced": Grid(20, _REDUCED_STALE, ("momentum", "paper", "momentum+dc"), _REDUCED_STALE[::2], ()),
 }
-
-
-def split(seed: int, num_samples: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Seed ``seed``'s own MNIST-1D sample: ``train``, ``val`` (the training samples' last ``VAL_FRACTION``) and
-    ``test``, each (x, y)."""
-    data = generate_mnist1d(num_samples, seed, TEST_FRACTION)
-    x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"])
-    cut = len(y) - int(len(y) * VAL_FRACTION)
-    test = torch.tensor(data["x_test"], dtype=torch.float32), torch.tensor(data["y_test"])
-    return {"train": (x[:cut], y[:cut]), "val": (x[cut:], y[cut:]), "test": test}
 
 
 def learner_steps(train_samples: int, learners: int) -> list[int]:
@@ -153,16 +139,19 @@ def train(
     epochs: int,
     lr: float,
     compression: Optional[str] = None,
+    family: str = "cnn",
 ) -> dict[str, Any]:
-    """One run; returns its test and validation errors and its simulated time after every epoch. ``compression``:
-    every push compressed as a learner on another host sends it (``RudraStrategy(compression=...)``), each learner
-    keeping its own rounding errors, and the weights it gets back as differences from those it holds."""
+    """One run; returns its test and validation measure (error, or the language model's loss: ``family``, see
+    :mod:`examples.study.families`) and its simulated time after every epoch. ``compression``: every push compressed
+    as a learner on another host sends it (``RudraStrategy(compression=...)``), each learner keeping its own rounding
+    errors, and the weights it gets back as differences from those it holds."""
     torch.manual_seed(seed)
-    data = split(seed, NUM_SAMPLES)
+    fam = FAMILIES[family]
+    data = fam.data(seed)
     (x, y), (x_val, y_val), (x_test, y_test) = data["train"], data["val"], data["test"]
-    model = MNIST1DClassifier()
+    model = fam.model()
     params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9) if optimizer == "sgd" else torch.optim.Adam(params, lr=lr)
+    opt = make_optimizer(optimizer, params, lr)
     options = dict(lr_modulation="mean") if rule == "paper" else dict(compensation=rule)
     config = ProtocolConfig(learners, protocol, n, **options)
     server = Server(config, [p.detach() for p in params], [], [OptimizerSpec.from_optimizer(opt, params)])
@@ -187,8 +176,7 @@ def train(
         )
 
     def error(x_eval: torch.Tensor, y_eval: torch.Tensor, finite: bool) -> float:
-        with torch.no_grad():
-            return round((model(x_eval).argmax(1) != y_eval).float().mean().item(), 4) if finite else 1.0
+        return round(fam.measure(model, x_eval, y_eval), 4) if finite else fam.worst
 
     errors, val_errors = [], []
     for _ in range(epochs):
@@ -201,11 +189,12 @@ def train(
             batch = shards[r][position[r] * mu : (position[r] + 1) * mu]
             position[r] += 1
             model.zero_grad(set_to_none=False)
-            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            fam.loss(model(x[batch]), y[batch]).backward()
             grad = torch.cat([p.grad.reshape(-1) for p in params])
             if feedback is not None:
                 [grad] = feedback.compress(r, [grad])
-            result = server.push(Push(r, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, []))
+            has_grad = torch.ones(len(params), dtype=torch.bool)
+            result = server.push(Push(r, 0, [grad], has_grad, timestamp, hparams, [], clipping=clipping(optimizer)))
             if protocol != "hardsync":
                 held[r] = receive(r, server.pull())
             elif result.closed:  # hardsync: every learner gets the round's weights
@@ -228,7 +217,7 @@ def train(
 
 def key(run: dict[str, Any]) -> tuple:
     """What tells runs apart (``compression``: only the compression study's runs have it)."""
-    fields = ("optimizer", "protocol", "learners", "n", "rule", "seed", "epochs", "lr", "compression")
+    fields = ("optimizer", "protocol", "learners", "n", "rule", "seed", "epochs", "lr", "compression", "family")
     return tuple(run.get(k) for k in fields)
 
 

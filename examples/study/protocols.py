@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from examples.mnist1d import MNIST1DClassifier
-from examples.study.compensation import NUM_SAMPLES, epoch_time, learner_steps, parse, read_rows, source, split
+from examples.study.compensation import epoch_time, learner_steps, parse, read_rows, source
+from examples.study.families import mnist1d_splits
 from lightning_rudra import ProtocolConfig
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.registration import Registration
@@ -166,7 +167,7 @@ def ssp_epoch(
 
 def train(name: str, seed: int, epochs: int, lr: float, learners: int = LEARNERS) -> dict[str, Any]:
     """One run: per epoch its test and validation errors, simulated time and counts (see the module's docstring)."""
-    data = split(seed, NUM_SAMPLES)
+    data = mnist1d_splits(seed)
     (x, y), (x_val, y_val), (x_test, y_test) = data["train"], data["val"], data["test"]
     run = Learners(name, seed, lr, learners)
     server, client = run.server, run.client

@@ -1,20 +1,10 @@
-"""The compensation study: its split, its rate grid's extension, its equal-time cut (fast, no training), and a tiny
+"""The compensation study: its rate grid's extension, its equal-time cut (fast, no training), and a tiny
 grid trained and reported."""
 
 import pytest
-import torch
 
 import examples.study.compensation as study
 from lightning_rudra.timing import Jittered, push_order
-
-
-def test_each_seed_has_its_own_sample_and_validation_is_held_out_of_training_and_disjoint_from_test():
-    data = study.split(0, 200)
-    (x, _), (x_val, _), (x_test, _) = data["train"], data["val"], data["test"]
-    assert len(x_val) == int((len(x) + len(x_val)) * study.VAL_FRACTION) > 0 and len(x_test) > 0
-    rows = lambda t: {tuple(v.tolist()) for v in t}  # noqa: E731
-    assert not rows(x_val) & rows(x_test) and not rows(x_val) & rows(x) and not rows(x) & rows(x_test)
-    assert not torch.equal(study.split(1, 200)["test"][0], x_test)  # another seed, another sample
 
 
 def test_a_rate_grid_grows_one_step_past_the_edge_its_best_is_on_until_the_best_is_interior():

@@ -23,7 +23,6 @@ import argparse
 import json
 import statistics
 from multiprocessing import get_context
-from pathlib import Path
 from typing import Any, Optional
 
 from examples.study.compensation import Runs, key, next_rate, parse, train
@@ -36,8 +35,8 @@ SEEDS = (0, 1, 2)
 LAST = 5
 MAX_EXTENSIONS = 4
 HARDSYNC_LEARNERS = 4
-STALE = (("async", 4, 1), ("async", 16, 1), ("async", 30, 1), ("softsync", 16, 4), ("softsync", 30, 4))
-RULES = ("momentum", "none", "momentum+dc", "momentum+gap")  # the default first
+STALE = (("async", 4, 1), ("async", 16, 1), ("softsync", 16, 4))
+RULES = ("momentum", "none", "momentum+dc")  # the default first
 RATES = {
     "sgd": (0.05, 0.1, 0.2),
     "sgd-clip": (0.25, 1.0, 4.0),
@@ -45,6 +44,8 @@ RATES = {
     "adamw": (0.001, 0.003, 0.01),
 }
 TARGET = 2.0
+FAMILY_NAMES = tuple(FAMILIES)
+OPTIMIZER_NAMES = OPTIMIZERS
 
 
 def run(family: str, optimizer: str, protocol: str, learners: int, n: int, rule: str, seed: int, lr: float) -> dict:
@@ -85,8 +86,8 @@ def score(row: dict[str, Any]) -> float:
 def rates(store: ParallelRuns, jobs: int) -> dict[tuple[str, str], dict[str, Any]]:
     """Per (family, optimizer): the rate swept on hardsync, extended until the best is interior."""
     chosen = {}
-    for family in FAMILIES:
-        for optimizer in OPTIMIZERS:
+    for family in FAMILY_NAMES:
+        for optimizer in OPTIMIZER_NAMES:
             scores: dict[float, float] = {}
             wanted = list(RATES[optimizer])
             for _ in range(MAX_EXTENSIONS + 1):

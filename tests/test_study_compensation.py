@@ -4,6 +4,7 @@ grid trained and reported."""
 import pytest
 
 import examples.study.compensation as study
+import examples.study.families as families
 from lightning_rudra.timing import Jittered, push_order
 
 
@@ -59,10 +60,9 @@ def test_the_equal_time_cut_is_the_last_epoch_finished_by_hardsyncs_end():
 @pytest.mark.timeout(600)
 def test_a_tiny_grid_tunes_on_seed_100_trains_the_reported_seeds_and_reports(tmp_path, monkeypatch):
     tiny = study.Grid(1, (("async", 2, 1), ("softsync", 4, 1)), ("momentum", "paper"), (("async", 2, 1),), ())
-    for name, value in dict(
-        NUM_SAMPLES=200, SEEDS=(0,), RATES={"sgd": (0.05, 0.1)}, GRIDS={"reduced": tiny}, MAX_EXTENSIONS=1
-    ).items():
+    for name, value in dict(SEEDS=(0,), RATES={"sgd": (0.05, 0.1)}, GRIDS={"reduced": tiny}, MAX_EXTENSIONS=1).items():
         monkeypatch.setattr(study, name, value)
+    monkeypatch.setattr(families, "NUM_SAMPLES", 200)
     study.main(["--out", str(tmp_path), "--grid", "reduced"])
     rows = study.read_rows(tmp_path / "runs.jsonl")
     tuning = [r for r in rows if r["seed"] == study.TUNE_SEED]

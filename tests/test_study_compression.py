@@ -3,14 +3,15 @@
 import pytest
 
 import examples.study.compensation as compensation
+import examples.study.families as families
 import examples.study.compression as study
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_tiny_grid_trains_each_run_in_float32_and_in_bf16_and_reports_the_pairs(tmp_path, monkeypatch):
-    for name, value in dict(NUM_SAMPLES=200, EPOCHS=1).items():
-        monkeypatch.setattr(compensation, name, value)
+    monkeypatch.setattr(families, "NUM_SAMPLES", 200)
+    monkeypatch.setattr(compensation, "EPOCHS", 1)
     monkeypatch.setattr(study, "RATES", {"sgd": 0.1})
     monkeypatch.setattr(study, "SEEDS", (0, 1))
     study.main(["--out", str(tmp_path)])

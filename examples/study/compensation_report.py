@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from examples.study import compensation as study
+from examples.study import families
 
 
 def _name(protocol: str, n: int) -> str:
@@ -50,7 +51,7 @@ def write_report(
         f"Made by `python -m examples.study.compensation --grid {grid_name} --out {out}` from `runs.jsonl` (the "
         "method: the module's docstring). Every choice below is made on the validation split of seed "
         f"{study.TUNE_SEED}, which is not reported; the test errors are of seeds {list(study.SEEDS)}, each with its "
-        f"own MNIST-1D sample ({study.NUM_SAMPLES} samples), initial weights and step times. μλ = {study.MU_LAMBDA}; "
+        f"own MNIST-1D sample ({families.NUM_SAMPLES} samples), initial weights and step times. μλ = {study.MU_LAMBDA}; "
         f"hardsync trains {e} epochs, the stale runs {2 * e}. The runs trained at commit "
         + ", ".join(sorted({r.get("commit", "?") + (" (modified)" if r.get("modified") else "") for r in rows}))
         + f", in {sum(r['seconds'] for r in rows) / 60:.0f} min of training for the reported seeds' "

@@ -54,10 +54,10 @@ class Family:
     floor: Optional[Callable[[int], float]] = None
 
 
-def mnist1d_splits(seed: int, num_samples: int = NUM_SAMPLES) -> Splits:
-    """Seed ``seed``'s own MNIST-1D sample: ``train``, ``val`` (the training samples' last ``VAL_FRACTION``) and
-    ``test``, each (x, y)."""
-    data = generate_mnist1d(num_samples, seed, TEST_FRACTION)
+def mnist1d_splits(seed: int, num_samples: Optional[int] = None) -> Splits:
+    """Seed ``seed``'s own MNIST-1D sample of ``num_samples`` (default ``NUM_SAMPLES``): ``train``, ``val`` (the
+    training samples' last ``VAL_FRACTION``) and ``test``, each (x, y)."""
+    data = generate_mnist1d(num_samples or NUM_SAMPLES, seed, TEST_FRACTION)
     x, y = torch.tensor(data["x"], dtype=torch.float32), torch.tensor(data["y"])
     test = torch.tensor(data["x_test"], dtype=torch.float32), torch.tensor(data["y_test"])
     return _cut(x, y, test)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from examples.mnist1d import MNIST1DClassifier
 from examples.study.compensation import epoch_time, learner_steps, parse, read_rows, source
-from examples.study.families import mnist1d_splits
+from examples.study.families import NUM_SAMPLES, mnist1d_splits
 from lightning_rudra import ProtocolConfig
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.registration import Registration
@@ -167,7 +167,7 @@ def ssp_epoch(
 
 def train(name: str, seed: int, epochs: int, lr: float, learners: int = LEARNERS) -> dict[str, Any]:
     """One run: per epoch its test and validation errors, simulated time and counts (see the module's docstring)."""
-    data = mnist1d_splits(seed)
+    data = mnist1d_splits(seed, NUM_SAMPLES)
     (x, y), (x_val, y_val), (x_test, y_test) = data["train"], data["val"], data["test"]
     run = Learners(name, seed, lr, learners)
     server, client = run.server, run.client

@@ -1,0 +1,69 @@
+"""The model families of the in-process studies (their splits, the language's entropy floor) and the staleness-rule
+study on a tiny grid, trained and reported."""
+
+import math
+
+import pytest
+import torch
+
+import examples.study.families as families
+import examples.study.staleness as study
+from examples.study.compensation import read_rows
+
+
+@pytest.mark.parametrize("splits", [lambda seed: families.mnist1d_splits(seed, 200), families.language_splits])
+def test_each_seed_has_its_own_sample_and_validation_is_held_out_of_training_and_disjoint_from_test(splits):
+    data = splits(0)
+    (x, _), (x_val, _), (x_test, _) = data["train"], data["val"], data["test"]
+    assert len(x_val) == int((len(x) + len(x_val)) * families.VAL_FRACTION) > 0 and len(x_test) > 0
+    rows = lambda t: {tuple(v.tolist()) for v in t}  # noqa: E731
+    assert not rows(x_val) & rows(x_test) and not rows(x_val) & rows(x) and not rows(x) & rows(x_test)
+    assert not torch.equal(splits(1)["test"][0], x_test)  # another seed, another sample
+
+
+def test_the_language_is_predictable_below_uniform_and_its_floor_is_the_chains_entropy_rate():
+    matrix = families.transitions(0)
+    assert torch.allclose(matrix.sum(1), torch.ones(families.VOCAB))
+    floor = families.entropy_rate(0)
+    assert 0.5 < floor < math.log(families.VOCAB) - 0.5
+    # the true chain's own predictions score the floor on its sequences, up to the sample's noise
+    x, y = families.language_splits(0)["test"]
+    true_loss = -matrix[x.reshape(-1), y.reshape(-1)].log().mean().item()
+    assert true_loss == pytest.approx(floor, rel=0.03)
+    model = families.LanguageModel()
+    assert families.held_out_loss(model, x, y) == pytest.approx(math.log(families.VOCAB), rel=0.05)
+
+
+@pytest.mark.parametrize("name", families.OPTIMIZERS)
+def test_every_optimizer_is_built_and_only_clipped_sgd_clips(name):
+    opt = families.make_optimizer(name, [torch.nn.Parameter(torch.zeros(2))], 0.1)
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert bool(families.clipping(name)) == (name == "sgd-clip")
+    with pytest.raises(ValueError, match="'lion' is not one of"):
+        families.make_optimizer("lion", [], 0.1)
+
+
+@pytest.mark.timeout(300)
+def test_a_tiny_staleness_grid_trains_chooses_and_reports(tmp_path, monkeypatch):
+    monkeypatch.setattr(study, "EPOCHS", 2)
+    monkeypatch.setattr(study, "STALE_EPOCHS", 3)
+    monkeypatch.setattr(study, "LAST", 1)
+    monkeypatch.setattr(study, "MAX_EXTENSIONS", 0)
+    monkeypatch.setattr(study, "SEEDS", (0,))
+    monkeypatch.setattr(study, "STALE", (("async", 4, 1),))
+    monkeypatch.setattr(study, "RULES", ("momentum", "none"))
+    monkeypatch.setattr(study, "FAMILY_NAMES", ("lm",))
+    monkeypatch.setattr(study, "OPTIMIZER_NAMES", ("sgd-clip",))
+    monkeypatch.setattr(families, "SEQUENCES", 200)
+    study.main(["--out", str(tmp_path)])
+    rows = [r for r in read_rows(tmp_path / "runs.jsonl")]
+    # three rates swept on the tuning seed, then hardsync and one stale run per rule on the reported seed
+    assert sorted(r["seed"] for r in rows) == [0, 0, 0, study.TUNE_SEED, study.TUNE_SEED, study.TUNE_SEED]
+    stale = [r for r in rows if r["protocol"] == "async"]
+    assert {r["rule"] for r in stale} == {"momentum", "none"} and all(len(r["errors"]) == 3 for r in stale)
+    findings = (tmp_path / "findings.md").read_text()
+    assert "lm" in findings and "sgd-clip" in findings and "entropy" in findings
+    # the report is rebuilt from runs.jsonl alone
+    (tmp_path / "findings.md").unlink()
+    study.main(["--out", str(tmp_path), "--report-only"])
+    assert (tmp_path / "findings.md").read_text() == findings

@@ -36,6 +36,9 @@ TARGETS = [
     ("models_10M_2_straggler_async", "10 M MLP, 2 learners, one 3x straggler: async samples/s / DDP", 2.0, ">="),
     ("accuracy_4x3", "4 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
     ("accuracy_2x3", "2 learners, one 3x slower, momentum SGD: async time to DDP's accuracy / DDP", 0.6, "<="),
+    # issue 33: with learners all equally fast, choosing async should not lose to DDP
+    ("accuracy_4x1", "4 learners, no straggler, momentum SGD: async time to DDP's accuracy / DDP", 1.0, "<="),
+    ("accuracy_2x1", "2 learners, no straggler, momentum SGD: async time to DDP's accuracy / DDP", 1.0, "<="),
     (
         "accuracy_4x3_busy",
         "4 learners, one 3x slower, busy-waiting, momentum SGD: async time to DDP's accuracy / DDP",

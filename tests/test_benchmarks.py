@@ -147,6 +147,14 @@ def test_the_accuracy_phase_sets_the_target_from_ddps_plateau_and_reads_each_run
     )
 
 
+def test_a_row_without_a_straggler_has_its_own_target_async_no_slower_than_ddp():
+    config = {**_config([(0.5, 0.6), (1.0, 0.905), (1.5, 0.93)]), "slowdown": 1, "sleep_ms": 0.0, "ideal": 1.0}
+    targets = {t["key"]: t for t in check_targets({"accuracy": [config]})}
+    assert targets["accuracy_2x1"]["value"] == pytest.approx(0.4) and targets["accuracy_2x1"]["met"]
+    assert targets["accuracy_2x3"]["by"] == targets["accuracy_4x1"]["by"] == "not measured"
+    assert "| <= 1 |" in "\n".join(report._accuracy_table([config], {}))
+
+
 def test_an_async_run_that_drops_below_the_target_is_timed_from_when_it_stays_and_a_busy_row_has_its_target():
     config = _config([(0.5, 0.95), (1.0, 0.85), (1.5, 0.92)], straggle="busy")
     rudra = config["runs"]["async"]

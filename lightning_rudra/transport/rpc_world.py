@@ -37,32 +37,41 @@ def learner_name(rank: int) -> str:
 
 # ports free_port gave in this process: two learners' ports picked ahead of their runs must differ
 _HANDED_PORTS: set[int] = set()
+# its own generator: the global one is the user's (seeded: two runs would pick the same port) and must not move
+_PICK = random.SystemRandom()
 
 
 def free_port() -> int:
     """A port that nothing listens on now and that the system never gives an outgoing connection as its source
     port: the caller binds it later, and a port from the ephemeral range (what binding port 0 returns) can meanwhile
-    become the source port of any connection on the machine, the learners' own included (EADDRINUSE in CI)."""
+    become the source port of any connection on the machine, the learners' own included (EADDRINUSE in CI). Where
+    the ephemeral range leaves no room, the system's pick; never a port given before in this process."""
     ports = _ports_outside_ephemeral_range()
-    for _ in range(100 if ports else 0):
-        port = random.choice(ports)
-        if port in _HANDED_PORTS:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("", port))
-            except OSError:
-                continue
-        _HANDED_PORTS.add(port)
-        return port
+    for attempt in range(1000):
+        if ports and attempt < 100:
+            port = _PICK.choice(ports)
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+        if port not in _HANDED_PORTS and _can_bind(port):
+            _HANDED_PORTS.add(port)
+            return port
+    raise RuntimeError("no free TCP port found in 1000 tries: is this machine out of ports?")
+
+
+def _can_bind(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def _ports_outside_ephemeral_range() -> range:
     """Up to 12,000 ports just below the system's ephemeral range (Linux: 32768-60999, so 20768-32767), or above
-    it; empty where the range leaves too little room (then free_port falls back on port 0)."""
+    it; empty where the range leaves too little room."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
             low, high = (int(value) for value in file.read().split())

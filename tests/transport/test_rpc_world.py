@@ -2,6 +2,7 @@
 learner's words for a server that does not answer; and, with real processes, where a single-host run listens."""
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import torch.distributed.rpc as rpc
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.strategy.launchers.popen import PopenLauncher
+from lightning_rudra.transport import rpc_world
 from lightning_rudra.transport.rpc_world import address_towards, free_port, interface_towards, quiet_peers_leaving
 from tests import rpc_harness as harness
 
@@ -31,10 +33,47 @@ def test_free_ports_are_never_ones_the_system_gives_outgoing_connections():
         low, high = (int(value) for value in file.read().split())
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)
-    assert not any(low <= port <= high for port in ports), (low, high, ports)
+    if low - 1024 >= 1000 or 65535 - high >= 1000:  # else the range leaves no room: the system's picks
+        assert not any(low <= port <= high for port in ports), (low, high, ports)
     for port in ports[:5]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_free_ports_neither_follow_nor_move_the_users_seeded_random(monkeypatch):
+    random.seed(42)
+    first = [free_port() for _ in range(3)]
+    assert random.random() == random.Random(42).random()  # the user's stream did not move
+    random.seed(42)
+    assert not set(first) & {free_port() for _ in range(3)}  # two runs seeded alike pick apart
+
+
+def test_with_no_room_outside_the_ephemeral_range_ports_are_the_systems_and_still_distinct(monkeypatch):
+    monkeypatch.setattr(rpc_world, "_ports_outside_ephemeral_range", lambda: range(0))
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+
+
+def test_the_learners_meet_on_a_port_picked_outside_the_ephemeral_range_only_where_lightning_would_pick(monkeypatch):
+    from lightning_fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+
+    from lightning_rudra.strategy.launchers import pick_main_port
+
+    for name in ("MASTER_PORT", "STANDALONE_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(rpc_world, "free_port", lambda: 23456)
+    monkeypatch.setattr("lightning_rudra.strategy.launchers.free_port", lambda: 23456)
+    pick_main_port(SLURMEnvironment())
+    assert "MASTER_PORT" not in os.environ
+    monkeypatch.setenv("STANDALONE_PORT", "29999")
+    pick_main_port(LightningEnvironment())
+    assert "MASTER_PORT" not in os.environ
+    monkeypatch.delenv("STANDALONE_PORT")
+    pick_main_port(LightningEnvironment())
+    assert os.environ["MASTER_PORT"] == "23456" and LightningEnvironment().main_port == 23456
+    monkeypatch.setenv("MASTER_PORT", "29500")  # the user's own stays
+    pick_main_port(LightningEnvironment())
+    assert os.environ["MASTER_PORT"] == "29500"
 
 
 def test_the_interface_towards_the_rendezvous():

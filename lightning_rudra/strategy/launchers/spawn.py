@@ -10,7 +10,6 @@ import pytorch_lightning as pl
 import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import _wrap
-from lightning_fabric.plugins.environments import LightningEnvironment
 from lightning_fabric.strategies.launchers.multiprocessing import _check_bad_cuda_fork, _check_missing_main_guard
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher
 from pytorch_lightning.strategies.launchers.multiprocessing import _GlobalStateSnapshot, _WorkerOutput
@@ -23,7 +22,6 @@ from lightning_rudra.server.starter import SERVER_STARTER
 from lightning_rudra.strategy.launchers.learner_errors import errors_folder, forget, kept, record, recorded
 from lightning_rudra.strategy.launchers.popen import Restarts, check_learner_zero, join_survivors
 from lightning_rudra.core.stats import Stats
-from lightning_rudra.transport.rpc_world import free_port
 
 if TYPE_CHECKING:  # rudra.py imports this module
     from lightning_rudra.strategy.rudra import RudraStrategy
@@ -88,12 +86,8 @@ class SpawnLauncher(_MultiProcessingLauncher):
                 "Calling `trainer.fit()` twice on the same Trainer instance using a spawn-based "
                 "strategy is not supported: create a new Trainer and pass `fit(ckpt_path=...)`."
             )
-        environment = self._strategy.cluster_environment
-        assert environment is not None
-        if type(environment) is LightningEnvironment and "MASTER_PORT" not in os.environ:
-            # Lightning's own pick (port 0) may become some connection's source port before the learners bind it
-            os.environ["MASTER_PORT"] = str(free_port())
-        os.environ["MASTER_PORT"] = str(environment.main_port)  # one port for every rank
+        assert self._strategy.cluster_environment is not None
+        os.environ["MASTER_PORT"] = str(self._strategy.cluster_environment.main_port)  # one port for every rank
         self._environ = dict(os.environ)
         if self._start_method == "forkserver":  # the learners' server processes are forked too
             try:

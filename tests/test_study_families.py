@@ -67,3 +67,9 @@ def test_a_tiny_staleness_grid_trains_chooses_and_reports(tmp_path, monkeypatch)
     (tmp_path / "findings.md").unlink()
     study.main(["--out", str(tmp_path), "--report-only"])
     assert (tmp_path / "findings.md").read_text() == findings
+    assert "3 reported runs (and 3 of the rate sweeps)" in findings
+    # a grid stopped during its sweep still reports what it has
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    (tmp_path / "runs.jsonl").write_text(lines[0] + "\n")
+    study.main(["--out", str(tmp_path), "--report-only"])
+    assert "0 reported runs (and 1 of the rate sweeps)" in (tmp_path / "findings.md").read_text()

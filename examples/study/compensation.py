@@ -238,13 +238,22 @@ class Runs:
 
     def get(self, run: dict[str, Any]) -> dict[str, Any]:
         if key(run) not in self.rows:
-            start = time.perf_counter()
-            row = {**run, **train(**run), "seconds": round(time.perf_counter() - start, 1), **self.source}
-            print(json.dumps(row), flush=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            self.rows[key(run)] = row
+            self.add(trained(run))
         return self.rows[key(run)]
+
+    def add(self, row: dict[str, Any]) -> None:
+        """A row just trained (:func:`trained`), with the commit it trained at, printed and appended."""
+        row.update(self.source)
+        print(json.dumps(row), flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.rows[key(row)] = row
+
+
+def trained(run: dict[str, Any]) -> dict[str, Any]:
+    """The row of ``run``: what it trained, and its seconds."""
+    start = time.perf_counter()
+    return {**run, **train(**run), "seconds": round(time.perf_counter() - start, 1)}
 
 
 def source() -> dict[str, Any]:
@@ -305,11 +314,12 @@ def parse(
     return args, out
 
 
-def _mean(values: list[float]) -> str:
+def _mean(values: list[float], form: str = ".3f") -> str:
+    """Mean ± standard deviation, each formatted by ``form``."""
     if not values:
         return "–"
-    spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
-    return f"{statistics.mean(values):.3f}{spread}"
+    spread = f" ± {format(statistics.stdev(values), form.lstrip('+'))}" if len(values) > 1 else ""
+    return f"{format(statistics.mean(values), form)}{spread}"
 
 
 def score(row: dict[str, Any]) -> float:

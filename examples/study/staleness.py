@@ -20,20 +20,16 @@ the reported seeds; test numbers are reported, never chosen on).
 """
 
 import argparse
-import json
 import statistics
 from multiprocessing import get_context
 from typing import Any, Optional
 
-from examples.study.compensation import Runs, key, next_rate, parse, train
+from examples.study.compensation import LAST, MAX_EXTENSIONS, TUNE_SEED, Runs, key, next_rate, parse, trained
 from examples.study.families import FAMILIES, OPTIMIZERS
 
 EPOCHS = 20
 STALE_EPOCHS = 30
-TUNE_SEED = 100
 SEEDS = (0, 1, 2)
-LAST = 5
-MAX_EXTENSIONS = 4
 HARDSYNC_LEARNERS = 4
 STALE = (("async", 4, 1), ("async", 16, 1), ("softsync", 16, 4))
 RULES = ("momentum", "none", "momentum+dc")  # the default first
@@ -56,13 +52,6 @@ def run(family: str, optimizer: str, protocol: str, learners: int, n: int, rule:
     )  # fmt: skip
 
 
-def _train(run: dict[str, Any]) -> dict[str, Any]:
-    import time
-
-    start = time.perf_counter()
-    return {**run, **train(**run), "seconds": round(time.perf_counter() - start, 1)}
-
-
 class ParallelRuns(Runs):
     """``Runs`` that trains the missing runs of a list ``jobs`` at a time (one process each, one thread)."""
 
@@ -70,12 +59,8 @@ class ParallelRuns(Runs):
         missing = [r for r in {key(r): r for r in runs}.values() if key(r) not in self.rows]
         if missing:
             with get_context("fork").Pool(jobs) as pool:
-                for row in pool.imap_unordered(_train, missing):
-                    row.update(self.source)
-                    print(json.dumps({k: row[k] for k in ("family", "optimizer", "protocol", "learners", "rule")}))
-                    with open(self.path, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    self.rows[key(row)] = row
+                for row in pool.imap_unordered(trained, missing):
+                    self.add(row)
         return [self.rows[key(r)] for r in runs]
 
 
@@ -95,10 +80,12 @@ def rates(store: ParallelRuns, jobs: int) -> dict[tuple[str, str], dict[str, Any
                     run(family, optimizer, "hardsync", HARDSYNC_LEARNERS, 1, "none", TUNE_SEED, lr) for lr in wanted
                 ]
                 scores.update({r["lr"]: score(r) for r in store.get_all(runs, jobs)})
-                lr = next_rate(scores)
+                lr = next_rate(scores) if len(scores) > 1 else None
                 if lr is None:
                     break
                 wanted = [lr]
+            if len(scores) < 2:  # --report-only on a grid stopped before this sweep
+                continue
             best = min(scores, key=lambda lr: (scores[lr], lr))
             chosen[family, optimizer] = dict(rate=best, scores=scores, interior=next_rate(scores) is None)
     return chosen
@@ -129,10 +116,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         # the runs there are: an interrupted grid's report says which it has
         store.get_all = lambda runs, jobs: [store.rows[key(r)] for r in runs if key(r) in store.rows]  # type: ignore
     chosen = rates(store, args.jobs)
-    rows = store.get_all(reported(chosen), args.jobs)
+    rows = list({key(r): r for r in store.get_all(reported(chosen), args.jobs)}.values())  # hardsync: once
     from examples.study.staleness_report import write_report
 
-    write_report(rows, chosen, out)
+    write_report(rows, chosen, sum(r["seed"] == TUNE_SEED for r in store.rows.values()), out)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import examples.study.compensation as compensation
 import examples.study.staleness as study
 from examples.study.families import FAMILIES
 
@@ -13,10 +14,7 @@ def _config(row: dict[str, Any]) -> str:
 
 
 def _mean(values: list[float]) -> str:
-    if not values:
-        return "–"
-    spread = f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else ""
-    return f"{statistics.mean(values):+.1f}{spread}"
+    return compensation._mean(values, "+.1f")
 
 
 def gaps(rows: list[dict[str, Any]], split: str) -> dict[tuple, list[float]]:
@@ -37,7 +35,10 @@ def gaps(rows: list[dict[str, Any]], split: str) -> dict[tuple, list[float]]:
     return out
 
 
-def write_report(rows: list[dict[str, Any]], chosen: dict[tuple[str, str], dict[str, Any]], out: Path) -> None:
+def write_report(
+    rows: list[dict[str, Any]], chosen: dict[tuple[str, str], dict[str, Any]], swept: int, out: Path
+) -> None:
+    """``rows``: the reported runs, each once; ``swept``: how many runs the rate sweeps trained."""
     test, val = gaps(rows, "errors"), gaps(rows, "val_errors")
     commits = sorted({f"{r.get('commit', '?')}{' (modified)' if r.get('modified') else ''}" for r in rows})
     seconds = sum(r.get("seconds", 0) for r in rows)
@@ -45,7 +46,8 @@ def write_report(rows: list[dict[str, Any]], chosen: dict[tuple[str, str], dict[
         "# Which staleness rule, per optimizer family, on three model families (simulated learners)",
         "",
         f"Made by `python -m examples.study.staleness --out {out} --jobs 2` (the method: the module's docstring), "
-        f"{len(rows)} runs at commit {', '.join(commits) or '–'}, {seconds / 60:.0f} min of training in all. "
+        f"{len(rows)} reported runs (and {swept} of the rate sweeps) at commit {', '.join(commits) or '–'}, "
+        f"{seconds / 60:.0f} min of training for the reported ones. "
         f"μλ = 128; hardsync trains {study.EPOCHS} epochs, the stale runs {study.STALE_EPOCHS}. *Gap*: a stale "
         f"run's test measure after {study.STALE_EPOCHS} epochs minus hardsync's after {study.EPOCHS} (same seed), "
         "in points of error (cnn, mlp) or in % of hardsync's held-out loss (lm); mean ± standard deviation over "
@@ -94,18 +96,40 @@ def write_report(rows: list[dict[str, Any]], chosen: dict[tuple[str, str], dict[
         )
     lines += [
         "",
-        "## The rule per optimizer (validation gaps of the reported seeds, every family and configuration)",
+        "## The rule per optimizer (validation of the reported seeds)",
+        "",
+        "Per family, the rules ranked by their mean validation gap over the configurations every rule has run (1: "
+        "best); a rule's cell: its mean rank over the families (its mean gap, in the family's unit, per family). The "
+        "lowest mean rank is chosen (ties: the lower mean gap).",
         "",
         "| optimizer | " + " | ".join(rules) + " | chosen |",
         "|---|" + "---|" * len(rules) + "---|",
     ]
-    for optimizer in dict.fromkeys(k[1] for k in val):
-        means = {
-            rule: statistics.mean(v for k, vs in val.items() if k[1] == optimizer and k[3] == rule for v in vs)
-            for rule in rules
-            if any(k[1] == optimizer and k[3] == rule for k in val)
-        }
-        best = min(means, key=means.__getitem__)
-        cells = " | ".join(f"{means[rule]:+.1f}" if rule in means else "–" for rule in rules)
+    for optimizer, ranks, means in choices(val, rules):
+        best = min(ranks, key=lambda rule: (statistics.mean(ranks[rule]), statistics.mean(means[rule])))
+        cells = " | ".join(
+            f"{statistics.mean(ranks[rule]):.2f} ({', '.join(f'{m:+.1f}' for m in means[rule])})" for rule in rules
+        )
         lines.append(f"| {optimizer} | {cells} | {best} |")
     (out / "findings.md").write_text("\n".join(lines) + "\n")
+
+
+def choices(val: dict[tuple, list[float]], rules: list[str]) -> list[tuple[str, dict, dict]]:
+    """Per optimizer: each rule's rank and mean validation gap per family, over the (family, configuration) pairs
+    that every rule has run (an interrupted grid compares like with like); optimizers with none left out."""
+    out = []
+    for optimizer in dict.fromkeys(k[1] for k in val):
+        ranks: dict[str, list[float]] = {rule: [] for rule in rules}
+        means: dict[str, list[float]] = {rule: [] for rule in rules}
+        for family in dict.fromkeys(k[0] for k in val if k[1] == optimizer):
+            configs = {k[2] for k in val if k[:2] == (family, optimizer)}
+            common = [c for c in configs if all((family, optimizer, c, rule) in val for rule in rules)]
+            if not common:
+                continue
+            mean = {rule: statistics.mean(v for c in common for v in val[family, optimizer, c, rule]) for rule in rules}
+            for place, rule in enumerate(sorted(rules, key=mean.__getitem__), 1):
+                ranks[rule].append(place)
+                means[rule].append(mean[rule])
+        if all(ranks.values()):
+            out.append((optimizer, ranks, means))
+    return out

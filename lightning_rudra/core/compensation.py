@@ -24,6 +24,13 @@ g ⊙ g standing for the Hessian's diagonal; MS is the running mean of g ⊙ g (
 by max(1, |w_now − w_stale| / C), the gap between the weights it was computed on and the current ones in units
 of C, the running mean of one update's |Δw| (0.9).
 
+``clip`` (percentile clipping of stale gradients, as AutoClip: Seetharaman et al., 2020): the gradient of an update
+that applies a stale gradient is scaled down to at most the median norm of the last ``CLIP_WINDOW`` such updates'
+gradients (``CLIP_PERCENTILE``; none is clipped before ``CLIP_WARMUP`` of them). A stale gradient taken at a rate
+tuned to the edge of the synchronous run's stability can start a blow-up that the synchronous run never sees; the
+median of recent norms caps it without a rate of its own. Its norms are of this server's part of the gradient, kept
+per optimizer; they are not saved (after a resume the window fills again).
+
 ``dc`` and ``gap`` need w_stale: the server keeps the weights of every clock a learner may still push from (the
 oldest is the oldest timestamp among the learners' last pushes), at most ``HISTORY_PER_LEARNER`` · λ + 1 copies of
 the parameters; a gradient older than the oldest kept is compared with the oldest kept. Their running means are
@@ -34,6 +41,9 @@ at the servers' cuts like the rest. The copies are not saved: after a resume eve
 restored weights.
 """
 
+import bisect
+import math
+from collections import deque
 from typing import Any, Optional, Sequence
 
 import torch
@@ -41,11 +51,14 @@ from torch import Tensor
 
 from lightning_rudra.core.errors import ConfigurationError
 
-COMPENSATIONS = ("none", "momentum", "dc", "gap")
+COMPENSATIONS = ("none", "momentum", "dc", "gap", "clip")
 DC_LAMBDA = 0.2
 DC_DECAY = 0.95
 GAP_DECAY = 0.9
 HISTORY_PER_LEARNER = 2
+CLIP_PERCENTILE = 50
+CLIP_WINDOW = 1000
+CLIP_WARMUP = 10
 # optimizers whose step does not follow the gradient's size: a rate scaled by c/λ means nothing to them
 _SIGN_BASED = ("Rprop",)
 
@@ -195,3 +208,30 @@ def record_steps(params: Sequence[Tensor], before: Sequence[Tensor], state: Sequ
             st["gap_step"] = step
         else:
             mean.mul_(GAP_DECAY).add_(step, alpha=1 - GAP_DECAY)
+
+
+class NormWindow:
+    """``clip``: the norms of the last ``CLIP_WINDOW`` stale updates' gradients of one optimizer, kept sorted."""
+
+    def __init__(self) -> None:
+        self.norms: deque[float] = deque()
+        self.ordered: list[float] = []
+
+    def clip(self, grads: Sequence[Tensor]) -> float:
+        """Record the norm of ``grads`` (one update's) and scale them in place to at most the window's
+        ``CLIP_PERCENTILE``-th percentile, once it holds ``CLIP_WARMUP`` norms. Returns the factor applied."""
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+        if not math.isfinite(norm):  # left for the non-finite rule: never recorded
+            return 1.0
+        if len(self.norms) == CLIP_WINDOW:
+            self.ordered.pop(bisect.bisect_left(self.ordered, self.norms.popleft()))
+        self.norms.append(norm)
+        bisect.insort(self.ordered, norm)
+        if len(self.ordered) < CLIP_WARMUP:
+            return 1.0
+        limit = self.ordered[len(self.ordered) * CLIP_PERCENTILE // 100]
+        if norm <= limit:
+            return 1.0
+        for g in grads:
+            g.mul_(limit / norm)
+        return limit / norm

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lightning_rudra.core.clipping import GlobalNorm
 from lightning_rudra.core.compensation import (
+    NormWindow,
     StaleWeights,
     parse_compensation,
     with_rules_state,
@@ -100,6 +101,8 @@ class Server(Updating):
         self.history = (
             StaleWeights(config.num_learners, self.clock, self.flat_params) if {"dc", "gap"} & set(self.rules) else None
         )
+        # clip: the recent stale updates' gradient norms, per optimizer
+        self.norm_windows = [NormWindow() for _ in optimizers] if "clip" in self.rules else None
         # the running means of dc and gap: per optimizer, per parameter (its order), beside its own state
         self.rules_states: list[list[dict[str, Tensor]]] = [[{} for _ in idx] for idx in self.optimizer_params]
         # hardsync rounds closed per optimizer, and the one whose clipping waits for the other servers' norms

@@ -9,7 +9,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_rudra.core.clipping import GlobalNorm, clip, global_norm_step, squared_norm
-from lightning_rudra.core.compensation import StaleWeights, compensate, momentum_hyperparameters, record_steps
+from lightning_rudra.core.compensation import (
+    NormWindow,
+    StaleWeights,
+    compensate,
+    momentum_hyperparameters,
+    record_steps,
+)
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
 from lightning_rudra.core.optimizers import hyperparameters
@@ -38,6 +44,7 @@ class Updating:
     last_updates: list[Optional[Update]]
     rules: Sequence[str]
     history: Optional[StaleWeights]
+    norm_windows: Optional[list[NormWindow]]
     rules_states: list[list[dict[str, Tensor]]]
     rounds: list[int]
     awaiting_norm: dict[int, tuple[GlobalNorm, Pending, float, float]]
@@ -110,6 +117,8 @@ class Updating:
         for i, grad, has in zip(indices, layout.unpack(flat_grads), pending.has_grad.tolist()):
             self.params[i].grad = grad if has else None
         params = [self.params[i] for i in indices]
+        if self.norm_windows is not None and any(pending.staleness):  # clip: stale updates only
+            self.norm_windows[optimizer].clip([p.grad for p in params if p.grad is not None])
         scale = sum(pending.scales) / len(pending.scales)
         # a server that holds none of the optimizer's parameters has no part of its norm: nobody waits for it
         step = global_norm_step(pending.clipping) if self.config.protocol == "hardsync" and params else None

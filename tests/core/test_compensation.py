@@ -6,7 +6,14 @@ import copy
 import pytest
 import torch
 
-from lightning_rudra.core.compensation import RULES_STATE, check_optimizer, parse_compensation, staleness_options
+from lightning_rudra.core import compensation as rules_module
+from lightning_rudra.core.compensation import (
+    CLIP_WARMUP,
+    RULES_STATE,
+    check_optimizer,
+    parse_compensation,
+    staleness_options,
+)
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
@@ -75,7 +82,38 @@ def test_gap_divides_by_the_gap_in_units_of_the_mean_step():
     assert weight(server) == pytest.approx(0.7)
 
 
-@pytest.mark.parametrize("compensation", ["momentum", "dc", "gap", "momentum+dc+gap"])
+def test_clip_scales_a_stale_gradient_down_to_the_median_norm_of_the_recent_stale_ones():
+    server, opt = scalar_server("clip")
+    push(server, opt, 0, 1.0, 0)  # fresh (σ = 0): never clipped, never counted
+    assert weight(server) == pytest.approx(0.9) and not server.norm_windows[0].norms
+    expected = 0.9
+    for k in range(CLIP_WARMUP - 1):  # stale (from clock 0), norms 1..9: fewer than the warm-up, none clipped
+        push(server, opt, 1, float(k + 1), 0)
+        expected -= 0.1 * (k + 1)
+    assert weight(server) == pytest.approx(expected)
+    push(server, opt, 0, -100.0, 0)  # the 10th: the median of 1..9 and 100 (its upper one, 6) caps it
+    assert weight(server) == pytest.approx(expected + 0.1 * 6.0)
+    push(server, opt, 0, 2.0, 0)  # under the median: as it came
+    assert weight(server) == pytest.approx(expected + 0.6 - 0.2)
+
+
+def test_the_clip_window_keeps_the_last_norms_sorted_and_leaves_non_finite_gradients_to_their_rule(monkeypatch):
+    monkeypatch.setattr(rules_module, "CLIP_WINDOW", 4)
+    monkeypatch.setattr(rules_module, "CLIP_WARMUP", 2)
+    window = rules_module.NormWindow()
+    grads = lambda norm: [torch.tensor([0.6 * norm]), torch.tensor([0.8 * norm])]  # noqa: E731
+    assert window.clip(grads(5.0)) == 1.0  # warming up
+    assert window.clip(grads(1.0)) == 1.0  # under the median of (1, 5): 5
+    assert window.clip(grads(float("nan"))) == 1.0 and len(window.norms) == 2
+    for norm in (2.0, 3.0, 4.0):  # 5 leaves the window: (1, 2, 3, 4)
+        window.clip(grads(norm))
+    assert window.ordered == pytest.approx([1.0, 2.0, 3.0, 4.0])
+    g = grads(10.0)
+    assert window.clip(g) == pytest.approx(4.0 / 10.0)  # median of (2, 3, 4, 10) is 4
+    assert torch.linalg.vector_norm(torch.cat(g)).item() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("compensation", ["momentum", "dc", "gap", "clip", "momentum+dc+gap+clip"])
 def test_one_async_learner_is_plain_sgd_under_every_rule(compensation):
     server, opt = scalar_server(compensation, learners=1, momentum=0.9, nesterov=True)
     w = torch.ones(1, requires_grad=True)
@@ -89,7 +127,7 @@ def test_one_async_learner_is_plain_sgd_under_every_rule(compensation):
 
 def test_hardsync_is_never_changed():
     updated = []
-    for compensation in ("none", "momentum+dc+gap"):
+    for compensation in ("none", "momentum+dc+gap+clip"):
         server, opt = scalar_server(compensation, protocol="hardsync", momentum=0.9)
         for k in range(3):
             push(server, opt, 0, 1.0 + k, k)

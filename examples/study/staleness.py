@@ -32,7 +32,7 @@ STALE_EPOCHS = 30
 SEEDS = (0, 1, 2)
 HARDSYNC_LEARNERS = 4
 STALE = (("async", 4, 1), ("async", 16, 1), ("softsync", 16, 4))
-RULES = ("momentum", "none", "momentum+dc")  # the default first
+RULES = ("momentum", "none", "momentum+dc", "momentum+clip")  # the default first
 RATES = {
     "sgd": (0.05, 0.1, 0.2),
     "sgd-clip": (0.25, 1.0, 4.0),

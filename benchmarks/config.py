@@ -49,6 +49,8 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "hardsync+backup1": ("hardsync", 1, [], {"backup": 1}),
     # SSP at the smallest bound async can keep with 4 learners (min_blocking_staleness: λ - 1)
     "async+ssp3": ("async", 1, [], {"max_staleness": 3, "on_stale": "block"}),
+    # issue 33: stale gradients clipped to the median norm of the recent ones
+    "async+clip": ("async", 1, [], {"compensation": "momentum+clip"}),
 }
 STRATEGY_LABELS = {  # key -> how the report names it
     "ddp": "DDP (gloo)",
@@ -73,6 +75,7 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "batchsync": "Rudra K-batch-sync (K = λ)",
     "hardsync+backup1": "Rudra hardsync, backup=1",
     "async+ssp3": 'Rudra async, SSP (max_staleness=3, on_stale="block")',
+    "async+clip": 'Rudra async, compensation="momentum+clip"',
 }
 
 DEFAULT = {

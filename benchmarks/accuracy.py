@@ -16,6 +16,7 @@ from typing import Any, Optional
 from benchmarks.config import STRATEGY_LABELS, TRAINING
 from benchmarks import report, stats
 from benchmarks.report import _f
+from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 
 BATCH = 128  # μ·λ, the same for every λ: μ = 64 at λ = 2, 32 at λ = 4
 MOMENTUM = 0.9
@@ -191,7 +192,7 @@ def describe(cfg: dict[str, Any], chosen: dict[str, Any]) -> str:
         f"rates {grid}"
         + (" (the best still on the grid's edge after extending it)" if chosen["edge"] else "")
         + f", in the table below. DDP (gloo) and {rudra} (RudraStrategy's default options but those named: the "
-        f'shared epoch, `compensation="momentum"` where gradients are stale) all train {epochs} epochs from the '
+        f'shared epoch, `compensation="{DEFAULT_COMPENSATION}"` where gradients are stale) all train {epochs} epochs from the '
         f"same initial weights. *DDP plateau*: the mean test accuracy of rank 0's weights over DDP's last epoch "
         f"(its snapshots then and its final weights), median over DDP runs; beside it the same over epoch "
         f"{epochs // 2}, to show whether it still improved. *Target*: the plateau minus {100 * DROP:g} point. "

@@ -1,8 +1,8 @@
 """Staleness compensation: how the server treats stale gradients so that softsync and async keep the accuracy of
 the synchronous run, with the optimizer and learning rate tuned for it. Plain torch.
 
-A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"``). With σ = 0 (hardsync, one
-learner) every rule is the identity, so hardsync stays SGD with batch μλ and async with one learner plain SGD.
+A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"``); the default,
+``DEFAULT_COMPENSATION``, is ``"momentum+clip"``. With σ = 0 (hardsync, one learner) every rule is the identity, so hardsync stays SGD with batch μλ and async with one learner plain SGD.
 
 ``momentum`` (a step that stays stable under delay). A synchronous update averages λ gradients, a stale one
 c = ⌊λ/n⌋ (async: 1), so every optimizer's rate is scaled by c/λ (the paper's α0/⟨σ⟩ is c/λ in expectation, since
@@ -63,7 +63,8 @@ CLIP_WARMUP = 10
 _SIGN_BASED = ("Rprop",)
 
 
-DEFAULT_COMPENSATION = "momentum"
+# chosen across model families and optimizers: docs/study/staleness/findings.md
+DEFAULT_COMPENSATION = "momentum+clip"
 # where an optimizer's state dict carries the rules' running means (position -> {name: tensor})
 RULES_STATE = "rudra_compensation"
 # where the first releases kept them: in the optimizer's own entries (read from older checkpoints)

@@ -102,7 +102,7 @@ def check_optimizer(rules: Sequence[str], optimizer: type, name: str) -> None:
         raise ConfigurationError(
             f"compensation 'momentum' scales the learning rate, which {name} does not "
             "apply to the gradient's size (its steps follow the gradient's sign): use "
-            "compensation='none' or 'dc'/'gap' with it, or another optimizer."
+            "compensation='none' or 'dc'/'gap'/'clip' with it, or another optimizer."
         )
 
 
@@ -221,8 +221,15 @@ class NormWindow:
     def clip(self, grads: Sequence[Tensor]) -> float:
         """Record the norm of ``grads`` (one update's) and scale them in place to at most the window's
         ``CLIP_PERCENTILE``-th percentile, once it holds ``CLIP_WARMUP`` norms. Returns the factor applied."""
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
-        if not math.isfinite(norm):  # left for the non-finite rule: never recorded
+        if not grads:  # this server holds none of the optimizer's gradients
+            return 1.0
+        # in float64: a finite float32 gradient's norm cannot overflow to inf and escape the clip
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+        ).item()
+        # a zero gradient says nothing of the size of a step (and a zero median would zero every stale update); a
+        # non-finite one is the nonfinite option's to refuse or apply, as without this rule
+        if norm == 0 or not math.isfinite(norm):
             return 1.0
         if len(self.norms) == CLIP_WINDOW:
             self.ordered.pop(bisect.bisect_left(self.ordered, self.norms.popleft()))

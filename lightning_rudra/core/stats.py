@@ -10,7 +10,8 @@ from typing import Any
 class Stats:
     """What a user reads after training: updates applied (the clock), gradients taken, dropped (staler than
     ``max_staleness``), rejected (non-finite), late (batchsync, backup: they came after their round closed and were
-    not applied, nor counted in ``gradients``), held (``on_stale="block"``: pushes held back, then applied), the staleness histogram σ -> count of applied gradients (of every
+    not applied, nor counted in ``gradients``), held (``on_stale="block"``: pushes held back, then applied), clipped
+    (compensation ``clip``: stale updates scaled down, counted by this server, of its part of the gradient), the staleness histogram σ -> count of applied gradients (of every
     optimizer, and per optimizer: optimizer -> σ -> count), and under the shared epoch, or with simulated learners,
     the batches each learner took (learner -> count, first train dataloader), the batches dealt again (their learner
     was lost before it trained on them, or their gradient was late), and the learners lost during training with why
@@ -22,6 +23,7 @@ class Stats:
     rejected: int = 0
     late: int = 0
     held: int = 0  # on_stale="block": pushes held back until another learner's gradient came
+    clipped: int = 0  # compensation "clip": stale updates scaled down to the median norm
     staleness: dict[int, int] = field(default_factory=dict)
     optimizer_staleness: dict[int, dict[int, int]] = field(default_factory=dict)
     batches: dict[int, int] = field(default_factory=dict)
@@ -59,6 +61,7 @@ class Stats:
             "rejected": self.rejected,
             "late": self.late,
             "held": self.held,
+            "clipped": self.clipped,
             "staleness": dict(sorted(self.staleness.items())),
             "optimizer_staleness": {k: dict(sorted(c.items())) for k, c in sorted(self.optimizer_staleness.items())},
             "batches": dict(sorted(self.batches.items())),

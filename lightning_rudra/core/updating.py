@@ -118,7 +118,8 @@ class Updating:
             self.params[i].grad = grad if has else None
         params = [self.params[i] for i in indices]
         if self.norm_windows is not None and any(pending.staleness):  # clip: stale updates only
-            self.norm_windows[optimizer].clip([p.grad for p in params if p.grad is not None])
+            if self.norm_windows[optimizer].clip([p.grad for p in params if p.grad is not None]) < 1:
+                self.stats.clipped += 1
         scale = sum(pending.scales) / len(pending.scales)
         # a server that holds none of the optimizer's parameters has no part of its norm: nobody waits for it
         step = global_norm_step(pending.clipping) if self.config.protocol == "hardsync" and params else None

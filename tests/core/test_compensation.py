@@ -95,6 +95,30 @@ def test_clip_scales_a_stale_gradient_down_to_the_median_norm_of_the_recent_stal
     assert weight(server) == pytest.approx(expected + 0.1 * 6.0)
     push(server, opt, 0, 2.0, 0)  # under the median: as it came
     assert weight(server) == pytest.approx(expected + 0.6 - 0.2)
+    assert server.stats.clipped == 1 and server.stats.to_dict()["clipped"] == 1
+
+
+def test_clip_leaves_alone_what_says_nothing_of_a_steps_size_and_clips_what_would_overflow_float32_norms():
+    window = rules_module.NormWindow()
+    assert window.clip([]) == 1.0  # a server holding none of the optimizer's gradients
+    for _ in range(CLIP_WARMUP + 5):
+        assert window.clip([torch.zeros(3)]) == 1.0  # zero gradients: not recorded, the median never 0
+    assert not window.norms
+    for norm in range(1, CLIP_WARMUP + 1):
+        window.clip([torch.tensor([float(norm)])])
+    huge = [torch.full((4,), 3e19), torch.full((4,), 3e19)]  # finite, but its float32 norm is inf
+    assert window.clip(huge) < 1e-18 and torch.isfinite(torch.cat(huge)).all()
+    assert torch.linalg.vector_norm(torch.cat(huge).double()).item() == pytest.approx(6.0, rel=1e-5)
+
+
+def test_a_server_holding_none_of_an_optimizers_parameters_takes_stale_updates_under_the_default():
+    w = torch.zeros(2)
+    spec = OptimizerSpec(torch.optim.SGD, [([], {"lr": 0.1})])  # the optimizer's parameters are on another server
+    server = Server(ProtocolConfig(2, "async", compensation="momentum+clip"), [w], [], [spec])
+    for step in range(CLIP_WARMUP + 3):  # every push after the first is stale: empty updates, never a crash
+        push = Push(step % 2, 0, [], torch.zeros(0, dtype=torch.bool), 0, [{"lr": 0.1, "momentum": 0.0}], [])
+        assert server.push(push).update is not None
+    assert server.clock == CLIP_WARMUP + 3 and server.stats.max_staleness > 0 and w.tolist() == [0.0, 0.0]
 
 
 def test_the_clip_window_keeps_the_last_norms_sorted_and_leaves_non_finite_gradients_to_their_rule(monkeypatch):

@@ -126,6 +126,7 @@ def test_max_staleness_drops_and_counts_without_touching_weights():
         "rejected": 0,
         "late": 0,
         "held": 0,
+        "clipped": 0,
         "staleness": {0: 1, 1: 1},
         "optimizer_staleness": {0: {0: 1, 1: 1}},
         "batches": {},

@@ -2,7 +2,8 @@
 the synchronous run, with the optimizer and learning rate tuned for it. Plain torch.
 
 A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"``); the default,
-``DEFAULT_COMPENSATION``, is ``"momentum+clip"``. With σ = 0 (hardsync, one learner) every rule is the identity, so hardsync stays SGD with batch μλ and async with one learner plain SGD.
+``DEFAULT_COMPENSATION``, is ``"momentum+clip"``. With σ = 0 (hardsync, one learner) every rule is the identity,
+so hardsync stays SGD with batch μλ and async with one learner plain SGD.
 
 ``momentum`` (a step that stays stable under delay). A synchronous update averages λ gradients, a stale one
 c = ⌊λ/n⌋ (async: 1), so every optimizer's rate is scaled by c/λ (the paper's α0/⟨σ⟩ is c/λ in expectation, since

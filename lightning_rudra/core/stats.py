@@ -11,11 +11,12 @@ class Stats:
     """What a user reads after training: updates applied (the clock), gradients taken, dropped (staler than
     ``max_staleness``), rejected (non-finite), late (batchsync, backup: they came after their round closed and were
     not applied, nor counted in ``gradients``), held (``on_stale="block"``: pushes held back, then applied), clipped
-    (compensation ``clip``: stale updates scaled down, counted by this server, of its part of the gradient), the staleness histogram σ -> count of applied gradients (of every
-    optimizer, and per optimizer: optimizer -> σ -> count), and under the shared epoch, or with simulated learners,
-    the batches each learner took (learner -> count, first train dataloader), the batches dealt again (their learner
-    was lost before it trained on them, or their gradient was late), and the learners lost during training with why
-    (only with ``min_learners``: otherwise a loss ends training): those lost now, and every loss and rejoin in ``events``."""
+    (compensation ``clip``: stale updates scaled down, counted by this server, of its part of the gradient), the
+    staleness histogram σ -> count of applied gradients (of every optimizer, and per optimizer: optimizer -> σ ->
+    count), and under the shared epoch, or with simulated learners, the batches each learner took (learner -> count,
+    first train dataloader), the batches dealt again (their learner was lost before it trained on them, or their
+    gradient was late), and the learners lost during training with why (only with ``min_learners``: otherwise a
+    loss ends training): those lost now, and every loss and rejoin in ``events``."""
 
     clock: int = 0
     gradients: int = 0

@@ -8,8 +8,8 @@ the parameter server runs) with no Lightning around it: each learner computes it
 last received, and pushes in the order the timing model (``Jittered(0.3)``, as the paper grid) says, as a
 simulated run (``RudraStrategy(simulate=λ)``) does, about ten times faster. MNIST-1D, the example CNN, μλ = 128.
 
-Data (``examples.study.families``): each seed generates its own MNIST-1D sample (``NUM_SAMPLES``; 20 % test split) and its own initial weights,
-data order and step times. The last ``VAL_FRACTION`` of the training samples are held out as a validation split
+Data (``examples.study.families``): each seed generates its own MNIST-1D sample (``NUM_SAMPLES``; 20 % test
+split) and its own initial weights, data order and step times. The last ``VAL_FRACTION`` of the training samples are held out as a validation split
 (as ``MNIST1DDataModule`` does), disjoint from the test split; the runs train on the rest.
 
 Method: every choice is made on the validation split of seed ``TUNE_SEED``, which is never reported; the
@@ -156,6 +156,7 @@ def train(
     config = ProtocolConfig(learners, protocol, n, **options)
     server = Server(config, [p.detach() for p in params], [], [OptimizerSpec.from_optimizer(opt, params)])
     hparams = [hyperparameters(group) for group in opt.param_groups]
+    has_grad, clippings = torch.ones(len(params), dtype=torch.bool), clipping(optimizer)  # the same every push
     timing = Jittered(SPREAD, seed=seed)
     mu = MU_LAMBDA // learners
     held = [server.pull() for _ in range(learners)]  # per learner: (weights, buffers, timestamp)
@@ -193,8 +194,7 @@ def train(
             grad = torch.cat([p.grad.reshape(-1) for p in params])
             if feedback is not None:
                 [grad] = feedback.compress(r, [grad])
-            has_grad = torch.ones(len(params), dtype=torch.bool)
-            result = server.push(Push(r, 0, [grad], has_grad, timestamp, hparams, [], clipping=clipping(optimizer)))
+            result = server.push(Push(r, 0, [grad], has_grad, timestamp, hparams, [], clipping=clippings))
             if protocol != "hardsync":
                 held[r] = receive(r, server.pull())
             elif result.closed:  # hardsync: every learner gets the round's weights

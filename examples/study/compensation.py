@@ -68,7 +68,7 @@ LAST = 5  # epochs a validation score averages over
 MAX_EXTENSIONS = 4  # rate steps added beyond the first grid, at most
 HARDSYNC_LEARNERS = 4
 RULES = ("paper", "momentum", "momentum+gap", "momentum+dc")  # paper: lr_modulation="mean", no compensation
-DEFAULT = "momentum"  # RudraStrategy's default compensation: its runs come first, so an interrupted grid has it
+DEFAULT = "momentum"  # RudraStrategy's default when this study ran: its runs come first, so an interrupted grid has it
 RATES = {"sgd": (0.05, 0.1, 0.2), "adam": (0.001, 0.003, 0.01)}
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import examples.study.compensation as compensation
 import examples.study.staleness as study
 from examples.study.families import FAMILIES
+from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 
 
 def _config(row: dict[str, Any]) -> str:
@@ -111,7 +112,78 @@ def write_report(
             f"{statistics.mean(ranks[rule]):.2f} ({', '.join(f'{m:+.1f}' for m in means[rule])})" for rule in rules
         )
         lines.append(f"| {optimizer} | {cells} | {best} |")
+    lines += ["", "## Curves", ""]
+    lines += [f"![{family}](staleness-{family}.png)" for family in plot(rows, chosen, out)]
     (out / "findings.md").write_text("\n".join(lines) + "\n")
+
+
+def _mean_curve(runs: list[list[float]]) -> list[float]:
+    return [statistics.mean(values) for values in zip(*runs)]
+
+
+def plot(rows: list[dict[str, Any]], chosen: dict[tuple[str, str], dict[str, Any]], out: Path) -> list[str]:
+    """One figure per family, ``staleness-<family>.png``: per optimizer, the test measure (mean over the seeds)
+    against epochs (top) and against simulated time (bottom) of hardsync and of every stale configuration under the
+    default rule; hardsync's time is drawn at each λ, dashed in that configuration's colour (it waits for the
+    slowest of λ). Returns the families drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    for family in dict.fromkeys(f for f, _ in chosen):
+        optimizers = [o for f, o in chosen if f == family]
+        fig, axes = plt.subplots(2, len(optimizers), figsize=(4.5 * len(optimizers), 7), squeeze=False)
+        for column, optimizer in enumerate(optimizers):
+            mine = [
+                r for r in rows if (r["family"], r["optimizer"]) == (family, optimizer) and r["seed"] in study.SEEDS
+            ]
+            sync = [r for r in mine if r["protocol"] == "hardsync"]
+            by_epoch, by_time = axes[0][column], axes[1][column]
+            if sync:
+                by_epoch.plot(
+                    range(1, study.EPOCHS + 1), _mean_curve([r["errors"] for r in sync]), "k--", label="hardsync"
+                )
+            for protocol, lam, n in study.STALE:
+                runs = [
+                    r
+                    for r in mine
+                    if (r["protocol"], r["learners"], r["n"], r["rule"]) == (protocol, lam, n, DEFAULT_COMPENSATION)
+                ]
+                if not runs:
+                    continue
+                errors = _mean_curve([r["errors"] for r in runs])
+                name = _config(runs[0])
+                line = by_epoch.plot(range(1, len(errors) + 1), errors, label=name)[0]
+                by_time.plot(_mean_curve([r["times"] for r in runs]), errors, color=line.get_color(), label=name)
+                if sync:
+                    times = [
+                        compensation.simulated_times("hardsync", lam, r["epochs"], r["seed"], r["train_samples"])
+                        for r in sync
+                    ]
+                    by_time.plot(
+                        _mean_curve(times),
+                        _mean_curve([r["errors"] for r in sync]),
+                        "--",
+                        color=line.get_color(),
+                        label=f"hardsync at λ={lam}",
+                    )
+            measure = "held-out loss (nats)" if family == "lm" else "test error"
+            rate = chosen[family, optimizer]["rate"]
+            by_epoch.set(
+                xlabel="epoch", ylabel=measure, title=f"{family}, {optimizer}, lr {rate:g}, {DEFAULT_COMPENSATION}"
+            )
+            by_time.set(xlabel="simulated time (mean step = 1)", ylabel=measure)
+            for ax in (by_epoch, by_time):
+                if family != "lm":
+                    ax.set_ylim(0, 1)
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"staleness-{family}.png", dpi=90)
+        plt.close(fig)
+        drawn.append(family)
+    return drawn
 
 
 def choices(val: dict[tuple, list[float]], rules: list[str]) -> list[tuple[str, dict, dict]]:

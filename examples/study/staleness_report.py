@@ -178,7 +178,8 @@ def plot(rows: list[dict[str, Any]], chosen: dict[tuple[str, str], dict[str, Any
             for ax in (by_epoch, by_time):
                 if family != "lm":
                     ax.set_ylim(0, 1)
-                ax.legend(fontsize=7)
+                if ax.get_legend_handles_labels()[0]:  # a grid cut short may have nothing to draw here
+                    ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / f"staleness-{family}.png", dpi=90)
         plt.close(fig)

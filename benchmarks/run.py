@@ -136,6 +136,13 @@ def accuracy_options(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str,
                 f"Rudra strategy of benchmarks.config.STRATEGIES: expected some of "
                 f"{', '.join(k for k, s in STRATEGIES.items() if s[0] != 'ddp')}"
             )
+        if "hivemind" in keys:  # before the DDP runs, not after them
+            from benchmarks.peers import require_hivemind
+
+            try:
+                require_hivemind()
+            except ImportError as error:
+                raise ValueError(f"--accuracy-strategies {args.accuracy_strategies!r}: {error}") from None
         out["accuracy_strategies"] = keys
     if args.accuracy_learners is not None:
         try:

@@ -80,6 +80,8 @@ class Suite:
         for the time to accuracy (needs ``snapshot_every``); ``snapshots``: keep rank 0's (time, test accuracy)
         snapshots and final accuracy in the run, and where its training started (s after the first rank's), for a
         target known only later."""
+        if key == "hivemind":  # hivemind.Optimizer's peers, each its own process (benchmarks.peers)
+            return self._hivemind(rep, seq, timeout, {**TRAINING, **kwargs})
         strategy, n, protos, options = STRATEGIES[key]
         t = {**TRAINING, **kwargs}
         start = time.monotonic()
@@ -131,6 +133,21 @@ class Suite:
             run["late"] = server.get("late")
             run["redealt"] = server.get("redealt")
         return run
+
+    def _hivemind(self, rep: int, seq: int, timeout: float, t: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """One run of ``benchmarks.peers.train_hivemind`` (``t``: ``training.train``'s arguments) as ``_train``'s
+        run; its own timeout, at least 2 s a batch of peer 0 (hivemind steps far slower than DDP here)."""
+        from benchmarks import peers
+
+        batches = t.get("max_epochs", 1) * t["num_samples"] * 0.72 / (t["batch_size"] * t["num_learners"])
+        start = time.monotonic()
+        try:
+            out = peers.train_hivemind(timeout=max(timeout, 120 + 2 * batches), **t)
+        except peers.PeersFailed as error:
+            self.failures.append(f"hivemind rep {rep}: {str(error).splitlines()[0]}")
+            self.log(f"FAILED hivemind: {str(error)[:3000]}")
+            return None
+        return {"strategy": "hivemind", "rep": rep, "seq": seq, "job_wall_s": time.monotonic() - start, **out}
 
     def _schedule(self, keys: list[str], reps: int) -> list[tuple[str, int]]:
         """DDP before every ``ddp_every`` other runs and once at the end, so that every run has a DDP run just

@@ -124,7 +124,17 @@ class ProbedRudra(RudraStrategy):
 
     probe_path: str = ""
 
+    paths: list = []
+
+    def _end_training(self) -> None:
+        # how each of this learner's pushes travelled: (through shared memory, over the push stream) per server
+        learner = self._training.learner
+        if learner is not None:
+            self.paths = [(link.shm is not None, link.client.stream is not None) for link in learner.links]
+        super()._end_training()
+
     def on_train_end(self) -> None:
+        paths = self.paths
         super().on_train_end()
         if self.is_global_zero and self.probe_path:
             parts = [client.pull() for client in self._servers.clients]
@@ -139,7 +149,9 @@ class ProbedRudra(RudraStrategy):
                 if len(self._servers.clients) == 1
                 else None
             )
-            torch.save({"params": params, "buffers": buffers, "lrs": lrs, "pid": os.getpid()}, self.probe_path)
+            torch.save(
+                {"params": params, "buffers": buffers, "lrs": lrs, "pid": os.getpid(), "paths": paths}, self.probe_path
+            )
 
 
 def quiet_trainer(strategy, devices: int, trainer_class: type = pl.Trainer, **kwargs) -> pl.Trainer:

@@ -156,7 +156,7 @@ def _push_deltas(compression: str, count: int, push: Push) -> Future:
     return pushed.then(encoded)
 
 
-# pushes from learners on other hosts (transport.stream): opened when the first of them asks (stream_address)
+# pushes over a connection of their own (transport.stream): opened when the first learner asks (stream_address)
 _stream: Optional[StreamServer] = None
 _stream_lock = threading.Lock()
 STREAMED = ("push", "push_deltas")  # the only calls the stream takes: everything else goes through RPC
@@ -164,8 +164,8 @@ STREAMED = ("push", "push_deltas")  # the only calls the stream takes: everythin
 
 def _stream_address() -> Optional[StreamOffer]:
     """Where this server takes pushes over a connection of their own, with the secret that proves a connection
-    belongs to the run (only RPC hands it out), opened at the first call: a learner on another host asks, once the
-    model is registered. None where this host's address towards the learners is not known (an IPv6 rendezvous):
+    belongs to the run (only RPC hands it out), opened at the first call: a learner asks, once the model is
+    registered. None where this host's address towards the learners is not known (an IPv6 rendezvous):
     pushes then go through RPC, and no port listens on every interface."""
     assert _server is not None
     with _stream_lock:

@@ -55,6 +55,7 @@ def test_hardsync_through_the_trainer_equals_sgd_with_batch_mu_lambda(tmp_path):
     assert stats.batches == {}  # hardsync: static shards, Lightning's DistributedSampler, as DDP
     probe = torch.load(tmp_path / "probe.pt")
     assert torch.equal(probe["params"][0], flat(model.parameters()))  # the caller's model is the server's
+    assert probe["paths"] == [(True, True)]  # one host: the gradient in shared memory, the push over the stream
     metrics = trainer.callback_metrics  # logged by learner 0 with torchmetrics, shown in the progress bar
     assert metrics["staleness_mean"] == 0 and metrics["staleness_max"] == 0
     assert metrics["server_clock"] == steps - 1  # logged before the last step's push

@@ -217,6 +217,12 @@ def describe(cfg: dict[str, Any], chosen: dict[str, Any]) -> str:
         f"after their round closed (*late*: not applied, their batches dealt again), per run and as a share of the "
         f"pushes. Times are wall clock on a small machine shared with other jobs (see the load average above): "
         f"they are noisy, the ratios of runs side by side less so."
+        + (
+            " *hivemind* is not a Rudra strategy: `hivemind.Optimizer`'s peers in a torch loop (`benchmarks/peers.py`, "
+            "whose docstring gives its settings), in the Rudra columns; its run's global steps are in its results."
+            if "hivemind" in cfg["accuracy_strategies"]
+            else ""
+        )
     )
 
 

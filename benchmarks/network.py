@@ -152,6 +152,11 @@ def parse_spec(text: str) -> dict[str, Any]:
         if size:
             spec["params"] = int(float(size[1]) * {"": 1, "k": 1_000, "M": 1_000_000}[size[2]])
             continue
+        if "hivemind" in field.split("/"):
+            raise ValueError(
+                f"--network {text}: hivemind runs in the accuracy phase only (its peers on this host, not the pool's "
+                "shaped hosts): --only accuracy --accuracy-strategies async,hivemind"
+            )
         unknown = [key for key in field.split("/") if key not in STRATEGIES]
         if unknown:
             raise ValueError(

@@ -39,6 +39,7 @@ after its training, outside the timed path. ``train_hivemind`` returns the accur
 (``benchmarks.suite.Suite._train`` adds the strategy, rep, seq and job wall time).
 """
 
+import contextlib
 import functools
 import itertools
 import json
@@ -61,6 +62,7 @@ EXTRA = 'pip install -e ".[peers]"'
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 REFRESH_S = 0.05  # hivemind's progress tracker: how often a peer reads the others' progress from the DHT
 GRACE_S = 30.0  # after peer 0's end (or a peer's failure): the others' stop and hivemind's shutdown
+SOCKETS = ("hivemind-p2pd-", "hivemind-p2pclient-")
 
 
 class PeersFailed(RuntimeError):
@@ -99,6 +101,11 @@ def _kill_groups(groups: set[int]) -> None:
             os.killpg(group, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _sockets() -> set[str]:
+    """hivemind's Unix sockets (its p2p daemon's and its clients'), which it makes in /tmp and leaves there."""
+    return {os.path.join("/tmp", n) for n in os.listdir("/tmp") if n.startswith(SOCKETS) and n.endswith(".sock")}
 
 
 def _tail(path: str, chars: int = 2000) -> str:
@@ -162,6 +169,7 @@ def train_hivemind(
     env = {**os.environ, "HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "WARNING")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     procs: list[subprocess.Popen] = []
+    sockets = _sockets()
     logs = [os.path.join(folder, f"peer{rank}.log") for rank in range(num_learners)]
     spawned = time.monotonic()
     try:
@@ -216,6 +224,10 @@ def train_hivemind(
             except subprocess.TimeoutExpired:
                 pass
         left = _pids_in_groups(groups)
+        if not left:  # the sockets made during the run, its processes gone (a hivemind run beside it would lose its)
+            for path in _sockets() - sockets:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         if not os.environ.get("RUDRA_BENCH_KEEP_LOGS"):
             shutil.rmtree(folder, ignore_errors=True)
     return run_dict(results, warmup, [p.pid for p in procs], len(left), spawned)
@@ -280,6 +292,7 @@ def peer(folder: str, rank: int) -> None:
     from benchmarks.training import _accuracy, _busy_wait, _data, _model
 
     logging.getLogger("hivemind").setLevel(os.environ.get("HIVEMIND_LOGLEVEL", "WARNING"))
+    torch.set_num_threads(1)  # as the benchmark pool's workers (DDP's and Rudra's learners)
     with open(os.path.join(folder, "spec.json")) as f:
         spec = json.load(f)
     threading.Thread(target=_watchdog, args=(os.getppid(), spec["deadline"] + GRACE_S), daemon=True).start()

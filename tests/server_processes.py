@@ -2,6 +2,7 @@
 names the server) or forked by this test process's server starter (``forkserver``: its record names them)."""
 
 import os
+import time
 from typing import Optional
 
 from lightning_rudra.server.starter import SERVER_STARTER, forked_servers
@@ -42,3 +43,12 @@ def running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def still_running(pids: list[int], within: float = 30.0) -> list[int]:
+    """Those of ``pids`` still running after ``within`` seconds: popen's children run the user's script to its end,
+    which may come a little after learner 0's (its own leave, the RPC world's shutdown); one that never ends stays."""
+    deadline = time.monotonic() + within
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if running(pid)]

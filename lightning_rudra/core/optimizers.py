@@ -2,6 +2,7 @@
 Plain torch."""
 
 from dataclasses import dataclass, replace
+import numbers
 from typing import Any, Sequence
 
 import torch
@@ -59,9 +60,16 @@ def sharing_parameters(specs: Sequence[OptimizerSpec]) -> list[OptimizerSpec]:
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's hyper-parameters (lr, momentum, ...), without its tensors or kernel choices. A
-    one-element tensor (``lr=torch.tensor(0.1)``) travels as the number it holds."""
-    return {
-        k: v.item() if isinstance(v, Tensor) and v.numel() == 1 else v
-        for k, v in group.items()
-        if k not in _IMPLEMENTATION_KEYS
-    }
+    one-element tensor (``lr=torch.tensor(0.1)``) or a numpy number (a config's, a schedule's) travels as the plain
+    number it holds: the push stream carries plain values only."""
+    return {k: _plain(v) for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (tuple, list)):  # Adam's betas
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, numbers.Number) and type(value) not in (bool, int, float, complex):
+        return value.item() if hasattr(value, "item") else float(value)  # type: ignore[arg-type]
+    return value

@@ -61,11 +61,25 @@ class ServerLink:
         else:
             self.client.attached(False)
         if shared_memory and isinstance(self.client, LearnerClient):
-            # another host's server: tensors cross the link faster than through RPC; this host's: only the push's
-            # control, in half RPC's time
-            self.client.open_stream()
+            self._open_stream()
         if compression is not None and self.shm is None:
             self.client.weights_as_deltas(compression)
+
+    def _open_stream(self) -> None:
+        """Push over a connection of this learner's own: to another host's server, tensors cross the link faster than
+        through RPC; to this host's, only the push's control goes, in about half RPC's time. To this host's server
+        it is only faster: if it cannot be opened (its handshake slots kept taken), the pushes go through RPC."""
+        assert isinstance(self.client, LearnerClient)
+        try:
+            self.client.open_stream()
+        except RuntimeError as error:
+            if self.shm is None:
+                raise
+            warnings.warn(
+                f"lightning_rudra: learner {self.client.rank} could not open its push stream to {self.client.what} on "
+                f"its own host ({error.__cause__ or error}). Its pushes go through RPC instead (slower for a small "
+                "model)."
+            )
 
     def _map(self) -> None:
         client = self.client

@@ -355,7 +355,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         if self._servers.client is not None:
             self._servers.leave(self._failed, self.is_global_zero)
             if isinstance(self._launcher, PopenLauncher) and self.stats is not None:
-                self._launcher.end(sorted(self.stats.lost), grace=self.rpc_timeout + 10)
+                self._launcher.end_lost(sorted(self.stats.lost))  # those lost and still running
         self._collectives.close()
         self._training.close()  # training failed: give the Trainer its own loop back
         self._checkpoints.snapshot = None

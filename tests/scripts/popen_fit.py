@@ -1,5 +1,7 @@
 """Train with the popen launcher (Lightning re-runs this script for every learner), save a checkpoint after fit,
-resume from that checkpoint at once with a second Trainer in the same processes, then test with the first.
+resume from that checkpoint at once with a second Trainer in the same processes, then test with the first. A third
+argument sets ``min_learners`` (the strategy's own popen launcher, which ends lost learners once training is over:
+it must not wait for the others, which run this script on).
 
 Learner 0 prints one JSON line: the strategy's stats, the test loss and a checksum of the final weights.
 """
@@ -14,14 +16,15 @@ from tests.lightning_models import Scheduled, flat, loader, quiet_trainer
 
 if __name__ == "__main__":
     protocol, learners = sys.argv[1], int(sys.argv[2])
+    elastic = {"min_learners": int(sys.argv[3])} if len(sys.argv) > 3 else {}
     model = Scheduled(lr=0.02, momentum=0.5)
-    trainer = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60), learners, max_epochs=2)
+    trainer = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60, **elastic), learners, max_epochs=2)
     trainer.fit(model, loader(8), loader(64, seed=1))
     stats = trainer.strategy.stats
     trainer.save_checkpoint("after_fit.ckpt")  # after fit: the server is gone, its state must not be
     # A second Trainer in the same processes, at once (the first stage's rendezvous may still be closing), resumes
     # from that checkpoint; then the first Trainer's next stage.
-    again = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60), learners, max_epochs=3)
+    again = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60, **elastic), learners, max_epochs=3)
     again.fit(Scheduled(lr=0.02, momentum=0.5), loader(8), ckpt_path="after_fit.ckpt")
     [result] = trainer.test(model, loader(64, seed=1), verbose=False)
     if trainer.is_global_zero:

@@ -54,7 +54,7 @@ from tests.lightning_models import (
     sgd_after_a_loss,
 )
 from tests.script_runs import printed_result, run_script
-from tests.server_processes import running, server_pids
+from tests.server_processes import running, server_pids, still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -367,7 +367,7 @@ def test_popen_survives_a_lost_learner(tmp_path, how, why):
     assert f"learner 1 (on 127.0.0.1) was lost: it {why}" in done.stderr  # the server says so as it happens
     if how == "exit":
         assert "learner 1's process ended with exit code 7" in done.stderr
-    assert [pid for pid in result["children"] if running(pid)] == []
+    assert still_running(result["children"]) == []
 
 
 def test_a_torchmetrics_metric_syncs_over_the_learners_left():

@@ -33,7 +33,7 @@ import torch
 from lightning_rudra import RudraStrategy
 from lightning_rudra.transport.rpc_world import free_port
 from tests.lightning_models import START, Regression, flat, quiet_trainer, regression_data
-from tests.server_processes import running
+from tests.server_processes import still_running
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -181,7 +181,7 @@ def result(tmp_path, run: subprocess.Popen) -> dict:
     assert run.wait(timeout=200) == 0, (tmp_path / "run.err").read_text()[-3000:]
     [line] = [line for line in (tmp_path / "run.out").read_text().splitlines() if line.startswith("RESULT ")]
     found = json.loads(line[len("RESULT ") :])
-    assert [pid for pid in found["children"] if running(pid)] == []
+    assert still_running(found["children"]) == []
     return found
 
 

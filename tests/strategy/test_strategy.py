@@ -368,9 +368,11 @@ def test_a_port_in_use_is_reported_clearly(monkeypatch):
             trainer.fit(Regression(), loader(8))
 
 
-def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path):
-    """The default start method re-runs the script per learner, as DDP does; pytest cannot be that script."""
-    done = run_script(tmp_path, "popen_fit.py", "hardsync", "2")
+@pytest.mark.parametrize("min_learners", [None, 1])
+def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path, min_learners):
+    """The default start method re-runs the script per learner, as DDP does; pytest cannot be that script. With
+    ``min_learners`` the strategy's own launcher runs it, whose learners go on to the next stages too."""
+    done = run_script(tmp_path, "popen_fit.py", "hardsync", "2", *([str(min_learners)] if min_learners else []))
     result = printed_result(done.stdout)
     assert result["stats"]["gradients"] == 2 * 2 * 16 and result["stats"]["clock"] == 2 * 16
     assert result["finite"] and result["test_loss"] > 0

@@ -17,6 +17,7 @@ from torch.futures import Future
 
 from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.compression import WeightMessage
+from lightning_rudra.core.optimizers import hyperparameters
 from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.client import _CONNECTION_LOST, _TIMED_OUT, LearnerClient
 from lightning_rudra.transport import frames, stream, stream_client, stream_server
@@ -58,6 +59,36 @@ def test_a_frame_carries_tensors_of_every_dtype_and_shape_bit_for_bit_inside_the
     assert reply.status == "accepted" and reply.clock == 9 and reply.params.whole is False
     for a, b in zip(reply.params.flats, tensors):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_numpy_hyperparameters_cross_the_stream_as_plain_numbers():
+    """A config's or a schedule's numpy numbers: the stream carries plain values only, and every push goes over it."""
+    import numpy as np
+
+    group = {
+        "lr": np.float64(0.05),
+        "momentum": np.float32(0.5),
+        "betas": (np.float64(0.9), 0.99),
+        "steps": np.int64(3),
+    }
+    hparams = hyperparameters({**group, "params": [torch.zeros(1)], "foreach": None})
+    assert hparams == {"lr": 0.05, "momentum": 0.5, "betas": (0.9, 0.99), "steps": 3}
+    assert {type(v) for v in (hparams["lr"], hparams["momentum"], *hparams["betas"], hparams["steps"])} == {float, int}
+    left, right = socket.socketpair()
+    with left, right:
+        sender = threading.Thread(target=send_frame, args=(left, ("push", [hparams])))
+        sender.start()
+        assert recv_frame(right, LIMITS) == ("push", [hparams])
+        sender.join()
+    with pytest.raises(frames.DecodeError, match="numpy"):  # why: the raw values would be refused
+        left, right = socket.socketpair()
+        with left, right:
+            sender = threading.Thread(target=send_frame, args=(left, ("push", [group])))
+            sender.start()
+            try:
+                recv_frame(right, LIMITS)
+            finally:
+                sender.join()
 
 
 def test_a_push_crosses_the_stream_whole_its_tensors_beside_its_fields():

@@ -146,27 +146,15 @@ class PopenLauncher(_SubprocessScriptLauncher):
             self.procs[index] = subprocess.Popen(self.procs[index].args, env=env)
         self._reported.discard(index)
 
-    def end(self, lost: list[int], grace: float) -> None:
-        """Training is over: end this node's learners that the server counted as lost and still run, and wait up to
-        ``grace`` seconds for the others, which are leaving (their last calls, the RPC world's shutdown); one still
-        running then is ended, with a warning. So every process this launcher started has ended when fit returns."""
+    def end_lost(self, lost: list[int]) -> None:
+        """Training is over: end this node's learners that the server counted as lost and still run."""
         self.restarts.closed = True
-        late = {rank - self._first_rank for rank in lost}
-        deadline = time.monotonic() + grace
-        for index, proc in enumerate(self.procs):
-            if index not in late:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    warnings.warn(
-                        f"lightning_rudra: learner {self._first_rank + index} was still running {grace:g} s after "
-                        "training ended: ended.",
-                        stacklevel=1,
-                    )
-            if proc.poll() is None:
+        for rank in lost:
+            index = rank - self._first_rank
+            if 0 <= index < len(self.procs) and self.procs[index].poll() is None:
                 self._reported.add(index)
-                proc.kill()
-                proc.wait()
+                self.procs[index].kill()
+                self.procs[index].wait()
 
 
 def join_survivors(

@@ -1,8 +1,8 @@
 """How the server rebuilds a learner's optimizer: its class, its parameter groups and their hyper-parameters.
 Plain torch."""
 
-from dataclasses import dataclass, replace
 import numbers
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch

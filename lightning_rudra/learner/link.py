@@ -25,8 +25,7 @@ _CPU = torch.device("cpu")
 class ServerLink:
     """What one learner exchanges with one server process: its part of the module's weights and gradients
     (:class:`~lightning_rudra.core.shards.ShardPlan`), and how they travel (shared memory on that server's host, the
-    push stream to another host, RPC with ``shared_memory=False``; the push stream carries every push but those of
-    ``shared_memory=False``)."""
+    push stream for every push, RPC with ``shared_memory=False``)."""
 
     def __init__(self, server: int, client: ServerClient, params: list[Tensor], buffers: list[Tensor]) -> None:
         self.server = server

@@ -4,9 +4,10 @@ shared memory and only the call travels. RPC (TensorPipe) carries everything els
 
 Why: across a shaped link, plain sockets move a push and its reply in the link's own time, where TensorPipe's copies
 took more (the measurement is in benchmarks/NOTES.md); on one host a socket's round trip for a push's control takes
-about half of TensorPipe's (1.0 against 2.1 ms for an 8,010-parameter model, push and update included). A connection carries one call at a time, in order; the learner's
-side sends and receives on a thread of its own, so that a push returns a future at once, as an RPC does. Nothing here
-knows about the parameter server: a call is ``(method, *args)``.
+about half of TensorPipe's (1.0 against 2.1 ms for an 8,010-parameter model, push and update included). A connection
+carries one call at a time, in order; the learner's side sends and receives on a thread of its own, so that a push
+returns a future at once, as an RPC does. Nothing here knows about the parameter server: a call is
+``(method, *args)``.
 
 Who may talk: the server hands a secret of its own to the learners that ask for the stream through RPC
 (:class:`StreamOffer`); a connection proves it knows it (an HMAC of the other side's random challenge, both ways)

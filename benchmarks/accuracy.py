@@ -1,9 +1,10 @@
 """Time to accuracy (``python -m benchmarks.run --only accuracy``): samples/s say how fast a strategy goes, not how
 soon it has a model as good as the synchronous one. Real learners (the benchmark's workers), the MNIST-1D example
 CNN, μ·λ = ``BATCH``, momentum SGD at the rate a sweep on the validation split chose for DDP's budget (``sweep``),
-λ = 2 and 4, with one 3x straggler (sleeping, or busy-waiting: holding its core) and without: DDP (gloo) and each
-Rudra strategy of ``accuracy_strategies`` (``RudraStrategy(protocol="async")`` with its default options unless the
-run names others: ``--accuracy-strategies``) train the same epochs; DDP's plateau (its mean test accuracy over its
+λ = 2 and 4, with one 3x straggler (sleeping, or busy-waiting: holding its core) and without: DDP (gloo) trains
+``accuracy_epochs``, each Rudra strategy of ``accuracy_strategies`` (``RudraStrategy(protocol="async")`` with its
+default options unless the run names others: ``--accuracy-strategies``) up to ``accuracy_rudra_epochs`` (the target
+is time: a strategy whose epochs cost less may spend more of them); DDP's plateau (its mean test accuracy over its
 last epoch) minus ``DROP`` is the target, and a run's time to it is when its accuracy reaches it for good
 (``stays_from``). All keep rank 0's weights every few batches (``benchmarks.training``), so the target is set after
 the runs and the times read from each run's recorded (time, accuracy) snapshots.
@@ -68,8 +69,10 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
     for run in runs:
         run["epochs_trained"] = min((len(r) for r in run.get("epoch_ends_s") or []), default=None)
         run["plateau"] = epoch_accuracy(run, run["epochs_trained"] or 0)
-        run["half_accuracy"] = epoch_accuracy(run, (run["epochs_trained"] or 0) // 2)
     ddp = [r for r in runs if r["strategy"] == "ddp"]
+    half = int(stats.median([r["epochs_trained"] for r in ddp]) or 0) // 2  # DDP's half way, for every run
+    for run in runs:
+        run["half_accuracy"] = epoch_accuracy(run, half)
     plateau = stats.median([r["plateau"] for r in ddp])
     target = None if plateau is None else round(plateau - drop, 6)
     for run in runs:
@@ -179,6 +182,7 @@ def sweep(suite: Any, learners: int) -> Optional[dict[str, Any]]:
 def describe(cfg: dict[str, Any], chosen: dict[str, Any]) -> str:
     """The phase's text in the report: the model, DDP's rate (``chosen``: ``sweep``'s), what each column means."""
     epochs, reps = cfg["accuracy_epochs"], cfg["accuracy_reps"]
+    rudra_epochs = cfg.get("accuracy_rudra_epochs", epochs)
     rudra = ", ".join(STRATEGY_LABELS.get(k, k) for k in cfg["accuracy_strategies"])
     name = report.rudra_name(cfg["accuracy_strategies"])  # as the table's columns name them
     grid = ", ".join(f"{s['lr']:g}" for s in chosen["scores"])
@@ -192,8 +196,15 @@ def describe(cfg: dict[str, Any], chosen: dict[str, Any]) -> str:
         f"rates {grid}"
         + (" (the best still on the grid's edge after extending it)" if chosen["edge"] else "")
         + f", in the table below. DDP (gloo) and {rudra} (RudraStrategy's default options but those named: the "
-        f'shared epoch, `compensation="{DEFAULT_COMPENSATION}"` where gradients are stale) all train {epochs} epochs from the '
-        f"same initial weights. *DDP plateau*: the mean test accuracy of rank 0's weights over DDP's last epoch "
+        f'shared epoch, `compensation="{DEFAULT_COMPENSATION}"` where gradients are stale) train from the same '
+        f"initial weights, DDP {epochs} epochs, "
+        + (
+            f"the others up to {rudra_epochs} (the target is time: a strategy whose epochs cost less may spend more "
+            "of them)."
+            if rudra_epochs != epochs
+            else "the others as many."
+        )
+        + f" *DDP plateau*: the mean test accuracy of rank 0's weights over DDP's last epoch "
         f"(its snapshots then and its final weights), median over DDP runs; beside it the same over epoch "
         f"{epochs // 2}, to show whether it still improved. *Target*: the plateau minus {100 * DROP:g} point. "
         f"*Time to target*: from rank 0's training start (process start, rendezvous and the server's start left "
@@ -209,7 +220,7 @@ def describe(cfg: dict[str, Any], chosen: dict[str, Any]) -> str:
         f"the mean of those two DDP runs' times, median (lowest–highest) over runs, "
         f'"never" if it did not reach the target in half its runs or more. *Ideal (epoch time)*: async\'s ratio of '
         f"epoch times without overhead, λ / (k·(λ − 1) + 1) (section 5); time to target would meet it only if "
-        f"async needed no more epochs than DDP. *Job*: each Rudra job's wall time (start-up, the {epochs} "
+        f"async needed no more epochs than DDP. *Job*: each Rudra job's wall time (start-up, its {rudra_epochs} "
         f"epochs, teardown) against the mean of the DDP jobs around it. *Epochs / DDP's* (the second table): the "
         f"epochs a run had done when it reached the target against the DDP runs' around it: a round of gradients "
         f"all of the current weights (hardsync, K-batch-sync, backup learners) does DDP's arithmetic, so it should "
@@ -233,6 +244,7 @@ def phase(suite: Any) -> None:
     ``accuracy_strategies`` alternated as ``Suite._schedule`` orders them."""
     cfg = suite.cfg
     epochs, reps, strategies = cfg["accuracy_epochs"], cfg["accuracy_reps"], cfg["accuracy_strategies"]
+    rudra_epochs = cfg.get("accuracy_rudra_epochs", epochs)
     chosen = sweep(suite, suite.pools["main"].size)
     if chosen is None:
         suite.failures.append("accuracy: no rate sweep, so no rate for DDP")
@@ -253,7 +265,7 @@ def phase(suite: Any) -> None:
             straggle = straggle if slowdown > 1 else None
             label = f"{slowdown:g}x" + (f" {straggle}" if straggle else "")
             # the longest run: DDP's, every step as slow as the straggler's
-            timeout = 120 + 3 * epochs * cfg["accuracy_samples"] / BATCH * max(slowdown, 2) * step_s
+            timeout = 120 + 3 * max(epochs, rudra_epochs) * cfg["accuracy_samples"] / BATCH * max(slowdown, 2) * step_s
             runs: list[dict[str, Any]] = []
             raw[-1]["runs"][label] = runs
             for seq, (key, rep) in enumerate(suite._schedule(["ddp", *strategies], reps)):
@@ -266,7 +278,7 @@ def phase(suite: Any) -> None:
                     sleep_s=[0.0] * (learners - 1) + [(slowdown - 1) * step_s],  # the last rank is the straggler
                     straggle=straggle or "sleep",
                     snapshots=True,
-                    max_epochs=epochs,
+                    max_epochs=epochs if key == "ddp" else rudra_epochs,
                     snapshot_every=cfg["snapshot_every"],
                     **setup,
                     **optimizer,
@@ -291,6 +303,7 @@ def phase(suite: Any) -> None:
                     "step_ms": 1e3 * step_s,
                     "sleep_ms": 1e3 * (slowdown - 1) * step_s,
                     "epochs": epochs,
+                    "rudra_epochs": rudra_epochs,
                     "lr": chosen["lr"],
                     "ideal": stats.ideal_epoch_ratio(learners, slowdown),  # async's (the shared epoch's)
                     **summary,

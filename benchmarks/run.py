@@ -81,6 +81,11 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "e.g. 3:sleep,1:sleep; every λ gets each of them (default: 3:sleep,3:busy,1:sleep, busy with 4 learners only)",
     )
     parser.add_argument("--accuracy-reps", type=int, help="its runs of each Rudra strategy per row (default: 5)")
+    parser.add_argument(
+        "--accuracy-rudra-epochs",
+        type=int,
+        help="the epochs each Rudra strategy may train, at least DDP's (default: 30 against DDP's 20)",
+    )
     args = parser.parse_args(argv)
     cfg = dict(QUICK if args.quick else DEFAULT)
     try:
@@ -173,6 +178,13 @@ def accuracy_options(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str,
         if args.accuracy_reps < 1:
             raise ValueError(f"--accuracy-reps {args.accuracy_reps}: expected 1 or more")
         out["accuracy_reps"] = args.accuracy_reps
+    if args.accuracy_rudra_epochs is not None:
+        if args.accuracy_rudra_epochs < cfg["accuracy_epochs"]:
+            raise ValueError(
+                f"--accuracy-rudra-epochs {args.accuracy_rudra_epochs}: expected at least DDP's "
+                f"{cfg['accuracy_epochs']} epochs (the target is DDP's accuracy after them)"
+            )
+        out["accuracy_rudra_epochs"] = args.accuracy_rudra_epochs
     return out
 
 

@@ -147,6 +147,15 @@ def test_the_accuracy_phase_sets_the_target_from_ddps_plateau_and_reads_each_run
     )
 
 
+def test_a_strategy_given_more_epochs_than_ddp_is_read_at_ddps_half_way_and_its_own_end():
+    ddp = _run("ddp", 0, [(1.0, 0.95), (2.0, 0.88), (3.0, 0.90)], (3.2, 0.92), [[1.6, 3.1], [1.6, 3.1]], 10.0)
+    ends = [[0.5, 1.0, 1.5, 2.0]] * 2  # four epochs against DDP's two
+    rudra = _run("async", 1, [(0.3, 0.5), (0.8, 0.7), (1.8, 0.95)], (2.0, 0.93), ends, 12.0)
+    runs = accuracy.summarize([ddp, rudra])["runs"]
+    assert runs["ddp"]["half_accuracy"] == pytest.approx(0.95) and runs["async"]["half_accuracy"] == 0.5
+    assert runs["async"]["epochs_trained"] == 4 and runs["async"]["final_accuracy"] == 0.93
+
+
 def test_a_row_without_a_straggler_has_its_own_target_async_no_slower_than_ddp():
     config = {**_config([(0.5, 0.6), (1.0, 0.905), (1.5, 0.93)]), "slowdown": 1, "sleep_ms": 0.0, "ideal": 1.0}
     targets = {t["key"]: t for t in check_targets({"accuracy": [config]})}
@@ -257,11 +266,12 @@ def test_the_accuracy_flags_land_in_the_recorded_config_and_each_rudra_run_has_d
     root.mkdir()
     monkeypatch.setattr(provenance, "ROOT", _repo(root))
     flags = ["--accuracy-strategies", "async,batchsync,hardsync+backup1", "--accuracy-learners", "4"]
-    flags += ["--accuracy-stragglers", "3:sleep,1:busy", "--accuracy-reps", "2"]
+    flags += ["--accuracy-stragglers", "3:sleep,1:busy", "--accuracy-reps", "2", "--accuracy-rudra-epochs", "25"]
     meta = run.main(["--only", "", "--out", str(tmp_path / "out"), *flags])["meta"]
     config = meta["config"]
     assert config["accuracy_strategies"] == ["async", "batchsync", "hardsync+backup1"]
     assert config["accuracy_learners"] == [4] and config["accuracy_reps"] == 2
+    assert config["accuracy_epochs"] == 20 and config["accuracy_rudra_epochs"] == 25
     assert config["accuracy_stragglers"] == [(3, "sleep"), (1, "busy")] and config["accuracy_busy_learners"] == [4]
     assert meta["command"].endswith(" ".join(flags))  # the report's command reruns it
     assert run.main(["--only", "", "--out", str(tmp_path / "out")])["meta"]["config"]["accuracy_strategies"] == [
@@ -271,6 +281,7 @@ def test_the_accuracy_flags_land_in_the_recorded_config_and_each_rudra_run_has_d
         (["--accuracy-strategies", "async,ddp"], "ddp is not a Rudra strategy"),
         (["--accuracy-stragglers", "3:nap"], "'3:nap' is not K:HOW"),
         (["--accuracy-learners", "four"], "expected numbers"),
+        (["--accuracy-rudra-epochs", "10"], "expected at least DDP's 20 epochs"),
     ):
         with pytest.raises(SystemExit):
             run.main(["--only", "", "--out", str(tmp_path / "out"), *bad])

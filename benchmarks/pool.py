@@ -120,6 +120,8 @@ class Pool:
             str(rank),
             "--preload",
             ",".join(self.preload),
+            "--parent",
+            str(os.getpid()),
         ]
 
     def _start_on_hosts(self, env: dict[str, str]) -> None:
@@ -228,7 +230,19 @@ class Pool:
 
 
 # ---- the worker process ------------------------------------------------------------------------------------
-def worker_main(directory: str, rank: int, preload: list[str]) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        pass
+    return True
+
+
+def worker_main(directory: str, rank: int, preload: list[str], parent: Optional[int] = None) -> None:
+    """Run the jobs of ``directory`` in order until it says stop, or, between jobs, until the pool's process
+    (``parent``) is gone: a benchmark killed without its ``close`` leaves no worker behind."""
     import torch
 
     torch.set_num_threads(1)
@@ -239,7 +253,7 @@ def worker_main(directory: str, rank: int, preload: list[str]) -> None:
     while True:
         path = os.path.join(directory, "jobs", f"{index:04d}.json")
         while not os.path.exists(path):
-            if os.path.exists(os.path.join(directory, "stop")):
+            if os.path.exists(os.path.join(directory, "stop")) or (parent is not None and not _alive(parent)):
                 return
             time.sleep(POLL_S)
         with open(path) as f:
@@ -261,5 +275,6 @@ if __name__ == "__main__":
     parser.add_argument("--dir", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--preload", default="")
+    parser.add_argument("--parent", type=int)
     args = parser.parse_args()
-    worker_main(args.dir, args.rank, [m for m in args.preload.split(",") if m])
+    worker_main(args.dir, args.rank, [m for m in args.preload.split(",") if m], args.parent)

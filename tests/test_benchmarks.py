@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +18,7 @@ from benchmarks import accuracy, report, stats
 from benchmarks.hosts import two_hosts, why_no_hosts
 from benchmarks.targets import check_targets
 from lightning_rudra.transport.rpc_world import free_port
+from tests.server_processes import still_running
 
 
 def _transport(rank: int, ports: list[tuple[int, int]], results) -> None:
@@ -696,3 +698,32 @@ def test_ddp_with_a_compression_hook_runs_the_hook_on_cpu_and_gloo(monkeypatch):
         suite.close()
     assert STRATEGIES["ddp+fp16"][3] == {"ddp_comm_hook": "fp16_compress_hook"}
     assert suite.failures == [] and run is not None and run["samples_per_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_killed_benchmark_leaves_no_pool_worker_behind():
+    """The suite's process killed (SIGKILL: no ``close``, no ``finally``) while its workers wait for a job: they
+    see it gone and exit."""
+    script = (
+        "import os, sys\n"
+        "from benchmarks.pool import Pool\n"
+        "pool = Pool('orphans', size=2)\n"
+        "pool.wait_ready()\n"
+        "print(' '.join(str(p.pid) for p in pool.procs), flush=True)\n"
+        "sys.stdin.read()\n"  # until the test kills it
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        workers = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(workers) == 2 and still_running(workers, within=0)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert not still_running(workers, within=30)

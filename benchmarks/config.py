@@ -125,7 +125,7 @@ DEFAULT = {
     # the Rudra strategies each timed against DDP (keys of STRATEGIES), each between two DDP runs
     "accuracy_strategies": ["async"],
     "accuracy_stragglers": [(3, "sleep"), (3, "busy"), (1, "sleep")],  # k = 1: no straggler
-    # the λ that get the busy-waiting straggler's row: not λ = 2, to keep the phase near half an hour on 2 cores
+    # the λ that get the busy-waiting straggler's row: not λ = 2, to keep the phase near 20 minutes on 2 cores
     "accuracy_busy_learners": [4],
     "accuracy_epochs": 20,  # DDP's: to its plateau
     # the Rudra strategies': the target is time, so one whose epochs cost less may spend more of them

@@ -98,15 +98,24 @@ def _epochs(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
 
 
 def _accuracy(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
-    return [
+    configs = s.get("accuracy", [])
+    rows = [
         _stragglers(
-            s.get("accuracy", []),
-            learners,
-            f"time to DDP's accuracy, {learners} learners, one {SLOWDOWN}× slower",
-            "tta_vs_ddp",
+            configs, learners, f"time to DDP's accuracy, {learners} learners, one {SLOWDOWN}× slower", "tta_vs_ddp"
         )
         for learners in (4, 2)
     ]
+    what = "time to DDP's accuracy, no straggler"
+    found = {n: _find(configs, learners=n, slowdown=1) for n in (4, 2)}
+    runs = {n: c["runs"].get("async", {}) for n, c in found.items() if c is not None}
+    if not runs:
+        return [*rows, (what, None)]
+    ratio = {
+        n: "never" if r.get("tta_vs_ddp") is None and r.get("tta_s_reps") else _x(r.get("tta_vs_ddp"))
+        for n, r in runs.items()
+    }
+    measured = ", ".join(f"async {ratio[n]} ({n} learners)" for n in runs)
+    return [*rows, (what, [what, measured, "–", ", ".join(_x(r.get("job_vs_ddp")) for r in runs.values())])]
 
 
 ROUNDS = ("batchsync", "hardsync+backup1", "async+ssp3", "async")  # the protocol family's row, in this order

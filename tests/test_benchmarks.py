@@ -604,6 +604,9 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     network = {"rate": "1gbit", "learners_per_host": 1, "target_params": 10**7, "server_node": False}
     network["runs"] = {"ddp": {"vs_ddp": 1.0}, "ddp+fp16": {"vs_ddp": 1.2}, "hardsync+bf16": bf16}
     _results(root, "network", {"network": [network]})
+    never = {"tta_vs_ddp": None, "tta_s_reps": [None, None], "job_vs_ddp": 1.5}
+    calm = [{"learners": 4, "slowdown": 1, "runs": {"async": {"tta_vs_ddp": 1.15, "job_vs_ddp": 1.46}}}]
+    _results(root, "accuracy", {"accuracy": [*calm, {"learners": 2, "slowdown": 1, "runs": {"async": never}}]})
     _results(
         root,
         "simulation",
@@ -628,7 +631,12 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     assert "| DDP fp16 1.20×, hardsync bf16 1.10× (0.90× DDP fp16) | – | –, 0.95× | [network](" in text
     assert "| λ = 30 simulated learners in one process, time / one process | hardsync 1.13× | – | – |" in text
     assert "epoch time, MNIST-1D, 4 learners, one 3× slower (not in `benchmarks/results/epochs.json`)" in text
-    assert "(`benchmarks/results/accuracy.json`)" in text and "2 learners per host, samples/s (not in" in text
+    assert (
+        "| time to DDP's accuracy, no straggler | async 1.15× (4 learners), async never (2 learners) | – | 1.46×, 1.50× |"
+        in text
+    )
+    assert "one 3× slower (not in `benchmarks/results/accuracy.json`)" in text
+    assert "2 learners per host, samples/s (not in" in text
 
     (root / "README.md").write_text(text.replace("0.63×", "0.60×"))  # edited by hand
     assert readme.main(["--check"]) == 1

@@ -70,7 +70,7 @@ def summarize(runs: list[dict[str, Any]], drop: float = DROP) -> dict[str, Any]:
         run["epochs_trained"] = min((len(r) for r in run.get("epoch_ends_s") or []), default=None)
         run["plateau"] = epoch_accuracy(run, run["epochs_trained"] or 0)
     ddp = [r for r in runs if r["strategy"] == "ddp"]
-    half = int(stats.median([r["epochs_trained"] for r in ddp]) or 0) // 2  # DDP's half way, for every run
+    half = round(stats.median([r["epochs_trained"] for r in ddp]) or 0) // 2  # DDP's half way, for every run
     for run in runs:
         run["half_accuracy"] = epoch_accuracy(run, half)
     plateau = stats.median([r["plateau"] for r in ddp])
@@ -199,8 +199,8 @@ def describe(cfg: dict[str, Any], chosen: dict[str, Any]) -> str:
         f'shared epoch, `compensation="{DEFAULT_COMPENSATION}"` where gradients are stale) train from the same '
         f"initial weights, DDP {epochs} epochs, "
         + (
-            f"the others up to {rudra_epochs} (the target is time: a strategy whose epochs cost less may spend more "
-            "of them)."
+            f"the Rudra strategies up to {rudra_epochs} (the target is time: a strategy whose epochs cost less may "
+            "spend more of them)" + (", hivemind DDP's." if "hivemind" in cfg["accuracy_strategies"] else ".")
             if rudra_epochs != epochs
             else "the others as many."
         )
@@ -264,7 +264,7 @@ def phase(suite: Any) -> None:
                 continue
             straggle = straggle if slowdown > 1 else None
             label = f"{slowdown:g}x" + (f" {straggle}" if straggle else "")
-            # the longest run: DDP's, every step as slow as the straggler's
+            # the longest run: DDP's, every step as slow as the straggler's, or a Rudra run's more epochs
             timeout = 120 + 3 * max(epochs, rudra_epochs) * cfg["accuracy_samples"] / BATCH * max(slowdown, 2) * step_s
             runs: list[dict[str, Any]] = []
             raw[-1]["runs"][label] = runs
@@ -278,7 +278,7 @@ def phase(suite: Any) -> None:
                     sleep_s=[0.0] * (learners - 1) + [(slowdown - 1) * step_s],  # the last rank is the straggler
                     straggle=straggle or "sleep",
                     snapshots=True,
-                    max_epochs=epochs if key == "ddp" else rudra_epochs,
+                    max_epochs=epochs if key in ("ddp", "hivemind") else rudra_epochs,  # hivemind: not Rudra's
                     snapshot_every=cfg["snapshot_every"],
                     **setup,
                     **optimizer,

@@ -120,8 +120,6 @@ class Pool:
             str(rank),
             "--preload",
             ",".join(self.preload),
-            "--parent",
-            str(os.getpid()),
         ]
 
     def _start_on_hosts(self, env: dict[str, str]) -> None:
@@ -230,19 +228,12 @@ class Pool:
 
 
 # ---- the worker process ------------------------------------------------------------------------------------
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        pass
-    return True
-
-
-def worker_main(directory: str, rank: int, preload: list[str], parent: Optional[int] = None) -> None:
-    """Run the jobs of ``directory`` in order until it says stop, or, between jobs, until the pool's process
-    (``parent``) is gone: a benchmark killed without its ``close`` leaves no worker behind."""
+def worker_main(directory: str, rank: int, preload: list[str]) -> None:
+    """Run the jobs of ``directory`` in order until it says stop, or, between jobs, until the process that started
+    this one is gone (this one handed to another parent): a benchmark killed without its ``close`` leaves no worker
+    of this machine waiting. A worker on a namespace host (``Pool(hosts=...)``) is the child of that host's shell,
+    which outlives the benchmark, and a worker in a job waits for the job (its rendezvous and RPC are bounded)."""
+    parent = os.getppid()  # by pid, which a new process may take once it is gone: its parent's changes at once
     import torch
 
     torch.set_num_threads(1)
@@ -253,7 +244,7 @@ def worker_main(directory: str, rank: int, preload: list[str], parent: Optional[
     while True:
         path = os.path.join(directory, "jobs", f"{index:04d}.json")
         while not os.path.exists(path):
-            if os.path.exists(os.path.join(directory, "stop")) or (parent is not None and not _alive(parent)):
+            if os.path.exists(os.path.join(directory, "stop")) or os.getppid() != parent:
                 return
             time.sleep(POLL_S)
         with open(path) as f:
@@ -275,6 +266,5 @@ if __name__ == "__main__":
     parser.add_argument("--dir", required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--preload", default="")
-    parser.add_argument("--parent", type=int)
     args = parser.parse_args()
-    worker_main(args.dir, args.rank, [m for m in args.preload.split(",") if m], args.parent)
+    worker_main(args.dir, args.rank, [m for m in args.preload.split(",") if m])

@@ -86,6 +86,8 @@ class Fuzzer:
             case = self.random.choice(cases)
             try:
                 with socket.create_connection((self.offer.address, self.offer.port), timeout=30) as sock:
+                    # as the learners' stream does: without it each call's second segment waits for a delayed ack
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     case(sock)
                     self._hang_up(sock)
             except Exception as error:  # an unexpected answer, or none where one was due
@@ -133,7 +135,9 @@ class Fuzzer:
     # strangers: nothing they send is read beyond the handshake
     def case_random_bytes_unauthenticated(self, sock):
         stream.read_exactly(sock, len(stream.MAGIC) + stream.NONCE)  # the challenge
-        sock.sendall(self._bytes(self.random.randrange(72, 300)))
+        # a whole handshake's worth or more, so that the server judges it at once (fewer is a truncated handshake)
+        answer = len(stream.MAGIC) + stream.NONCE + stream.SESSION + stream.PROOF_SIZE
+        sock.sendall(self._bytes(self.random.randrange(answer, 300)))
         assert self._closed(sock)
 
     def case_pickle_instead_of_a_proof(self, sock):

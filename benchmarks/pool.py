@@ -233,7 +233,7 @@ def worker_main(directory: str, rank: int, preload: list[str]) -> None:
     this one is gone (this one handed to another parent): a benchmark killed without its ``close`` leaves no worker
     of this machine waiting. A worker on a namespace host (``Pool(hosts=...)``) is the child of that host's shell,
     which outlives the benchmark, and a worker in a job waits for the job (its rendezvous and RPC are bounded)."""
-    parent = os.getppid()  # by pid, which a new process may take once it is gone: its parent's changes at once
+    parent = os.getppid()  # its pid may be reused once it is gone, but this process's parent changes at once
     import torch
 
     torch.set_num_threads(1)

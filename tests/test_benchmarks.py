@@ -718,7 +718,7 @@ def test_a_killed_benchmark_leaves_no_pool_worker_behind():
         "from benchmarks.pool import Pool\n"
         "pool = Pool('orphans', size=2)\n"
         "pool.wait_ready()\n"
-        "print(' '.join(str(p.pid) for p in pool.procs), flush=True)\n"
+        "print(pool.dir, ' '.join(str(p.pid) for p in pool.procs), flush=True)\n"
         "sys.stdin.read()\n"  # until the test kills it
     )
     parent = subprocess.Popen(
@@ -728,10 +728,15 @@ def test_a_killed_benchmark_leaves_no_pool_worker_behind():
         stdout=subprocess.PIPE,
         text=True,
     )
+    folder, *pids = parent.stdout.readline().split()
+    workers = [int(pid) for pid in pids]
     try:
-        workers = [int(pid) for pid in parent.stdout.readline().split()]
         assert len(workers) == 2 and still_running(workers, within=0)
     finally:
         parent.kill()
         parent.wait()
-    assert not still_running(workers, within=30)
+        left = still_running(workers, within=30)
+        for pid in left:  # a failure leaves nothing behind either
+            os.kill(pid, 9)
+        shutil.rmtree(folder, ignore_errors=True)
+    assert not left

@@ -20,10 +20,12 @@ from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.update import Push
 
 
-def scalar_server(compensation, protocol="async", learners=2, momentum=0.0, optimizer=torch.optim.SGD, **options):
+def scalar_server(
+    compensation, protocol="async", learners=2, momentum=0.0, optimizer=torch.optim.SGD, n=1, **options
+):
     w = torch.ones(1)
     opt = optimizer([w], lr=0.1, **({"momentum": momentum} if optimizer is torch.optim.SGD else {}), **options)
-    config = ProtocolConfig(learners, protocol, compensation=compensation)
+    config = ProtocolConfig(learners, protocol, n=n, compensation=compensation)
     return Server(config, [w], [], [OptimizerSpec.from_optimizer(opt, [w])]), opt
 
 
@@ -49,10 +51,12 @@ def test_momentum_scales_the_rate_by_c_over_lambda_then_trades_momentum_for_a_st
     server, opt = scalar_server("momentum", momentum=0.9)
     push(server, opt, 0, 1.0, 0)  # σ = 0, ⟨σ⟩ = 0: lr 0.1 · c/λ = 0.05, momentum 0.9
     assert weight(server) == pytest.approx(0.95)
-    push(server, opt, 1, 2.0, 0)  # σ = 1, ⟨σ⟩ = 0.5: momentum 0, step 0.1 / (1 - 0.9) · min(1/2, 1/(2 · 0.5 + 1))
+    push(server, opt, 1, 2.0, 0)  # σ = 1, ⟨σ⟩ = 0.5: momentum 0, step 0.1 / (1 - 0.9) · min(1/2, 1/(0.5 + 1))
     assert weight(server) == pytest.approx(0.95 - 0.5 * 2.0)
-    push(server, opt, 0, 1.0, 0)  # σ = 2, ⟨σ⟩ = 1: step 1 · min(1/2, 1/3)
-    assert weight(server) == pytest.approx(-0.05 - 1 / 3)
+    push(server, opt, 0, 1.0, 0)  # σ = 2, ⟨σ⟩ = 1: step 1 · min(1/2, 1/2)
+    assert weight(server) == pytest.approx(-0.05 - 1 / 2)
+    push(server, opt, 1, 1.0, 0)  # σ = 3, ⟨σ⟩ = 1.5: staler than c/λ expects, step 1 · 1/(1.5 + 1)
+    assert weight(server) == pytest.approx(-0.55 - 1 / 2.5)
     assert server.optimizers[0].param_groups[0]["momentum"] == 0.0 and opt.param_groups[0]["momentum"] == 0.9
 
 
@@ -61,7 +65,19 @@ def test_momentum_on_adam_keeps_its_moments_and_scales_the_rate_by_c_over_lambda
     for timestamp in (0, 0, 0):
         push(server, opt, 0, 1.0, timestamp)
     group = server.optimizers[0].param_groups[0]
+    # async (c = 1): ⟨σ⟩ = 1 but no cap, c/λ only
     assert group["betas"] == (0.9, 0.99) and group["lr"] == pytest.approx(0.1 / 2)
+
+
+def test_momentum_caps_an_adaptive_softsync_update_at_one_over_two_mean_staleness_plus_one():
+    server, opt = scalar_server("momentum", "softsync", learners=4, n=2, optimizer=torch.optim.Adam)
+    group = server.optimizers[0].param_groups[0]
+    rates = []
+    for learner in range(6):  # c = 2: updates after gradients of σ = 0, 0 | 1, 1 | 2, 2
+        push(server, opt, learner % 4, 1.0, 0)
+        rates.append(group["lr"])
+    # ⟨σ⟩ = 0: c/λ; 0.5: min(1/2, 1/2); 1: min(1/2, 1/3)
+    assert rates[1::2] == pytest.approx([0.1 / 2, 0.1 / 2, 0.1 / 3]), rates
 
 
 def test_dc_adds_the_taylor_term_to_a_stale_gradient():

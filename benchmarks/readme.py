@@ -23,7 +23,7 @@ from benchmarks.config import M
 from benchmarks.report import _f
 
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
-STUDY = "docs/study/compensation/runs.jsonl"  # the compensation study's runs (examples/study/compensation.py)
+STUDY = "docs/study/staleness/runs.jsonl"  # the staleness study's runs (examples/study/staleness.py)
 SLOWDOWN = 3  # the straggler of the README's rows
 
 
@@ -245,46 +245,37 @@ def load(name: str) -> Optional[dict[str, Any]]:
 
 
 def study_row() -> tuple[str, Optional[Row], str]:
-    """The compensation study's row (``STUDY``: one JSON line per run, each naming its commit): the default rule's
-    test error against hardsync's at equal simulated time, per optimizer, for every stale configuration reported."""
-    from examples.study import compensation as study
-    from examples.study.compensation_report import compare
+    """The staleness study's row (``STUDY``: one JSON line per run, each naming its commit): how many stale
+    configurations the default rule keeps within the study's target of hardsync, per optimizer, and the worst."""
+    from examples.study import staleness as study
+    from examples.study.staleness_report import gaps
+    from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 
-    what = "simulated learners, MNIST-1D, μλ = 128, default compensation: test error − hardsync's, points"
+    what = (
+        f"simulated learners, 3 model families, μλ = 128, default compensation: stale runs within {study.TARGET:g} "
+        f"points (LM: {study.TARGET:g} %) of hardsync at 1.5× its epochs"
+    )
     text = committed(STUDY)
     if text is None:
         return what, None, STUDY
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     for commit, modified in sorted({(r.get("commit"), r.get("modified")) for r in rows}, key=str):
         _cited(STUDY, {"commit": commit, "modified": modified})
-    reported = [r for r in rows if r["seed"] in study.SEEDS]
-    hardsync = {(r["optimizer"], r["seed"]): r for r in reported if r["protocol"] == "hardsync"}
-    gaps: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for r in reported:
-        base = hardsync.get((r["optimizer"], r["seed"]))
-        if r["protocol"] == "hardsync" or r["rule"] != study.DEFAULT or base is None:
-            continue
-        gap = compare(r, base, len(base["errors"]))
-        name = "async" if r["protocol"] == "async" else f"{r['n']}-softsync"
-        if gap["time_gap"] is not None:
-            gaps.setdefault((r["optimizer"], f"{name} λ = {r['learners']}"), []).append(
-                (gap["epochs_gap"], gap["time_gap"])
-            )
-    if not gaps:
+    mean = {k[:3]: statistics.mean(v) for k, v in gaps(rows, "errors").items() if k[3] == DEFAULT_COMPENSATION}
+    if not mean:
         return what, None, STUDY
-
-    def cell(pairs: list[tuple[float, float]]) -> str:
-        epochs, time = zip(*pairs)
-        spread = f" ±{statistics.stdev(time):.0f}" if len(time) > 1 else ""
-        return f"{statistics.mean(epochs):+.0f} / {statistics.mean(time):+.0f}{spread}"
-
-    cells = [
-        f"{o}: " + ", ".join(f"{c} {cell(g)}" for (oo, c), g in gaps.items() if oo == o)
-        for o in dict.fromkeys(o for o, _ in gaps)
-    ]
-    seeds = f" (equal epochs / equal simulated time, mean ± sd of {len(study.SEEDS)} seeds; against hardsync)"
+    met = {o: [0, 0] for o in dict.fromkeys(o for _, o, _ in mean)}
+    for (_, optimizer, _), gap in mean.items():
+        met[optimizer][0] += gap <= study.TARGET
+        met[optimizer][1] += 1
+    family, optimizer, config = max(mean, key=mean.__getitem__)
+    cells = (
+        f"{sum(m for m, _ in met.values())} of {len(mean)} ("
+        + ", ".join(f"{o} {m}/{n}" for o, (m, n) in met.items())
+        + f"; worst {family} {optimizer} {config} {mean[family, optimizer, config]:+.1f}; mean of {len(study.SEEDS)} seeds)"
+    )
     commits = ", ".join(sorted({str(r.get("commit"))[:7] for r in rows}))
-    return what, [what, "; ".join(cells) + seeds, "0", "–"], commits
+    return what, [what, cells, f"{len(mean)} of {len(mean)}", "–"], commits
 
 
 def table() -> str:
@@ -311,7 +302,7 @@ def table() -> str:
     if cells is None:
         missing.append(f"{what} (`{STUDY}`)")
     else:
-        lines.append("| " + " | ".join(cells + [f"[study](docs/study/compensation/findings.md) {commits}"]) + " |")
+        lines.append("| " + " | ".join(cells + [f"[study](docs/study/staleness/findings.md) {commits}"]) + " |")
     lines += [
         "",
         "Made by `python -m benchmarks.readme`; *ideal*: without overhead; *job wall time*: the whole job, start-up "

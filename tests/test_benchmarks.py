@@ -651,35 +651,45 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     assert readme.main([]) == 2 and "modified code" in capsys.readouterr().err
 
 
-def test_the_readmes_study_row_is_the_default_rules_gap_at_equal_time_of_the_reported_seeds_only(tmp_path, monkeypatch):
-    """The compensation study's row: the default rule's test error minus hardsync's of the same seed, at equal
-    simulated time, mean over the reported seeds; the tuning seed and other rules left out; refused when a run
-    names modified code."""
+def test_the_readmes_study_row_counts_the_default_rules_configurations_within_target_on_reported_seeds(
+    tmp_path, monkeypatch
+):
+    """The staleness study's row: per optimizer, the stale configurations whose mean gap to hardsync (same seed;
+    the LM's in % of its loss) under the default rule is within the target, and the worst; other rules and the
+    tuning seed left out; refused when a run names modified code."""
     from benchmarks import provenance, readme
-    from examples.study import compensation as study
+    from examples.study import staleness as study
+    from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 
     root = tmp_path / "repo"
     root.mkdir()
     monkeypatch.setattr(provenance, "ROOT", _repo(root))
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    run = dict(optimizer="sgd", learners=4, n=1, train_samples=2880, commit=commit.strip(), modified=False)
     rows = []
-    for seed, final in zip(study.SEEDS, (0.10, 0.20, 0.30)):
-        rows.append({**run, "protocol": "hardsync", "rule": "none", "seed": seed, "errors": [0.5, 0.1]})
-        # the stale run's epochs take no simulated time: at hardsync's end it has done all 4, its last error counts
-        stale = dict(protocol="async", seed=seed, errors=[0.9, 0.8, 0.7, final], times=[0.0] * 4)
-        rows.append({**run, **stale, "rule": study.DEFAULT})
-        rows.append({**run, **stale, "rule": "paper", "errors": [0.9] * 4})
-    rows.append({**run, "protocol": "async", "rule": study.DEFAULT, "seed": study.TUNE_SEED, "errors": [0.9] * 4})
+    # (family, optimizer, λ, hardsync's final measure, the stale runs' final measure per seed)
+    cells = [
+        ("cnn", "sgd", 4, 0.10, (0.11, 0.12, 0.13)),  # +2.0 points: met
+        ("cnn", "sgd", 16, 0.10, (0.10, 0.20, 0.30)),  # +10.0: missed, the worst
+        ("lm", "adam", 4, 2.00, (2.02, 2.02, 2.02)),  # +1.0 %: met
+    ]
+    for family, optimizer, learners, sync, finals in cells:
+        base = dict(family=family, optimizer=optimizer, n=1, commit=commit.strip(), modified=False)
+        for seed, final in zip(study.SEEDS, finals):
+            rows.append({**base, "protocol": "hardsync", "learners": 4, "rule": "none", "seed": seed,
+                         "errors": [sync] * study.EPOCHS})  # fmt: skip
+            stale = dict(protocol="async", learners=learners, seed=seed, errors=[0.9, final])
+            rows.append({**base, **stale, "rule": DEFAULT_COMPENSATION})
+            rows.append({**base, **stale, "rule": "none", "errors": [0.9, 0.9]})
+        rows.append({**base, "protocol": "async", "learners": learners, "rule": DEFAULT_COMPENSATION,
+                     "seed": study.TUNE_SEED, "errors": [0.9] * 2})  # fmt: skip
     path = root / readme.STUDY
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert readme.study_row()[1] is None  # not committed: not cited
     _commit(root, path)
-    what, cells, commits = readme.study_row()
-    # at equal epochs (2): 0.8 − 0.1; at equal time (all 4 epochs done): (0 + 10 + 20) / 3, sd 10
-    assert cells is not None and cells[1].startswith("sgd: async λ = 4 +70 / +10 ±10 (equal epochs / equal"), cells
-    assert commits == commit.strip()[:7]
+    what, cells_, commits = readme.study_row()
+    assert cells_ is not None and cells_[1] == "2 of 3 (sgd 1/2, adam 1/1; worst cnn sgd async λ=16 +10.0; mean of 3 seeds)"
+    assert cells_[2] == "3 of 3" and commits == commit.strip()[:7]
     path.write_text(path.read_text() + json.dumps({**rows[0], "modified": True}) + "\n")
     _commit(root, path)
     with pytest.raises(readme.Refused, match="modified code"):

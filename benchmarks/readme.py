@@ -12,6 +12,7 @@ and the ratio of the jobs' wall times (``job_vs_ddp``: start-up and teardown inc
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -246,14 +247,16 @@ def load(name: str) -> Optional[dict[str, Any]]:
 
 def study_row() -> tuple[str, Optional[Row], str]:
     """The staleness study's row (``STUDY``: one JSON line per run, each naming its commit): how many stale
-    configurations the default rule keeps within the study's target of hardsync, per optimizer, and the worst."""
+    configurations the default rule keeps within the study's target of hardsync, per optimizer, and the worst (a
+    run that ended non-finite counts as missed, infinitely far). Only runs of the rate the stale runs trained at
+    (the sweeps' other rates left out), and only stale runs of the study's full epochs."""
     from examples.study import staleness as study
     from examples.study.staleness_report import gaps
     from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 
     what = (
-        f"simulated learners, 3 model families, μλ = 128, default compensation: stale runs within {study.TARGET:g} "
-        f"points (LM: {study.TARGET:g} %) of hardsync at 1.5× its epochs"
+        f"simulated learners, 3 model families, default compensation: stale runs within {study.TARGET:g} points "
+        f"(LM: {study.TARGET:g} %) of hardsync at 1.5× its epochs"
     )
     text = committed(STUDY)
     if text is None:
@@ -261,18 +264,36 @@ def study_row() -> tuple[str, Optional[Row], str]:
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     for commit, modified in sorted({(r.get("commit"), r.get("modified")) for r in rows}, key=str):
         _cited(STUDY, {"commit": commit, "modified": modified})
-    mean = {k[:3]: statistics.mean(v) for k, v in gaps(rows, "errors").items() if k[3] == DEFAULT_COMPENSATION}
-    if not mean:
+    rates: dict[tuple[str, str], set[float]] = {}
+    for r in rows:
+        if r["protocol"] != "hardsync":
+            rates.setdefault((r["family"], r["optimizer"]), set()).add(r["lr"])
+    several = {k: sorted(v) for k, v in rates.items() if len(v) > 1}
+    if several:
+        raise Refused(f"{STUDY} has stale runs at several rates for {several}: one study, one rate per optimizer")
+    rows = [
+        r
+        for r in rows
+        if r["lr"] in rates.get((r["family"], r["optimizer"]), ())
+        and (r["protocol"] == "hardsync" or len(r["errors"]) >= study.STALE_EPOCHS)
+    ]
+    seeds = {k[:3]: v for k, v in gaps(rows, "errors").items() if k[3] == DEFAULT_COMPENSATION}
+    if not seeds:
         return what, None, STUDY
+    mean = {k: statistics.mean(v) for k, v in seeds.items()}
+    mean = {k: v if math.isfinite(v) else math.inf for k, v in mean.items()}
     met = {o: [0, 0] for o in dict.fromkeys(o for _, o, _ in mean)}
     for (_, optimizer, _), gap in mean.items():
         met[optimizer][0] += gap <= study.TARGET
         met[optimizer][1] += 1
     family, optimizer, config = max(mean, key=mean.__getitem__)
+    counts = sorted({len(v) for v in seeds.values()})
     cells = (
         f"{sum(m for m, _ in met.values())} of {len(mean)} ("
         + ", ".join(f"{o} {m}/{n}" for o, (m, n) in met.items())
-        + f"; worst {family} {optimizer} {config} {mean[family, optimizer, config]:+.1f}; mean of {len(study.SEEDS)} seeds)"
+        + f"; worst {family} {optimizer} {config} {mean[family, optimizer, config]:+.1f}; mean of "
+        + "–".join(map(str, sorted({counts[0], counts[-1]})))
+        + " seeds)"
     )
     commits = ", ".join(sorted({str(r.get("commit"))[:7] for r in rows}))
     return what, [what, cells, f"{len(mean)} of {len(mean)}", "–"], commits

@@ -655,8 +655,9 @@ def test_the_readmes_study_row_counts_the_default_rules_configurations_within_ta
     tmp_path, monkeypatch
 ):
     """The staleness study's row: per optimizer, the stale configurations whose mean gap to hardsync (same seed;
-    the LM's in % of its loss) under the default rule is within the target, and the worst; other rules and the
-    tuning seed left out; refused when a run names modified code."""
+    the LM's in % of its loss) under the default rule is within the target, and the worst (non-finite: missed,
+    the worst); other rules, the tuning seed, the sweeps' other rates and cut-short runs left out; refused when a
+    run names modified code or the stale runs of one optimizer have several rates."""
     from benchmarks import provenance, readme
     from examples.study import staleness as study
     from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
@@ -665,31 +666,44 @@ def test_the_readmes_study_row_counts_the_default_rules_configurations_within_ta
     root.mkdir()
     monkeypatch.setattr(provenance, "ROOT", _repo(root))
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    full = study.STALE_EPOCHS
     rows = []
     # (family, optimizer, λ, hardsync's final measure, the stale runs' final measure per seed)
     cells = [
-        ("cnn", "sgd", 4, 0.10, (0.11, 0.12, 0.13)),  # +2.0 points: met
-        ("cnn", "sgd", 16, 0.10, (0.10, 0.20, 0.30)),  # +10.0: missed, the worst
-        ("lm", "adam", 4, 2.00, (2.02, 2.02, 2.02)),  # +1.0 %: met
+        ("cnn", "sgd", 4, 0.10, (0.50, 0.11, 0.12)),  # seed 0 cut short (below): +1.5 points, met
+        ("cnn", "sgd", 16, 0.10, (0.10, 0.20, 0.30)),  # +10.0: missed
+        ("cnn", "sgd", 30, 0.10, (0.10, 0.10, float("nan"))),  # diverged: missed, the worst
+        ("lm", "adam", 4, 2.00, (2.03, 2.03, 2.03)),  # +1.5 % (3 points): met
     ]
     for family, optimizer, learners, sync, finals in cells:
-        base = dict(family=family, optimizer=optimizer, n=1, commit=commit.strip(), modified=False)
+        base = dict(family=family, optimizer=optimizer, n=1, lr=0.1, commit=commit.strip(), modified=False)
         for seed, final in zip(study.SEEDS, finals):
             rows.append({**base, "protocol": "hardsync", "learners": 4, "rule": "none", "seed": seed,
                          "errors": [sync] * study.EPOCHS})  # fmt: skip
-            stale = dict(protocol="async", learners=learners, seed=seed, errors=[0.9, final])
+            stale = dict(protocol="async", learners=learners, seed=seed, errors=[0.9] * (full - 1) + [final])
             rows.append({**base, **stale, "rule": DEFAULT_COMPENSATION})
-            rows.append({**base, **stale, "rule": "none", "errors": [0.9, 0.9]})
-        rows.append({**base, "protocol": "async", "learners": learners, "rule": DEFAULT_COMPENSATION,
-                     "seed": study.TUNE_SEED, "errors": [0.9] * 2})  # fmt: skip
+            rows.append({**base, **stale, "rule": "none", "errors": [0.9] * full})
+        # the tuning seed's sweep, and a sweep's other rate on a reported seed: neither is a baseline
+        rows.append({**base, "protocol": "hardsync", "learners": 4, "rule": "none", "seed": study.TUNE_SEED,
+                     "errors": [0.9] * study.EPOCHS})  # fmt: skip
+        rows.append({**rows[-1], "seed": study.SEEDS[0], "lr": 0.4})
+    # cut short: left out, so cnn sgd λ = 4 is the mean of 2 seeds
+    rows[1] = {**rows[1], "errors": [0.5] * (full - 1)}
     path = root / readme.STUDY
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert readme.study_row()[1] is None  # not committed: not cited
     _commit(root, path)
-    what, cells_, commits = readme.study_row()
-    assert cells_ is not None and cells_[1] == "2 of 3 (sgd 1/2, adam 1/1; worst cnn sgd async λ=16 +10.0; mean of 3 seeds)"
-    assert cells_[2] == "3 of 3" and commits == commit.strip()[:7]
+    what, row, commits = readme.study_row()
+    assert row is not None and row[1] == (
+        "2 of 4 (sgd 1/3, adam 1/1; worst cnn sgd async λ=30 +inf; mean of 2–3 seeds)"
+    ), row
+    assert row[2] == "4 of 4" and commits == commit.strip()[:7]
+    stray = {**rows[1], "lr": 0.2, "errors": [0.1] * full}
+    path.write_text(path.read_text() + json.dumps(stray) + "\n")
+    _commit(root, path)
+    with pytest.raises(readme.Refused, match="several rates"):
+        readme.study_row()
     path.write_text(path.read_text() + json.dumps({**rows[0], "modified": True}) + "\n")
     _commit(root, path)
     with pytest.raises(readme.Refused, match="modified code"):

@@ -5,21 +5,20 @@ A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"`
 ``DEFAULT_COMPENSATION``, is ``"momentum+clip"``. With σ = 0 (hardsync, one learner) every rule is the identity,
 so hardsync stays SGD with batch μλ and async with one learner plain SGD.
 
-``momentum`` (a step that moves as far per sample as the synchronous run's and stays stable under delay). A
-synchronous update averages λ gradients, a stale one c = ⌊λ/n⌋ (async: 1), so every optimizer's rate is scaled by
-c/λ (the paper's α0/⟨σ⟩ is c/λ in expectation, since ⟨σ⟩ ≈ n, but c/λ does not depend on the timing). For SGD,
-once the mean staleness ⟨σ⟩ of the optimizer's own gradients is above 0, its momentum β is switched off and an
-update's step, lr/(1 − β), heavy-ball's step in the long run, is scaled by min(c/λ, 1/(⟨σ⟩ + 1)) instead. Why: a
-gradient τ updates late makes heavy-ball SGD unstable once step × curvature exceeds about π/(2τ + 1), whatever the
-momentum, and the largest stable step is reached with no momentum (asynchrony is itself a momentum: Mitliagkas et
-al., "Asynchrony begets momentum", 2016); 1/(⟨σ⟩ + 1) bounds the step where the staleness is above what c/λ
-expects. A rate tuned at the edge of the synchronous run's stability can still exceed the stale edge: ``clip`` is
-what stops that (this rule's first cap, 1/(2⟨σ⟩ + 1), kept such runs stable without it, but moved a stale
-run 0.57–0.67× as far per sample as DDP at a rate below the edge). Adam and the other adaptive optimizers keep
-their moments (their step is bounded by about lr whatever the curvature); an n-softsync update (c > 1) of theirs is
-capped at 1/(2⟨σ⟩ + 1) as well: it averages c gradients, whose smaller noise lets the normalized step grow towards
-its full rate, and without the cap 4-softsync at λ = 16 ended 18 points above hardsync on the study's CNN
-(docs/study/staleness/findings.md).
+``momentum`` (a step that stays stable under delay). A synchronous update averages λ gradients, a stale one
+c = ⌊λ/n⌋ (async: 1), so every optimizer's rate is scaled by c/λ (the paper's α0/⟨σ⟩ is c/λ in expectation, since
+⟨σ⟩ ≈ n, but c/λ does not depend on the timing). For SGD, once the mean staleness ⟨σ⟩ of the optimizer's own
+gradients is above 0, its momentum β is switched off too and an update's step, lr/(1 − β), is scaled by
+min(c/λ, 1/(2⟨σ⟩ + 1)) instead. Why: a gradient τ updates late makes heavy-ball SGD unstable once step × curvature
+exceeds about π/(2τ + 1), whatever the momentum, and the largest stable step is reached with no momentum; a
+synchronous run with momentum 0.9 tolerates 38, so a rate tuned for it goes over the stale edge (asynchrony is
+itself a momentum: Mitliagkas et al., "Asynchrony begets momentum", 2016). With the step scaled by
+1/(2⟨σ⟩ + 1), a stale update stays stable where the synchronous run's stiffest direction has step × curvature
+below π (a rate tuned to the synchronous run's edge can exceed it: docs/study/compensation/findings.md). Adam and
+the other adaptive optimizers keep their moments (their step is bounded by about lr whatever the curvature), and
+an update of theirs that averages more than one gradient (n-softsync) is capped at 1/(2⟨σ⟩ + 1) as well: the
+average's smaller noise lets the normalized step grow towards its full rate, and without the cap 4-softsync at
+λ = 16 ended 18 points above hardsync on the staleness study's CNN (docs/study/staleness/findings.md).
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with
@@ -118,7 +117,7 @@ def momentum_hyperparameters(
     them), in place. Returns the factor its rate was multiplied by."""
     scale = gradients_per_update / num_learners
     if mean_staleness > 0 and issubclass(optimizer, torch.optim.SGD):
-        scale = min(scale, 1 / (mean_staleness + 1))
+        scale = min(scale, 1 / (2 * mean_staleness + 1))
         if group.get("momentum", 0):
             scale *= (1 - group.get("dampening", 0)) / (1 - group["momentum"])
             group["momentum"] = 0.0

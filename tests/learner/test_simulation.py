@@ -145,11 +145,11 @@ def test_hardsync_with_simulated_learners_equals_sgd_with_batch_mu_lambda(learne
 @pytest.mark.timeout(120)
 def test_the_logged_rate_is_the_one_the_server_applied_after_compensation():
     # async, 2 learners, SGD with momentum 0.9, the default compensation: once σ > 0 the server steps without
-    # momentum at lr / (1 − β) · min(c/λ, 1/(⟨σ⟩ + 1)), not at the learners' lr
+    # momentum at lr / (1 − β) · min(c/λ, 1/(2⟨σ⟩ + 1)), not at the learners' lr
     _, trainer = fit(RudraStrategy(protocol="async", simulate=2), model=Regression(lr=0.1, momentum=0.9), max_epochs=1)
     stats = trainer.strategy.stats
     assert stats.mean_staleness > 0
-    applied = 0.1 / (1 - 0.9) * min(1 / 2, 1 / (stats.mean_staleness + 1))
+    applied = 0.1 / (1 - 0.9) * min(1 / 2, 1 / (2 * stats.mean_staleness + 1))
     assert trainer.callback_metrics["lr_applied"].item() == pytest.approx(applied, rel=0.05)
 
 

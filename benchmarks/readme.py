@@ -295,7 +295,7 @@ def study_row() -> tuple[str, Optional[Row], str]:
         + "–".join(map(str, sorted({counts[0], counts[-1]})))
         + " seeds)"
     )
-    commits = ", ".join(sorted({str(r.get("commit"))[:7] for r in rows}))
+    commits = ", ".join(sorted({str(r.get("commit"))[:7] for r in rows if r["seed"] in study.SEEDS}))
     return what, [what, cells, f"{len(mean)} of {len(mean)}", "–"], commits
 
 

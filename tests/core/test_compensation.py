@@ -20,9 +20,7 @@ from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.update import Push
 
 
-def scalar_server(
-    compensation, protocol="async", learners=2, momentum=0.0, optimizer=torch.optim.SGD, n=1, **options
-):
+def scalar_server(compensation, protocol="async", learners=2, momentum=0.0, optimizer=torch.optim.SGD, n=1, **options):
     w = torch.ones(1)
     opt = optimizer([w], lr=0.1, **({"momentum": momentum} if optimizer is torch.optim.SGD else {}), **options)
     config = ProtocolConfig(learners, protocol, n=n, compensation=compensation)

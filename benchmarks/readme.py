@@ -249,8 +249,9 @@ def study_row() -> tuple[str, Optional[Row], str]:
     """The staleness study's row (``STUDY``: one JSON line per run, each naming its commit): how many stale
     configurations the default rule keeps within the study's target of hardsync, per optimizer, and the worst (a
     run that ended non-finite counts as missed, infinitely far). Only runs of the rate the stale runs trained at
-    (the sweeps' other rates left out), and only stale runs of the study's full epochs."""
+    (the sweeps' other rates left out), each run once (its last row), and only runs of the study's full epochs."""
     from examples.study import staleness as study
+    from examples.study.compensation import key
     from examples.study.staleness_report import gaps
     from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 
@@ -271,11 +272,14 @@ def study_row() -> tuple[str, Optional[Row], str]:
     several = {k: sorted(v) for k, v in rates.items() if len(v) > 1}
     if several:
         raise Refused(f"{STUDY} has stale runs at several rates for {several}: one study, one rate per optimizer")
+    epochs = {True: study.EPOCHS, False: study.STALE_EPOCHS}  # by whether the run is hardsync
+    rows = list({key(r): r for r in rows}.values())  # a run trained again: its last row, as the study reads it
     rows = [
         r
         for r in rows
         if r["lr"] in rates.get((r["family"], r["optimizer"]), ())
-        and (r["protocol"] == "hardsync" or len(r["errors"]) >= study.STALE_EPOCHS)
+        and r.get("epochs") == epochs[r["protocol"] == "hardsync"]
+        and len(r["errors"]) >= r["epochs"]
     ]
     seeds = {k[:3]: v for k, v in gaps(rows, "errors").items() if k[3] == DEFAULT_COMPENSATION}
     if not seeds:

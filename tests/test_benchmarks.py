@@ -656,8 +656,9 @@ def test_the_readmes_study_row_counts_the_default_rules_configurations_within_ta
 ):
     """The staleness study's row: per optimizer, the stale configurations whose mean gap to hardsync (same seed;
     the LM's in % of its loss) under the default rule is within the target, and the worst (non-finite: missed,
-    the worst); other rules, the tuning seed, the sweeps' other rates and cut-short runs left out; refused when a
-    run names modified code or the stale runs of one optimizer have several rates."""
+    the worst); other rules, the tuning seed (and its commit), the sweeps' other rates, cut-short runs and a run's
+    earlier rows left out; refused when a run names modified code or the stale runs of one optimizer have several
+    rates."""
     from benchmarks import provenance, readme
     from examples.study import staleness as study
     from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
@@ -665,7 +666,16 @@ def test_the_readmes_study_row_counts_the_default_rules_configurations_within_ta
     root = tmp_path / "repo"
     root.mkdir()
     monkeypatch.setattr(provenance, "ROOT", _repo(root))
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+
+    def head() -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+
+    sweep_commit = head()  # the tuning seed's runs: not cited
+    (root / "docs/notes.md").write_text("two\n")
+    _commit(root, root / "docs/notes.md")
+    commit = head()
     full = study.STALE_EPOCHS
     rows = []
     # (family, optimizer, λ, hardsync's final measure, the stale runs' final measure per seed)
@@ -676,19 +686,23 @@ def test_the_readmes_study_row_counts_the_default_rules_configurations_within_ta
         ("lm", "adam", 4, 2.00, (2.03, 2.03, 2.03)),  # +1.5 % (3 points): met
     ]
     for family, optimizer, learners, sync, finals in cells:
-        base = dict(family=family, optimizer=optimizer, n=1, lr=0.1, commit=commit.strip(), modified=False)
+        base = dict(family=family, optimizer=optimizer, n=1, lr=0.1, commit=commit, modified=False)
+        hardsync = dict(protocol="hardsync", learners=4, rule="none", epochs=study.EPOCHS)
         for seed, final in zip(study.SEEDS, finals):
-            rows.append({**base, "protocol": "hardsync", "learners": 4, "rule": "none", "seed": seed,
-                         "errors": [sync] * study.EPOCHS})  # fmt: skip
-            stale = dict(protocol="async", learners=learners, seed=seed, errors=[0.9] * (full - 1) + [final])
+            rows.append({**base, **hardsync, "seed": seed, "errors": [sync] * study.EPOCHS})
+            stale = dict(
+                protocol="async", learners=learners, seed=seed, epochs=full, errors=[0.9] * (full - 1) + [final]
+            )
             rows.append({**base, **stale, "rule": DEFAULT_COMPENSATION})
             rows.append({**base, **stale, "rule": "none", "errors": [0.9] * full})
-        # the tuning seed's sweep, and a sweep's other rate on a reported seed: neither is a baseline
-        rows.append({**base, "protocol": "hardsync", "learners": 4, "rule": "none", "seed": study.TUNE_SEED,
-                     "errors": [0.9] * study.EPOCHS})  # fmt: skip
-        rows.append({**rows[-1], "seed": study.SEEDS[0], "lr": 0.4})
-    # cut short: left out, so cnn sgd λ = 4 is the mean of 2 seeds
-    rows[1] = {**rows[1], "errors": [0.5] * (full - 1)}
+        # the tuning seed's runs, and a sweep's other rate on a reported seed: none of them counts
+        tuning = {**base, "seed": study.TUNE_SEED, "commit": sweep_commit}
+        rows.append({**tuning, **hardsync, "errors": [0.0] * study.EPOCHS})
+        rows.append({**tuning, "protocol": "async", "learners": learners, "rule": DEFAULT_COMPENSATION,
+                     "epochs": full, "errors": [0.9] * full})  # fmt: skip
+        rows.append({**base, **hardsync, "seed": study.SEEDS[0], "lr": 0.4, "errors": [0.9] * study.EPOCHS})
+    rows.insert(0, {**rows[1], "errors": [0.1] * full})  # a row of a run trained again later: the later one counts
+    rows[2] = {**rows[2], "errors": [0.5] * (full - 1)}  # cut short: left out, so cnn sgd λ = 4 is 2 seeds' mean
     path = root / readme.STUDY
     path.parent.mkdir(parents=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -698,13 +712,13 @@ def test_the_readmes_study_row_counts_the_default_rules_configurations_within_ta
     assert row is not None and row[1] == (
         "2 of 4 (sgd 1/3, adam 1/1; worst cnn sgd async λ=30 +inf; mean of 2–3 seeds)"
     ), row
-    assert row[2] == "4 of 4" and commits == commit.strip()[:7]
-    stray = {**rows[1], "lr": 0.2, "errors": [0.1] * full}
+    assert row[2] == "4 of 4" and commits == commit[:7]
+    stray = {**rows[2], "lr": 0.2, "errors": [0.1] * full}
     path.write_text(path.read_text() + json.dumps(stray) + "\n")
     _commit(root, path)
     with pytest.raises(readme.Refused, match="several rates"):
         readme.study_row()
-    path.write_text(path.read_text() + json.dumps({**rows[0], "modified": True}) + "\n")
+    path.write_text(path.read_text() + json.dumps({**rows[1], "modified": True}) + "\n")
     _commit(root, path)
     with pytest.raises(readme.Refused, match="modified code"):
         readme.study_row()

@@ -15,10 +15,11 @@ synchronous run with momentum 0.9 tolerates 38, so a rate tuned for it goes over
 itself a momentum: Mitliagkas et al., "Asynchrony begets momentum", 2016). With the step scaled by
 1/(2⟨σ⟩ + 1), a stale update stays stable where the synchronous run's stiffest direction has step × curvature
 below π (a rate tuned to the synchronous run's edge can exceed it: docs/study/compensation/findings.md). Adam and
-the other adaptive optimizers keep their moments (their step is bounded by about lr whatever the curvature), and
-an update of theirs that averages more than one gradient (n-softsync) is capped at 1/(2⟨σ⟩ + 1) as well: the
-average's smaller noise lets the normalized step grow towards its full rate, and without the cap 4-softsync at
-λ = 16 ended 18 points above hardsync on the staleness study's CNN (docs/study/staleness/findings.md).
+the other optimizers keep their moments (an adaptive step is bounded by about lr whatever the curvature), and an
+update of theirs that averages more than one gradient (n-softsync) is capped at 1/(2⟨σ⟩ + 1) as well: the
+average's smaller noise lets Adam's normalized step grow towards its full rate, and without the cap 4-softsync at
+λ = 16 ended 18 points above hardsync under ``momentum+clip`` on the staleness study's CNN
+(docs/study/staleness/findings.md).
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with

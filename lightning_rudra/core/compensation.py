@@ -112,13 +112,19 @@ def check_optimizer(rules: Sequence[str], optimizer: type, name: str) -> None:
 
 
 def momentum_hyperparameters(
-    group: dict[str, Any], optimizer: type, gradients_per_update: int, num_learners: int, mean_staleness: float
+    group: dict[str, Any],
+    optimizer: type,
+    gradients_per_update: int,
+    num_learners: int,
+    mean_staleness: float,
+    update_staleness: float,
 ) -> float:
     """The ``momentum`` rule on one parameter group of an ``optimizer`` (its lr and momentum as the learner sent
-    them), in place. Returns the factor its rate was multiplied by."""
+    them), in place: ``mean_staleness`` is the run's ⟨σ⟩ of this optimizer's gradients, ``update_staleness`` the
+    mean σ of the gradients this update averages. Returns the factor its rate was multiplied by."""
     scale = gradients_per_update / num_learners
     if mean_staleness > 0 and issubclass(optimizer, torch.optim.SGD):
-        scale = min(scale, 1 / (2 * mean_staleness + 1))
+        scale = min(scale, 1 / (update_staleness + 1))
         if group.get("momentum", 0):
             scale *= (1 - group.get("dampening", 0)) / (1 - group["momentum"])
             group["momentum"] = 0.0

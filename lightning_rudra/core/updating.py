@@ -107,7 +107,9 @@ class Updating:
         lr_factor = 1.0
         if self.config.lr_modulation == "mean":
             lr_factor = 1.0 / max(1.0, sum(pending.staleness) / count)
-        rule_scale = self._set_hyperparameters(optimizer, pending.hparams, lr_factor, count)
+        rule_scale = self._set_hyperparameters(
+            optimizer, pending.hparams, lr_factor, count, sum(pending.staleness) / count
+        )
         layout = self.grad_layouts[optimizer]
         if count > 1:  # async and 1-gradient updates: no pass over the model for nothing
             for total in pending.grads:
@@ -169,7 +171,7 @@ class Updating:
         return update
 
     def _set_hyperparameters(
-        self, optimizer: int, hparams: Sequence[dict[str, Any]], lr_factor: float, count: int
+        self, optimizer: int, hparams: Sequence[dict[str, Any]], lr_factor: float, count: int, staleness: float
     ) -> float:
         """The learners' hyper-parameters on the server's optimizer, with the rate modulated by ``lr_factor`` and
         the ``momentum`` rule applied to ``count`` gradients. Returns the rule's factor on the first group's rate."""
@@ -180,5 +182,7 @@ class Updating:
             group["lr"] = hp["lr"] * lr_factor
             if "momentum" in self.rules:  # the mean staleness of this optimizer's gradients: another's says nothing
                 mean_staleness = self.stats.mean_staleness_of(optimizer)
-                rule_scales.append(momentum_hyperparameters(group, type(opt), count, len(self.members), mean_staleness))
+                rule_scales.append(
+                    momentum_hyperparameters(group, type(opt), count, len(self.members), mean_staleness, staleness)
+                )
         return rule_scales[0] if rule_scales else 1.0

@@ -49,10 +49,12 @@ def test_momentum_scales_the_rate_by_c_over_lambda_then_trades_momentum_for_a_st
     server, opt = scalar_server("momentum", momentum=0.9)
     push(server, opt, 0, 1.0, 0)  # σ = 0, ⟨σ⟩ = 0: lr 0.1 · c/λ = 0.05, momentum 0.9
     assert weight(server) == pytest.approx(0.95)
-    push(server, opt, 1, 2.0, 0)  # σ = 1, ⟨σ⟩ = 0.5: momentum 0, step 0.1 / (1 - 0.9) · min(1/2, 1/(2 · 0.5 + 1))
+    push(server, opt, 1, 2.0, 0)  # σ = 1, ⟨σ⟩ = 0.5: momentum 0, step 0.1 / (1 - 0.9) · min(1/2, 1/(σ + 1))
     assert weight(server) == pytest.approx(0.95 - 0.5 * 2.0)
-    push(server, opt, 0, 1.0, 0)  # σ = 2, ⟨σ⟩ = 1: step 1 · min(1/2, 1/3)
+    push(server, opt, 0, 1.0, 0)  # σ = 2: step 1 · min(1/2, 1/3)
     assert weight(server) == pytest.approx(-0.05 - 1 / 3)
+    push(server, opt, 1, 1.0, 3)  # σ = 0 (fresh), ⟨σ⟩ = 0.75: the update's own σ bounds it, step 1 · 1/2
+    assert weight(server) == pytest.approx(-0.05 - 1 / 3 - 1 / 2)
     assert server.optimizers[0].param_groups[0]["momentum"] == 0.0 and opt.param_groups[0]["momentum"] == 0.9
 
 

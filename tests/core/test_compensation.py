@@ -67,6 +67,18 @@ def test_momentum_on_adam_keeps_its_moments_and_scales_the_rate_by_c_over_lambda
     assert group["betas"] == (0.9, 0.99) and group["lr"] == pytest.approx(0.1 / 2)
 
 
+def test_momentum_caps_an_sgd_softsync_update_by_the_mean_staleness_of_its_own_gradients():
+    server, opt = scalar_server("momentum", "softsync", learners=8, n=2)  # c = 4, c/λ = 1/2
+    for clock in range(3):  # fresh updates: w = 1 - 3 · 0.1 · 1/2
+        for learner in range(4):
+            push(server, opt, learner, 1.0, clock)
+    assert weight(server) == pytest.approx(0.85)
+    for learner, timestamp in ((4, 0), (5, 0), (6, 0), (7, 3)):  # σ = 3, 3, 3, 0: their mean 2.25 (not 3, not 0)
+        push(server, opt, learner, 1.0, timestamp)
+    assert server.last_updates[0].rule_scale == pytest.approx(1 / 3.25)
+    assert weight(server) == pytest.approx(0.85 - 0.1 / 3.25)
+
+
 def test_momentum_caps_an_adaptive_softsync_update_at_one_over_two_mean_staleness_plus_one():
     server, opt = scalar_server("momentum", "softsync", learners=4, n=2, optimizer=torch.optim.Adam)
     group = server.optimizers[0].param_groups[0]

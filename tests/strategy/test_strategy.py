@@ -154,7 +154,7 @@ def test_protocols_train_and_return_the_server_weights(tmp_path, protocol, n, le
     assert torch.equal(probe["params"][0], flat(model.parameters()))
     assert 0 <= trainer.callback_metrics["staleness_mean"] <= trainer.callback_metrics["staleness_max"]
     # the server's rate: the default momentum rule folds the momentum (0.5) into it, ×1/(1 - 0.5), and scales it
-    # by min(c/λ, 1/(2⟨σ⟩ + 1)): above the module's 0.02 once the others have left and ⟨σ⟩ < 0.5 (under load)
+    # by min(c/λ, 1/(σ + 1)), σ the update's own: never above 0.02 / (1 - 0.5)
     assert 0 < trainer.callback_metrics["lr_applied"] <= 0.02 / (1 - 0.5)
 
 

@@ -20,6 +20,7 @@ from typing import Optional
 from lightning_rudra.core.runtime.prediction import Prediction
 from lightning_rudra.core.runtime.resources import ARRIVE, COMPUTED, REPLY, SHARD, Resources
 from lightning_rudra.core.runtime.scenario import Scenario
+from lightning_rudra.core.runtime.ssp_gate import SspGate
 
 
 @dataclass
@@ -95,12 +96,9 @@ class Simulation(Resources):
         self.held_s = 0.0
         self.update_times: list[float] = []
         self.held_since: dict[int, float] = {}
-        self.oldest_handed: Optional[int] = 0  # SSP: min(state.handed), None until found again
-        # SSP: per learner, the clock its next gradient comes from as the gate sees it (a held push's, an active
-        # learner's handed weights'), and those clocks sorted
-        self.ssp = self.proto.max_staleness is not None
-        self.entry: dict[int, int] = {}
-        self.entries: list[int] = []
+        bound = self.proto.max_staleness
+        per_update = self.proto.gradients_per_update(self.learners)
+        self.gate = SspGate(bound, self.learners, per_update) if bound is not None else None
         # σ as server 0 counts it: a learner on its host with shared memory reads the newest weights on its reply
         self.reads_latest = [
             c.shared_memory and c.host_of_learner(r) == c.host_of_server(0) for r in range(self.learners)
@@ -215,7 +213,7 @@ class Simulation(Resources):
             self._wake()
             self._release_if_short()
             return
-        if self.proto.max_staleness is not None and not self._may_take(push):
+        if self.gate is not None and not self._may_take(push):
             st.held.append(push)
             self.held_since[push.members[0]] = self.now
             self._enter(push.members[0])
@@ -264,11 +262,10 @@ class Simulation(Resources):
             self.timestamp[r] = self.state.clock
             if self.paced:  # its reply's way back, then its next compute
                 self._computes(r, self.state.clock, self.now + self._back(push.host) + self._nominal(r))
-            if self.state.handed[r] == self.oldest_handed:  # the oldest may move: found again when asked
-                self.oldest_handed = None
+            if self.gate is not None:
+                self.gate.handing(self.state.handed[r])
             self.state.handed[r] = self.state.clock
-            if self.ssp:
-                self._enter(r)
+            self._enter(r)
         return _Reply(push.members, self.parts)
 
     def _answer(self, push: _Push) -> None:
@@ -369,50 +366,22 @@ class Simulation(Resources):
         for push in sorted(waiting, key=lambda p: p.members[0]):
             self._answer(push)
 
-    # SSP (lightning_rudra.core.ssp.StaleGate's rule, in plain Python)
+    # SSP (runtime/ssp_gate.py)
     def _may_take(self, push: _Push) -> bool:
-        st, learner = self.state, push.members[0]
-        c = self.proto.gradients_per_update(self.learners)
-        bound = self.proto.max_staleness
-        assert bound is not None
-        # at once where even the oldest weights handed out, after every learner's gradient, stay within the bound
-        # (every timestamp below is one of them or newer)
-        if self.oldest_handed is None:
-            self.oldest_handed = min(st.handed.values())
-        if st.clock + (st.received + self.learners) // c - self.oldest_handed <= bound:
-            return True
-        # the others' clocks, oldest first: the m-th of them is applied after this push and m more, and must stay
-        # within the bound; past the clock that every later one meets, none is looked at
-        mine = self.entry.get(learner)
-        others = len(self.entries) - (mine is not None)
-        enough = st.clock + (st.received + others) // c - bound
-        m = 0
-        for t in self.entries:
-            if mine is not None and t == mine:
-                mine = None  # its own, once
-                continue
-            if (m == 0 and push.timestamp <= t) or t >= enough:
-                return True
-            if st.clock + (st.received + 1 + m) // c - t > bound:
-                return False
-            m += 1
-        return True
+        assert self.gate is not None
+        st = self.state
+        return self.gate.may_take(push.members[0], push.timestamp, st.clock, st.received, st.handed)
 
     def _enter(self, learner: int) -> None:
-        """SSP: ``learner``'s clock in the gate's sorted list, as it is now (none: inactive and not held)."""
-        if not self.ssp:
+        """SSP: ``learner``'s clock in the gate, as it is now (none: inactive and not held)."""
+        if self.gate is None:
             return
         held = next((p.timestamp for p in self.state.held if p.members[0] == learner), None)
         if held is not None:
             now: Optional[int] = held
         else:
             now = self.state.handed[learner] if learner in self.active else None
-        old = self.entry.pop(learner, None)
-        if old is not None:
-            del self.entries[bisect.bisect_left(self.entries, old)]
-        if now is not None:
-            self.entry[learner] = now
-            bisect.insort(self.entries, now)
+        self.gate.enter(learner, now)
 
     def _release(self) -> None:
         st = self.state

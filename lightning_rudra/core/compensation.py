@@ -21,11 +21,11 @@ accuracy), 1/(⟨σ⟩ + 1) let the straggler's through at the full step (3 of 1
 straggler ended far below their best; benchmarks/results/history/milder-sgd-cap). A gradient σ late then stays
 stable where the synchronous run's step × curvature is below about 2 (σ ≤ 1), 1.85 (σ = 2), and never below π/2:
 a rate tuned to the edge of the synchronous run can exceed it, and ``clip`` is what catches that (without it,
-every async and 4-softsync run with momentum SGD on the staleness study's CNN ended at chance). Adam and the other optimizers keep their moments (an adaptive step is bounded by
-about lr whatever the curvature), and an update of theirs that averages more than one gradient (n-softsync) is
-capped at 1/(2⟨σ⟩ + 1): the average's smaller noise lets Adam's normalized step grow towards its full rate, and
-without the cap 4-softsync at λ = 16 ended 18 points above hardsync under ``momentum+clip`` on the staleness study's
-CNN (docs/study/staleness/findings.md).
+every async and 4-softsync run with momentum SGD on the staleness study's CNN ended at chance). Adam and the other
+optimizers keep their moments (an adaptive step is bounded by about lr whatever the curvature), and an update of
+theirs that averages more than one gradient (n-softsync) is capped at 1/(2⟨σ⟩ + 1): the average's smaller noise
+lets Adam's normalized step grow towards its full rate, and without the cap 4-softsync at λ = 16 ended 18 points
+above hardsync under ``momentum+clip`` on the staleness study's CNN (docs/study/staleness/findings.md).
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with

@@ -272,13 +272,12 @@ def study_row() -> tuple[str, Optional[Row], str]:
     several = {k: sorted(v) for k, v in rates.items() if len(v) > 1}
     if several:
         raise Refused(f"{STUDY} has stale runs at several rates for {several}: one study, one rate per optimizer")
-    epochs = {True: study.EPOCHS, False: study.STALE_EPOCHS}  # by whether the run is hardsync
     rows = list({key(r): r for r in rows}.values())  # a run trained again: its last row, as the study reads it
     rows = [
         r
         for r in rows
         if r["lr"] in rates.get((r["family"], r["optimizer"]), ())
-        and r.get("epochs") == epochs[r["protocol"] == "hardsync"]
+        and r.get("epochs") == (study.EPOCHS if r["protocol"] == "hardsync" else study.STALE_EPOCHS)
         and len(r["errors"]) >= r["epochs"]
     ]
     seeds = {k[:3]: v for k, v in gaps(rows, "errors").items() if k[3] == DEFAULT_COMPENSATION}

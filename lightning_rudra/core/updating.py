@@ -104,12 +104,9 @@ class Updating:
         # set with the first gradient summed; hparams with every gradient received
         assert pending.has_grad is not None and pending.hparams is not None
         count = len(pending.staleness)
-        lr_factor = 1.0
-        if self.config.lr_modulation == "mean":
-            lr_factor = 1.0 / max(1.0, sum(pending.staleness) / count)
-        rule_scale = self._set_hyperparameters(
-            optimizer, pending.hparams, lr_factor, count, sum(pending.staleness) / count
-        )
+        update_staleness = sum(pending.staleness) / count
+        lr_factor = 1.0 / max(1.0, update_staleness) if self.config.lr_modulation == "mean" else 1.0
+        rule_scale = self._set_hyperparameters(optimizer, pending.hparams, lr_factor, count, update_staleness)
         layout = self.grad_layouts[optimizer]
         if count > 1:  # async and 1-gradient updates: no pass over the model for nothing
             for total in pending.grads:
@@ -171,18 +168,27 @@ class Updating:
         return update
 
     def _set_hyperparameters(
-        self, optimizer: int, hparams: Sequence[dict[str, Any]], lr_factor: float, count: int, staleness: float
+        self,
+        optimizer: int,
+        hparams: Sequence[dict[str, Any]],
+        lr_factor: float,
+        count: int,
+        update_staleness: float,
     ) -> float:
         """The learners' hyper-parameters on the server's optimizer, with the rate modulated by ``lr_factor`` and
-        the ``momentum`` rule applied to ``count`` gradients. Returns the rule's factor on the first group's rate."""
+        the ``momentum`` rule applied to ``count`` gradients of mean staleness ``update_staleness``. Returns the
+        rule's factor on the first group's rate."""
         opt = self.optimizers[optimizer]
+        # the mean staleness of this optimizer's gradients: another's says nothing
+        mean_staleness = self.stats.mean_staleness_of(optimizer) if "momentum" in self.rules else 0.0
         rule_scales = []
         for group, hp in zip(opt.param_groups, hparams):
             group.update(hyperparameters(hp))
             group["lr"] = hp["lr"] * lr_factor
-            if "momentum" in self.rules:  # the mean staleness of this optimizer's gradients: another's says nothing
-                mean_staleness = self.stats.mean_staleness_of(optimizer)
+            if "momentum" in self.rules:
                 rule_scales.append(
-                    momentum_hyperparameters(group, type(opt), count, len(self.members), mean_staleness, staleness)
+                    momentum_hyperparameters(
+                        group, type(opt), count, len(self.members), mean_staleness, update_staleness
+                    )
                 )
         return rule_scales[0] if rule_scales else 1.0

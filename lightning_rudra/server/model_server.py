@@ -2,8 +2,8 @@
 by concurrent learners (the model's registration, pulls, pushes and hardsync rounds, the collectives, the shared
 epoch, the end of training, what a checkpoint holds), plus the shared epoch's pools (``shared_epochs.py``), its shared
 memory (``shared_side.py``), the learners' rendezvous for collectives (``gatherings.py``) and the servers' exchange
-of their parts of a hardsync round's gradient norm (``norm_exchange.py``); the replies it settles once its lock is
-released are ``replies.py``'s.
+of their parts of a hardsync round's gradient norm (``norm_exchange.py``); the replies it holds back (in a round, or
+by ``on_stale='block'``) are ``owed_replies.py``'s, and those it settles once its lock is released ``replies.py``'s.
 :class:`~lightning_rudra.server.parameter_server.ParameterServer` adds who is alive. No RPC here.
 
 Nothing blocks: whatever must wait (a hardsync round, a collective, the end of training) gets a
@@ -26,17 +26,18 @@ from lightning_rudra.core.errors import ServerLostError
 from lightning_rudra.server.gatherings import Gatherings, deadlock
 from lightning_rudra.server.membership import Membership
 from lightning_rudra.server.norm_exchange import NormExchange, check_part
+from lightning_rudra.server.owed_replies import OwedReplies, lr_scale
 from lightning_rudra.server.pacing import RoundPacing
 from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.compression import WeightDeltas
 from lightning_rudra.core.update import Push
 from lightning_rudra.server.rejoins import RejoinAdmissions
-from lightning_rudra.server.replies import Outcomes, Released, RoundWaiter, push_reply, resolve
+from lightning_rudra.server.replies import Outcomes, Released, push_reply, resolve
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.server.shared_side import SharedSide
 from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.stats import Stats
-from lightning_rudra.core.weights import Snapshot, Weights
+from lightning_rudra.core.weights import Snapshot
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,6 @@ class ModelServer:
         self.core: Optional[Server] = None
         self.lock = threading.Lock()
         self.registered: Future = Future()
-        self.round_waiters: dict[int, list[RoundWaiter]] = {}  # per optimizer
-        self.held_replies: dict[int, Future] = {}  # learner -> the reply to its push held back (on_stale='block')
         self.gatherings = Gatherings()
         self.finished: set[int] = set()
         self.finish_waiters: list[Future] = []
@@ -77,6 +76,7 @@ class ModelServer:
         self.failure: Optional[str] = None  # why training cannot go on, once it cannot
         self.failed_with: type[RuntimeError] = RuntimeError  # the class of the errors that say it
         self.shared = SharedSide(num_learners)
+        self.owed = OwedReplies(self.shared)  # the replies held back: in rounds, or by on_stale='block'
         self.rejoins = RejoinAdmissions(self.membership, self._log_later)
         self.on_lost: Optional[Callable[[int, str], None]] = None  # told of each loss, outside the lock
         self._lost_queue: list[tuple[int, str]] = []
@@ -91,7 +91,6 @@ class ModelServer:
         self.server = server
         self.norm_exchange = NormExchange(server)
         self.send_norm: Optional[Callable[[int, int, int, float], None]] = None  # (to server, optimizer, round, norm²)
-        self.pacing: Optional[RoundPacing] = None  # batchsync: whose reply waits for the round (pacing.py)
 
     def register(self, registration: Registration) -> None:
         """Learner 0 hands over the initial weights, the optimizers and, on resume, the statistics and the
@@ -119,7 +118,7 @@ class ModelServer:
                 self.shared.release()  # learner 0 leaves with this error: its loss fails the waits for the model
                 raise
             if config.protocol == "batchsync":
-                self.pacing = RoundPacing(config.gradients_per_update)
+                self.owed.pacing = RoundPacing(config.gradients_per_update)
             core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
             for learner in self.membership.lost:
                 core.remove(learner)
@@ -164,45 +163,42 @@ class ModelServer:
                 push = replace(push, grads=self.shared.gradient(push.learner, push.optimizer, core))
             if core.config.backup:  # a backup round does not wait for the learners at a collective
                 core.away = self.gatherings.waiting() & core.active
-            now = time.monotonic() if self.pacing is not None else 0.0  # batchsync's pacing measures steps
-            if self.pacing is not None:
-                self.pacing.pushed(push.learner, now)
+            pacing = self.owed.pacing
+            now = time.monotonic() if pacing is not None else 0.0  # batchsync's pacing measures steps
+            if pacing is not None:
+                pacing.pushed(push.learner, now)
             result = core.push(push)
             learner, optimizer = push.learner, push.optimizer
             self.norm_exchange.pushed(optimizer, push.clipping)
             applied = self._applied([optimizer] if result.closed else [])
             # a late push (batchsync, backup) is answered at once: its round has closed
             in_round = core.config.protocol == "hardsync" and optimizer not in applied and result.status != "late"
-            if self.pacing is not None and result.status == "accepted" and not result.closed:
-                in_round = self.pacing.hold(learner, now, core, self.gatherings.waiting())
+            if pacing is not None and result.status == "accepted" and not result.closed:
+                in_round = pacing.hold(learner, now, core, self.gatherings.waiting())
             held = result.status == "held"
             if in_round:
-                reply: Future = Future()
-                self.round_waiters.setdefault(optimizer, []).append(
-                    RoundWaiter(reply, learner, result.status, result.staleness)
-                )
+                reply = self.owed.wait_in_round(optimizer, learner, result.status, result.staleness)
                 outcomes = self._give_up_if_deadlocked()
             elif core.gate is not None:  # its push taken or held, it may let held ones go
                 if held:
-                    reply = self.held_replies[learner] = Future()
+                    reply = self.owed.hold(learner)
                 outcomes, weights = self._release_held(None if held else learner)
-                lr_scale = self._lr_scale(optimizer)
             else:
                 outcomes, weights = self._release_rounds(applied, learner)
-                lr_scale = self._lr_scale(optimizer)
             outcomes += self._release_paced()
+            scale = lr_scale(core, optimizer)
         self._resolve_and_report(outcomes)
         if not (in_round or held):
             reply = Future()
-            reply.set_result(push_reply(result.status, result.staleness, lr_scale, weights))
+            reply.set_result(push_reply(result.status, result.staleness, scale, weights))
         return reply
 
     def _release_paced(self) -> Outcomes:
         """batchsync: the replies waiting for a round that the learners computing can no longer close, answered with
         the current weights. Called under the lock, after anything that takes a learner from them."""
-        if self.pacing is None or self.core is None or self.failure is not None:
+        if self.owed.pacing is None or self.core is None or self.failure is not None:
             return []
-        short = self.pacing.cannot_close(self.core, self.gatherings.waiting(), time.monotonic())
+        short = self.owed.pacing.cannot_close(self.core, self.gatherings.waiting(), time.monotonic())
         return self._release_rounds([0]).outcomes if short else []
 
     def _applied(self, closed: list[int]) -> list[int]:
@@ -235,54 +231,13 @@ class ModelServer:
         self._resolve_and_report(outcomes)
 
     def _release_rounds(self, closed: list[int], pusher: Optional[int] = None) -> Released:
-        """The replies to the pushes that waited in the hardsync rounds of the ``closed`` optimizers, and the
-        weights they carry (also for ``pusher``, which did not wait). Called under the lock."""
-        released = [(waiter, optimizer) for optimizer in closed for waiter in self.round_waiters.pop(optimizer, [])]
-        weights = self._weights(([] if pusher is None else [pusher]) + [waiter.learner for waiter, _ in released])
-        if self.pacing is not None:  # what each of them computes on from now
-            now = time.monotonic()
-            for who in ([] if pusher is None else [pusher]) + [waiter.learner for waiter, _ in released]:
-                self.pacing.handed_out(who, now, weights.clock)
-        return Released(
-            [
-                (
-                    waiter.reply,
-                    push_reply(waiter.status, waiter.staleness, self._lr_scale(optimizer), weights),
-                )
-                for waiter, optimizer in released
-            ],
-            weights,
-        )
+        """:meth:`OwedReplies.release_rounds`. Called under the lock."""
+        return self.owed.release_rounds(self._protocol(), closed, pusher)
 
     def _release_held(self, pusher: Optional[int] = None) -> Released:
-        """on_stale='block': the replies to the held pushes that may go now (:meth:`Server.release`, which applies
-        them; a push whose application raised fails with its error), and the weights they carry (also for ``pusher``, whose push was taken). The learners waiting at a
-        collective hold nobody back. Called under the lock."""
-        core = self._protocol()
-        released = core.release(self.gatherings.waiting() & core.active)
-        learners = ([] if pusher is None else [pusher]) + [push.learner for push, _ in released]
-        if not learners:
-            return Released([], Weights(None, None, core.clock))
-        weights = self._weights(learners)
-        return Released(
-            [
-                (
-                    self.held_replies.pop(push.learner),
-                    result
-                    if isinstance(result, Exception)
-                    else push_reply(result.status, result.staleness, self._lr_scale(push.optimizer), weights),
-                )
-                for push, result in released
-            ],
-            weights,
-        )
-
-    def _lr_scale(self, optimizer: int) -> float:
-        update = self._protocol().last_updates[optimizer]
-        return update.lr_scale if update is not None else 1.0
-
-    def _weights(self, learners: list[int]) -> Weights:
-        return self.shared.reply(learners, self._protocol())
+        """:meth:`OwedReplies.release_held`: the learners waiting at a collective hold nobody back. Called under the
+        lock."""
+        return self.owed.release_held(self._protocol(), self.gatherings.waiting(), pusher)
 
     def finish(self, learner: int) -> Future:
         """A learner is done training; resolves, once all learners left are, with the final weights."""
@@ -300,7 +255,7 @@ class ModelServer:
     def _complete_finish(self) -> Outcomes:
         if not self.finish_waiters or not self.membership.members <= self.finished:
             return []
-        weights = self._weights(sorted(self.membership.members))
+        weights = self.owed.weights(self._protocol(), sorted(self.membership.members))
         waiters, self.finish_waiters = self.finish_waiters, []
         self.membership.short_since = None  # training is over: nobody is awaited back
         return [(waiter, weights) for waiter in waiters] + self.rejoins.tell_training_over()
@@ -374,9 +329,8 @@ class ModelServer:
         self.failure, self.failed_with = reason, error
         self.shared.release()  # nobody maps the files any more
         self._told.append((logging.DEBUG, f"{self.waits.who}: training cannot go on: {reason}"))
-        waiters = [waiter.reply for waiting in self.round_waiters.values() for waiter in waiting]
-        waiters += self.gatherings.close() + self.finish_waiters + list(self.held_replies.values())
-        self.round_waiters, self.finish_waiters, self.held_replies = {}, [], {}
+        waiters = self.owed.take_all() + self.gatherings.close() + self.finish_waiters
+        self.finish_waiters = []
         self.norm_exchange.clear()
         waiters += [self.registered] if not self.registered.done() else []
         return [(waiter, error(reason)) for waiter in waiters] + self.rejoins.stop(reason)
@@ -386,7 +340,7 @@ class ModelServer:
         the learner waiting in the round can never join the collective. Called under the lock."""
         if self.core is not None and self.core.config.discards_late:  # rounds close, or pace, without them
             return []
-        in_round = sorted({waiter.learner for waiting in self.round_waiters.values() for waiter in waiting})
+        in_round = self.owed.learners_in_rounds()
         at_collective = sorted(self.gatherings.waiting() & (self.core.active if self.core is not None else set()))
         if not (in_round and at_collective):
             return []

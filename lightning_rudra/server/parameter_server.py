@@ -189,10 +189,10 @@ class ParameterServer(ModelServer):
             self._release_rounds(self._applied(self.core.remove(learner))).outcomes if self.core is not None else []
         )
         outcomes += self.gatherings.complete(self.membership.members) + self._complete_finish()
-        if learner in self.held_replies:  # its push held back (on_stale='block') is not applied: it is lost
-            outcomes.append((self.held_replies.pop(learner), LearnerLostError(f"learner {learner} was lost ({why})")))
-        if self.pacing is not None:
-            self.pacing.forget(learner)
+        if learner in self.owed.held:  # its push held back (on_stale='block') is not applied: it is lost
+            outcomes.append((self.owed.held.pop(learner), LearnerLostError(f"learner {learner} was lost ({why})")))
+        if self.owed.pacing is not None:
+            self.owed.pacing.forget(learner)
         if self.core is not None:  # nobody is held back for it any more
             outcomes += self._release_held().outcomes + self._release_paced()
         if self.core is not None:

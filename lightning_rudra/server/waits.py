@@ -11,15 +11,15 @@ def open_waits(server: ModelServer) -> dict[Hashable, tuple[str, str]]:
     Called under its lock."""
     members = server.membership.members
     waits: dict[Hashable, tuple[str, str]] = {}
-    for optimizer, waiters in server.round_waiters.items():
+    for optimizer, waiters in server.owed.in_rounds.items():
         if waiters and server.core is not None:  # the clock moves when a round closes: a new round, a new key
             waits[("round", optimizer, server.core.clock)] = (
                 f"the hardsync round of optimizer {optimizer}",
                 learners(server.core.awaited(optimizer)),
             )
-    if server.held_replies and server.core is not None:  # on_stale='block': the clock moves as they go
+    if server.owed.held and server.core is not None:  # on_stale='block': the clock moves as they go
         waits[("held", server.core.clock)] = (
-            f"the pushes of {learners(server.held_replies)} held back (on_stale='block')",
+            f"the pushes of {learners(server.owed.held)} held back (on_stale='block')",
             "the learners whose older gradients would otherwise go staler than max_staleness",
         )
     for sequence, (_, arrived) in server.gatherings.open.items():

@@ -36,7 +36,7 @@ def held_push(ps: ParameterServer):
     """Learner 0 pushes twice while learner 1 computes from clock 0: the second push is held."""
     assert push(0, 0).wait().clock == 1
     held = push(0, 1)
-    assert not held.done() and ps.core.clock == 1 and set(ps.held_replies) == {0}
+    assert not held.done() and ps.core.clock == 1 and set(ps.owed.held) == {0}
     return held
 
 
@@ -47,7 +47,7 @@ def test_the_held_reply_comes_with_the_lagging_learners_push(monkeypatch):
     assert (lagging.status, lagging.staleness) == ("accepted", 1)
     reply = held.wait()
     assert (reply.status, reply.staleness, reply.clock) == ("accepted", 1, 3) and ps.core.clock == 3
-    assert ps.held_replies == {} and ps.core.stats.staleness == {0: 1, 1: 2}
+    assert ps.owed.held == {} and ps.core.stats.staleness == {0: 1, 1: 2}
 
 
 def test_a_lost_lagging_learner_releases_the_held_push_and_a_lost_held_learner_gets_an_error(monkeypatch):
@@ -94,7 +94,7 @@ def test_a_run_that_cannot_go_on_fails_the_held_push(monkeypatch):
     lose(ps, 1, "ended before training did")
     with pytest.raises(LearnerLostError, match="ended before training did"):
         held.wait()
-    assert ps.held_replies == {}
+    assert ps.owed.held == {}
 
 
 def test_a_gradient_with_nan_is_never_held_its_own_learner_hears_of_it_at_once(monkeypatch):
@@ -105,13 +105,13 @@ def test_a_gradient_with_nan_is_never_held_its_own_learner_hears_of_it_at_once(m
     assert push(0, 0).wait().clock == 1
     with pytest.raises(FloatingPointError, match="learner 0 pushed a gradient with NaN or Inf"):
         push(0, 1, nan)  # would be held (learner 1 computes from clock 0): raises to learner 0, as under 'drop'
-    assert ps.held_replies == {} and ps.core.gate.held == [] and ps.core.clock == 1
+    assert ps.owed.held == {} and ps.core.gate.held == [] and ps.core.clock == 1
     reply = push(1, 0).wait()
     assert (reply.status, reply.clock) == ("accepted", 2)
     ps = blocking_server(monkeypatch, nonfinite="skip")
     assert push(0, 0).wait().clock == 1
     reply = push(0, 1, nan).wait()  # refused and counted at once: nothing of it is applied, so nobody's σ grows
-    assert (reply.status, reply.clock) == ("rejected", 1) and ps.core.stats.rejected == 1 and ps.held_replies == {}
+    assert (reply.status, reply.clock) == ("rejected", 1) and ps.core.stats.rejected == 1 and ps.owed.held == {}
 
 
 def test_a_held_push_that_fails_as_it_goes_fails_its_own_reply_not_the_call_that_let_it_go(monkeypatch):
@@ -129,4 +129,4 @@ def test_a_held_push_that_fails_as_it_goes_fails_its_own_reply_not_the_call_that
     assert (reply.status, reply.clock) == ("accepted", 2)
     with pytest.raises(RuntimeError, match="the optimizer's step failed"):
         held.wait()
-    assert ps.held_replies == {} and ps.core.gate.held == []
+    assert ps.owed.held == {} and ps.core.gate.held == []

@@ -6,7 +6,7 @@
 As the compensation study (:mod:`examples.study.compensation`, whose split, step counts, epoch times and model this
 reuses): λ = 16 virtual learners in one process, driven against the package's own :class:`lightning_rudra.Server`,
 MNIST-1D (4000 samples per seed, 20 % test, the last 10 % of the training samples for validation), μλ = 128,
-momentum SGD (0.9) at rate ``LR``, every protocol with compensation ``momentum`` (the strategy's default when it ran). Step
+momentum SGD (0.9) at rate ``LR``, every protocol with the strategy's default compensation (``DEFAULT_COMPENSATION``). Step
 times: :class:`~lightning_rudra.timing.ShiftedExponential` (0.5 + an exponential of mean 0.5; Dutta et al.'s
 straggler model), seeded per run; the server answers at once and communication costs nothing; every epoch starts
 with all learners together.
@@ -46,6 +46,7 @@ from examples.mnist1d import MNIST1DClassifier
 from examples.study.compensation import epoch_time, learner_steps, parse, read_rows, source
 from examples.study.families import NUM_SAMPLES, mnist1d_splits
 from lightning_rudra import ProtocolConfig
+from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.rounds_order import rounds_order
@@ -58,7 +59,7 @@ MU_LAMBDA = 128
 EPOCHS = 12  # hardsync's (20 did not fit the time on a busy 2-core machine); the others go on to its time
 LR = 0.2  # the rate the compensation study chose for momentum SGD's hardsync on its tuning seed's validation split
 SEEDS = (0, 1, 2)
-COMPENSATION = "momentum"  # RudraStrategy's default when the study ran (now momentum+clip)
+COMPENSATION = DEFAULT_COMPENSATION
 PROTOCOLS: dict[str, dict[str, Any]] = {
     "hardsync": dict(protocol="hardsync"),
     "batchsync": dict(protocol="batchsync"),  # K = λ

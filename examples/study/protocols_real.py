@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from examples.study.compensation import read_rows, source
 from examples.study.protocols import LR
+from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 
 LEARNERS, EPOCHS, NUM_SAMPLES = 4, 6, 6000
 REAL: dict[str, list[str]] = {  # DDP first: its straggler's mean sleep is every other run's
@@ -37,7 +38,16 @@ def run(name: str, seed: int, mean: Optional[float]) -> dict[str, Any]:
         result = str(Path(folder) / "result.json")
         command = [sys.executable, "-m", "examples.study.runner", *REAL[name], "--learners", str(LEARNERS)]
         command += ["--batch-size", str(128 // LEARNERS), "--num-samples", str(NUM_SAMPLES), "--epochs", str(EPOCHS)]
-        command += ["--lr", str(LR), "--compensation", "momentum", "--seed", str(seed), "--straggler", "--curve"]
+        command += [
+            "--lr",
+            str(LR),
+            "--compensation",
+            DEFAULT_COMPENSATION,
+            "--seed",
+            str(seed),
+            "--straggler",
+            "--curve",
+        ]
         command += ["--result", result] + (["--straggler-mean", str(mean)] if mean is not None else [])
         began = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)

@@ -10,8 +10,9 @@ from typing import Any
 class Stats:
     """What a user reads after training: updates applied (the clock), gradients taken, dropped (staler than
     ``max_staleness``), rejected (non-finite), late (batchsync, backup: they came after their round closed and were
-    not applied, nor counted in ``gradients``), held (``on_stale="block"``: pushes held back, then applied), clipped
-    (compensation ``clip``: stale updates scaled down, counted by this server, of its part of the gradient), the
+    not applied, nor counted in ``gradients``), held (``on_stale="block"``: pushes held back, applied once released
+    unless their learner was lost), clipped (compensation ``clip``: stale updates scaled down, counted by this
+    server, of its part of the gradient), the
     staleness histogram σ -> count of applied gradients (of every optimizer, and per optimizer: optimizer -> σ ->
     count), and under the shared epoch, or with simulated learners, the batches each learner took (learner -> count,
     first train dataloader), the batches dealt again (their learner was lost before it trained on them, or their

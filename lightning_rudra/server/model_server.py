@@ -141,6 +141,8 @@ class ModelServer:
         """A learner says whether it mapped the shared memory (:meth:`SharedSide.attached`)."""
         with self.lock:
             self.shared.attached(learner, mapped, self.membership.members)
+            if self.owed.pacing is not None and self.core is not None:  # its first step starts
+                self.owed.pacing.handed_out(learner, time.monotonic(), self.core.clock)
 
     def pull(self) -> Future:
         self._check_alive()
@@ -266,7 +268,7 @@ class ModelServer:
         with self.lock:
             self._check_alive()
             future = self.gatherings.add(sequence, learner, obj)
-            outcomes = self.gatherings.complete(self.membership.members)
+            outcomes = self._complete_gatherings()
             if self.core is not None and self.failure is None:  # a backup round waits for nobody here
                 outcomes += self._release_rounds(self._applied(self.core.meet(self.gatherings.waiting()))).outcomes
                 outcomes += self._release_paced()
@@ -276,6 +278,15 @@ class ModelServer:
                 outcomes += self._release_held().outcomes
         self._resolve_and_report(outcomes)
         return future
+
+    def _complete_gatherings(self) -> Outcomes:
+        """The collectives every learner left has joined, answered; batchsync's pacing learns who is back. Called under
+        the lock."""
+        waiting = self.gatherings.waiting()
+        outcomes = self.gatherings.complete(self.membership.members)
+        if self.owed.pacing is not None:
+            self.owed.pacing.back(waiting - self.gatherings.waiting(), time.monotonic())
+        return outcomes
 
     def draw(  # 7 params: the learner's request (EpochPool.draw's), and which train dataloader
         self,

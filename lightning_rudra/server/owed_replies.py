@@ -11,7 +11,7 @@ from torch.futures import Future
 from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.weights import Weights
 from lightning_rudra.server.pacing import RoundPacing
-from lightning_rudra.server.replies import Released, RoundWaiter, push_reply
+from lightning_rudra.server.replies import Outcomes, Released, RoundWaiter, push_reply
 from lightning_rudra.server.shared_side import SharedSide
 
 
@@ -46,7 +46,7 @@ class OwedReplies:
         weights = self.weights(core, learners)
         if self.pacing is not None:  # what each of them computes on from now
             now = time.monotonic()
-            for who in learners:
+            for who in set(learners) & core.active:
                 self.pacing.handed_out(who, now, weights.clock)
         return Released(
             [
@@ -80,6 +80,15 @@ class OwedReplies:
 
     def weights(self, core: Server, learners: list[int]) -> Weights:
         return self.shared.reply(learners, core)
+
+    def lose(self, learner: int, error: Exception) -> Outcomes:
+        """``learner`` was lost: its replies owed fail with ``error`` (a held push is not applied; a gradient in a
+        round stays there, as :meth:`Server.remove` decides)."""
+        owed = [self.held.pop(learner)] if learner in self.held else []
+        for optimizer, waiting in list(self.in_rounds.items()):
+            owed += [waiter.reply for waiter in waiting if waiter.learner == learner]
+            self.in_rounds[optimizer] = [waiter for waiter in waiting if waiter.learner != learner]
+        return [(reply, error) for reply in owed]
 
     def take_all(self) -> list[Future]:
         """Training cannot go on: every reply owed, taken from the books (to be failed)."""

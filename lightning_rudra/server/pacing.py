@@ -39,8 +39,17 @@ class RoundPacing:
         self.waiting: set[int] = set()  # learners whose reply waits for the round
 
     def handed_out(self, learner: int, now: float, clock: int) -> None:
+        """``learner`` computes on the weights of ``clock`` from ``now``: its reply, or its first weights (else the
+        first round would answer every push but the last at once, and their next gradients would come late)."""
         self.handed[learner] = (now, clock)
         self.waiting.discard(learner)
+
+    def back(self, learners: AbstractSet[int], now: float) -> None:
+        """``learners`` come back from a collective: their next steps start now, on the weights they hold (else,
+        after a wait of two steps, they would all count as overdue, and the next round would answer every push at
+        once)."""
+        for learner in learners & self.handed.keys():
+            self.handed[learner] = (now, self.handed[learner][1])
 
     def pushed(self, learner: int, now: float) -> None:
         """``learner``'s push arrived: its step time is measured, and it computes no more until its reply."""

@@ -188,9 +188,8 @@ class ParameterServer(ModelServer):
         outcomes = (
             self._release_rounds(self._applied(self.core.remove(learner))).outcomes if self.core is not None else []
         )
-        outcomes += self.gatherings.complete(self.membership.members) + self._complete_finish()
-        if learner in self.owed.held:  # its push held back (on_stale='block') is not applied: it is lost
-            outcomes.append((self.owed.held.pop(learner), LearnerLostError(f"learner {learner} was lost ({why})")))
+        outcomes += self._complete_gatherings() + self._complete_finish()
+        outcomes += self.owed.lose(learner, LearnerLostError(f"learner {learner} was lost ({why})"))
         if self.owed.pacing is not None:
             self.owed.pacing.forget(learner)
         if self.core is not None:  # nobody is held back for it any more

@@ -14,7 +14,8 @@ def open_waits(server: ModelServer) -> dict[Hashable, tuple[str, str]]:
     for optimizer, waiters in server.owed.in_rounds.items():
         if waiters and server.core is not None:  # the clock moves when a round closes: a new round, a new key
             waits[("round", optimizer, server.core.clock)] = (
-                f"the hardsync round of optimizer {optimizer}",
+                f"the {server.core.config.protocol} round of optimizer {optimizer}"
+                + (" (replies paced)" if server.owed.pacing is not None else ""),
                 learners(server.core.awaited(optimizer)),
             )
     if server.owed.held and server.core is not None:  # on_stale='block': the clock moves as they go

@@ -1,8 +1,18 @@
 """batchsync's pacing (lightning_rudra.server.pacing) with times by hand: whose reply waits for the round."""
 
+import heapq
+from typing import Any
+
+import pytest
 import torch
 
 from lightning_rudra.core.config import ProtocolConfig
+from lightning_rudra.core.errors import LearnerLostError
+from lightning_rudra.core.registration import Registration
+from lightning_rudra.server import process as server
+from lightning_rudra.server.parameter_server import ParameterServer
+from lightning_rudra.server.replies import resolve
+from lightning_rudra.server.waits import open_waits
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import Server
 from lightning_rudra.core.update import Push
@@ -72,3 +82,89 @@ def test_a_held_reply_is_answered_once_the_gradient_it_waits_for_is_overdue():
     assert not pacing.cannot_close(core, set(), 2.0)  # a little late: still waited for
     assert pacing.cannot_close(core, set(), 100.0), "overdue: the held reply is answered"
     assert not pacing.waits(0, 100.0, 0, 1, {0, 1}), "nor is a new push held for it"
+
+
+class _Clock:
+    """A hand-moved time.monotonic for the server's pacing."""
+
+    now = 0.0
+
+    @classmethod
+    def monotonic(cls) -> float:
+        return cls.now
+
+
+def paced_server(monkeypatch, learners: int = 3, min_learners=None) -> ParameterServer:
+    """A batchsync ParameterServer (K = λ) answering through the process's entry points, on a hand-moved clock; every
+    learner attached (its first weights) at 0."""
+    from lightning_rudra.server import model_server, owed_replies
+
+    _Clock.now = 0.0
+    monkeypatch.setattr(model_server, "time", _Clock)
+    monkeypatch.setattr(owed_replies, "time", _Clock)
+    ps = ParameterServer(learners, timeout=50.0, min_learners=min_learners)
+    monkeypatch.setattr(server, "_server", ps)
+    params = [torch.zeros(2)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
+    server.call("register", Registration(ProtocolConfig(learners, "batchsync"), params, [], [spec], None, False))
+    for learner in range(learners):
+        server.call("attached", learner, False)
+    return ps
+
+
+def drive(steps: dict[int, float], starts: dict[int, tuple[float, int]], pushes: int) -> None:
+    """Each learner pushes a step after it got weights (``starts``: learner -> (when, their clock)) and again a step
+    after each reply, ``pushes`` pushes in all."""
+    events = [(when + steps[learner], learner, clock) for learner, (when, clock) in starts.items()]
+    heapq.heapify(events)
+    pending: dict[int, Any] = {}
+    for _ in range(pushes):
+        t, learner, clock = heapq.heappop(events)
+        _Clock.now = t
+        pending[learner] = server.call_async("push", Push(learner, 0, [torch.ones(2)], ONE, clock, [{"lr": 1.0}], []))
+        for who, reply in list(pending.items()):
+            if reply.done():
+                heapq.heappush(events, (t + steps[who], who, reply.wait().clock))
+                del pending[who]
+
+
+STEPS = {0: 1.0, 1: 1.001, 2: 1.002}
+ONE = torch.ones(1, dtype=torch.bool)
+
+
+def test_equal_learners_give_one_gradient_each_per_round_from_the_first(monkeypatch):
+    ps = paced_server(monkeypatch)
+    drive(STEPS, {learner: (0.0, 0) for learner in STEPS}, 24)
+    assert ps.core.stats.late == 0 and ps.core.clock == 8
+
+
+def test_learners_back_from_a_long_collective_still_wait_for_the_round(monkeypatch):
+    ps = paced_server(monkeypatch)
+    drive(STEPS, {learner: (0.0, 0) for learner in STEPS}, 9)  # 3 rounds, every reply answered
+    assert (ps.core.clock, ps.core.stats.late) == (3, 0)
+    _Clock.now = 4.0
+    gathered = [server.call_async("gather", 1, learner, None) for learner in (0, 1)]
+    _Clock.now = 9.0  # learner 2 comes 5 s (5 steps) later
+    gathered.append(server.call_async("gather", 1, 2, None))
+    assert all(g.done() for g in gathered)
+    drive(STEPS, {learner: (9.0, 3) for learner in STEPS}, 9)
+    assert (ps.core.clock, ps.core.stats.late) == (6, 0)
+
+
+def test_a_lost_learners_paced_reply_fails_and_its_steps_are_forgotten(monkeypatch):
+    ps = paced_server(monkeypatch, min_learners=1)
+    drive(STEPS, {learner: (0.0, 0) for learner in STEPS}, 3)  # round 0: steps measured
+    _Clock.now = 2.0
+    reply = server.call_async("push", Push(0, 0, [torch.ones(2)], ONE, 1, [{"lr": 1.0}], []))
+    assert not reply.done(), "learners 1 and 2 close the round first: learner 0's reply waits"
+    with ps.lock:
+        assert "batchsync round of optimizer 0 (replies paced)" in str(open_waits(ps))
+        outcomes = ps._lose(0, "killed")
+    resolve(outcomes)
+    with pytest.raises(LearnerLostError):
+        reply.wait()
+    replies = []
+    for learner in (1, 2):
+        _Clock.now += 0.01
+        replies.append(server.call_async("push", Push(learner, 0, [torch.ones(2)], ONE, 1, [{"lr": 1.0}], [])))
+    assert all(r.done() for r in replies) and ps.core.clock == 2 and 0 not in ps.owed.pacing.handed

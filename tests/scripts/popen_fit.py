@@ -3,7 +3,8 @@ resume from that checkpoint at once with a second Trainer in the same processes,
 argument sets ``min_learners`` (the strategy's own popen launcher, which ends lost learners once training is over:
 it must not wait for the others, which run this script on).
 
-Learner 0 prints one JSON line: the strategy's stats, the test loss and a checksum of the final weights.
+Learner 0 prints one JSON line: the strategy's stats, the test loss and a checksum of the final weights. Every learner
+writes its torch threads to ``threads_<rank>.txt``.
 """
 
 import json
@@ -20,6 +21,8 @@ if __name__ == "__main__":
     model = Scheduled(lr=0.02, momentum=0.5)
     trainer = quiet_trainer(RudraStrategy(protocol=protocol, rpc_timeout=60, **elastic), learners, max_epochs=2)
     trainer.fit(model, loader(8), loader(64, seed=1))
+    with open(f"threads_{trainer.global_rank}.txt", "w") as f:  # every learner's, as DDP's learners would have
+        f.write(str(torch.get_num_threads()))
     stats = trainer.strategy.stats
     trainer.save_checkpoint("after_fit.ckpt")  # after fit: the server is gone, its state must not be
     # A second Trainer in the same processes, at once (the first stage's rendezvous may still be closing), resumes

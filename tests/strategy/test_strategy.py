@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from lightning_fabric.utilities.distributed import _suggested_max_num_threads
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -369,9 +370,10 @@ def test_a_port_in_use_is_reported_clearly(monkeypatch):
 
 
 @pytest.mark.parametrize("min_learners", [None, 1])
-def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path, min_learners):
+def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path, monkeypatch, min_learners):
     """The default start method re-runs the script per learner, as DDP does; pytest cannot be that script. With
     ``min_learners`` the strategy's own launcher runs it, whose learners go on to the next stages too."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # as a user's shell: Lightning's launcher sets it
     done = run_script(tmp_path, "popen_fit.py", "hardsync", "2", *([str(min_learners)] if min_learners else []))
     result = printed_result(done.stdout)
     assert result["stats"]["gradients"] == 2 * 2 * 16 and result["stats"]["clock"] == 2 * 16
@@ -382,3 +384,6 @@ def test_popen_launcher_save_after_fit_test_and_a_second_trainer(tmp_path, min_l
     assert result["again_clock"] == 48 and result["again_lr"] == pytest.approx(0.02 * 0.1**3)
     assert "lr_scheduler.step()" not in done.stderr  # torch's warning: the server steps for the learners
     assert "tensorpipe" not in done.stderr  # peers leaving at the end of each stage, filtered
+    # each learner on its share of the cores, as under DDP (the learners popen starts ran on every core: 5x slower)
+    share = _suggested_max_num_threads(2)
+    assert [int((tmp_path / f"threads_{rank}.txt").read_text()) for rank in range(2)] == [share, share]

@@ -39,6 +39,7 @@ class Inputs:
         self.rpc = Link(per_message=intercept / 2, per_byte=slope / 8)
         self.gloo = _line(sizes, [med[n]["gloo"] for n in sizes])
         self.jitter = self._jitter()
+        self.mlp_jitter = self._mlp_jitter(data)
         self.table = load_compute()
 
     @staticmethod
@@ -54,6 +55,26 @@ class Inputs:
             for counts in run["epoch_batches"]
         ]
         return statistics.median(cvs)
+
+    def jitter_of(self, source: str) -> float:
+        """The step jitter for a results file's rows: the MNIST-1D CNN's (epochs, accuracy) from the accuracy file,
+        the MLPs' (transport-models, network: the same 10 M model) from the transport file's own async runs. The
+        jitter that counts per epoch show is mostly the scheduler's (time slices of milliseconds, a stall of another
+        job): absolute, not a fixed share of a step, so the CNN's 3–8 ms steps show a far larger relative jitter
+        (σ ≈ 1.2 in accuracy.json at 45752fc, 0.27 at the run before) than the MLPs' 60–130 ms steps (0.19)."""
+        return self.mlp_jitter if source in ("transport-models", "network") else self.jitter
+
+    @staticmethod
+    def _mlp_jitter(data: dict) -> float:
+        """The same estimator as :meth:`_jitter` on the transport file's async runs without straggler (both λ)."""
+        cvs = [
+            math.sqrt(statistics.pvariance(counts) / statistics.fmean(counts))
+            for row in data["raw"]["models"]
+            for run in row["runs"]
+            if run["strategy"] == "async" and run.get("epoch_batches")
+            for counts in run["epoch_batches"]
+        ]
+        return statistics.median(cvs) if cvs else 0.0
 
     @staticmethod
     def _path(sizes: Sequence[int], seconds: Sequence[float]) -> Link:

@@ -39,6 +39,12 @@ class Inputs:
         self.rpc = Link(per_message=intercept / 2, per_byte=slope / 8)
         self.gloo = _line(sizes, [med[n]["gloo"] for n in sizes])
         self.jitter = self._jitter()
+        # RPC's own round trip and the copies that its path makes beside it, measured at each size (medians of the
+        # transport table's rounds): the echo (a line through 10 k .. 50 M misses the 10 M point 2.2×: 139 ms for a
+        # measured 65, as the echo's cost per byte doubles from 10 M to 50 M), and in-process the learner's packing
+        # into a new tensor (layout.pack: torch.cat, fresh pages), the server's copy of the weights for a reply
+        # (Server.pull: clone) and the learner's loading of them
+        self.rpc_points = {n: {k: med[n][k] for k in ("echo", "pack", "clone", "load")} for n in sizes}
         self.mlp_jitter = self._mlp_jitter(data)
         self.table = load_compute()
 
@@ -55,6 +61,19 @@ class Inputs:
             for counts in run["epoch_batches"]
         ]
         return statistics.median(cvs)
+
+    def rpc_cost(self, parameters: int, what: str) -> float:
+        """The transport table's ``what`` (echo, pack, clone, load) at ``parameters``, linear between its sizes."""
+        sizes = sorted(self.rpc_points)
+        lo = max([n for n in sizes if n <= parameters] or sizes[:1])
+        hi = min([n for n in sizes if n >= parameters] or sizes[-1:])
+        a, b = self.rpc_points[lo][what], self.rpc_points[hi][what]
+        return a if hi == lo else a + (b - a) * (parameters - lo) / (hi - lo)
+
+    def rpc_at(self, parameters: int) -> Link:
+        """RPC's transport for a model of ``parameters``: the echo measured at that size, half its time a message
+        (4 B a parameter each way), as a cost per byte."""
+        return Link(per_byte=self.rpc_cost(parameters, "echo") / 2 / (4 * parameters))
 
     def jitter_of(self, source: str) -> float:
         """The step jitter for a results file's rows: the MNIST-1D CNN's (epochs, accuracy) from the accuracy file,
@@ -81,17 +100,33 @@ class Inputs:
         slope, intercept = _line(sizes, seconds)
         return Link(64 / slope if slope > 0 else math.inf, intercept / 2)
 
-    def allreduce(self, parameters: int, learners: int) -> float:
-        """gloo's all-reduce among λ processes: the 2-process fit × the ring's 2(λ − 1)/λ relative to λ = 2."""
+    def allreduce(self, parameters: int, learners: int) -> tuple[float, float]:
+        """gloo's all-reduce among λ processes, (per-parameter part, fixed part) of one process's time: the
+        2-process fit (each process on a core of its own) × the ring's 2(λ − 1)/λ relative to λ = 2."""
         a, b = self.gloo
-        return (a * parameters + b) * (2 * (learners - 1) / learners)
+        ring = 2 * (learners - 1) / learners
+        return a * parameters * ring, b * ring
 
     def compute(self, ddp_step_ms: float, parameters: int, learners: int, straggle_s: float = 0.0) -> float:
-        """One learner's compute in seconds of one core, from a DDP step measured beside the runs: the step less
-        the all-reduce and the straggler's added wait (DDP waits for it every step), the rest spent with all λ
-        learners computing at once on ``cores`` (each had min(1, cores / λ) of a core)."""
-        wall = ddp_step_ms / 1000 - straggle_s - self.allreduce(parameters, learners)
-        return max(wall * min(1.0, self.cores / learners), 1e-4)
+        """One learner's compute in seconds of one core, from a DDP step measured beside the runs.
+
+        Taken out of the step, besides the straggler's added wait (DDP waits for it every step):
+        - the all-reduce. Its fixed part (latency over loopback) is wall time; its per-parameter part (40 MB copied
+          and summed through loopback TCP at 10 M) is CPU work in each of the λ processes, so with λ > cores it is
+          shared like the compute: min(1, cores/λ) of a core each, as all λ processes do it at once;
+        - the optimizer's step: every DDP process steps its own copy of the weights (momentum SGD, 13.5 ms at 10 M,
+          MEASURED_SERVER.update), a Rudra learner does not (its server does, and the model charges the server).
+        Without straggler all λ learners compute at once: the rest × min(1, cores/λ). With one (it waits before
+        its batch), the others compute during its wait and the step's path after it is its own compute, on a core
+        of its own, then the all-reduce and step with every process busy."""
+        per_parameter, fixed = self.allreduce(parameters, learners)
+        share = min(1.0, self.cores / learners)
+        if straggle_s:
+            # as before: (step − wait − all-reduce) × min(1, cores/λ). How DDP's step runs around a sleeping
+            # straggler (do the waiting processes hold their cores in gloo's wait?) is not known here, and this
+            # form matches 11 of the 13 straggler rows; the optimizer's step is left in
+            return max((ddp_step_ms / 1000 - straggle_s - fixed - per_parameter) * share, 1e-4)
+        return max((ddp_step_ms / 1000 - fixed) * share - per_parameter - self.server.update(parameters), 1e-4)
 
     def alone(self, model: str, batch_size: int) -> float:
         """One learner's compute in seconds of one core as ``--measure-compute`` measured it: the model's forward +

@@ -2,6 +2,7 @@
 transport-models and network, its inputs read from the same files (:class:`~benchmarks.predict.inputs.Inputs`)."""
 
 import math
+from dataclasses import replace
 from typing import Any, Optional
 
 from benchmarks.predict.inputs import Inputs, _load
@@ -38,11 +39,24 @@ def _scenario(
         times = times[:-1] + [StepTime(step.mean, step.kind, step.spread, **wait)]
     rpc = "rpc" in strategy
     hosts = learners // lph
+    server = inputs.server
+    if rpc:
+        # one host through RPC: the echo measured at this size (not the line through every size), and the copies
+        # RPC's path makes beside the wire (inputs.py): the learner packs its gradient into a new tensor and loads
+        # the reply's weights (CPU time added to its step), the server clones its weights for every reply (one per
+        # push, in its queue: a cost per parameter of each push)
+        n = kw["parameters"]
+        local = inputs.rpc_at(n)
+        extra = inputs.rpc_cost(n, "pack") + inputs.rpc_cost(n, "load")
+        times = [replace(t, mean=t.mean + extra * t.mean / compute) for t in times]
+        server = replace(server, push_per_parameter=server.push_per_parameter + inputs.rpc_cost(n, "clone") / n)
+    else:
+        local = inputs.shared
     cluster = Cluster(
         hosts=hosts,
         learners_per_host=lph,
         link=kw.pop("link", Link()).with_transport(inputs.rpc),  # between hosts: RPC over the wire
-        local=inputs.rpc if rpc else inputs.shared,
+        local=local,
         num_servers=kw.pop("servers"),
         node_aggregation="no_aggregation" not in strategy,
         cores=inputs.cores,
@@ -52,7 +66,7 @@ def _scenario(
     bf16 = "bf16" in strategy
     codec = dict(zip(("learner_codec", "server_codec"), MEASURED_BF16)) if bf16 else {}
     payload = Payload(kw.pop("parameters"), "bf16" if bf16 else "none", **codec)
-    return Scenario(_protocol(strategy), cluster, times, payload, inputs.server, **kw)
+    return Scenario(_protocol(strategy), cluster, times, payload, server, **kw)
 
 
 COMPUTE_SOURCES = ("ddp", "alone")

@@ -1,7 +1,6 @@
 """The runtime model against what the benchmarks measured: every Rudra row of results/epochs, accuracy,
 transport-models and network, its inputs read from the same files (:class:`~benchmarks.predict.inputs.Inputs`)."""
 
-import math
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -28,11 +27,7 @@ def _scenario(
     """A benchmark's run on this machine's cores: the last learner straggles by ``straggle`` seconds a step,
     asleep or busy-waiting (``how``). Two hosts are network namespaces of this one machine."""
     jitter = inputs.jitter_of(kw.pop("source"))
-    # ``compute`` is a mean (DDP's time per step); StepTime's log-normal draws mean × exp(N(0, σ)), whose mean is
-    # mean × exp(σ²/2) (1.04× at σ = 0.27, 2.0× at the 1.17 that accuracy.json's re-run gives): the median handed to
-    # StepTime is the mean × exp(−σ²/2), so the learners compute as long on average as the DDP runs imply
-    median = compute * math.exp(-(jitter**2) / 2)
-    step = StepTime(median, "lognormal", jitter) if jitter else StepTime(compute)
+    step = StepTime(compute, "lognormal", jitter) if jitter else StepTime(compute)
     times = [step] * learners
     if straggle:
         wait = {"spin": straggle} if how == "busy" else {"sleep": straggle}

@@ -16,8 +16,8 @@ KINDS = ("fixed", "lognormal", "exponential", "measured")
 class StepTime:
     """One learner's compute time per step, in seconds (the push and the pull are the link's and the server's).
 
-    ``kind``: ``fixed`` (every step ``mean``), ``lognormal`` (``mean`` × exp(N(0, ``spread``)), the right-skewed
-    shape of shared machines, as :class:`~lightning_rudra.core.timing.Jittered`), ``exponential`` (a shifted
+    ``kind``: ``fixed`` (every step ``mean``), ``lognormal`` (``mean`` × exp(N(0, ``spread``) − ``spread``²/2), the
+    right-skewed shape of shared machines, as :class:`~lightning_rudra.core.timing.Jittered`'s, of mean ``mean``), ``exponential`` (a shifted
     exponential as in Dutta et al. 2018: ``mean`` × (1 − ``spread``) plus an exponential of mean ``mean`` ×
     ``spread``; ``spread=1``: purely exponential) or ``measured`` (``times`` in turn, from the start again once
     used up). ``slowdown`` multiplies every step: a 3× straggler is ``slowdown=3``. With a host's ``cores`` set
@@ -62,7 +62,7 @@ class StepTime:
         if self.kind == "measured":
             base = self.times[step % len(self.times)]
         elif self.kind == "lognormal":
-            base = self.mean * math.exp(rng.gauss(0.0, self.spread))
+            base = self.mean * math.exp(rng.gauss(0.0, self.spread) - self.spread**2 / 2)
         elif self.kind == "exponential":
             base = self.mean * (1 - self.spread) + (
                 rng.expovariate(1 / (self.mean * self.spread)) if self.spread else 0

@@ -368,7 +368,11 @@ class ModelServer:
             core = self._protocol()
             params, buffers, clock = core.pull()
             states = [core.optimizer_state(i) for i in range(len(core.optimizers))]
-            return Snapshot(params, buffers, clock, states, Stats.from_dict(core.stats.to_dict()))
+            stats = Stats.from_dict(core.stats.to_dict())
+            # the gradients of an update still open (a round, softsync's c) are not in these weights: a resumed
+            # shared epoch, which goes on after as many batches as the gradients, deals their batches again
+            stats.gradients -= sum(core.open_update(i)[0] for i in range(len(core.optimizers)))
+            return Snapshot(params, buffers, clock, states, stats)
 
         return self._locked(take)
 

@@ -135,3 +135,20 @@ def test_a_refused_push_with_weight_deltas_keeps_no_copy_of_the_learners_weights
     assert parameter_server.weight_deltas == {} and parameter_server.core.stats.gradients == 0
     reply = server.call_async("push_deltas", "bf16", 0, good_push()).wait()
     assert reply.params.whole and list(parameter_server.weight_deltas["bf16"].held) == [0]
+
+
+@pytest.mark.parametrize("protocol", ["hardsync", "batchsync"])
+def test_a_snapshot_counts_only_the_gradients_its_weights_hold(monkeypatch, protocol):
+    """A resumed shared epoch goes on after as many batches as the checkpoint's gradients: one waiting in an open
+    round is not in the weights, so its batch must be dealt again, not skipped."""
+    ps = ParameterServer(2, timeout=5.0)
+    monkeypatch.setattr(server, "_server", ps)
+    params = [torch.zeros(3)]
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1), params)
+    server.call("register", Registration(ProtocolConfig(2, protocol), params, [], [spec], None, False))
+    assert all(reply.done() for reply in [push(0), push(1)])  # the first round: applied
+    server.call_async("push", good_push(learner=0, timestamp=1))  # the next round, open
+    snapshot = server.call("snapshot")
+    assert (snapshot.clock, snapshot.stats.gradients, ps.core.stats.gradients) == (1, 2, 3)
+    assert server.call_async("push", good_push(learner=1, timestamp=1)).done()
+    assert server.call("snapshot").stats.gradients == 4

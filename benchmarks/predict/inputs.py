@@ -38,14 +38,15 @@ class Inputs:
         slope, intercept = _line(sizes, [med[n]["echo"] for n in sizes])
         self.rpc = Link(per_message=intercept / 2, per_byte=slope / 8)
         self.gloo = _line(sizes, [med[n]["gloo"] for n in sizes])
-        self.jitter = self._jitter()
+        # the steps' coefficients of variation, as the log-normal's σ(log): a CV c is √(ln(1 + c²)) in log units
+        self.jitter = _log_sigma(self._jitter())
         # RPC's own round trip and the copies that its path makes beside it, measured at each size (medians of the
         # transport table's rounds): the echo (a line through 10 k .. 50 M misses the 10 M point 2.2×: 139 ms for a
         # measured 65, as the echo's cost per byte doubles from 10 M to 50 M), and in-process the learner's packing
         # into a new tensor (layout.pack: torch.cat, fresh pages), the server's copy of the weights for a reply
         # (Server.pull: clone) and the learner's loading of them
         self.rpc_points = {n: {k: med[n][k] for k in ("echo", "pack", "clone", "load")} for n in sizes}
-        self.mlp_jitter = self._mlp_jitter(data)
+        self.mlp_jitter = _log_sigma(self._mlp_jitter(data))
         self.table = load_compute()
 
     @staticmethod
@@ -132,3 +133,8 @@ class Inputs:
         """One learner's compute in seconds of one core as ``--measure-compute`` measured it: the model's forward +
         backward alone (one process, one thread) plus Lightning's own time per step."""
         return compute_s(self.table, model, batch_size)
+
+
+def _log_sigma(cv: float) -> float:
+    """σ(log) of the log-normal whose coefficient of variation is ``cv``."""
+    return math.sqrt(math.log1p(cv * cv))

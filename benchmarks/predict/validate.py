@@ -38,13 +38,15 @@ def _scenario(
     if rpc:
         # one host through RPC: the echo measured at this size (not the line through every size), and the copies
         # RPC's path makes beside the wire (inputs.py): the learner packs its gradient into a new tensor and loads
-        # the reply's weights (CPU time added to its step), the server clones its weights for every reply (one per
-        # push, in its queue: a cost per parameter of each push)
+        # the reply's weights (CPU time added to its step), the server clones its weights for every reply it makes
+        # (SharedSide.reply: one a push, answered at once, but one a hardsync round, its replies sharing it)
         n = kw["parameters"]
         local = inputs.rpc_at(n)
         extra = inputs.rpc_cost(n, "pack") + inputs.rpc_cost(n, "load")
         times = [replace(t, mean=t.mean + extra * t.mean / compute) for t in times]
-        server = replace(server, push_per_parameter=server.push_per_parameter + inputs.rpc_cost(n, "clone") / n)
+        clone = inputs.rpc_cost(n, "clone") / n
+        per = "update_per_parameter" if strategy.startswith("hardsync") else "push_per_parameter"
+        server = replace(server, **{per: getattr(server, per) + clone})
     else:
         local = inputs.shared
     cluster = Cluster(

@@ -62,6 +62,25 @@ class Updating:
             return 0
         return self.clocks.staleness(optimizer, timestamp, self.clock, own)
 
+    def weights_stats(self) -> Stats:
+        """The statistics of the weights as they are (a checkpoint's): the gradients taken towards updates not yet
+        applied (open, or waiting for the other servers' parts of their norm) left out of ``gradients``, ``dropped``
+        and the staleness counts. A resumed shared epoch goes on after as many batches as the gradients, and their
+        batches must be dealt again."""
+        stats = Stats.from_dict(self.stats.to_dict())
+        unapplied = list(enumerate(self._pending)) + [(o, waiting[1]) for o, waiting in self.awaiting_norm.items()]
+        for optimizer, pending in unapplied:
+            stats.gradients -= pending.received
+            stats.dropped -= pending.received - len(pending.staleness) - sum(g.count for g in pending.waiting)
+            for sigma in pending.staleness:
+                stats.count_staleness(optimizer, sigma, -1)
+        stats.staleness = {sigma: n for sigma, n in stats.staleness.items() if n}
+        stats.optimizer_staleness = {
+            optimizer: {sigma: n for sigma, n in counts.items() if n}
+            for optimizer, counts in stats.optimizer_staleness.items()
+        }
+        return stats
+
     def _too_stale(self, sigma: int) -> bool:
         return self.config.max_staleness is not None and sigma > self.config.max_staleness
 

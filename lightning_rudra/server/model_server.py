@@ -36,7 +36,6 @@ from lightning_rudra.server.replies import Outcomes, Released, push_reply, resol
 from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.server.shared_side import SharedSide
 from lightning_rudra.core.registration import Registration
-from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.weights import Snapshot
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 
@@ -119,6 +118,8 @@ class ModelServer:
                 raise
             if config.protocol == "batchsync":
                 self.owed.pacing = RoundPacing(config.gradients_per_update)
+                for learner in self.shared.answered:  # attached before the model was (shared_memory=False)
+                    self.owed.pacing.handed_out(learner, time.monotonic(), core.clock)
             core.stats.lost = dict(self.membership.lost)  # this run's (a resumed run starts with everyone)
             for learner in self.membership.lost:
                 core.remove(learner)
@@ -368,11 +369,7 @@ class ModelServer:
             core = self._protocol()
             params, buffers, clock = core.pull()
             states = [core.optimizer_state(i) for i in range(len(core.optimizers))]
-            stats = Stats.from_dict(core.stats.to_dict())
-            # the gradients of an update still open (a round, softsync's c) are not in these weights: a resumed
-            # shared epoch, which goes on after as many batches as the gradients, deals their batches again
-            stats.gradients -= sum(core.open_update(i)[0] for i in range(len(core.optimizers)))
-            return Snapshot(params, buffers, clock, states, stats)
+            return Snapshot(params, buffers, clock, states, core.weights_stats())
 
         return self._locked(take)
 

@@ -94,9 +94,10 @@ class _Clock:
         return cls.now
 
 
-def paced_server(monkeypatch, learners: int = 3, min_learners=None) -> ParameterServer:
+def paced_server(monkeypatch, learners: int = 3, min_learners=None, attach_first=False) -> ParameterServer:
     """A batchsync ParameterServer (K = λ) answering through the process's entry points, on a hand-moved clock; every
-    learner attached (its first weights) at 0."""
+    learner attached (its first weights) at 0, after learner 0 registered the model or (``attach_first``, as learners
+    without shared memory may) before."""
     from lightning_rudra.server import model_server, owed_replies
 
     _Clock.now = 0.0
@@ -106,9 +107,13 @@ def paced_server(monkeypatch, learners: int = 3, min_learners=None) -> Parameter
     monkeypatch.setattr(server, "_server", ps)
     params = [torch.zeros(2)]
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=1.0), params)
-    server.call("register", Registration(ProtocolConfig(learners, "batchsync"), params, [], [spec], None, False))
+    registration = Registration(ProtocolConfig(learners, "batchsync"), params, [], [spec], None, False)
+    if not attach_first:
+        server.call("register", registration)
     for learner in range(learners):
         server.call("attached", learner, False)
+    if attach_first:
+        server.call("register", registration)
     return ps
 
 
@@ -132,8 +137,9 @@ STEPS = {0: 1.0, 1: 1.001, 2: 1.002}
 ONE = torch.ones(1, dtype=torch.bool)
 
 
-def test_equal_learners_give_one_gradient_each_per_round_from_the_first(monkeypatch):
-    ps = paced_server(monkeypatch)
+@pytest.mark.parametrize("attach_first", [False, True])
+def test_equal_learners_give_one_gradient_each_per_round_from_the_first(monkeypatch, attach_first):
+    ps = paced_server(monkeypatch, attach_first=attach_first)
     drive(STEPS, {learner: (0.0, 0) for learner in STEPS}, 24)
     assert ps.core.stats.late == 0 and ps.core.clock == 8
 

@@ -137,7 +137,7 @@ def test_a_refused_push_with_weight_deltas_keeps_no_copy_of_the_learners_weights
     assert reply.params.whole and list(parameter_server.weight_deltas["bf16"].held) == [0]
 
 
-@pytest.mark.parametrize("protocol", ["hardsync", "batchsync"])
+@pytest.mark.parametrize("protocol", ["hardsync", "batchsync", "softsync"])
 def test_a_snapshot_counts_only_the_gradients_its_weights_hold(monkeypatch, protocol):
     """A resumed shared epoch goes on after as many batches as the checkpoint's gradients: one waiting in an open
     round is not in the weights, so its batch must be dealt again, not skipped."""
@@ -150,5 +150,6 @@ def test_a_snapshot_counts_only_the_gradients_its_weights_hold(monkeypatch, prot
     server.call_async("push", good_push(learner=0, timestamp=1))  # the next round, open
     snapshot = server.call("snapshot")
     assert (snapshot.clock, snapshot.stats.gradients, ps.core.stats.gradients) == (1, 2, 3)
+    assert snapshot.stats.staleness == {0: 2} and snapshot.stats.optimizer_staleness == {0: {0: 2}}
     assert server.call_async("push", good_push(learner=1, timestamp=1)).done()
     assert server.call("snapshot").stats.gradients == 4

@@ -215,7 +215,7 @@ class SimulatedClient:
         params, buffers, clock = server.pull()
         self.timestamp = self._loaded = clock  # the Learner loads these into the module now
         states = [server.optimizer_state(i) for i in range(len(server.optimizers))]
-        return Snapshot(params, buffers, clock, states, Stats.from_dict(server.stats.to_dict()))
+        return Snapshot(params, buffers, clock, states, server.weights_stats())
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
         return self._server().optimizer_state(optimizer)

@@ -216,9 +216,9 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         self._training = LearnerFit()
         if self.simulate:
             return
-        # as Lightning's launchers do in each process (DDP's even where they start none): a learner started by
-        # popen, torchrun or SLURM would otherwise run on every core, and λ of them on a small machine each other's
-        # threads (MNIST-1D, 4 learners on 2 cores: 5x slower)
+        # each learner its share of the cores' threads, as Lightning's launchers give DDP's in every process (even
+        # where they start none): one started by popen, torchrun or SLURM would run on every core, and λ of them
+        # would crowd a small machine (MNIST-1D, 4 learners on 2 cores: 5x slower)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         assert self.cluster_environment is not None
         started_by = stage_started_by(self)

@@ -5,7 +5,7 @@ import json
 import math
 import os
 import statistics
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from benchmarks.predict.compute import compute_s, load_compute
 from benchmarks.predict.server import _line
@@ -55,13 +55,9 @@ class Inputs:
         learner's batches per epoch; for steps of mean m and CV c a learner ends N ≈ T / m of them with variance
         N c², so c = √(var / mean) of the counts over the epochs (median over runs and learners)."""
         row = next(r for r in _load("accuracy")["raw"]["accuracy"] if r["learners"] == 2)
-        cvs = [
-            math.sqrt(statistics.pvariance(counts) / statistics.fmean(counts))
-            for run in row["runs"]["1x"]
-            if run["strategy"] == "async"
-            for counts in run["epoch_batches"]
-        ]
-        return statistics.median(cvs)
+        return _median_cv(
+            counts for run in row["runs"]["1x"] if run["strategy"] == "async" for counts in run["epoch_batches"]
+        )
 
     def rpc_cost(self, parameters: int, what: str) -> float:
         """The transport table's ``what`` (echo, pack, clone, load) at ``parameters``, linear between its sizes."""
@@ -87,14 +83,10 @@ class Inputs:
     @staticmethod
     def _mlp_jitter(data: dict) -> float:
         """The same estimator as :meth:`_jitter` on the transport file's async runs without straggler (both λ)."""
-        cvs = [
-            math.sqrt(statistics.pvariance(counts) / statistics.fmean(counts))
-            for row in data["raw"]["models"]
-            for run in row["runs"]
-            if run["strategy"] == "async" and run.get("epoch_batches")
-            for counts in run["epoch_batches"]
-        ]
-        return statistics.median(cvs) if cvs else 0.0
+        runs = (run for row in data["raw"]["models"] for run in row["runs"])
+        return _median_cv(
+            counts for run in runs if run["strategy"] == "async" for counts in run.get("epoch_batches", [])
+        )
 
     @staticmethod
     def _path(sizes: Sequence[int], seconds: Sequence[float]) -> Link:
@@ -138,3 +130,9 @@ class Inputs:
 def _log_sigma(cv: float) -> float:
     """σ(log) of the log-normal whose coefficient of variation is ``cv``."""
     return math.sqrt(math.log1p(cv * cv))
+
+
+def _median_cv(epoch_counts: Iterable[Sequence[int]]) -> float:
+    """The median over learners' runs of √(var / mean) of their batches per epoch (0 without any)."""
+    cvs = [math.sqrt(statistics.pvariance(counts) / statistics.fmean(counts)) for counts in epoch_counts]
+    return statistics.median(cvs) if cvs else 0.0

@@ -40,6 +40,7 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "hardsync+quiet_log": ("hardsync", 1, ["quiet_log"], {}),
     "hardsync+bf16": ("hardsync", 1, [], {"compression": "bf16"}),
     "async+bf16": ("async", 1, [], {"compression": "bf16"}),
+    "async+overlap+bf16": ("async", 1, [], {"overlap": True, "compression": "bf16"}),
     "hardsync+no_aggregation": ("hardsync", 1, [], {"node_aggregation": False}),
     # the network phase's "1+s" layout: both learners on host 0, the servers on host 1, a server node
     "hardsync+server_node": ("hardsync", 1, [], {"server_nodes": 1}),
@@ -71,6 +72,7 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "hardsync+quiet_log": "Rudra hardsync, staleness logged every 50 steps (prototype)",
     "hardsync+bf16": 'Rudra hardsync, compression="bf16"',
     "async+bf16": 'Rudra async, compression="bf16"',
+    "async+overlap+bf16": 'Rudra async, overlap=True, compression="bf16"',
     "hardsync+no_aggregation": "Rudra hardsync, node_aggregation=False",
     "hardsync+server_node": "Rudra hardsync, 2 learners on host 0, server_nodes=1 (host 1)",
     "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",

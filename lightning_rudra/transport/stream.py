@@ -5,19 +5,20 @@ shared memory and only the call travels. RPC (TensorPipe) carries everything els
 Why: across a shaped link, plain sockets move a push and its reply in the link's own time, where TensorPipe's copies
 took more (the measurement is in benchmarks/NOTES.md); on one host a socket's round trip for a push's control takes
 about half of TensorPipe's (1.0 against 2.1 ms for an 8,010-parameter model, push and update included). A connection
-carries one call at a time, in order; the learner's side sends and receives on a thread of its own, so that a push
-returns a future at once, as an RPC does. Nothing here knows about the parameter server: a call is
-``(method, *args)``.
+carries up to :data:`IN_FLIGHT` calls at once and answers them in order: each side sends on one thread and receives
+on another, so that a call goes out while the reply to the one before still comes in, and a push returns a future at
+once, as an RPC does. Nothing here knows about the parameter server: a call is ``(method, *args)``.
 
 Who may talk: the server hands a secret of its own to the learners that ask for the stream through RPC
 (:class:`StreamOffer`); a connection proves it knows it (an HMAC of the other side's random challenge, both ways)
 before anything of it is unpickled, and until then the server reads only the fixed-size handshake. Errors travel as
 their type's name and message (:class:`ServerError`), never as pickled exceptions.
 
-A connection that breaks (reset by a firewall or ``ss -K``, aborted by the kernel) is opened again and the call in
-progress sent again, within ``rpc_timeout``. That call may or may not have reached the server, so each call goes
-with its number in the client's session (named in the handshake), ahead of its frame: the server answers a number
-it has seen with the reply it made, and never runs a push twice. One connection of a session is served at a time.
+A connection that breaks (reset by a firewall or ``ss -K``, aborted by the kernel) is opened again and the calls in
+progress sent again, within ``rpc_timeout``. They may or may not have reached the server, so each call goes with its
+number in the client's session (named in the handshake), ahead of its frame: the server answers a number it has seen
+with the reply it made (it keeps the last :data:`IN_FLIGHT`), and never runs a push twice. One connection of a
+session is served at a time.
 """
 
 import hashlib
@@ -38,6 +39,9 @@ PROOF_SIZE = hashlib.sha256().digest_size
 # on a call's number: sent again after its connection broke (a number the server has forgotten is then refused,
 # since it may have run; a first sending runs)
 RESENT = 1 << 63
+# calls a client has sent and not yet had answered, at most: two, so that a learner with ``overlap`` sends its next
+# push while the reply to the last comes back (both directions of the link busy); the server keeps as many replies
+IN_FLIGHT = 2
 
 
 class StreamOffer(NamedTuple):

@@ -1,14 +1,14 @@
 """The learner's side of the stream (:mod:`lightning_rudra.transport.stream`): calls sent in order on a thread of
-its own, through broken connections, each answered once."""
+their own while their replies come in on another, through broken connections, each answered once."""
 
 import hmac
 import logging
-import queue
 import secrets
 import socket
 import threading
 import time
-from typing import Any, Optional
+from collections import deque
+from typing import Any, NamedTuple, Optional, Union
 
 from torch.futures import Future
 
@@ -20,6 +20,7 @@ from lightning_rudra.transport.frames import (
     recv_frame,
 )
 from lightning_rudra.transport.stream import (
+    IN_FLIGHT,
     MAGIC,
     NONCE,
     PROOF_SIZE,
@@ -43,6 +44,15 @@ class _Refused(ConnectionError):
     """A connection the other side turned down for good (a proof refused or not given): trying again cannot help."""
 
 
+class _Call(NamedTuple):
+    """A call sent, kept until answered: sent again, whole, on a new connection if its own breaks."""
+
+    number: int
+    method: str
+    frame: Frame
+    future: Future
+
+
 class _GaveUp(ConnectionError):
     """The stream broke and could not be opened again: ``timed_out`` when time ran out (the host may be cut off),
     rather than a server that no longer listens or refuses."""
@@ -54,12 +64,13 @@ class _GaveUp(ConnectionError):
 
 class StreamClient:
     """A learner's connection to the :class:`StreamServer` of ``offer`` (connecting and the handshake wait
-    ``timeout`` seconds at most). :meth:`call` returns a future at once; the calls go in order. A reply may take as
-    long as the call does (a hardsync round): the server sends a keepalive frame meanwhile, and a connection that
-    stays silent for ``timeout`` (half-open: a dropped NAT entry, a firewall that lets RPC through but not this port)
-    fails the call, naming the server. A connection that breaks is opened again, and the call in progress sent again
-    (the server runs it once), for ``timeout`` seconds at most from the first break; a server that no longer listens
-    ends it at once. Every call ends, with its value or an error, whatever ends the connection."""
+    ``timeout`` seconds at most). :meth:`call` returns a future at once; the calls go in order, up to
+    :data:`~lightning_rudra.transport.stream.IN_FLIGHT` at once. A reply may take as long as the call does (a hardsync
+    round): the server sends a keepalive frame meanwhile, and a connection that stays silent for ``timeout`` while a
+    call waits (half-open: a dropped NAT entry, a firewall that lets RPC through but not this port) fails the calls,
+    naming the server. A connection that breaks is opened again, and the calls in progress sent again (the server runs
+    each once), for ``timeout`` seconds at most from the first break; a server that no longer listens ends it at once.
+    Every call ends, with its value or an error, whatever ends the connection."""
 
     def __init__(self, offer: StreamOffer, timeout: float, what: str) -> None:
         self.what = what  # for messages: "parameter server 1 (on 10.0.0.2)"
@@ -70,9 +81,15 @@ class StreamClient:
         self._opening: Optional[socket.socket] = None  # the connection being opened, if one is
         self.sock = self._open(time.monotonic() + timeout)
         self._sent = 0  # calls sent in this session: each goes with its number
-        self._lock = threading.Lock()
+        # guards what both threads and callers share: the calls to send, those unanswered, what broke
+        self._changed = threading.Condition()
         self._closed: Optional[str] = None  # why, once no call can go through any more
-        self._calls: queue.Queue = queue.Queue()
+        self._queue: deque[Optional[tuple[tuple, Future]]] = deque()  # None: close
+        self._unanswered: deque[_Call] = deque()  # sent, in order; replies come in this order
+        self._broken: Optional[BaseException] = None  # what ended the receiving of the current connection
+        self._broken_since: Optional[float] = None  # the first break no reply has come after
+        self._receiving = self.sock  # the connection the receiving thread reads
+        self._receiver = self._receive_on(self.sock)
         self._thread = threading.Thread(target=self._run, name="rudra-stream-client", daemon=True)
         self._thread.start()
 
@@ -129,52 +146,68 @@ class StreamClient:
 
     def call(self, method: str, *args: Any) -> Future:
         future: Future = Future()
-        with self._lock:
+        with self._changed:
             if self._closed is None:
-                self._calls.put(((method, *args), future))
+                self._queue.append(((method, *args), future))
+                self._changed.notify_all()
                 return future
             why = self._closed
         future.set_exception(RuntimeError(f"the stream to {self.what} closed: {why}"))
         return future
 
     def _run(self) -> None:
-        current: Optional[Future] = None
+        """The sending thread: the next call once fewer than ``IN_FLIGHT`` wait, or the connection mended once its
+        receiving broke."""
         why = "this learner closed it"
+        timed_out = False
         try:
             while True:
-                item = self._calls.get()
-                if item is None:
+                with self._changed:
+                    self._changed.wait_for(
+                        lambda: self._broken is not None or (bool(self._queue) and len(self._unanswered) < IN_FLIGHT)
+                    )
+                    broken, item = self._broken, None
+                    if broken is None:
+                        item = self._queue.popleft()
+                if broken is not None:
+                    self._mend(broken)
+                elif item is None:
                     return
-                request, current = item
-                self._send(request, current)
-                current = None
+                else:
+                    self._send(*item)
         except socket.timeout:
             why = (
                 f"nothing moved on it for {self.timeout:g} s (rpc_timeout) while a call waited (a half-open "
                 "connection: a dropped NAT entry, a firewall that lets RPC through but not the stream's port?)"
             )
-            if current is not None:  # the call that waited: worded as RPC's own timeouts are (learner/client.py)
-                current.set_exception(RuntimeError(f"the stream to {self.what} timed out: {why}"))
+            timed_out = True
         except _GaveUp as error:
-            why = str(error)
-            if error.timed_out and current is not None:  # as above: the host may be cut off, not the server gone
-                current.set_exception(RuntimeError(f"the stream to {self.what} timed out: {why}"))
+            why, timed_out = str(error), error.timed_out  # timed out: the host may be cut off, not the server gone
         except BaseException as error:
             why = str(error) or type(error).__name__
         finally:
-            with self._lock:
-                self._closed = why
-                pending = [current]
-                while not self._calls.empty():
-                    item = self._calls.get_nowait()
-                    pending.append(item[1] if item is not None else None)
-            for future in pending:
-                if future is not None and not future.done():
-                    future.set_exception(RuntimeError(f"the stream to {self.what} closed: {why}"))
+            self._end(why, timed_out)
+
+    def _end(self, why: str, timed_out: bool) -> None:
+        """No call goes through any more: each pending one fails, the one that waited first as RPC's own timeouts
+        are worded where time ran out (learner/client.py tells a lost server by it)."""
+        with self._changed:
+            self._closed = why
+            pending = [call.future for call in self._unanswered]
+            pending += [item[1] for item in self._queue if item is not None]
+            self._unanswered.clear()
+            self._queue.clear()
+            self._changed.notify_all()
+        _shut(self._receiving)
+        self._receiver.join(timeout=5.0)
+        for index, future in enumerate(pending):
+            if not future.done():
+                ended = "timed out" if timed_out and index == 0 else "closed"
+                future.set_exception(RuntimeError(f"the stream to {self.what} {ended}: {why}"))
 
     def _send(self, request: tuple, future: Future) -> None:
-        """One call, pickled once and sent again on a new connection each time one breaks, for ``timeout`` seconds
-        at most from the first break; its future ends here, or the error raised (no connection to be had) ends it."""
+        """Send one call, pickled once (kept, to be sent again if its connection breaks); a call that cannot be
+        sent fails alone."""
         method = request[0]
         try:
             frame = Frame.encode(request)
@@ -186,26 +219,50 @@ class StreamClient:
             future.set_exception(RuntimeError(f"{method} cannot be sent to {self.what}: {over}"))
             return
         self._sent += 1
-        deadline = None
-        while True:
-            try:
-                return self._call(self._sent if deadline is None else self._sent | RESENT, method, frame, future)
-            except (socket.timeout, FrameError):  # silence, or a peer out of step: no new connection mends those
-                raise
-            except OSError as error:  # reset, aborted, end of file: the connection broke, maybe not the server
-                if self._closing:
-                    raise
-                if deadline is None:
-                    deadline = time.monotonic() + self.timeout
-                else:  # broken again: not at once, and never past the deadline
-                    if time.monotonic() + 0.5 >= deadline:
-                        raise _GaveUp(
-                            f"it broke ({error}) again and again for {self.timeout:g} s (rpc_timeout)", timed_out=True
-                        ) from error
-                    time.sleep(0.5)
-                self._reconnect(error, deadline)
+        call = _Call(self._sent, method, frame, future)
+        with self._changed:
+            self._unanswered.append(call)
+            self._changed.notify_all()
+        try:
+            frame.send(self.sock, call.number)
+        except OSError as error:  # reset, aborted: the receiving thread sees it too, or is told
+            self._mend(error)
 
-    def _reconnect(self, broken: OSError, deadline: float) -> None:
+    def _mend(self, broken: BaseException) -> None:
+        """The connection broke (reset, aborted, end of file: maybe not the server): open it again and send the
+        calls in progress again, for ``timeout`` seconds at most from the first break no reply came after. Silence or
+        a peer out of step raise: no new connection mends those."""
+        while True:
+            if self._closing:
+                raise ConnectionError("this learner closed it")
+            if isinstance(broken, (socket.timeout, FrameError)) or not isinstance(broken, OSError):
+                raise broken
+            _shut(self._receiving)
+            self._receiver.join()  # ended by the shutdown: it must not take a reply the new connection brings
+            now = time.monotonic()
+            with self._changed:
+                if self._broken_since is None:
+                    self._broken_since = now
+                deadline = self._broken_since + self.timeout
+            if now > self._broken_since:  # broken again: not at once, and never past the deadline
+                if now + 0.5 >= deadline:
+                    raise _GaveUp(
+                        f"it broke ({broken}) again and again for {self.timeout:g} s (rpc_timeout)", timed_out=True
+                    ) from broken
+                time.sleep(0.5)
+            self._reconnect(broken, deadline)
+            with self._changed:
+                self._broken = None
+                calls = list(self._unanswered)
+            self._receiver = self._receive_on(self.sock)
+            try:
+                for call in calls:
+                    call.frame.send(self.sock, call.number | RESENT)
+                return
+            except OSError as error:
+                broken = error
+
+    def _reconnect(self, broken: BaseException, deadline: float) -> None:
         log.info("the stream to %s broke (%s): opening it again", self.what, broken)
         self.sock.close()
         try:
@@ -218,34 +275,70 @@ class StreamClient:
             self.sock.close()
             raise ConnectionError("this learner closed it")
 
-    def _call(self, number: int, method: str, frame: Frame, future: Future) -> None:
-        frame.send(self.sock, number)
-        while True:
-            try:
-                reply = recv_frame(self.sock, self.offer.limits)
-            except DecodeError as error:
-                future.set_exception(
-                    RuntimeError(f"the reply of {self.what} to {method} could not be decoded: {error}")
-                )
-                return
-            if reply is not KEEPALIVE:
-                break
+    def _receive_on(self, sock: socket.socket) -> threading.Thread:
+        self._receiving = sock
+        thread = threading.Thread(target=self._receive, args=(sock,), name="rudra-stream-replies", daemon=True)
+        thread.start()
+        return thread
+
+    def _receive(self, sock: socket.socket) -> None:
+        """The receiving thread of connection ``sock``: the replies, in the order of the calls, while any call
+        waits. What ends it (a break, silence, a reply that is not one) goes to the sending thread."""
+        try:
+            while True:
+                with self._changed:
+                    self._changed.wait_for(lambda: bool(self._unanswered) or self._closed is not None)
+                    if self._closed is not None:
+                        return
+                    call = self._unanswered[0]
+                reply: Union[BaseException, Any] = KEEPALIVE
+                while reply is KEEPALIVE:
+                    try:
+                        reply = recv_frame(sock, self.offer.limits)
+                    except DecodeError as error:
+                        reply = RuntimeError(f"the reply of {self.what} to {call.method} could not be decoded: {error}")
+                if not isinstance(reply, BaseException):
+                    reply = self._value(call.method, reply)
+                with self._changed:
+                    self._unanswered.popleft()
+                    self._broken_since = None
+                    self._changed.notify_all()
+                if isinstance(reply, _Answer):
+                    call.future.set_result(reply.value)
+                else:
+                    call.future.set_exception(reply)
+        except BaseException as error:
+            with self._changed:
+                self._broken = error
+                self._changed.notify_all()
+
+    def _value(self, method: str, reply: Any) -> "Union[_Answer, BaseException]":
         if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ok":
-            future.set_result(reply[1])
-        elif isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "error":
-            future.set_exception(ServerError(str(reply[1]), str(reply[2])))
-        else:
-            raise FrameError(f"{self.what} answered {method} with something that is not a reply")
+            return _Answer(reply[1])
+        if isinstance(reply, tuple) and len(reply) == 3 and reply[0] == "error":
+            return ServerError(str(reply[1]), str(reply[2]))
+        raise FrameError(f"{self.what} answered {method} with something that is not a reply")
 
     def close(self) -> None:
-        """Stop: a call in progress fails (its socket is shut), later ones too."""
+        """Stop: the calls in progress fail (the socket is shut), later ones too."""
         self._closing = True
         for sock in (self.sock, self._opening):
-            try:
-                if sock is not None:
-                    sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(sock)
         self.sock.close()
-        self._calls.put(None)
+        with self._changed:
+            self._queue.append(None)
+            self._changed.notify_all()
         self._thread.join(timeout=5.0)
+
+
+class _Answer(NamedTuple):
+    value: Any
+
+
+def _shut(sock: Optional[Any]) -> None:
+    """Shut both ways: a thread blocked on it wakes."""
+    try:
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -1,5 +1,5 @@
 """The server's side of the stream (:mod:`lightning_rudra.transport.stream`): who may connect, and calls answered
-in order, once each, whatever connection of their session carries them."""
+in order, once each, whatever connection of their session carries them: read on one thread, answered on another."""
 
 import hmac
 import logging
@@ -7,7 +7,8 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections import deque
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -21,6 +22,7 @@ from lightning_rudra.transport.frames import (
     send_keepalive,
 )
 from lightning_rudra.transport.stream import (
+    IN_FLIGHT,
     MAGIC,
     NONCE,
     PROOF_SIZE,
@@ -43,21 +45,29 @@ _HANDSHAKE_S = 10.0  # the most a connection has to prove itself, all its handsh
 
 
 class _Session:
-    """A client's calls as the server saw them: the number of the last and its reply once made (kept until the next
-    call shows it arrived), and the one connection that serves it."""
+    """A client's calls as the server saw them: the number of the last, the replies to the last ``IN_FLIGHT`` once
+    made (kept until later calls show they arrived: a client sends a call only with fewer than ``IN_FLIGHT``
+    unanswered), and the one connection that serves it."""
 
     def __init__(self) -> None:
-        self.changed = threading.Condition()  # a reply made, or the connection replaced
+        self.changed = threading.Condition()  # a reply made, a call read, or the connection replaced
         self.number = 0
-        self.reply: Optional[Frame] = None  # of call ``number``
+        self.replies: dict[int, Optional[Frame]] = {}  # number -> its reply, None until made
         self.connection: Optional[socket.socket] = None
         self.busy = False  # a thread serves it
         self.idle_since = time.monotonic()  # when its last connection ended
 
+    def begin(self, number: int) -> None:
+        """Call ``number`` runs: the replies its client has had are forgotten."""
+        self.number = number
+        self.replies[number] = None
+        for answered in [kept for kept in self.replies if kept <= number - IN_FLIGHT]:
+            del self.replies[answered]
+
     def settle(self, number: int, reply: Frame) -> None:
         with self.changed:
-            if number == self.number:  # else a later call began: its client had this reply already
-                self.reply = reply
+            if number in self.replies:  # else later calls began: its client had this reply already
+                self.replies[number] = reply
                 self.changed.notify_all()
 
 
@@ -235,6 +245,36 @@ class StreamServer:
                 return
 
     def _calls(self, conn: socket.socket, session: _Session) -> None:
+        """Read the calls of ``conn`` and run each new one, while a thread of its own answers them in the order they
+        came (:meth:`_answers`)."""
+        due: deque[Union[int, Frame]] = deque()  # a call's number (its reply once made) or an answer made already
+        ended = threading.Event()
+        answering = threading.Thread(
+            target=self._answers, args=(conn, session, due, ended), name="rudra-stream-answers", daemon=True
+        )
+        answering.start()
+
+        def stop_answering() -> None:
+            ended.set()
+            with session.changed:
+                session.changed.notify_all()
+            answering.join()
+
+        try:
+            self._read_calls(conn, session, due)
+        except FrameError as error:  # out of step: say why (the peer may still read it) and close
+            stop_answering()  # first: one thread writes at a time
+            self._refuse(conn, str(error))
+            raise
+        finally:
+            stop_answering()
+
+    def _read_calls(self, conn: socket.socket, session: _Session, due: deque) -> None:
+        def answer(item: Union[int, Frame]) -> None:
+            with session.changed:
+                due.append(item)
+                session.changed.notify_all()
+
         while True:
             number = recv_number(conn)
             resent, number = bool(number & RESENT), number & ~RESENT
@@ -242,47 +282,60 @@ class StreamServer:
                 call: Any = recv_frame(conn, self.limits)
             except DecodeError as error:  # read whole, so in step
                 call = error
-            except FrameError as error:  # out of step: say why (the peer may still read it) and close
-                self._refuse(conn, str(error))
-                raise
             with session.changed:
                 last = session.number
                 # numbered one by one from 1, whatever the connection; a session forgotten here (its learner idle
                 # past twice the timeout) goes on with its next call
                 fresh = number == last + 1 or (not last and not resent and number > 0)
+                kept = resent and number in session.replies
                 if fresh:
-                    session.number, session.reply = number, None
-            if not fresh and not (resent and number == last and number):
+                    session.begin(number)
+            if fresh:
+                self._start(session, number, call)
+                answer(number)
+            elif kept:  # sent again after its connection broke: it gets the reply made to it
+                answer(number)
+            else:
                 why = (
                     f"the server no longer keeps the reply to call {number}, sent again: its session was forgotten"
                     if resent and not last
                     else f"call {number} out of order: the last call of this learner's session was {last}"
                 )
-                self._encode("a call", ("error", "RuntimeError", why)).send(conn)
-                continue
-            # a number seen already was sent again after its connection broke: it gets the reply made to it
-            if fresh:
-                self._start(session, number, call)
-            reply = self._reply_of(session, number, conn)
-            if reply is None:
-                return
-            reply.send(conn)
+                answer(self._encode("a call", ("error", "RuntimeError", why)))
 
-    def _reply_of(self, session: _Session, number: int, conn: socket.socket) -> Optional[Frame]:
-        """The reply to call ``number`` once made, with a keepalive frame meanwhile that tells the learner the
-        server is alive (an OSError there: the connection is gone); None once ``conn`` no longer serves the
-        session."""
-        while True:
-            with session.changed:
-                made = session.changed.wait_for(
-                    lambda: session.connection is not conn or session.reply is not None,
-                    keepalive_interval(self.timeout),
-                )
-                if session.connection is not conn:
-                    return None
-                if made:
-                    return session.reply
-            send_keepalive(conn)
+    def _answers(self, conn: socket.socket, session: _Session, due: deque, ended: threading.Event) -> None:
+        """Send the answers ``due`` on ``conn`` in order, each once made, with a keepalive frame while one is
+        awaited that tells the learner the server is alive; until ``conn`` ends or no longer serves the session."""
+
+        def ready() -> bool:
+            if ended.is_set() or session.connection is not conn:
+                return True
+            # a number forgotten meanwhile is answered at once (a client out of step: it sent more than it may)
+            return bool(due) and (isinstance(due[0], Frame) or session.replies.get(due[0], due[0]) is not None)
+
+        try:
+            while True:
+                with session.changed:
+                    made = session.changed.wait_for(ready, keepalive_interval(self.timeout))
+                    if ended.is_set() or session.connection is not conn:
+                        return
+                    waiting = bool(due)
+                    reply = None
+                    if made:
+                        head = due.popleft()
+                        reply = head if isinstance(head, Frame) else session.replies.get(head)
+                        if reply is None:
+                            why = f"the server no longer keeps the reply to call {head}: more than {IN_FLIGHT} waited"
+                            reply = self._encode("a call", ("error", "RuntimeError", why))
+                if reply is not None:
+                    reply.send(conn)
+                elif waiting:
+                    send_keepalive(conn)
+        except OSError:  # the connection is gone: its reading ends too
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _start(self, session: _Session, number: int, call: Any) -> None:
         """Run call ``number``; its reply settles ``session`` whenever it is made, whatever becomes of the

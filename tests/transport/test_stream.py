@@ -137,6 +137,7 @@ class _RunsCode:
 
 
 _RUNS: list = []  # the "run" calls the server made, in order
+_GATES: dict = {}  # name -> the future of the "gate" calls of that name
 
 
 def _answer(method, args):
@@ -151,6 +152,11 @@ def _answer(method, args):
         future = Future()
         threading.Timer(args[1], lambda: future.set_result(args[0] * 2)).start()
         return future.then(lambda done: done.value() + 1)
+    if method == "gate":  # answered once an "open" call of the same name runs: a push that waits for a later one
+        return _GATES.setdefault(args[0], Future())
+    if method == "open":
+        _GATES.setdefault(args[0], Future()).set_result(f"{args[0]} opened")
+        return "opened"
     if method == "fail":
         raise ValueError(f"refused {args[0]}")
     if method == "two_arguments":
@@ -757,3 +763,71 @@ def test_a_session_older_than_twice_the_timeout_survives_its_connection_being_ta
     finally:
         client.close()
         server.close()
+
+
+def _soon(future, seconds=5.0):
+    """Whether ``future`` resolves within ``seconds`` (a call stuck behind another fails the test, not hangs it)."""
+    deadline = time.monotonic() + seconds
+    while not future.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return future.done()
+
+
+def test_a_call_goes_out_while_the_one_before_still_waits_for_its_reply(server):
+    """Issue 34: a learner with ``overlap`` sends its next push while the reply to the last still comes back (before,
+    a connection carried one call at a time: the next push waited for the whole reply, and the link went one way at a
+    time). The server reads the second call, runs it, and answers both in the order they came."""
+    _GATES.clear()
+    client = _client(server)
+    try:
+        first = client.call("gate", "a")  # answered only once the next call has run
+        second = client.call("open", "a")
+        assert _soon(first), "the second call was not sent while the first waited for its reply"
+        assert first.wait() == "a opened" and second.wait() == "opened"
+        # a reply made later than the next one's still comes first: each future gets its own
+        slow, fast = client.call("later", 5, 0.3), client.call("echo", "x")
+        assert slow.wait() == 11 and fast.wait() == ("x",)
+    finally:
+        client.close()
+
+
+def test_at_most_in_flight_calls_wait_for_replies_the_next_waits_to_be_sent(server):
+    _GATES.clear()
+    _RUNS.clear()
+    client, other = _client(server), _client(server)
+    try:
+        gated = [client.call("gate", name) for name in ("b", "c")]
+        third = client.call("run", "third", 0.0)
+        time.sleep(0.3)
+        assert len(client._unanswered) == stream.IN_FLIGHT == 2 and len(client._queue) == 1 and not _RUNS
+        assert other.call("open", "b").wait() == "opened"  # one answered: the third goes, and runs
+        assert gated[0].wait() == "b opened"
+        for _ in range(100):
+            if _RUNS:
+                break
+            time.sleep(0.02)
+        assert _RUNS == ["third"]
+        assert not third.done()  # its reply comes after the one before it, which still waits
+        assert other.call("open", "c").wait() == "opened"
+        assert gated[1].wait() == "c opened" and third.wait() == 1
+    finally:
+        client.close()
+        other.close()
+
+
+def test_a_connection_broken_with_two_calls_in_flight_sends_both_again_and_each_runs_once(server):
+    _RUNS.clear()
+    client = _client(server)
+    try:
+        first, second = client.call("run", "first", 1.0), client.call("run", "second", 1.0)
+        for _ in range(100):
+            if len(_RUNS) == 2:
+                break
+            time.sleep(0.02)
+        assert _RUNS == ["first", "second"]  # both read while the first's reply is not made
+        client.sock.shutdown(socket.SHUT_RDWR)  # the replies come on the new connection, from the session
+        assert first.wait() == 2 and second.wait() == 2
+        assert client.call("run", "third", 0.0).wait() == 3
+        assert _RUNS == ["first", "second", "third"]
+    finally:
+        client.close()

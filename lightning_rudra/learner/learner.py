@@ -36,11 +36,12 @@ _SEVERITY = ("accepted", "queued", "dropped", "rejected", "late")  # a push's st
 
 class InFlight(NamedTuple):
     """A push to one server not yet settled: through which link, its reply's future (None: a node member's, read
-    from the board) and the buffers it carried."""
+    from the board), the buffers it carried, and its reply once received (its weights not yet loaded)."""
 
     link: ServerLink
     future: Optional[Future]
     buffers: list[Tensor]
+    reply: Optional[PushReply] = None
 
 
 class Pushes(NamedTuple):
@@ -288,9 +289,27 @@ class Learner:
         this step's forward), then that reply settled if a server may still read a shared-memory gradient buffer for
         it."""
         buffers = [link.buffer_layout.pack(link.buffers, _CPU) for link in self.links]
-        if any(link.shm is not None for link in self.links):
-            self.wait_for_replies()
+        self._settle_shared_memory()
         return buffers
+
+    def _settle_shared_memory(self) -> None:
+        """Receive the replies in flight of the servers that may still read this learner's shared-memory gradient
+        buffer, before the next gradient is packed into it. The others stay in flight (with ``overlap``, the next
+        push to another host goes out while the reply to the last comes back); with node-local aggregation, every
+        reply is settled, as the node's board needs."""
+        if self._in_flight is None or not any(link.shm is not None for link in self.links):
+            return
+        if any(link.node is not None for link in self.links):
+            self.wait_for_replies()
+            return
+        pushed = self._in_flight.pushed
+        received = [
+            p._replace(reply=self._receive(p.link, p.future, pushed))
+            if p.link.shm is not None and p.reply is None
+            else p
+            for p in pushed
+        ]
+        self._in_flight = self._in_flight._replace(pushed=received)
 
     def _push_order(self) -> list[ServerLink]:
         """A node's leader waits for its members' gradients (node-local aggregation): the other pushes go first."""
@@ -346,7 +365,10 @@ class Learner:
         if self._in_flight is None:
             return
         in_flight, self._in_flight = self._in_flight, None
-        replies = [self._receive(p.link, p.future, in_flight.pushed) for p in in_flight.pushed]
+        replies = [
+            p.reply if p.reply is not None else self._receive(p.link, p.future, in_flight.pushed)
+            for p in in_flight.pushed
+        ]
         for p, reply in zip(in_flight.pushed, replies):
             p.link.load_reply(reply.params, reply.buffers, p.buffers if self.overlap else None)
         if self.on_push is not None:

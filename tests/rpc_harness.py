@@ -143,6 +143,7 @@ def train(
         "pushes": pushes,
         "owned": [len(link.params) for link in learner.links],
         "shared_memory": all(link.shm is not None for link in learner.links),
+        "mapped": [link.shm is not None for link in learner.links],
     }
 
 

@@ -36,7 +36,7 @@ _SEVERITY = ("accepted", "queued", "dropped", "rejected", "late")  # a push's st
 
 class InFlight(NamedTuple):
     """A push to one server not yet settled: through which link, its reply's future (None: a node member's, read
-    from the board), the buffers it carried, and its reply once received (its weights not yet loaded)."""
+    from the board), the buffers it carried, and its reply once received and loaded."""
 
     link: ServerLink
     future: Optional[Future]
@@ -293,23 +293,28 @@ class Learner:
         return buffers
 
     def _settle_shared_memory(self) -> None:
-        """Receive the replies in flight of the servers that may still read this learner's shared-memory gradient
-        buffer, before the next gradient is packed into it. The others stay in flight (with ``overlap``, the next
-        push to another host goes out while the reply to the last comes back); with node-local aggregation, every
-        reply is settled, as the node's board needs."""
+        """Receive and load the replies in flight of the servers that may still read this learner's shared-memory
+        gradient buffer, before the next gradient is packed into it (loaded now, as the weights after the update the
+        reply answers: later, the server may have applied the next push). The others stay in flight (with
+        ``overlap``, the next push to another host goes out while the reply to the last comes back); with node-local
+        aggregation, every reply is settled, as the node's board needs."""
         if self._in_flight is None or not any(link.shm is not None for link in self.links):
             return
         if any(link.node is not None for link in self.links):
             self.wait_for_replies()
             return
         pushed = self._in_flight.pushed
-        received = [
-            p._replace(reply=self._receive(p.link, p.future, pushed))
-            if p.link.shm is not None and p.reply is None
-            else p
-            for p in pushed
-        ]
-        self._in_flight = self._in_flight._replace(pushed=received)
+        self._in_flight = self._in_flight._replace(
+            pushed=[p._replace(reply=self._load(p, pushed)) if p.link.shm is not None else p for p in pushed]
+        )
+
+    def _load(self, p: InFlight, pushed: list[InFlight]) -> PushReply:
+        """The reply to ``p``, received and its weights loaded, once."""
+        if p.reply is not None:
+            return p.reply
+        reply = self._receive(p.link, p.future, pushed)
+        p.link.load_reply(reply.params, reply.buffers, p.buffers if self.overlap else None)
+        return reply
 
     def _push_order(self) -> list[ServerLink]:
         """A node's leader waits for its members' gradients (node-local aggregation): the other pushes go first."""
@@ -365,12 +370,7 @@ class Learner:
         if self._in_flight is None:
             return
         in_flight, self._in_flight = self._in_flight, None
-        replies = [
-            p.reply if p.reply is not None else self._receive(p.link, p.future, in_flight.pushed)
-            for p in in_flight.pushed
-        ]
-        for p, reply in zip(in_flight.pushed, replies):
-            p.link.load_reply(reply.params, reply.buffers, p.buffers if self.overlap else None)
+        replies = [self._load(p, in_flight.pushed) for p in in_flight.pushed]
         if self.on_push is not None:
             self.on_push(
                 in_flight.optimizer,

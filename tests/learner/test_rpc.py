@@ -93,13 +93,42 @@ def test_async_with_one_learner_is_plain_sgd(num_servers, no_shared_memory_left)
     assert result["stats"].clock == steps and result["stats"].staleness == {0: steps}
 
 
-def test_overlap_computes_on_the_newest_weights_received():
-    """Rudra-adv*: with one learner, gradient k (k >= 1) comes from the weights before update k - 1 (σ = 1)."""
+def _one_server_unmapped(rank, clients, **kwargs):
+    """harness.train, with server 1's shared memory refused (as one on another host): its pushes and their replies
+    carry the tensors over the push stream, server 0's go through shared memory."""
+    from lightning_rudra.learner import link
+
+    mapped = link.MappedWeights
+
+    def refused(names, rank, what, *args):
+        if "parameter server 1" in what:
+            raise OSError("refused by the test, as another host's /dev/shm")
+        return mapped(names, rank, what, *args)
+
+    link.MappedWeights = refused
+    return harness.train(rank, clients, **kwargs)
+
+
+@pytest.mark.parametrize("servers", ["one, mapped", "two, one over the stream"])
+def test_overlap_computes_on_the_newest_weights_received(servers):
+    """Rudra-adv*: with one learner, gradient k (k >= 1) comes from the weights before update k - 1 (σ = 1). With a
+    server whose shared memory the learner cannot map, its next push goes out over the stream while the reply to
+    the last still comes back (issue 34): the arithmetic is the same."""
     steps, mu, lr, momentum = 6, 4, 0.1, 0.9
+    target, num_servers = (harness.train, 1) if servers == "one, mapped" else (_one_server_unmapped, 2)
     [result] = harness.run_learners(
-        1, harness.train, config=ProtocolConfig(1, "async"), steps=steps, mu=mu, lr=lr, momentum=momentum, overlap=True
+        1,
+        target,
+        num_servers=num_servers,
+        config=ProtocolConfig(1, "async"),
+        steps=steps,
+        mu=mu,
+        lr=lr,
+        momentum=momentum,
+        overlap=True,
     )
     check_ok([result])
+    assert result["mapped"] == ([True] if num_servers == 1 else [True, False])
     assert result["stats"].staleness == {0: 1, 1: steps - 1}
     master, probe = harness.model(), harness.model()
     opt = torch.optim.SGD(master.parameters(), lr=lr, momentum=momentum)

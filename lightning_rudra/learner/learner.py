@@ -297,14 +297,15 @@ class Learner:
         gradient buffer, before the next gradient is packed into it (loaded now, as the weights after the update the
         reply answers: later, the server may have applied the next push). The others stay in flight (with
         ``overlap``, the next push to another host goes out while the reply to the last comes back); with node-local
-        aggregation, every reply is settled, as the node's board needs."""
+        aggregation too, every reply is settled, as the node's board needs."""
         if self._in_flight is None or not any(link.shm is not None for link in self.links):
             return
         if any(link.node is not None for link in self.links):
             self.wait_for_replies()
             return
-        pushed = self._in_flight.pushed
-        self._in_flight = self._in_flight._replace(
+        in_flight, self._in_flight = self._in_flight, None  # a reply that fails is not waited for again
+        pushed = in_flight.pushed
+        self._in_flight = in_flight._replace(
             pushed=[p._replace(reply=self._load(p, pushed)) if p.link.shm is not None else p for p in pushed]
         )
 

@@ -88,7 +88,8 @@ class StreamClient:
         self._unanswered: deque[_Call] = deque()  # sent, in order; replies come in this order
         self._broken: Optional[BaseException] = None  # what ended the receiving of the current connection
         self._broken_since: Optional[float] = None  # the first break no reply has come after
-        self._receiving = self.sock  # the connection the receiving thread reads
+        self._sent_through = 0  # the last call sent whole on the current connection: its reply may be read
+        self._receiving: Optional[socket.socket] = None  # the connection the receiving thread reads
         self._receiver = self._receive_on(self.sock)
         self._thread = threading.Thread(target=self._run, name="rudra-stream-client", daemon=True)
         self._thread.start()
@@ -198,8 +199,7 @@ class StreamClient:
             self._unanswered.clear()
             self._queue.clear()
             self._changed.notify_all()
-        _shut(self._receiving)
-        self._receiver.join(timeout=5.0)
+        self._stop_receiving(5.0)
         for index, future in enumerate(pending):
             if not future.done():
                 ended = "timed out" if timed_out and index == 0 else "closed"
@@ -227,6 +227,15 @@ class StreamClient:
             frame.send(self.sock, call.number)
         except OSError as error:  # reset, aborted: the receiving thread sees it too, or is told
             self._mend(error)
+            return
+        self._sent_whole(call.number)
+
+    def _sent_whole(self, number: int) -> None:
+        """Call ``number`` went out whole: its reply may be read, and a reply's silence counts from now (an upload
+        slower than ``timeout`` is not a half-open connection: each piece of it moved)."""
+        with self._changed:
+            self._sent_through = number
+            self._changed.notify_all()
 
     def _mend(self, broken: BaseException) -> None:
         """The connection broke (reset, aborted, end of file: maybe not the server): open it again and send the
@@ -237,8 +246,9 @@ class StreamClient:
                 raise ConnectionError("this learner closed it")
             if isinstance(broken, (socket.timeout, FrameError)) or not isinstance(broken, OSError):
                 raise broken
-            _shut(self._receiving)
-            self._receiver.join()  # ended by the shutdown: it must not take a reply the new connection brings
+            # ended first: it must not take a reply the new connection brings
+            if not self._stop_receiving(self.timeout):
+                raise _GaveUp(f"it broke ({broken}) and its replies' thread did not stop", timed_out=False) from broken
             now = time.monotonic()
             with self._changed:
                 if self._broken_since is None:
@@ -258,6 +268,7 @@ class StreamClient:
             try:
                 for call in calls:
                     call.frame.send(self.sock, call.number | RESENT)
+                    self._sent_whole(call.number)
                 return
             except OSError as error:
                 broken = error
@@ -275,8 +286,18 @@ class StreamClient:
             self.sock.close()
             raise ConnectionError("this learner closed it")
 
+    def _stop_receiving(self, seconds: float) -> bool:
+        """End the receiving thread (told, and its connection shut); whether it ended within ``seconds``."""
+        with self._changed:
+            sock, self._receiving = self._receiving, None
+            self._changed.notify_all()
+        _shut(sock)
+        self._receiver.join(timeout=seconds)
+        return not self._receiver.is_alive()
+
     def _receive_on(self, sock: socket.socket) -> threading.Thread:
-        self._receiving = sock
+        with self._changed:
+            self._receiving, self._sent_through = sock, 0
         thread = threading.Thread(target=self._receive, args=(sock,), name="rudra-stream-replies", daemon=True)
         thread.start()
         return thread
@@ -286,9 +307,15 @@ class StreamClient:
         waits. What ends it (a break, silence, a reply that is not one) goes to the sending thread."""
         try:
             while True:
-                with self._changed:
-                    self._changed.wait_for(lambda: bool(self._unanswered) or self._closed is not None)
-                    if self._closed is not None:
+                with self._changed:  # a reply is read only once its call went out whole
+                    self._changed.wait_for(
+                        lambda: (
+                            self._closed is not None
+                            or self._receiving is not sock
+                            or (bool(self._unanswered) and self._unanswered[0].number <= self._sent_through)
+                        )
+                    )
+                    if self._closed is not None or self._receiving is not sock:
                         return
                     call = self._unanswered[0]
                 reply: Union[BaseException, Any] = KEEPALIVE
@@ -309,8 +336,9 @@ class StreamClient:
                     call.future.set_exception(reply)
         except BaseException as error:
             with self._changed:
-                self._broken = error
-                self._changed.notify_all()
+                if self._receiving is sock:  # else the sending thread ended it, and knows why
+                    self._broken = error
+                    self._changed.notify_all()
 
     def _value(self, method: str, reply: Any) -> "Union[_Answer, BaseException]":
         if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ok":

@@ -261,7 +261,7 @@ class StreamServer:
             answering.join()
 
         try:
-            self._read_calls(conn, session, due)
+            self._read_calls(conn, session, due, ended)
         except FrameError as error:  # out of step: say why (the peer may still read it) and close
             stop_answering()  # first: one thread writes at a time
             self._refuse(conn, str(error))
@@ -269,13 +269,19 @@ class StreamServer:
         finally:
             stop_answering()
 
-    def _read_calls(self, conn: socket.socket, session: _Session, due: deque) -> None:
+    def _read_calls(self, conn: socket.socket, session: _Session, due: deque, ended: threading.Event) -> None:
         def answer(item: Union[int, Frame]) -> None:
             with session.changed:
                 due.append(item)
                 session.changed.notify_all()
 
         while True:
+            with session.changed:  # a client that does not read its answers is not read either (TCP holds it)
+                session.changed.wait_for(
+                    lambda: len(due) < IN_FLIGHT or ended.is_set() or session.connection is not conn
+                )
+                if ended.is_set() or session.connection is not conn:
+                    return
             number = recv_number(conn)
             resent, number = bool(number & RESENT), number & ~RESENT
             try:
@@ -323,6 +329,7 @@ class StreamServer:
                     reply = None
                     if made:
                         head = due.popleft()
+                        session.changed.notify_all()  # the reading may go on (it waits for room)
                         reply = head if isinstance(head, Frame) else session.replies.get(head)
                         if reply is None:
                             why = f"the server no longer keeps the reply to call {head}: more than {IN_FLIGHT} waited"
@@ -331,11 +338,17 @@ class StreamServer:
                     reply.send(conn)
                 elif waiting:
                     send_keepalive(conn)
-        except OSError:  # the connection is gone: its reading ends too
+        except BaseException as error:  # the connection is gone, or cannot be written in step: its reading ends too
+            if not isinstance(error, OSError):
+                log.warning("lightning_rudra: a stream connection ended on an unexpected error: %r", error)
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        finally:
+            ended.set()
+            with session.changed:
+                session.changed.notify_all()
 
     def _start(self, session: _Session, number: int, call: Any) -> None:
         """Run call ``number``; its reply settles ``session`` whenever it is made, whatever becomes of the

@@ -831,3 +831,129 @@ def test_a_connection_broken_with_two_calls_in_flight_sends_both_again_and_each_
         assert _RUNS == ["first", "second", "third"]
     finally:
         client.close()
+
+
+def _throttled_proxy(port, rate):
+    """A listening socket relaying to ``port``, the client's bytes at ``rate`` bytes/s (a slow uplink)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def pipe(src, dst, pause):
+        try:
+            while data := src.recv(64 << 10):
+                dst.sendall(data)
+                time.sleep(len(data) / rate if pause else 0)
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def accept():
+        try:
+            while True:
+                conn, _ = listener.accept()
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+                onward = socket.create_connection(("127.0.0.1", port))
+                threading.Thread(target=pipe, args=(conn, onward, True), daemon=True).start()
+                threading.Thread(target=pipe, args=(onward, conn, False), daemon=True).start()
+        except OSError:
+            return
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener
+
+
+def test_a_call_slower_to_send_than_the_timeout_is_not_taken_for_a_silent_connection():
+    """Review (issue 34): with a thread reading replies, the wait for a reply began as the call began to go out, so a
+    push whose upload took longer than ``rpc_timeout`` (each piece of it moving) failed as a half-open connection.
+    Silence counts from the moment the call went out whole, as before."""
+    limits = FrameLimits.for_model(16 << 20)
+    server = StreamServer("127.0.0.1", lambda method, args: args[0].numel(), SECRET, limits, 1.0, max_peers=4)
+    proxy = _throttled_proxy(server.port, rate=3 << 20)
+    client = StreamClient(StreamOffer("127.0.0.1", proxy.getsockname()[1], SECRET, limits), 1.0, "a slow uplink")
+    try:
+        client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        started = time.monotonic()
+        assert client.call("push", torch.zeros(2 << 20)).wait() == 2 << 20  # 8 MiB at 3 MiB/s: over 2 s
+        assert time.monotonic() - started > 1.5
+    finally:
+        client.close()
+        proxy.close()
+        server.close()
+
+
+def test_a_client_that_reads_no_answers_is_not_read_either():
+    """Review (issue 34): the server read and ran every call while its answers piled up unsent (a proven client that
+    never reads grew the server by about 9 MiB/s). The reading waits for the answers to go: TCP holds the client."""
+    ran = []
+
+    def weights(method, args):  # a reply of a megabyte, as a push's: the socket's buffers fill after a few
+        ran.append(1)
+        return torch.zeros(1 << 18)
+
+    quiet = StreamServer("127.0.0.1", weights, SECRET, LIMITS, 30.0, max_peers=4)
+    sock = socket.create_connection(("127.0.0.1", quiet.port), timeout=30)
+    try:
+        _prove(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        call = frames.Frame.encode(("echo",)).head
+
+        def flood():
+            try:
+                for start in range(1, 10**6, 200):
+                    sock.sendall(b"".join(frames._NUMBER.pack(start + i) + call for i in range(200)))
+            except OSError:
+                pass
+
+        threading.Thread(target=flood, daemon=True).start()
+        time.sleep(2.0)
+        first = len(ran)
+        time.sleep(1.0)
+        assert len(ran) == first < 100, "the server kept running calls whose answers nobody read"
+    finally:
+        sock.close()
+        quiet.close()
+
+
+def test_a_refusal_that_comes_while_a_call_goes_out_ends_that_call_and_the_next_ones():
+    """Review (issue 34): a server full of peers refuses a connection with an error frame and closes it; the
+    replies' thread took that frame for the reply to a call still going out, went idle, and the sending thread
+    waited for it forever (close() too). Now the call fails, the next ones too, and close() is prompt."""
+    limits = FrameLimits.for_model(16 << 20)
+    full = StreamServer("127.0.0.1", lambda method, args: "ok", SECRET, limits, 0.5, max_peers=1)
+    offer = StreamOffer("127.0.0.1", full.port, SECRET, limits)
+    first = StreamClient(offer, 0.5, "the full server")
+    second = StreamClient(offer, 0.5, "the full server")  # proven, then refused: its peer's slot stays taken
+    try:
+        assert first.call("echo").wait() == "ok"
+        time.sleep(2.0)
+        pushed, later = second.call("push", torch.zeros(4 << 20)), second.call("echo")
+        assert _soon(pushed, 8.0) and _soon(later, 8.0)
+        for future in (pushed, later):
+            with pytest.raises(RuntimeError, match="the stream (to the full server|takes 1 connections)"):
+                future.wait()
+        started = time.monotonic()
+        second.close()
+        assert time.monotonic() - started < 2.0 and not second._thread.is_alive()
+    finally:
+        first.close()
+        second.close()
+        full.close()
+
+
+def test_an_answer_that_cannot_be_written_ends_its_connection_with_a_warning(caplog):
+    """Review (issue 34): an error other than the connection's (a tensor whose bytes cannot be viewed) ended the
+    answering thread silently, half-way through a frame, the connection left open: the learner waited for the
+    timeout and read it as half-open. It is logged, the connection closes, and the call ends."""
+    odd = StreamServer(
+        "127.0.0.1", lambda method, args: torch.ones(2, dtype=torch.cfloat).conj(), SECRET, LIMITS, 2.0, 4
+    )
+    client = StreamClient(StreamOffer("127.0.0.1", odd.port, SECRET, LIMITS), 2.0, "the odd server")
+    try:
+        with pytest.raises(RuntimeError, match="the stream to the odd server"):
+            client.call("conj").wait()
+        assert "a stream connection ended on an unexpected error" in caplog.text
+    finally:
+        client.close()
+        odd.close()

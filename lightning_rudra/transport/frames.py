@@ -79,6 +79,10 @@ class Frame(NamedTuple):
         total = sum(t.numel() * t.element_size() for t in pickler.tensors)
         return cls(_HEADER.pack(len(pickled), total) + pickled, pickler.tensors)
 
+    def size(self) -> int:
+        """Its bytes on the wire."""
+        return len(self.head) + sum(t.numel() * t.element_size() for t in self.tensors)
+
     def over(self, limits: FrameLimits) -> Optional[str]:
         """Why the receiver would refuse this frame as over ``limits`` (None: it would not)."""
         pickled = len(self.head) - _HEADER.size

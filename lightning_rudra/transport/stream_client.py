@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 
 _CONNECT_S = 2.0  # the longest a try at connecting takes
+_SMALL = 64 << 10  # a call of at most these bytes (a push's control) has its reply awaited as it goes out
 
 
 class _Refused(ConnectionError):
@@ -82,7 +83,9 @@ class StreamClient:
         self.sock = self._open(time.monotonic() + timeout)
         self._sent = 0  # calls sent in this session: each goes with its number
         # guards what both threads and callers share: the calls to send, those unanswered, what broke
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
+        self._to_send = threading.Condition(self._lock)  # a call queued, room for one, or a break
+        self._to_read = threading.Condition(self._lock)  # a call went out whole, or the receiving must stop
         self._closed: Optional[str] = None  # why, once no call can go through any more
         self._queue: deque[Optional[tuple[tuple, Future]]] = deque()  # None: close
         self._unanswered: deque[_Call] = deque()  # sent, in order; replies come in this order
@@ -147,10 +150,10 @@ class StreamClient:
 
     def call(self, method: str, *args: Any) -> Future:
         future: Future = Future()
-        with self._changed:
+        with self._lock:
             if self._closed is None:
                 self._queue.append(((method, *args), future))
-                self._changed.notify_all()
+                self._to_send.notify()
                 return future
             why = self._closed
         future.set_exception(RuntimeError(f"the stream to {self.what} closed: {why}"))
@@ -163,8 +166,8 @@ class StreamClient:
         timed_out = False
         try:
             while True:
-                with self._changed:
-                    self._changed.wait_for(
+                with self._lock:
+                    self._to_send.wait_for(
                         lambda: self._broken is not None or (bool(self._queue) and len(self._unanswered) < IN_FLIGHT)
                     )
                     broken, item = self._broken, None
@@ -192,13 +195,13 @@ class StreamClient:
     def _end(self, why: str, timed_out: bool) -> None:
         """No call goes through any more: each pending one fails, the one that waited first as RPC's own timeouts
         are worded where time ran out (learner/client.py tells a lost server by it)."""
-        with self._changed:
+        with self._lock:
             self._closed = why
             pending = [call.future for call in self._unanswered]
             pending += [item[1] for item in self._queue if item is not None]
             self._unanswered.clear()
             self._queue.clear()
-            self._changed.notify_all()
+            self._to_read.notify_all()
         self._stop_receiving(5.0)
         for index, future in enumerate(pending):
             if not future.done():
@@ -220,22 +223,25 @@ class StreamClient:
             return
         self._sent += 1
         call = _Call(self._sent, method, frame, future)
-        with self._changed:
+        with self._lock:
             self._unanswered.append(call)
-            self._changed.notify_all()
+        small = frame.size() <= _SMALL  # goes out at once, into the socket's buffer: its reply may be read already
+        if small:
+            self._sent_whole(call.number)
         try:
             frame.send(self.sock, call.number)
         except OSError as error:  # reset, aborted: the receiving thread sees it too, or is told
             self._mend(error)
             return
-        self._sent_whole(call.number)
+        if not small:
+            self._sent_whole(call.number)
 
     def _sent_whole(self, number: int) -> None:
         """Call ``number`` went out whole: its reply may be read, and a reply's silence counts from now (an upload
         slower than ``timeout`` is not a half-open connection: each piece of it moved)."""
-        with self._changed:
+        with self._lock:
             self._sent_through = number
-            self._changed.notify_all()
+            self._to_read.notify_all()
 
     def _mend(self, broken: BaseException) -> None:
         """The connection broke (reset, aborted, end of file: maybe not the server): open it again and send the
@@ -250,7 +256,7 @@ class StreamClient:
             if not self._stop_receiving(self.timeout):
                 raise _GaveUp(f"it broke ({broken}) and its replies' thread did not stop", timed_out=False) from broken
             now = time.monotonic()
-            with self._changed:
+            with self._lock:
                 if self._broken_since is None:
                     self._broken_since = now
                 deadline = self._broken_since + self.timeout
@@ -261,7 +267,7 @@ class StreamClient:
                     ) from broken
                 time.sleep(0.5)
             self._reconnect(broken, deadline)
-            with self._changed:
+            with self._lock:
                 self._broken = None
                 calls = list(self._unanswered)
             self._receiver = self._receive_on(self.sock)
@@ -288,15 +294,15 @@ class StreamClient:
 
     def _stop_receiving(self, seconds: float) -> bool:
         """End the receiving thread (told, and its connection shut); whether it ended within ``seconds``."""
-        with self._changed:
+        with self._lock:
             sock, self._receiving = self._receiving, None
-            self._changed.notify_all()
+            self._to_read.notify_all()
         _shut(sock)
         self._receiver.join(timeout=seconds)
         return not self._receiver.is_alive()
 
     def _receive_on(self, sock: socket.socket) -> threading.Thread:
-        with self._changed:
+        with self._lock:
             self._receiving, self._sent_through = sock, 0
         thread = threading.Thread(target=self._receive, args=(sock,), name="rudra-stream-replies", daemon=True)
         thread.start()
@@ -307,8 +313,8 @@ class StreamClient:
         waits. What ends it (a break, silence, a reply that is not one) goes to the sending thread."""
         try:
             while True:
-                with self._changed:  # a reply is read only once its call went out whole
-                    self._changed.wait_for(
+                with self._lock:  # a reply is read only once its call went out whole
+                    self._to_read.wait_for(
                         lambda: (
                             self._closed is not None
                             or self._receiving is not sock
@@ -326,19 +332,20 @@ class StreamClient:
                         reply = RuntimeError(f"the reply of {self.what} to {call.method} could not be decoded: {error}")
                 if not isinstance(reply, BaseException):
                     reply = self._value(call.method, reply)
-                with self._changed:
+                with self._lock:
                     self._unanswered.popleft()
                     self._broken_since = None
-                    self._changed.notify_all()
+                    if self._queue:  # room for the next call, if one waits
+                        self._to_send.notify()
                 if isinstance(reply, _Answer):
                     call.future.set_result(reply.value)
                 else:
                     call.future.set_exception(reply)
         except BaseException as error:
-            with self._changed:
+            with self._lock:
                 if self._receiving is sock:  # else the sending thread ended it, and knows why
                     self._broken = error
-                    self._changed.notify_all()
+                    self._to_send.notify()
 
     def _value(self, method: str, reply: Any) -> "Union[_Answer, BaseException]":
         if isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ok":
@@ -353,9 +360,9 @@ class StreamClient:
         for sock in (self.sock, self._opening):
             _shut(sock)
         self.sock.close()
-        with self._changed:
+        with self._lock:
             self._queue.append(None)
-            self._changed.notify_all()
+            self._to_send.notify()
         self._thread.join(timeout=5.0)
 
 

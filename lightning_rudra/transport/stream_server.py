@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 _FULL = "connections at once (two per learner), and has as many: this one is refused"
 _HANDSHAKES = 8  # connections at once that have not proved themselves yet: the rest are closed at once
 _HANDSHAKES_PER_SOURCE = 2  # of those, from one address: a stranger's loop of connections leaves room for learners
+_SENT_BY_THE_READER = 64 << 10  # an answer of at most these bytes, made at once, goes out from the reading thread
 _HANDSHAKE_S = 10.0  # the most a connection has to prove itself, all its handshake's bytes together
 
 
@@ -69,6 +70,16 @@ class _Session:
             if number in self.replies:  # else later calls began: its client had this reply already
                 self.replies[number] = reply
                 self.changed.notify_all()
+
+
+class _Answers:
+    """What one connection owes: the answers due, in the order of its calls (a call's number, its reply once made,
+    or an answer made already), whether a thread is writing one (one at a time), and whether the connection ended."""
+
+    def __init__(self) -> None:
+        self.due: deque[Union[int, Frame]] = deque()
+        self.writing = False
+        self.ended = threading.Event()
 
 
 class StreamServer:
@@ -247,21 +258,20 @@ class StreamServer:
     def _calls(self, conn: socket.socket, session: _Session) -> None:
         """Read the calls of ``conn`` and run each new one, while a thread of its own answers them in the order they
         came (:meth:`_answers`)."""
-        due: deque[Union[int, Frame]] = deque()  # a call's number (its reply once made) or an answer made already
-        ended = threading.Event()
+        line = _Answers()
         answering = threading.Thread(
-            target=self._answers, args=(conn, session, due, ended), name="rudra-stream-answers", daemon=True
+            target=self._answers, args=(conn, session, line), name="rudra-stream-answers", daemon=True
         )
         answering.start()
 
         def stop_answering() -> None:
-            ended.set()
+            line.ended.set()
             with session.changed:
                 session.changed.notify_all()
             answering.join()
 
         try:
-            self._read_calls(conn, session, due, ended)
+            self._read_calls(conn, session, line)
         except FrameError as error:  # out of step: say why (the peer may still read it) and close
             stop_answering()  # first: one thread writes at a time
             self._refuse(conn, str(error))
@@ -269,18 +279,14 @@ class StreamServer:
         finally:
             stop_answering()
 
-    def _read_calls(self, conn: socket.socket, session: _Session, due: deque, ended: threading.Event) -> None:
-        def answer(item: Union[int, Frame]) -> None:
-            with session.changed:
-                due.append(item)
-                session.changed.notify_all()
+    def _read_calls(self, conn: socket.socket, session: _Session, line: "_Answers") -> None:
+        def over() -> bool:
+            return line.ended.is_set() or session.connection is not conn
 
         while True:
             with session.changed:  # a client that does not read its answers is not read either (TCP holds it)
-                session.changed.wait_for(
-                    lambda: len(due) < IN_FLIGHT or ended.is_set() or session.connection is not conn
-                )
-                if ended.is_set() or session.connection is not conn:
+                session.changed.wait_for(lambda: len(line.due) < IN_FLIGHT or over())
+                if over():
                     return
             number = recv_number(conn)
             resent, number = bool(number & RESENT), number & ~RESENT
@@ -296,48 +302,72 @@ class StreamServer:
                 kept = resent and number in session.replies
                 if fresh:
                     session.begin(number)
+            answer: Union[int, Frame] = number
             if fresh:
                 self._start(session, number, call)
-                answer(number)
-            elif kept:  # sent again after its connection broke: it gets the reply made to it
-                answer(number)
-            else:
+            elif not kept:  # a number seen already is sent again after its connection broke: the reply made to it
                 why = (
                     f"the server no longer keeps the reply to call {number}, sent again: its session was forgotten"
                     if resent and not last
                     else f"call {number} out of order: the last call of this learner's session was {last}"
                 )
-                answer(self._encode("a call", ("error", "RuntimeError", why)))
+                answer = self._encode("a call", ("error", "RuntimeError", why))
+            with session.changed:
+                made = answer if isinstance(answer, Frame) else session.replies.get(answer)
+                # small, made at once, nothing before it: sent from here, a thread's wake-up sooner (a push's control
+                # on the server's own host); else by the answering thread, in order, while this one reads on
+                now = made is not None and made.size() <= _SENT_BY_THE_READER and not line.due and not line.writing
+                if now:
+                    line.writing = True
+                else:
+                    line.due.append(answer)
+                    session.changed.notify_all()
+            if now:
+                assert made is not None
+                try:
+                    made.send(conn)
+                finally:
+                    with session.changed:
+                        line.writing = False
+                        session.changed.notify_all()
 
-    def _answers(self, conn: socket.socket, session: _Session, due: deque, ended: threading.Event) -> None:
-        """Send the answers ``due`` on ``conn`` in order, each once made, with a keepalive frame while one is
-        awaited that tells the learner the server is alive; until ``conn`` ends or no longer serves the session."""
+    def _answers(self, conn: socket.socket, session: _Session, line: "_Answers") -> None:
+        """Send the answers due on ``conn`` in order, each once made, with a keepalive frame while one is awaited
+        that tells the learner the server is alive; until ``conn`` ends or no longer serves the session."""
+        due = line.due
 
         def ready() -> bool:
-            if ended.is_set() or session.connection is not conn:
+            if line.ended.is_set() or session.connection is not conn:
                 return True
             # a number forgotten meanwhile is answered at once (a client out of step: it sent more than it may)
-            return bool(due) and (isinstance(due[0], Frame) or session.replies.get(due[0], due[0]) is not None)
+            head_made = bool(due) and (isinstance(due[0], Frame) or session.replies.get(due[0], due[0]) is not None)
+            return head_made and not line.writing
 
         try:
             while True:
                 with session.changed:
                     made = session.changed.wait_for(ready, keepalive_interval(self.timeout))
-                    if ended.is_set() or session.connection is not conn:
+                    if line.ended.is_set() or session.connection is not conn:
                         return
-                    waiting = bool(due)
+                    if line.writing or not (made or due):  # the reading writes an answer, or nothing is awaited
+                        continue
                     reply = None
                     if made:
                         head = due.popleft()
-                        session.changed.notify_all()  # the reading may go on (it waits for room)
                         reply = head if isinstance(head, Frame) else session.replies.get(head)
                         if reply is None:
                             why = f"the server no longer keeps the reply to call {head}: more than {IN_FLIGHT} waited"
                             reply = self._encode("a call", ("error", "RuntimeError", why))
-                if reply is not None:
-                    reply.send(conn)
-                elif waiting:
-                    send_keepalive(conn)
+                    line.writing = True
+                try:
+                    if reply is not None:
+                        reply.send(conn)
+                    else:
+                        send_keepalive(conn)
+                finally:
+                    with session.changed:
+                        line.writing = False
+                        session.changed.notify_all()  # the reading may go on (it waits for room, or to write)
         except BaseException as error:  # the connection is gone, or cannot be written in step: its reading ends too
             if not isinstance(error, OSError):
                 log.warning("lightning_rudra: a stream connection ended on an unexpected error: %r", error)
@@ -346,7 +376,7 @@ class StreamServer:
             except OSError:
                 pass
         finally:
-            ended.set()
+            line.ended.set()
             with session.changed:
                 session.changed.notify_all()
 

@@ -77,6 +77,8 @@ class Frame(NamedTuple):
         pickler.dump(obj)
         pickled = file.getvalue()
         total = sum(t.numel() * t.element_size() for t in pickler.tensors)
+        for tensor in pickler.tensors:  # a tensor whose bytes cannot be read (a conjugate view) fails here, unsent
+            _bytes(tensor)
         return cls(_HEADER.pack(len(pickled), total) + pickled, pickler.tensors)
 
     def size(self) -> int:

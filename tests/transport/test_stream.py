@@ -942,18 +942,36 @@ def test_a_refusal_that_comes_while_a_call_goes_out_ends_that_call_and_the_next_
         full.close()
 
 
-def test_an_answer_that_cannot_be_written_ends_its_connection_with_a_warning(caplog):
-    """Review (issue 34): an error other than the connection's (a tensor whose bytes cannot be viewed) ended the
-    answering thread silently, half-way through a frame, the connection left open: the learner waited for the
-    timeout and read it as half-open. It is logged, the connection closes, and the call ends."""
-    odd = StreamServer(
-        "127.0.0.1", lambda method, args: torch.ones(2, dtype=torch.cfloat).conj(), SECRET, LIMITS, 2.0, 4
-    )
+def test_an_answer_that_cannot_be_written_ends_its_connection_with_a_warning(caplog, monkeypatch):
+    """Review (issue 34): an error other than the connection's ended the answering thread silently, half-way through
+    a frame, the connection left open: the learner waited for the timeout and read it as half-open. It is logged, the
+    connection closes, and the call ends."""
+    send = frames._send
+
+    def failing(sock, data):  # the answer's megabyte, not the call's few bytes
+        if len(data) > 100_000:
+            raise RuntimeError("the test's failing write")
+        send(sock, data)
+
+    monkeypatch.setattr(frames, "_send", failing)
+    odd = StreamServer("127.0.0.1", lambda method, args: torch.zeros(1 << 18), SECRET, LIMITS, 2.0, 4)
     client = StreamClient(StreamOffer("127.0.0.1", odd.port, SECRET, LIMITS), 2.0, "the odd server")
     try:
         with pytest.raises(RuntimeError, match="the stream to the odd server"):
-            client.call("conj").wait()
+            client.call("weights").wait()
         assert "a stream connection ended on an unexpected error" in caplog.text
     finally:
         client.close()
         odd.close()
+
+
+def test_a_tensor_whose_bytes_cannot_be_read_fails_its_own_call_only(server):
+    """Review (issue 34): a conjugate view's bytes cannot be read; the error came half-way through sending the
+    frame and ended the stream, every later call with it. It now comes before anything is sent."""
+    client = _client(server)
+    try:
+        with pytest.raises(RuntimeError, match="echo cannot be sent to the test's server: .*conjugate"):
+            client.call("echo", torch.ones(2, dtype=torch.cfloat).conj()).wait()
+        assert client.call("echo", "after").wait() == ("after",)
+    finally:
+        client.close()

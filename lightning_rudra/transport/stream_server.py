@@ -7,7 +7,6 @@ import secrets
 import socket
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -21,6 +20,7 @@ from lightning_rudra.transport.frames import (
     recv_number,
     send_keepalive,
 )
+from lightning_rudra.transport.stream_session import Answers, Session
 from lightning_rudra.transport.stream import (
     IN_FLIGHT,
     MAGIC,
@@ -43,43 +43,6 @@ _HANDSHAKES = 8  # connections at once that have not proved themselves yet: the 
 _HANDSHAKES_PER_SOURCE = 2  # of those, from one address: a stranger's loop of connections leaves room for learners
 _SENT_BY_THE_READER = 64 << 10  # an answer of at most these bytes, made at once, goes out from the reading thread
 _HANDSHAKE_S = 10.0  # the most a connection has to prove itself, all its handshake's bytes together
-
-
-class _Session:
-    """A client's calls as the server saw them: the number of the last, the replies to the last ``IN_FLIGHT`` once
-    made (kept until later calls show they arrived: a client sends a call only with fewer than ``IN_FLIGHT``
-    unanswered), and the one connection that serves it."""
-
-    def __init__(self) -> None:
-        self.changed = threading.Condition()  # a reply made, a call read, or the connection replaced
-        self.number = 0
-        self.replies: dict[int, Optional[Frame]] = {}  # number -> its reply, None until made
-        self.connection: Optional[socket.socket] = None
-        self.busy = False  # a thread serves it
-        self.idle_since = time.monotonic()  # when its last connection ended
-
-    def begin(self, number: int) -> None:
-        """Call ``number`` runs: the replies its client has had are forgotten."""
-        self.number = number
-        self.replies[number] = None
-        for answered in [kept for kept in self.replies if kept <= number - IN_FLIGHT]:
-            del self.replies[answered]
-
-    def settle(self, number: int, reply: Frame) -> None:
-        with self.changed:
-            if number in self.replies:  # else later calls began: its client had this reply already
-                self.replies[number] = reply
-                self.changed.notify_all()
-
-
-class _Answers:
-    """What one connection owes: the answers due, in the order of its calls (a call's number, its reply once made,
-    or an answer made already), whether a thread is writing one (one at a time), and whether the connection ended."""
-
-    def __init__(self) -> None:
-        self.due: deque[Union[int, Frame]] = deque()
-        self.writing = False
-        self.ended = threading.Event()
 
 
 class StreamServer:
@@ -115,7 +78,7 @@ class StreamServer:
         self._peers = threading.BoundedSemaphore(max_peers)
         self._lock = threading.Lock()
         self._unproven: dict[str, int] = {}  # source address -> its connections in their handshake
-        self._sessions: dict[bytes, _Session] = {}
+        self._sessions: dict[bytes, Session] = {}
         threading.Thread(target=self._accept, name="rudra-stream-accept", daemon=True).start()
 
     def offer(self) -> StreamOffer:
@@ -180,7 +143,7 @@ class StreamServer:
             return
         try:
             with self._lock:
-                session = self._sessions.setdefault(name, _Session())
+                session = self._sessions.setdefault(name, Session())
             self._replace(name, conn)
             with session.changed:  # one thread serves a session at a time
                 session.changed.wait_for(lambda: not session.busy or session.connection is not conn, self.timeout)
@@ -255,10 +218,10 @@ class StreamServer:
             if not conn.recv(1 << 16):
                 return
 
-    def _calls(self, conn: socket.socket, session: _Session) -> None:
+    def _calls(self, conn: socket.socket, session: Session) -> None:
         """Read the calls of ``conn`` and run each new one, while a thread of its own answers them in the order they
         came (:meth:`_answers`)."""
-        line = _Answers()
+        line = Answers()
         answering = threading.Thread(
             target=self._answers, args=(conn, session, line), name="rudra-stream-answers", daemon=True
         )
@@ -279,7 +242,7 @@ class StreamServer:
         finally:
             stop_answering()
 
-    def _read_calls(self, conn: socket.socket, session: _Session, line: "_Answers") -> None:
+    def _read_calls(self, conn: socket.socket, session: Session, line: Answers) -> None:
         def over() -> bool:
             return line.ended.is_set() or session.connection is not conn
 
@@ -331,7 +294,7 @@ class StreamServer:
                         line.writing = False
                         session.changed.notify_all()
 
-    def _answers(self, conn: socket.socket, session: _Session, line: "_Answers") -> None:
+    def _answers(self, conn: socket.socket, session: Session, line: Answers) -> None:
         """Send the answers due on ``conn`` in order, each once made, with a keepalive frame while one is awaited
         that tells the learner the server is alive; until ``conn`` ends or no longer serves the session."""
         due = line.due
@@ -380,7 +343,7 @@ class StreamServer:
             with session.changed:
                 session.changed.notify_all()
 
-    def _start(self, session: _Session, number: int, call: Any) -> None:
+    def _start(self, session: Session, number: int, call: Any) -> None:
         """Run call ``number``; its reply settles ``session`` whenever it is made, whatever becomes of the
         connection."""
         if isinstance(call, DecodeError):

@@ -26,7 +26,7 @@ import hmac
 import math
 import socket
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional
 
 
 from lightning_rudra.core.errors import BY_NAME
@@ -98,3 +98,12 @@ def read_exactly(sock: socket.socket, count: int, deadline: float = math.inf) ->
             raise ConnectionError("the connection closed (end of file) during the handshake")
         data += piece
     return data
+
+
+def shut(sock: Optional[Any]) -> None:
+    """Shut a connection both ways, if it is still open: a thread blocked on it wakes."""
+    try:
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

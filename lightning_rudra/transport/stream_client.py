@@ -32,6 +32,7 @@ from lightning_rudra.transport.stream import (
     keepalive_interval,
     handshake_proof,
     read_exactly,
+    shut,
 )
 
 log = logging.getLogger(__name__)
@@ -297,7 +298,7 @@ class StreamClient:
         with self._lock:
             sock, self._receiving = self._receiving, None
             self._to_read.notify_all()
-        _shut(sock)
+        shut(sock)
         self._receiver.join(timeout=seconds)
         return not self._receiver.is_alive()
 
@@ -358,7 +359,7 @@ class StreamClient:
         """Stop: the calls in progress fail (the socket is shut), later ones too."""
         self._closing = True
         for sock in (self.sock, self._opening):
-            _shut(sock)
+            shut(sock)
         self.sock.close()
         with self._lock:
             self._queue.append(None)
@@ -368,12 +369,3 @@ class StreamClient:
 
 class _Answer(NamedTuple):
     value: Any
-
-
-def _shut(sock: Optional[Any]) -> None:
-    """Shut both ways: a thread blocked on it wakes."""
-    try:
-        if sock is not None:
-            sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

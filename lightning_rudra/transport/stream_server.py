@@ -33,6 +33,7 @@ from lightning_rudra.transport.stream import (
     keep_alive,
     keepalive_interval,
     read_exactly,
+    shut,
 )
 
 log = logging.getLogger(__name__)
@@ -175,10 +176,7 @@ class StreamServer:
             session.idle_since = time.monotonic()  # in use: not to be forgotten while the new connection comes
             session.changed.notify_all()  # its thread, if it waits for a reply, stops waiting
         if replaced is not None and replaced is not conn:
-            try:
-                replaced.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(replaced)
 
     def _forget_idle(self) -> None:
         """Forget the sessions whose connection ended over twice ``timeout`` ago: their clients gave up."""
@@ -227,20 +225,24 @@ class StreamServer:
         )
         answering.start()
 
-        def stop_answering() -> None:
+        def stop_answering() -> bool:
+            """Whether the answering thread ended: it wakes at once, or within one send's ``timeout``."""
             line.ended.set()
             with session.changed:
                 session.changed.notify_all()
-            answering.join()
+            answering.join(self.timeout)
+            return not answering.is_alive()
 
         try:
             self._read_calls(conn, session, line)
         except FrameError as error:  # out of step: say why (the peer may still read it) and close
-            stop_answering()  # first: one thread writes at a time
-            self._refuse(conn, str(error))
+            if stop_answering():  # first: one thread writes at a time
+                self._refuse(conn, str(error))
             raise
         finally:
-            stop_answering()
+            if not stop_answering():  # still sending to a peer that reads nothing: the connection is over
+                shut(conn)  # its send fails at once
+                answering.join(self.timeout)
 
     def _read_calls(self, conn: socket.socket, session: Session, line: Answers) -> None:
         def over() -> bool:
@@ -334,10 +336,7 @@ class StreamServer:
         except BaseException as error:  # the connection is gone, or cannot be written in step: its reading ends too
             if not isinstance(error, OSError):
                 log.warning("lightning_rudra: a stream connection ended on an unexpected error: %r", error)
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shut(conn)
         finally:
             line.ended.set()
             with session.changed:

@@ -94,16 +94,37 @@ class SubclassedSGD(torch.optim.SGD):
     """SGD under another class: not known to be elementwise, so several servers are cut between parameters."""
 
 
-def start(rank, clients, config, lr=0.1, momentum=0.0, overlap=False, shared_memory=True, optimizer=torch.optim.SGD):
+def start(  # 9 params: train's
+    rank,
+    clients,
+    config,
+    lr=0.1,
+    momentum=0.0,
+    overlap=False,
+    shared_memory=True,
+    optimizer=torch.optim.SGD,
+    bucket_cap_mb=None,
+):
     """A learner on the test model: learner 0 registers it, every learner pulls the starting weights."""
     net = model()
     opt = optimizer(net.parameters(), lr=lr, momentum=momentum)
-    learner = Learner(net, clients, overlap, shared_memory)
+    learner = Learner(net, clients, overlap, shared_memory, bucket_cap_mb=bucket_cap_mb)
     [wrapped] = learner.wrap([opt])
     if rank == 0:
         learner.register(config, [opt], None)
     learner.pull()
     return net, learner, wrapped
+
+
+def closure(net, wrapped, rows, after_backward=None):
+    """A step's forward and backward pass, run by its optimizer (as Lightning's automatic optimization does)."""
+    x, y = data()
+    wrapped.zero_grad()
+    loss = torch.nn.functional.mse_loss(net(x[rows]), y[rows])
+    loss.backward()
+    if after_backward is not None:
+        after_backward(net)
+    return loss
 
 
 def step(net, wrapped, rows):
@@ -125,16 +146,23 @@ def train(
     shared_memory=True,
     optimizer=torch.optim.SGD,
     delays=None,
+    bucket_cap_mb=None,
+    after_backward=None,
 ):
     """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler).
-    ``delays``: rank -> seconds that learner sleeps before each step (a straggler)."""
-    net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer)
+    ``delays``: rank -> seconds that learner sleeps before each step (a straggler). With ``bucket_cap_mb``, the
+    backward pass runs in the step's closure (as Lightning's), then ``after_backward(net)`` if given."""
+    net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer, bucket_cap_mb)
     lam = config.num_learners
     pushes = []
     learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
     for i in range(steps):
         time.sleep((delays or {}).get(rank, 0.0))
-        step(net, wrapped, torch.arange(i * mu * lam, (i + 1) * mu * lam)[rank::lam])
+        rows = torch.arange(i * mu * lam, (i + 1) * mu * lam)[rank::lam]
+        if bucket_cap_mb is None:
+            step(net, wrapped, rows)
+        else:
+            wrapped.step(lambda: closure(net, wrapped, rows, after_backward))
     learner.finish()
     stats = clients[0].stats() if rank == 0 else None
     return {

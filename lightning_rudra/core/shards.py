@@ -36,14 +36,14 @@ class Piece:
     whole: bool
 
 
-def _view(tensor: Tensor, piece: Piece) -> Tensor:
+def piece_view(tensor: Tensor, piece: Piece) -> Tensor:
     return tensor if piece.whole else tensor.reshape(-1)[piece.start : piece.stop]
 
 
 def parts(tensors: Sequence[Tensor], owned: Sequence[tuple[int, Piece]]) -> list[Tensor]:
     """The parts of ``tensors`` (one per position of an optimizer's parameters) that ``owned``
     (:meth:`ShardPlan.owned`) names, as :meth:`ShardPlan.views` cuts them."""
-    return [_view(tensors[position], piece) for position, piece in owned]
+    return [piece_view(tensors[position], piece) for position, piece in owned]
 
 
 def cuts_parameters(specs: Sequence[OptimizerSpec]) -> bool:
@@ -90,7 +90,7 @@ class ShardPlan:
     def views(self, shard: int, tensors: Sequence[Tensor]) -> list[Tensor]:
         """The parts of ``tensors`` (one per model parameter) that ``shard`` owns: the tensor itself where it owns
         all of it, else a flat view of its slice (a copy if the tensor is not contiguous: fine to read)."""
-        return [_view(tensors[piece.param], piece) for piece in self.shards[shard]]
+        return [piece_view(tensors[piece.param], piece) for piece in self.shards[shard]]
 
     def spec(self, shard: int, spec: OptimizerSpec) -> OptimizerSpec:
         """``spec`` over the pieces ``shard`` owns. Every group is kept, empty or not: every server holds every

@@ -26,6 +26,7 @@ from lightning_rudra.transport.rpc_world import address_towards, server_name
 from lightning_rudra.transport.shm import SharedNames
 from lightning_rudra.transport.stream import StreamOffer
 from lightning_rudra.transport.stream_client import StreamClient
+from lightning_rudra.transport.stream_pieces import PiecedCall
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.weights import Snapshot
 
@@ -176,12 +177,14 @@ class LearnerClient:
         params, buffers, self.timestamp = self._wait("the weights", "pull")
         return params, buffers
 
-    def push(self, push: Push) -> Future:
+    def push(self, push: Push, pieces: Optional[PiecedCall] = None) -> Future:
         """Send a gradient (:class:`~lightning_rudra.core.update.Push`); hand the future to :meth:`receive`. Its
         tensors must not change until it resolves (RPC reads them when it sends them).
 
         Args:
-            push: this learner's gradient for this server (``grads=None``: in its shared-memory buffer).
+            push: this learner's gradient for this server (``grads=None``: in its shared-memory buffer, or in
+                ``pieces``).
+            pieces: the call, from :meth:`push_in_pieces`, whose pieces carried the gradient.
 
         Returns:
             the future of the server's :class:`PushReply`.
@@ -190,9 +193,16 @@ class LearnerClient:
         if self.deltas is not None:  # the count this learner will have applied when the reply comes
             args = ("push_deltas", self.deltas.compression, self.deltas.count() + self._replies_due, push)
             self._replies_due += 1
+        if pieces is not None:
+            return pieces.finish(*args)
         if self.stream is not None:
             return self.stream.call(*args)
         return rpc.rpc_async(self.server, _server.call_async, timeout=_NO_TIME_LIMIT, args=args)
+
+    def push_in_pieces(self) -> Optional[PiecedCall]:
+        """A push whose gradient goes ahead of it in pieces as the backward pass makes them, over the stream to a
+        server that shares no memory with this learner (None elsewhere): finish it with :meth:`push`."""
+        return self.stream.call_in_pieces() if self.stream is not None else None
 
     def open_stream(self) -> None:
         """From now on pushes go over a TCP connection of their own to the server, which moves tensors across a

@@ -17,7 +17,10 @@ from torch.futures import Future
 from torch.optim import Optimizer
 
 from lightning_rudra.core.update import Push, PushReply
+from lightning_rudra.learner.buckets import Bucketing
+from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.learner.server_client import ServerClient
+from lightning_rudra.transport.stream_pieces import PiecedCall
 from lightning_rudra.learner.node import check_in_flight
 from lightning_rudra.learner.optimizer import LearnerOptimizer
 from lightning_rudra.learner.link import ServerLink
@@ -78,6 +81,7 @@ class Learner:
         overlap: bool = False,
         shared_memory: bool = True,
         compression: Optional[str] = None,
+        bucket_cap_mb: Optional[float] = None,
     ) -> None:
         self.clients = list(clients)
         self.client = self.clients[0]
@@ -85,6 +89,8 @@ class Learner:
         self.shared_memory = shared_memory
         # gradients pushed in RPC messages, with their rounding errors (None: in full precision)
         self.feedback = ErrorFeedback(compression) if compression is not None else None
+        # pushes to other hosts' servers in buckets during the backward pass (None: after it)
+        self.bucketing = Bucketing(int(bucket_cap_mb * 2**20), self.feedback) if bucket_cap_mb else None
         self._in_flight: Optional[Pushes] = None  # not yet settled
 
         self.params = list(module.parameters())
@@ -108,9 +114,9 @@ class Learner:
         self._lay_out(optimizers)
         self.grad_timestamps = [None] * len(optimizers)
         for index, params in enumerate(self.optimizer_params):
-            for p in params:
+            for position, p in enumerate(params):
                 if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._stamp(index)))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._stamp(index, position)))
         return [LearnerOptimizer(opt, i, self) for i, opt in enumerate(optimizers)]
 
     def _cut(self, whole: bool) -> None:
@@ -147,19 +153,34 @@ class Learner:
             link.lay_out([self.plan.owned(link.server, order) for order in self.orders], self.optimizer_params)
         return specs
 
-    def _stamp(self, index: int) -> Callable[[Tensor], None]:
+    def _stamp(self, index: int, position: int) -> Callable[[Tensor], None]:
         """A gradient comes from the weights its backward ran on, which may be older than the newest received
-        (one backward, then two optimizers' steps; a pull in the middle of gradient accumulation)."""
+        (one backward, then two optimizers' steps; a pull in the middle of gradient accumulation). With buckets,
+        the parameter's may go now."""
 
         def hook(param: Tensor) -> None:
             if self.grad_timestamps[index] is None:
                 self.grad_timestamps[index] = self._timestamps()
+            if self.bucketing is not None:
+                self.bucketing.ready(index, position)
 
         return hook
 
     def forget_gradient(self, index: int) -> None:
         """The gradient of optimizer ``index`` ends (zeroed): the next one is stamped afresh."""
         self.grad_timestamps[index] = None
+        if self.bucketing is not None:
+            self.bucketing.forget(index)
+
+    def backward_begins(self, index: int) -> None:
+        """The backward pass of optimizer ``index``'s step runs next: with buckets, its gradient starts to go."""
+        if self.bucketing is not None:
+            self.bucketing.begin(index, self.optimizer_params[index], self.links)
+
+    def backward_failed(self, error: BaseException) -> None:
+        """The step's forward or backward pass raised: no push follows, the buckets sent are dropped."""
+        if self.bucketing is not None:
+            self.bucketing.abandon(RuntimeError(f"the step's backward pass failed: {error!r}"))
 
     def _timestamps(self) -> tuple[int, ...]:
         return tuple(client.timestamp for client in self.clients)
@@ -173,6 +194,8 @@ class Learner:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self.bucketing is not None:
+            self.bucketing.abandon(RuntimeError("training ended"))
 
     def register(
         self,
@@ -258,7 +281,9 @@ class Learner:
         for link in self._push_order():
             owned = link.owned[index]
             positions = [position for position, _ in owned]
-            packed = self._packed(link, index, parts(grads, owned))
+            pieces = self.bucketing.end(link, index) if self.bucketing is not None else None
+            # the pieces that went during the backward pass hold this part: none to pack
+            packed = None if pieces and pieces[1] else self._packed(link, index, parts(grads, owned))
             stamp, buffers = timestamps[link.server], all_buffers[link.server]
             push = Push(
                 _whose(link.client),
@@ -271,7 +296,9 @@ class Learner:
                 finite,
                 clipping=clipping,
             )
-            pushed.append(InFlight(link, self._send(link, push, pushed), buffers))
+            pushed.append(InFlight(link, self._send(link, push, pushed, pieces and pieces[0]), buffers))
+        if self.bucketing is not None:
+            self.bucketing.abandon(RuntimeError("a push in pieces to a server this step did not push to"))
         self.wait_for_replies()
         self._in_flight = Pushes(pushed, index)
         if not self.overlap:
@@ -321,9 +348,15 @@ class Learner:
         """A node's leader waits for its members' gradients (node-local aggregation): the other pushes go first."""
         return sorted(self.links, key=lambda link: link.node is not None)
 
-    def _send(self, link: ServerLink, push: Push, pushed: list[InFlight]) -> Optional[Future]:
-        """Send ``push`` to ``link``'s server, alone or as this learner's part of its node's push (``pushed``: this
-        step's pushes so far, whose failures end the node's waits)."""
+    def _send(
+        self, link: ServerLink, push: Push, pushed: list[InFlight], pieces: Optional[PiecedCall] = None
+    ) -> Optional[Future]:
+        """Send ``push`` to ``link``'s server, alone (as the end of ``pieces``, the call its buckets went ahead of)
+        or as this learner's part of its node's push (``pushed``: this step's pushes so far, whose failures end the
+        node's waits)."""
+        if pieces is not None:
+            assert isinstance(link.client, LearnerClient)
+            return link.client.push(push, pieces)
         return link.client.push(push) if link.node is None else self._push_node(link, push, pushed)
 
     def _packed(self, link: ServerLink, index: int, grad_parts: list[Tensor]) -> Optional[list[Tensor]]:

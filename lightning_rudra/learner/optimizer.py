@@ -37,8 +37,13 @@ class LearnerOptimizer(Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            self.learner.backward_begins(self.index)
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            except BaseException as error:
+                self.learner.backward_failed(error)
+                raise
         clipping, self.clipping = self.clipping, ()
         self.learner.push(self.index, self.local, clipping)
         # what torch's LR schedulers check (a flag torch's Optimizer sets but does not declare): the server stepped

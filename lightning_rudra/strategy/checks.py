@@ -46,6 +46,22 @@ def check_blocking(on_stale: str, overlap: bool, simulate: Optional[int]) -> Non
         )
 
 
+def check_buckets(bucket_cap_mb: Optional[float], simulate: Optional[int]) -> None:
+    """``bucket_cap_mb``: a size, where pushes cross a link."""
+    if bucket_cap_mb is None:
+        return
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ConfigurationError(
+            f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected a size in MiB > 0 (25 is DDP's), or None to push "
+            "after the backward pass."
+        )
+    if simulate:
+        raise ConfigurationError(
+            f"bucket_cap_mb={bucket_cap_mb!r} is not available with simulate: simulated learners push to a server in "
+            "their own process, through no link. Leave bucket_cap_mb unset with simulate."
+        )
+
+
 def check_arguments(  # 9 params: the strategy's own arguments as the user gave them, before any default fills in
     protocol: str,
     sampling: Optional[str],

@@ -44,6 +44,7 @@ class FitPlan:
     overlap: bool
     shared_memory: bool
     compression: Optional[str]
+    bucket_cap_mb: Optional[float]  # pushes to other hosts in buckets during the backward pass
     on_push: Callable[[int, str, int, float], None]  # told of every push (the logged push metrics)
     config: Optional[ProtocolConfig]  # learner 0 of a new run registers the model with the protocol's options
     resumed: Resumed  # the checkpoint this stage resumes from
@@ -89,7 +90,7 @@ class LearnerFit:
         self.plan = plan
         # configure_optimizers returned None: Lightning trains without stepping, so nothing is pushed
         stepping = [] if any(map(is_placeholder, optimizers)) else optimizers
-        self.learner = Learner(module, clients, plan.overlap, plan.shared_memory, plan.compression)
+        self.learner = Learner(module, clients, plan.overlap, plan.shared_memory, plan.compression, plan.bucket_cap_mb)
         self.learner.on_push = self._pushed
         self.learner.check(stepping)
         if plan.config is not None:

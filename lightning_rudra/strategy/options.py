@@ -34,6 +34,7 @@ class StrategyOptions:
     overlap: bool
     shared_memory: bool
     compression: Optional[str]
+    bucket_cap_mb: Optional[float]
     num_servers: Optional[int]
     server_nodes: int
     node_aggregation: Optional[bool]
@@ -114,6 +115,7 @@ class StrategyArguments:
     overlap = Option[bool]()
     shared_memory = Option[bool]()
     compression = Option[Optional[str]]()
+    bucket_cap_mb = Option[Optional[float]]()
     num_servers = Option[Optional[int]]()
     server_nodes = Option[int]()
     node_aggregation = Option[Optional[bool]]()

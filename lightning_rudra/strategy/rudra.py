@@ -32,6 +32,7 @@ from lightning_rudra.strategy.clipping import clip_on_the_learner, clip_on_the_s
 from lightning_rudra.strategy.checks import (
     check_arguments,
     check_blocking,
+    check_buckets,
     check_clipping,
     check_learners,
     check_module,
@@ -86,6 +87,8 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         compression: ``"bf16"``: gradients pushed through RPC (to another host's server), and the weights that come
             back, travel in bfloat16, with error feedback (:mod:`lightning_rudra.core.compression`); None: in full
             precision.
+        bucket_cap_mb: a gradient for a server on another host goes in buckets of about this many MiB while the
+            backward pass still runs, as DDP's does (:mod:`lightning_rudra.learner.buckets`); None: after it.
         num_servers: server processes, each owning a contiguous part of the parameters; None: one per node.
         server_nodes: nodes that run only servers, NODE_RANK num_nodes and up (``fit`` puts every server there).
         node_aggregation: hardsync, several learners per node: they sum their gradients in the node's shared memory
@@ -101,7 +104,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
 
     strategy_name = "rudra"
 
-    # 27 params: the user's arguments, each typed for LightningCLI (as DDPStrategy's); kept in one StrategyOptions
+    # 28 params: the user's arguments, each typed for LightningCLI (as DDPStrategy's); kept in one StrategyOptions
     def __init__(
         self,
         protocol: Literal["hardsync", "softsync", "async", "batchsync"] = "softsync",
@@ -121,6 +124,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         overlap: bool = False,
         shared_memory: bool = True,
         compression: Optional[Literal["bf16", "none"]] = None,
+        bucket_cap_mb: Optional[float] = None,
         num_servers: Optional[int] = None,
         server_nodes: int = 0,
         node_aggregation: Optional[bool] = None,
@@ -148,6 +152,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
             protocol, sampling, rpc_timeout, start_method, overlap, min_learners, num_servers, max_restarts, backup
         )
         check_simulation(simulate, timing, sampling, overlap)
+        check_buckets(bucket_cap_mb, simulate)
         check_node_aggregation(node_aggregation, protocol, min_learners, simulate, server_nodes, backup)
         self._options = StrategyOptions(
             protocol=protocol,
@@ -167,6 +172,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
             overlap=overlap,
             shared_memory=shared_memory,
             compression=compression_option(compression),
+            bucket_cap_mb=None if bucket_cap_mb is None else float(bucket_cap_mb),
             num_servers=num_servers,
             server_nodes=server_nodes,
             node_aggregation=node_aggregation,
@@ -257,6 +263,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
                 self.overlap,
                 self.shared_memory and not self.simulate,
                 self.compression,
+                self.bucket_cap_mb,
                 self._push_metrics.record,
                 config,
                 resumed,

@@ -31,11 +31,23 @@ _TENSOR_SLACK = 1 << 20  # beyond twice the model: a push's has_grad flags, a re
 _CHUNK = 1 << 20  # sends go in pieces, so that a timeout bounds the time without progress, not a whole push
 # a push or a reply holds a flat tensor per dtype of the weights, gradient and buffers: a handful, never thousands
 # (each is an allocation, however small: a 1 MiB pickle could otherwise name 50,000 empty tensors)
-_TENSORS_LIMIT = 1024
+TENSORS_LIMIT = 1024
+
+
+class TensorPiece(NamedTuple):
+    """Elements ``offset:offset + len(values)`` of flat tensor ``tensor`` (of ``numel`` elements) of a call sent in
+    pieces (:mod:`lightning_rudra.transport.stream_pieces`)."""
+
+    tensor: int
+    numel: int
+    offset: int
+    values: Tensor
+
 
 # The globals a frame may name, beside torch's dtypes: what a push and its reply are made of
 CARRIED: dict[tuple[str, str], Any] = {
-    (cls.__module__, cls.__qualname__): cls for cls in (Clipping, LearnerId, Push, PushReply, WeightMessage, complex)
+    (cls.__module__, cls.__qualname__): cls
+    for cls in (Clipping, LearnerId, Push, PushReply, TensorPiece, WeightMessage, complex)
 }
 
 
@@ -94,8 +106,8 @@ class Frame(NamedTuple):
                 f"{pickled} pickled bytes and {total} bytes of tensors, over the stream's {limits.pickled} and "
                 f"{limits.tensors} (twice the model)"
             )
-        if len(self.tensors) > _TENSORS_LIMIT:
-            return f"{len(self.tensors)} tensors, over the stream's {_TENSORS_LIMIT}"
+        if len(self.tensors) > TENSORS_LIMIT:
+            return f"{len(self.tensors)} tensors, over the stream's {TENSORS_LIMIT}"
         return None
 
     def send(self, sock: socket.socket, number: Optional[int] = None) -> None:
@@ -196,8 +208,8 @@ class _Unpickler(pickle.Unpickler):
             and all(type(n) is int and n >= 0 for n in pid[1])
         ):
             raise pickle.UnpicklingError(f"a tensor is referred to as (dtype, shape), not {pid!r:.100}")
-        if len(self.tensors) == _TENSORS_LIMIT:
-            raise pickle.UnpicklingError(f"it holds more than {_TENSORS_LIMIT} tensors, which no push or reply does")
+        if len(self.tensors) == TENSORS_LIMIT:
+            raise pickle.UnpicklingError(f"it holds more than {TENSORS_LIMIT} tensors, which no push or reply does")
         dtype, shape = pid
         size = math.prod(shape) * dtype.itemsize
         if size > self.left:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Optional
 from lightning_rudra.core.errors import BY_NAME
 from lightning_rudra.transport.frames import FrameLimits
 
-MAGIC = b"rudra-s2"  # the protocol and its version, first on the wire both ways
+MAGIC = b"rudra-s3"  # the protocol and its version, first on the wire both ways
 NONCE = 32
 SESSION = 16  # a client's calls are numbered within its session, whatever connection carries them
 PROOF_SIZE = hashlib.sha256().digest_size

@@ -19,6 +19,7 @@ from lightning_rudra.transport.frames import (
     FrameError,
     recv_frame,
 )
+from lightning_rudra.transport.stream_pieces import PIECE, PiecedCall
 from lightning_rudra.transport.stream import (
     IN_FLIGHT,
     MAGIC,
@@ -51,7 +52,7 @@ class _Call(NamedTuple):
 
     number: int
     method: str
-    frame: Frame
+    frame: Union[Frame, PiecedCall]
     future: Future
 
 
@@ -88,7 +89,7 @@ class StreamClient:
         self._to_send = threading.Condition(self._lock)  # a call queued, room for one, or a break
         self._to_read = threading.Condition(self._lock)  # a call went out whole, or the receiving must stop
         self._closed: Optional[str] = None  # why, once no call can go through any more
-        self._queue: deque[Optional[tuple[tuple, Future]]] = deque()  # None: close
+        self._queue: deque[Union[None, tuple[tuple, Future], PiecedCall]] = deque()  # None: close
         self._unanswered: deque[_Call] = deque()  # sent, in order; replies come in this order
         self._broken: Optional[BaseException] = None  # what ended the receiving of the current connection
         self._broken_since: Optional[float] = None  # the first break no reply has come after
@@ -160,6 +161,19 @@ class StreamClient:
         future.set_exception(RuntimeError(f"the stream to {self.what} closed: {why}"))
         return future
 
+    def call_in_pieces(self) -> PiecedCall:
+        """A call whose tensors go ahead of it as they are made (:mod:`~lightning_rudra.transport.stream_pieces`):
+        its pieces are sent as they are added, the call once it is finished."""
+        call = PiecedCall(self._to_send, self.what)
+        with self._lock:
+            if self._closed is None:
+                self._queue.append(call)
+                self._to_send.notify()
+                return call
+            why = self._closed
+        call.future.set_exception(RuntimeError(f"the stream to {self.what} closed: {why}"))
+        return call
+
     def _run(self) -> None:
         """The sending thread: the next call once fewer than ``IN_FLIGHT`` wait, or the connection mended once its
         receiving broke."""
@@ -178,6 +192,8 @@ class StreamClient:
                     self._mend(broken)
                 elif item is None:
                     return
+                elif isinstance(item, PiecedCall):
+                    self._send_pieces(item)
                 else:
                     self._send(*item)
         except socket.timeout:
@@ -199,7 +215,7 @@ class StreamClient:
         with self._lock:
             self._closed = why
             pending = [call.future for call in self._unanswered]
-            pending += [item[1] for item in self._queue if item is not None]
+            pending += [item.future if isinstance(item, PiecedCall) else item[1] for item in self._queue if item]
             self._unanswered.clear()
             self._queue.clear()
             self._to_read.notify_all()
@@ -236,6 +252,37 @@ class StreamClient:
             return
         if not small:
             self._sent_whole(call.number)
+
+    def _send_pieces(self, call: PiecedCall) -> None:
+        """Send a call in pieces as its maker adds them, then the call; through breaks, each mended at once."""
+        self._sent += 1
+        number = self._sent
+        with self._lock:
+            self._unanswered.append(_Call(number, call.method, call, call.future))
+        while True:
+            with self._lock:
+                self._to_send.wait_for(lambda: self._broken is not None or self._closing or call.next_frame())
+                if self._closing:
+                    raise ConnectionError("this learner closed it")
+                broken, step = self._broken, call.next_frame()
+            if broken is not None:
+                self._mend(broken)
+                continue
+            assert step is not None
+            frame, whole = step
+            try:
+                frame.send(self.sock, number if whole else number | PIECE)
+            except OSError as error:
+                self._mend(error)  # sends again what went before, this frame not among it
+                continue
+            with self._lock:
+                if whole:
+                    call.final_sent = True
+                else:
+                    call.sent += 1
+            if whole:
+                self._sent_whole(number)
+                return
 
     def _sent_whole(self, number: int) -> None:
         """Call ``number`` went out whole: its reply may be read, and a reply's silence counts from now (an upload
@@ -274,7 +321,11 @@ class StreamClient:
             self._receiver = self._receive_on(self.sock)
             try:
                 for call in calls:
-                    call.frame.send(self.sock, call.number | RESENT)
+                    if isinstance(call.frame, PiecedCall):
+                        if not call.frame.resend(self.sock, call.number | RESENT):
+                            continue  # its next piece goes from the sending thread, RESENT no more
+                    else:
+                        call.frame.send(self.sock, call.number | RESENT)
                     self._sent_whole(call.number)
                 return
             except OSError as error:
@@ -338,7 +389,9 @@ class StreamClient:
                     self._broken_since = None
                     if self._queue:  # room for the next call, if one waits
                         self._to_send.notify()
-                if isinstance(reply, _Answer):
+                if isinstance(call.frame, PiecedCall) and call.frame.error is not None:
+                    call.future.set_exception(call.frame.error)  # abandoned, or its call could not be sent
+                elif isinstance(reply, _Answer):
                     call.future.set_result(reply.value)
                 else:
                     call.future.set_exception(reply)
@@ -363,7 +416,7 @@ class StreamClient:
         self.sock.close()
         with self._lock:
             self._queue.append(None)
-            self._to_send.notify()
+            self._to_send.notify_all()
         self._thread.join(timeout=5.0)
 
 

@@ -20,6 +20,7 @@ from lightning_rudra.transport.frames import (
     recv_number,
     send_keepalive,
 )
+from lightning_rudra.transport.stream_pieces import ABANDONED, PIECE, Assembly
 from lightning_rudra.transport.stream_session import Answers, Session
 from lightning_rudra.transport.stream import (
     IN_FLIGHT,
@@ -253,12 +254,8 @@ class StreamServer:
                 session.changed.wait_for(lambda: len(line.due) < IN_FLIGHT or over())
                 if over():
                     return
-            number = recv_number(conn)
+            number, call = self._read_call(conn)
             resent, number = bool(number & RESENT), number & ~RESENT
-            try:
-                call: Any = recv_frame(conn, self.limits)
-            except DecodeError as error:  # read whole, so in step
-                call = error
             with session.changed:
                 last = session.number
                 # numbered one by one from 1, whatever the connection; a session forgotten here (its learner idle
@@ -295,6 +292,26 @@ class StreamServer:
                     with session.changed:
                         line.writing = False
                         session.changed.notify_all()
+
+    def _read_call(self, conn: socket.socket) -> tuple[int, Any]:
+        """The next call's number and the call, its pieces first if it came in pieces (a :class:`DecodeError` where
+        it cannot be run: read whole all the same, so in step)."""
+        number = recv_number(conn)
+        pieces = Assembly(self.limits) if number & PIECE else None
+        while number & PIECE:
+            pieces.add(self._frame(conn))  # type: ignore[union-attr]
+            following = recv_number(conn)  # patient: the learner's backward pass makes the next piece
+            if following & ~(PIECE | RESENT) != number & ~(PIECE | RESENT):  # RESENT: until the break's last piece
+                raise FrameError(f"a piece of call {number & ~(PIECE | RESENT)} followed by call {following}")
+            number = following
+        call = self._frame(conn)
+        return number, call if pieces is None or isinstance(call, DecodeError) else pieces.fill(call)
+
+    def _frame(self, conn: socket.socket) -> Any:
+        try:
+            return recv_frame(conn, self.limits)
+        except DecodeError as error:  # read whole, so in step
+            return error
 
     def _answers(self, conn: socket.socket, session: Session, line: Answers) -> None:
         """Send the answers due on ``conn`` in order, each once made, with a keepalive frame while one is awaited
@@ -355,6 +372,9 @@ class StreamServer:
             session.settle(number, self._encode("a call", ("error", "ValueError", why)))
             return
         method, *args = call
+        if call == ABANDONED:  # a call in pieces its learner never finished
+            session.settle(number, self._encode(method, ("ok", None)))
+            return
         try:
             value = self.answer(method, tuple(args))
         except BaseException as error:

@@ -157,6 +157,9 @@ def _answer(method, args):
     if method == "open":
         _GATES.setdefault(args[0], Future()).set_result(f"{args[0]} opened")
         return "opened"
+    if method == "push":  # a call in pieces: the gradient the server was given, and when
+        _RUNS.append(args[-1])
+        return args[-1].grads
     if method == "fail":
         raise ValueError(f"refused {args[0]}")
     if method == "two_arguments":

@@ -66,7 +66,9 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         rpc_timeout=30,
         start_method="forkserver",
         overlap=True,
+        bucket_cap_mb=4,
     )
+    assert (default.bucket_cap_mb, strategy.bucket_cap_mb) == (None, 4.0)
     assert (
         strategy.protocol,
         strategy.n,
@@ -111,6 +113,10 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         (dict(protocol="hardsync", max_staleness=0, on_stale="block"), "nothing to block under protocol='hardsync'"),
         (dict(protocol="async", max_staleness=3, on_stale="block", overlap=True), "not available with overlap=True"),
         (dict(protocol="async", max_staleness=3, on_stale="block", simulate=2), "cannot be simulated \\(simulate=2\\)"),
+        (dict(bucket_cap_mb=0), "bucket_cap_mb=0 is not valid: expected a size in MiB > 0"),
+        (dict(bucket_cap_mb="4"), "bucket_cap_mb='4' is not valid"),
+        (dict(bucket_cap_mb=True), "bucket_cap_mb=True is not valid"),
+        (dict(bucket_cap_mb=4, simulate=2), "bucket_cap_mb=4 is not available with simulate"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
@@ -169,7 +175,7 @@ def test_lightning_cli_reads_the_strategy_from_yaml(tmp_path):
         "trainer:\n  accelerator: cpu\n  devices: 3\n  logger: false\n  strategy:\n"
         "    class_path: lightning_rudra.RudraStrategy\n"
         "    init_args:\n      protocol: softsync\n      n: 3\n      lr_modulation: per_gradient\n      max_staleness: 5\n"
-        "      on_stale: block\n"
+        "      on_stale: block\n      bucket_cap_mb: 2.5\n"
     )
     cli = LightningCLI(Regression, run=False, args=["--config", str(config)])
     strategy = cli.trainer.strategy
@@ -180,7 +186,7 @@ def test_lightning_cli_reads_the_strategy_from_yaml(tmp_path):
         "per_gradient",
         5,
     )
-    assert strategy.num_learners == 3 and strategy.on_stale == "block"
+    assert strategy.num_learners == 3 and strategy.on_stale == "block" and strategy.bucket_cap_mb == 2.5
 
 
 def test_lightning_cli_reads_k_batch_sync_and_backup_learners_from_yaml(tmp_path):

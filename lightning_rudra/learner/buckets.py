@@ -104,6 +104,8 @@ class Bucketing:
         self._params: Sequence[Tensor] = ()
         self._ready: set[int] = set()  # positions among its parameters whose gradient is final
         self._changed = False  # a gradient changed after its bucket went: the push carries it whole
+        self.pieces = 0  # buckets sent, all steps together
+        self.pushes = {"in pieces": 0, "whole": 0}  # pushes that ended calls in pieces, by what held the gradient
 
     def begin(self, index: int, params: Sequence[Tensor], links: Sequence[ServerLink]) -> None:
         """The step of optimizer ``index`` (of ``params``) runs its backward pass."""
@@ -144,10 +146,12 @@ class Bucketing:
         if open_ is None or open_.call is None:
             return None
         if self._changed or not self._unchanged(open_):
+            self.pushes["whole"] += 1
             return open_.call, False
         for bucket, sent in enumerate(open_.sent):
             if not sent:
                 self._send(open_, bucket)
+        self.pushes["in pieces"] += 1
         return open_.call, True
 
     def abandon(self, error: BaseException) -> None:
@@ -191,6 +195,7 @@ class Bucketing:
             assert open_.call is not None
         open_.call.add(TensorPiece(bucket.tensor, flat.numel(), bucket.start, values))
         open_.sent[b] = True
+        self.pieces += 1
 
     def _unchanged(self, open_: _Open) -> bool:
         """Whether the gradient still holds what the buckets sent of it."""

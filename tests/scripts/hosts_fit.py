@@ -7,7 +7,7 @@ each training step sleeps (0), rpc_timeout (20), the hidden layer's width (16, t
 compression (none), node-local aggregation (auto, on or off), a learner that kills itself (RANK:STEP, none) and
 the number of server nodes (0; a server node prints "SERVER NODE DONE" when its fit returns) and "again" (after
 fit, validate, then fit one more epoch with a second Trainer; learner 0 prints "AGAIN" with its validation loss and
-the second fit's clock).
+the second fit's clock), then ``bucket_cap_mb`` (none; learner 0's result then counts the buckets it sent).
 """
 
 import json
@@ -43,6 +43,11 @@ class Sleepy(Wide):
         if self.trainer.is_global_zero:
             print("TRAINING", flush=True)
 
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        learner = self.trainer.strategy._training.learner  # gone once training ends
+        bucketing = learner.bucketing
+        self.buckets = None if bucketing is None else {"pieces": bucketing.pieces, **bucketing.pushes}
+
     def training_step(self, batch, batch_idx):
         if self.die is not None and (self.global_rank, self.global_step) == self.die:
             print(f"KILLING learner {self.global_rank}", flush=True)
@@ -53,9 +58,9 @@ class Sleepy(Wide):
 
 if __name__ == "__main__":
     num_nodes, devices, epochs = (int(arg) for arg in sys.argv[1:4])
-    protocol, sleep, timeout, width, compression, aggregation, die, server_nodes, again = (
-        sys.argv[4:] + ["hardsync", "0", "20", "16", "none", "auto", "none", "0", "no"][len(sys.argv[4:]) :]
-    )[:9]
+    protocol, sleep, timeout, width, compression, aggregation, die, server_nodes, again, buckets = (
+        sys.argv[4:] + ["hardsync", "0", "20", "16", "none", "auto", "none", "0", "no", "none"][len(sys.argv[4:]) :]
+    )[:10]
     node_aggregation = {"auto": None, "on": True, "off": False}[aggregation]
 
     def strategy():
@@ -65,6 +70,7 @@ if __name__ == "__main__":
             compression=compression,
             node_aggregation=node_aggregation,
             server_nodes=int(server_nodes),
+            bucket_cap_mb=None if buckets == "none" else float(buckets),
         )
 
     trainer = quiet_trainer(strategy(), devices, num_nodes=num_nodes, max_epochs=epochs)
@@ -77,6 +83,7 @@ if __name__ == "__main__":
             params=flat(model.parameters()).tolist(),
             learners=trainer.world_size,
             stats=trainer.strategy.stats.to_dict(),
+            buckets=getattr(model, "buckets", None),
         )
     if again == "again":
         validated = trainer.validate(model, loader(8), verbose=False)

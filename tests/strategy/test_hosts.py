@@ -18,6 +18,7 @@ from tests.hosts_harness import (
     assert_compressed_hardsync,
     assert_hardsync_over,
     fit_on_two_hosts,
+    result_of,
     lightning_envs,
     run_on_hosts,
 )
@@ -60,6 +61,8 @@ def test_compressed_pushes_cross_the_link_in_fewer_bytes_and_hardsync_without_th
 
 
 def test_torchrun_on_two_hosts(tmp_path):
+    """With pushes during the backward pass (``bucket_cap_mb``: every parameter's part its own bucket): each
+    learner's part for the other host's server goes in pieces; hardsync is still exactly SGD with batch μλ."""
     with two_hosts() as hosts:
         commands = [
             [
@@ -80,11 +83,15 @@ def test_torchrun_on_two_hosts(tmp_path):
                 "2",
                 "1",
                 str(EPOCHS),
+                *["hardsync", "0", "20", "16", "none", "auto", "none", "0", "no", "1e-5"],
             ]
             for i in range(2)
         ]
         codes, logs, left = run_on_hosts(hosts, commands, [host_env(), host_env()], tmp_path)
     assert_hardsync_over(2, codes, logs, left)
+    steps = EPOCHS * 256 // (8 * 2)
+    buckets = result_of(codes, logs, left)["buckets"]  # learner 0's, to server 1: 3 parameters' parts, 3 buckets
+    assert buckets == {"pieces": 3 * steps, "in pieces": steps, "whole": 0}
 
 
 def test_slurm_on_two_hosts(tmp_path):

@@ -135,7 +135,7 @@ def link_counters(interface: str) -> tuple[int, int]:
 def _shape(host: Host, rate: str) -> None:
     """A token bucket on the host's end of the link: ``rate`` (tc's units: ``1gbit``) out of it, a burst of 4 ms at
     that rate (at least 64 KiB, a TSO segment: a smaller bucket drops every large packet) and up to 20 ms queued."""
-    burst = max(64 * 1024, _bits(rate) // 8 * 4 // 1000)
+    burst = max(64 * 1024, rate_bits(rate) // 8 * 4 // 1000)
     subprocess.run(
         ["tc", "-n", host.namespace, "qdisc", "add", "dev", host.interface, "root", "tbf", "rate", rate]
         + ["burst", str(burst), "latency", "20ms"],
@@ -146,7 +146,7 @@ def _shape(host: Host, rate: str) -> None:
     )
 
 
-def _bits(rate: str) -> int:
+def rate_bits(rate: str) -> int:
     """Bits per second of a rate in tc's units (``10gbit``, ``500mbit``)."""
     for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3), ("bit", 1)):
         if rate.endswith(unit):

@@ -78,23 +78,26 @@ def phase(suite: Any) -> None:
         per_host, rate = spec["learners_per_host"], spec["rate"]
         params = spec.get("params", cfg["network_params"])
         learners = 2 * per_host
+        batch = spec.get("batch_size", MODEL_TRAINING["batch_size"])
         spare = spec.get("server_node", False)  # the server-node layout: 2 workers per host, λ = 2 (module doc)
         setup = {
             **({"layout": "spare"} if spare else {}),
             **MODEL_TRAINING,
+            "batch_size": batch,
             "mlp_params": params,
             "num_learners": learners,
             "num_nodes": 2,
-            "num_samples": steps * MODEL_TRAINING["batch_size"] * learners,
+            "num_samples": steps * batch * learners,
             "max_epochs": epochs,
+            "profile": True,
         }
         runs: list[dict[str, Any]] = []
         raw.append(
             {"rate": rate, "learners_per_host": per_host, "server_node": spare, "target_params": params, "runs": runs}
         )
-        name = f"network-{rate}-{per_host}{'s' if spare else ''}-{params}"
+        name = f"network-{rate}-{per_host}{'s' if spare else ''}-{params}-{batch}"
         # DDP moved 4 bytes per parameter each way per step in 1.05 s at 1 Gbit/s, 10 M parameters: 3x that
-        timeout = 120 + 3 * epochs * steps * 0.3 * params / 1e6
+        timeout = 120 + 3 * epochs * steps * 0.3 * params / 1e6 * max(1, batch / 32)
         with two_hosts(rate) as hosts:
             suite.pools[name] = Pool(name, size=4 if spare else learners, preload=TRAINING_PRELOAD, hosts=hosts)
             try:
@@ -122,6 +125,8 @@ def phase(suite: Any) -> None:
             for key in (k for k in summary if "+bf16" in k):
                 summary[key].update(vs_ddp_fp16=against[key]["vs_ddp"], vs_ddp_fp16_reps=against[key]["vs_ddp_reps"])
         for key, entry in summary.items():
+            computes = [r["compute_s"] for r in runs if r["strategy"] == key and "compute_s" in r]
+            entry["compute_s"] = stats.median(computes) if computes else None
             links = [r["link_per_step"] for r in runs if r["strategy"] == key and r.get("link_per_step")]
             entry["link_per_step"] = [
                 {way: stats.median([link[host][way] for link in links]) for way in ("sent", "received")}
@@ -132,7 +137,7 @@ def phase(suite: Any) -> None:
                 "rate": rate,
                 "learners_per_host": per_host,
                 "server_node": spare,
-                "batch_size": MODEL_TRAINING["batch_size"],
+                "batch_size": batch,
                 "target_params": params,
                 "parameters": runs[0]["parameters"] if runs else params,
                 "runs": summary,
@@ -141,13 +146,18 @@ def phase(suite: Any) -> None:
 
 
 def parse_spec(text: str) -> dict[str, Any]:
-    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS], PARAMS the
-    model's size (``50M``, ``500k`` or a number of parameters; the mode's ``network_params`` without it);
+    """One ``--network`` configuration: RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS][:bμ], PARAMS the
+    model's size (``50M``, ``500k`` or a number of parameters; the mode's ``network_params`` without it), μ the
+    batch per learner (``b256``; 32 without it: more computes longer per byte on the link);
     LEARNERS_PER_HOST ``1+s``: the server-node layout (:func:`phase`)."""
     rate, per_host, reps, *more = text.split(":")
     spare = per_host == "1+s"  # the server-node layout (:func:`phase`)
     spec: dict[str, Any] = {"rate": rate, "learners_per_host": 1 if spare else int(per_host), "reps": int(reps)}
     for field in more:
+        batch = re.fullmatch(r"b(\d+)", field)
+        if batch:
+            spec["batch_size"] = int(batch[1])
+            continue
         size = re.fullmatch(r"(\d+(?:\.\d+)?)([kM]?)", field)
         if size:
             spec["params"] = int(float(size[1]) * {"": 1, "k": 1_000, "M": 1_000_000}[size[2]])

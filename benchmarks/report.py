@@ -8,6 +8,7 @@ import json
 from typing import Any, Optional
 
 from benchmarks.config import STRATEGIES, STRATEGY_LABELS
+from benchmarks.hosts import rate_bits
 from benchmarks.targets import TARGETS, accuracy_key, check_targets, model_key, straggler_key
 
 
@@ -236,7 +237,8 @@ def _epochs_to_target(pairs: list[tuple[dict[str, Any], str]]) -> list[str]:
 def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
     columns = (
         "link | model | learners per host (μ) | strategy | samples/s | vs DDP (runs) | vs DDP fp16 (runs) | epoch s | "
-        "host 1 MB per step, sent / received | × model | job s | job / DDP (runs)"
+        "host 1 MB per step, sent / received | × model | step s: compute / link / all | link hidden (most) | "
+        "job s | job / DDP (runs)"
     )
     rows = []
     for c in configs:
@@ -245,6 +247,7 @@ def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[
             link = e.get("link_per_step") or [{}, {}]
             mb = [None if link[1].get(way) is None else link[1][way] / 1e6 for way in ("sent", "received")]
             share = [None if x is None else x / model_mb for x in mb]
+            times, hidden = _link_hidden(c, e, mb)
             rows.append(
                 [
                     c["rate"],
@@ -257,10 +260,28 @@ def _network_table(configs: list[dict[str, Any]], info: dict[str, Any]) -> list[
                     _f(e.get("epoch_s")),
                     f"{_f(mb[0], '{:.1f}')} / {_f(mb[1], '{:.1f}')}",
                     f"{_f(share[0])} / {_f(share[1])}",
+                    times,
+                    hidden,
                     *_job(e),
                 ]
             )
     return _section("8. Across two hosts, the link shaped", info, columns, rows)
+
+
+def _link_hidden(config: dict[str, Any], entry: dict[str, Any], mb: list[Optional[float]]) -> tuple[str, str]:
+    """The profile of a network row (issue 34): a learner's step in seconds, its forward and backward pass alone
+    (*compute*: ``compute_s``), the least time its bytes take on the link (*link*: the larger of host 1's MB sent
+    and received per step, at the link's rate) and the whole step (*all*: λμ / samples/s); and the share of the
+    link time hidden behind compute, (compute + link − all) / link (none where negative: the step took longer than
+    both one after the other), beside the most that could be hidden, min(compute, link) / link."""
+    compute, sent, received = entry.get("compute_s"), *mb
+    if compute is None or sent is None or received is None or not entry.get("samples_per_s"):
+        return "–", "–"
+    learners = 2 * config["learners_per_host"] if isinstance(config["learners_per_host"], int) else 2
+    step = learners * config["batch_size"] / entry["samples_per_s"]
+    link = max(sent, received) * 1e6 * 8 / rate_bits(config["rate"])
+    hidden = max(0.0, compute + link - step) / link
+    return f"{compute:.3f} / {link:.3f} / {step:.3f}", f"{hidden:.0%} ({min(compute, link) / link:.0%})"
 
 
 def _placement(config: dict[str, Any], key: str) -> Any:

@@ -109,6 +109,8 @@ class Suite:
         }
         if kwargs.get("max_epochs"):  # whole epochs: samples/s to the end replaces the window's
             run.update(stats.epoch_times(result, t["warmup"]))
+        if all("compute_s" in rank for rank in result):
+            run["compute_s"] = stats.median([rank["compute_s"] for rank in result])
         if t.get("num_nodes", 1) > 1 and options.get("server_nodes"):  # every learner on host 0: its counters
             link = stats.link_per_step(result, t["num_learners"], t["warmup"])  # host 1's are host 0's, mirrored
             run["link_per_step"] = link and [link[0], {"sent": link[0]["received"], "received": link[0]["sent"]}]

@@ -140,6 +140,7 @@ def check_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             config["rate"] != "1gbit"
             or config["learners_per_host"] != 2
             or config.get("target_params", 10 * M) != 10 * M
+            or config.get("batch_size", 32) != 32
         ):
             continue
         runs = config["runs"]

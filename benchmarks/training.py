@@ -67,6 +67,21 @@ def _model(mlp_params: Optional[int], **hparams: Any):
     return MLPClassifier(mlp_params, **hparams)
 
 
+def compute_s(mlp_params: Optional[int], data: dict[str, torch.Tensor], batch_size: int, reps: int = 5) -> float:
+    """Seconds of one step's forward and backward pass of a fresh copy of the model, nothing else (no hook, no
+    communication): the median of ``reps`` after two to warm up, in the process and with the threads training
+    had, as every learner of the job times its own at once."""
+    model = _model(mlp_params)
+    x, y = data["x"][:batch_size], data["y"][:batch_size]
+    times = []
+    for i in range(reps + 2):
+        model.zero_grad()
+        start = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        times.append(time.perf_counter() - start)
+    return sorted(times[2:])[reps // 2]
+
+
 def _busy_wait(seconds: float) -> None:
     """Hold the core for ``seconds``, as a slower device's compute would (a sleep would free it for the others)."""
     end = time.perf_counter() + seconds
@@ -221,6 +236,7 @@ def train(
     options: Optional[dict[str, Any]] = None,
     mlp_params: Optional[int] = None,
     layout: Optional[str] = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """``strategy``: ``ddp`` or a Rudra protocol (``hardsync``, ``softsync`` with ``n``, ``async``).
     ``max_steps``, ``sleep_s`` and ``stop_after_s`` are per rank (``num_learners`` of them; no ``max_steps``: no
@@ -230,7 +246,8 @@ def train(
     keyword arguments of RudraStrategy (``overlap``, ``shared_memory``); ``mlp_params``: train an MLP of about
     this many parameters on synthetic data instead of the MNIST-1D example; ``num_nodes``: the pool's hosts
     (``num_learners`` over all of them); ``layout="spare"``: the network phase's server-node layout (2 workers per
-    host, :func:`_spare`)."""
+    host, :func:`_spare`); ``profile``: after training, time this learner's forward and backward pass alone
+    (:func:`compute_s`)."""
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -281,6 +298,8 @@ def train(
         "batch_size": batch_size,
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+    if profile:
+        result["compute_s"] = compute_s(mlp_params, data, batch_size)
     if rank == 0:
         if recorder.snapshots:
             probe = _model(mlp_params)

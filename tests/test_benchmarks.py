@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from benchmarks import accuracy, report, stats
 from benchmarks.hosts import two_hosts, why_no_hosts
@@ -396,11 +397,11 @@ def test_shaped_hosts_leave_no_namespace_link_queue_or_process_behind_when_the_r
 
 
 def test_a_shaped_rate_in_tcs_units_or_a_clear_error():
-    from benchmarks.hosts import _bits
+    from benchmarks.hosts import rate_bits
 
-    assert _bits("1gbit") == 10**9 and _bits("10gbit") == 10**10 and _bits("500mbit") == 5 * 10**8
+    assert rate_bits("1gbit") == 10**9 and rate_bits("10gbit") == 10**10 and rate_bits("500mbit") == 5 * 10**8
     with pytest.raises(ValueError, match="rate '1gbps': expected a number of gbit"):
-        _bits("1gbps")
+        rate_bits("1gbps")
 
 
 def test_bytes_per_step_count_each_hosts_link_over_every_learners_steps_past_warm_up():
@@ -453,6 +454,7 @@ def test_a_network_configuration_names_its_model_size_and_only_10_m_counts_for_t
         "params": 50_000_000,
     }
     assert parse_spec("10gbit:2:2:500k")["params"] == 500_000 and "params" not in parse_spec("1gbit:2:2")
+    assert parse_spec("1gbit:1:1:ddp/hardsync+buckets:b256")["batch_size"] == 256
     with pytest.raises(ValueError, match="hardsnc is neither a strategy"):
         parse_spec("1gbit:1:1:ddp/hardsnc")
     runs = {"hardsync": {"vs_ddp": 0.8}}
@@ -460,6 +462,8 @@ def test_a_network_configuration_names_its_model_size_and_only_10_m_counts_for_t
     by_key = {t["key"]: t for t in check_targets({"network": [config]})}
     assert by_key["network_aggregation_vs_ddp"]["value"] == 0.8
     by_key = {t["key"]: t for t in check_targets({"network": [{**config, "target_params": 50_000_000}]})}
+    assert by_key["network_aggregation_vs_ddp"]["value"] is None
+    by_key = {t["key"]: t for t in check_targets({"network": [{**config, "batch_size": 256}]})}
     assert by_key["network_aggregation_vs_ddp"]["value"] is None
 
 
@@ -778,3 +782,19 @@ def test_a_killed_benchmark_leaves_no_pool_worker_behind():
             os.kill(pid, 9)
         shutil.rmtree(folder, ignore_errors=True)
     assert not left
+
+
+def test_the_network_profile_says_how_much_of_the_link_time_compute_hid():
+    """Issue 34's profile: compute alone, the link's least time for the bytes measured, the step; the share of the
+    link time hidden behind compute, and the most that could be."""
+    from benchmarks.report import _link_hidden
+    from benchmarks.training import compute_s
+
+    config = {"rate": "1gbit", "learners_per_host": 1, "batch_size": 32}
+    serial = {"compute_s": 0.05, "samples_per_s": 160}  # a step of 0.4 s: compute and link one after the other
+    assert _link_hidden(config, serial, [40.0, 38.0]) == ("0.050 / 0.320 / 0.400", "0% (16%)")
+    overlapped = {"compute_s": 0.05, "samples_per_s": 200}  # 0.32 s: all of compute hidden under the link
+    assert _link_hidden(config, overlapped, [40.0, 40.0])[1] == "16% (16%)"
+    assert _link_hidden(config, {"samples_per_s": 160}, [40.0, 40.0]) == ("–", "–")  # DDP's rows before profiles
+    data = {"x": torch.randn(8, 1000), "y": torch.randint(0, 10, (8,))}  # the MLP's inputs and classes
+    assert 0 < compute_s(20_000, data, 8, reps=3) < 5

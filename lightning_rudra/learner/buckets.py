@@ -15,7 +15,8 @@ the pieces. Only the step's own backward pass sends buckets (``LearnerOptimizer.
 accumulation window adds before it do not.
 """
 
-from typing import NamedTuple, Optional, Sequence
+import threading
+from typing import Hashable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ from lightning_rudra.core.shards import piece_view
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.learner.link import ServerLink
 from lightning_rudra.transport.frames import TensorPiece
-from lightning_rudra.transport.stream_pieces import PiecedCall
+from lightning_rudra.transport.stream_pieces import PIECES_LIMIT, PiecedCall
 
 
 class Bucket(NamedTuple):
@@ -47,10 +48,15 @@ class LinkBuckets(NamedTuple):
     bucket_of: dict[int, int]  # parameter position -> the bucket holding its part
 
 
-def lay_out_buckets(link: ServerLink, index: int, cap_bytes: int) -> LinkBuckets:
+def lay_out_buckets(link: ServerLink, index: int, cap_bytes: int) -> Optional[LinkBuckets]:
     """The buckets of optimizer ``index``'s gradient part that ``link``'s server owns: from the layout's end, each
-    closed once it holds ``cap_bytes``."""
+    closed once it holds ``cap_bytes`` (no more than the stream takes in one call: larger if need be). None where a
+    dtype's flat tensor is empty (its push goes whole, as without buckets)."""
     layout = link.grad_layouts[index]
+    if not all(layout.numels.values()):
+        return None
+    total = sum(numel * dtype.itemsize for dtype, numel in layout.numels.items())
+    cap_bytes = max(cap_bytes, -(-total // (PIECES_LIMIT - len(layout.numels))))
     buckets: list[Bucket] = []
     spans = [(0, 0)] * len(layout)
     for tensor, (dtype, part_indices) in enumerate(layout.groups.items()):
@@ -63,7 +69,8 @@ def lay_out_buckets(link: ServerLink, index: int, cap_bytes: int) -> LinkBuckets
             held.append(i)
             start, stop = spans[i][0], spans[held[0]][1]
             if (stop - start) * dtype.itemsize >= cap_bytes or start == 0:
-                buckets.append(Bucket(tensor, start, stop, tuple(held)))
+                if stop > start:  # parameters of no elements alone: nothing to send
+                    buckets.append(Bucket(tensor, start, stop, tuple(held)))
                 held = []
     bucket_of = {link.owned[index][i][0]: b for b, bucket in enumerate(buckets) for i in bucket.parts}
     return LinkBuckets(link, buckets, spans, bucket_of)
@@ -87,6 +94,9 @@ class _Open:
         self.laid = laid
         self.call: Optional[PiecedCall] = None
         self.flats: Optional[list[Tensor]] = None
+        # error feedback's rounding errors of the buckets sent, as they were before: restored if the pieces are
+        # dropped (the push carries the gradient whole, or the step fails), whose errors the server never saw
+        self.residuals_before: dict[Hashable, Optional[list[Optional[Tensor]]]] = {}
         self.waiting = [len(bucket.parts) for bucket in laid.buckets]
         self.sent = [False] * len(laid.buckets)
 
@@ -98,12 +108,14 @@ class Bucketing:
     def __init__(self, cap_bytes: int, feedback: Optional[ErrorFeedback]) -> None:
         self.cap_bytes = cap_bytes
         self.feedback = feedback
-        self._laid: dict[tuple[int, int], LinkBuckets] = {}  # (server, optimizer): laid out at its first step
+        # (server, optimizer): laid out at its first step (None: pushed whole)
+        self._laid: dict[tuple[int, int], Optional[LinkBuckets]] = {}
         self._open: dict[int, _Open] = {}  # server -> this step's push in pieces
         self._index: Optional[int] = None  # the optimizer whose step's backward pass runs
         self._params: Sequence[Tensor] = ()
         self._ready: set[int] = set()  # positions among its parameters whose gradient is final
         self._changed = False  # a gradient changed after its bucket went: the push carries it whole
+        self._lock = threading.Lock()  # hooks may run on several autograd threads (a model over several devices)
         self.pieces = 0  # buckets sent, all steps together
         self.pushes = {"in pieces": 0, "whole": 0}  # pushes that ended calls in pieces, by what held the gradient
 
@@ -113,26 +125,29 @@ class Bucketing:
         self._index, self._params, self._ready, self._changed = index, params, set(), False
         for link in links:
             if bucketed(link) and link.owned[index]:
-                laid = self._laid.get((link.server, index))
-                if laid is None or laid.link is not link:  # laid out again (the servers' cuts moved)
-                    laid = self._laid[link.server, index] = lay_out_buckets(link, index, self.cap_bytes)
-                self._open[link.server] = _Open(laid)
+                key = (link.server, index)
+                laid = self._laid.get(key)
+                if key not in self._laid or (laid is not None and laid.link is not link):  # the cuts moved
+                    laid = self._laid[key] = lay_out_buckets(link, index, self.cap_bytes)
+                if laid is not None:
+                    self._open[link.server] = _Open(laid)
 
     def ready(self, index: int, position: int) -> None:
         """The gradient of parameter ``position`` of optimizer ``index`` is final for this backward pass."""
-        if index != self._index:
-            return
-        if position in self._ready:  # a second backward pass adds to it
-            self._changed = True
-        self._ready.add(position)
-        if self._changed:
-            return
-        for open_ in self._open.values():
-            bucket = open_.laid.bucket_of.get(position)
-            if bucket is not None:
-                open_.waiting[bucket] -= 1
-                if not open_.waiting[bucket]:
-                    self._send(open_, bucket)
+        with self._lock:
+            if index != self._index:
+                return
+            if position in self._ready:  # a second backward pass adds to it
+                self._changed = True
+            self._ready.add(position)
+            if self._changed:
+                return
+            for open_ in self._open.values():
+                bucket = open_.laid.bucket_of.get(position)
+                if bucket is not None:
+                    open_.waiting[bucket] -= 1
+                    if not open_.waiting[bucket]:
+                        self._send(open_, bucket)
 
     def forget(self, index: int) -> None:
         """The gradient of optimizer ``index`` was zeroed: pieces sent of it no longer hold it."""
@@ -141,11 +156,13 @@ class Bucketing:
 
     def end(self, link: ServerLink, index: int) -> Optional[tuple[PiecedCall, bool]]:
         """At the push to ``link``: its call in pieces, if one began, and whether they hold the whole gradient (its
-        last buckets sent now); if not, the push must carry it."""
-        open_ = self._open.pop(link.server, None) if index == self._index else None
+        last buckets sent now); if not, the push must carry it. The call stays this step's until :meth:`pushed`
+        (a push that fails first abandons it)."""
+        open_ = self._open.get(link.server) if index == self._index else None
         if open_ is None or open_.call is None:
             return None
         if self._changed or not self._unchanged(open_):
+            self._drop_residuals(open_)
             self.pushes["whole"] += 1
             return open_.call, False
         for bucket, sent in enumerate(open_.sent):
@@ -154,13 +171,28 @@ class Bucketing:
         self.pushes["in pieces"] += 1
         return open_.call, True
 
+    def pushed(self, link: ServerLink) -> None:
+        """The push to ``link`` ended its call in pieces."""
+        self._open.pop(link.server, None)
+
     def abandon(self, error: BaseException) -> None:
         """End every call in pieces not pushed (the step failed): the servers run none of them."""
         for open_ in self._open.values():
             if open_.call is not None:
+                self._drop_residuals(open_)
                 open_.call.abandon(error)
         self._open.clear()
         self._index = None
+
+    def _drop_residuals(self, open_: _Open) -> None:
+        """The pieces of ``open_`` will not be applied: error feedback forgets the rounding errors they left."""
+        if self.feedback is not None:
+            for key, before in open_.residuals_before.items():
+                if before is None:
+                    self.feedback.residuals.pop(key, None)
+                else:
+                    self.feedback.residuals[key] = before
+            open_.residuals_before.clear()
 
     def _grad_part(self, laid: LinkBuckets, index: int, part: int) -> Optional[Tensor]:
         """Part ``part`` of the link's layout, from its parameter's gradient now (None: it has none)."""
@@ -188,6 +220,8 @@ class Bucketing:
         values = flat[bucket.start : bucket.stop]
         if self.feedback is not None:  # each bucket keeps its own rounding error
             key = (link.server, index, link.client.rank, bucket.tensor, bucket.start)
+            kept = self.feedback.residuals.get(key)
+            open_.residuals_before[key] = None if kept is None else list(kept)
             values = self.feedback.compress(key, [values.clone()])[0]
         if open_.call is None:
             assert isinstance(link.client, LearnerClient)
@@ -208,6 +242,6 @@ class Bucketing:
                 start, stop = laid.spans[part]
                 grad = self._grad_part(laid, index, part)
                 sent = open_.flats[bucket.tensor][start:stop]
-                if grad is None or not torch.equal(grad.reshape(-1), sent):
+                if grad is None or not torch.equal(grad.reshape(-1).to(sent.device), sent):
                     return False
         return True

@@ -266,6 +266,13 @@ class Learner:
         push is loaded at the next push, so that communication overlaps the next step's computation.
         ``clipping``: the servers clip the gradient the update applies, by each in turn
         (:mod:`lightning_rudra.core.clipping`)."""
+        try:
+            self._push(index, optimizer, clipping)
+        finally:
+            if self.bucketing is not None:  # a call in pieces the push did not end (it failed) would hold its stream
+                self.bucketing.abandon(RuntimeError("the step's push failed before it ended this call"))
+
+    def _push(self, index: int, optimizer: Optimizer, clipping: Sequence[Clipping]) -> None:
         params = self.optimizer_params[index]
         grads = _dense(params)
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
@@ -297,8 +304,9 @@ class Learner:
                 clipping=clipping,
             )
             pushed.append(InFlight(link, self._send(link, push, pushed, pieces and pieces[0]), buffers))
-        if self.bucketing is not None:
-            self.bucketing.abandon(RuntimeError("a push in pieces to a server this step did not push to"))
+            if pieces:
+                assert self.bucketing is not None
+                self.bucketing.pushed(link)
         self.wait_for_replies()
         self._in_flight = Pushes(pushed, index)
         if not self.overlap:

@@ -7,6 +7,7 @@ case and its test.
 """
 
 import inspect
+import math
 from typing import Callable, Optional, Sequence
 
 import pytorch_lightning as pl
@@ -50,7 +51,11 @@ def check_buckets(bucket_cap_mb: Optional[float], simulate: Optional[int]) -> No
     """``bucket_cap_mb``: a size, where pushes cross a link."""
     if bucket_cap_mb is None:
         return
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+    if (
+        isinstance(bucket_cap_mb, bool)
+        or not isinstance(bucket_cap_mb, (int, float))
+        or not 0 < bucket_cap_mb < math.inf
+    ):
         raise ConfigurationError(
             f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected a size in MiB > 0 (25 is DDP's), or None to push "
             "after the backward pass."

@@ -376,14 +376,16 @@ class StreamClient:
                     if self._closed is not None or self._receiving is not sock:
                         return
                     call = self._unanswered[0]
+                # a call in pieces knows its method once finished: before its reply may be read
+                method = call.frame.method if isinstance(call.frame, PiecedCall) else call.method
                 reply: Union[BaseException, Any] = KEEPALIVE
                 while reply is KEEPALIVE:
                     try:
                         reply = recv_frame(sock, self.offer.limits)
                     except DecodeError as error:
-                        reply = RuntimeError(f"the reply of {self.what} to {call.method} could not be decoded: {error}")
+                        reply = RuntimeError(f"the reply of {self.what} to {method} could not be decoded: {error}")
                 if not isinstance(reply, BaseException):
-                    reply = self._value(call.method, reply)
+                    reply = self._value(method, reply)
                 with self._lock:
                     self._unanswered.popleft()
                     self._broken_since = None

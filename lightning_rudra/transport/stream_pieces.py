@@ -4,7 +4,8 @@ sent bucket by bucket while the backward pass still makes the rest, then the cal
 On the wire a piece is a frame of its own behind the call's number with :data:`PIECE` set; the call's last frame goes
 behind the number alone. The server reads the pieces into one flat tensor each (:class:`Assembly`) and hands them to
 the call as its gradient; a call that carries a gradient of its own takes that one, and the pieces are dropped (the
-learner's gradient changed after a piece went). Sent again after a break, every piece goes again with the call.
+learner's gradient changed after a piece went), as they are for :data:`ABANDONED`. After a break, the pieces sent
+before it go again on the new connection (RESENT), then the rest as they come.
 """
 
 import threading
@@ -20,6 +21,8 @@ from lightning_rudra.transport.frames import TENSORS_LIMIT, DecodeError, Frame, 
 
 PIECE = 1 << 62  # on a call's number: a piece of its tensors follows, not the call
 ABANDONED = ("abandoned",)  # the call that ends a call in pieces never finished: the server runs nothing
+# pieces in one call, at most: a learner's buckets are fewer (:mod:`lightning_rudra.learner.buckets`)
+PIECES_LIMIT = 1 << 16
 
 
 class PiecedCall:
@@ -47,6 +50,8 @@ class PiecedCall:
 
     def finish(self, method: str, *args: Any) -> Future:
         """The call itself, once its pieces are all added; its future."""
+        if self.final is not None:
+            raise RuntimeError(f"a call in pieces to {self.what} finished twice")
         try:
             final = Frame.encode((method, *args))
         except Exception as error:
@@ -60,9 +65,10 @@ class PiecedCall:
         """End the call without running it (the gradient was never finished): the server is told so, and the
         future fails with ``error``."""
         with self.changed:
-            self.error = error
-            self.final = Frame.encode(ABANDONED)
-            self.changed.notify_all()
+            if self.final is None:  # else finished already: it runs
+                self.error = error
+                self.final = Frame.encode(ABANDONED)
+                self.changed.notify_all()
         return self.future
 
     def next_frame(self) -> Optional[tuple[Frame, bool]]:
@@ -91,6 +97,8 @@ class Assembly:
         self.limits = limits
         self.tensors: dict[int, Tensor] = {}
         self.spans: dict[int, list[tuple[int, int]]] = {}
+        self.covered: dict[int, int] = {}  # elements of each tensor its pieces hold: overlaps are refused at once
+        self.pieces = 0
         self.allocated = 0
         self.error: Optional[str] = None
 
@@ -112,15 +120,21 @@ class Assembly:
             return f"piece ({index}, {numel}, {offset}) of {values.numel()} elements is not one of a flat tensor"
         if offset + values.numel() > numel:
             return f"piece of tensor {index} at {offset} of {values.numel()} elements overruns its {numel}"
+        self.pieces += 1
+        if self.pieces > PIECES_LIMIT:
+            return f"more than {PIECES_LIMIT} pieces"
         flat = self.tensors.get(index)
         if flat is None:
             self.allocated += numel * values.element_size()
             if self.allocated > self.limits.tensors:
                 return f"its pieces declare more than the stream's {self.limits.tensors} bytes of tensors"
             flat = self.tensors[index] = torch.empty(numel, dtype=values.dtype)
-            self.spans[index] = []
+            self.spans[index], self.covered[index] = [], 0
         if flat.numel() != numel or flat.dtype != values.dtype:
             return f"pieces of tensor {index} disagree on its size or dtype"
+        self.covered[index] += values.numel()
+        if self.covered[index] > numel:
+            return f"tensor {index}'s pieces hold more than its {numel} elements: they overlap"
         flat[offset : offset + values.numel()] = values
         self.spans[index].append((offset, offset + values.numel()))
         return None
@@ -128,6 +142,8 @@ class Assembly:
     def fill(self, call: Any) -> Any:
         """``call`` with its push's gradient made of the pieces (a :class:`DecodeError` for the call to fail with,
         where they do not make one); a push that carries a gradient keeps it."""
+        if call == ABANDONED:
+            return call
         push = call[-1] if isinstance(call, tuple) and call else None
         if not isinstance(push, Push):
             return DecodeError(f"pieces came ahead of a call that takes no gradient ({self.error or 'all read'})")

@@ -302,7 +302,9 @@ class StreamServer:
             pieces.add(self._frame(conn))  # type: ignore[union-attr]
             following = recv_number(conn)  # patient: the learner's backward pass makes the next piece
             if following & ~(PIECE | RESENT) != number & ~(PIECE | RESENT):  # RESENT: until the break's last piece
-                raise FrameError(f"a piece of call {number & ~(PIECE | RESENT)} followed by call {following}")
+                raise FrameError(
+                    f"a piece of call {number & ~(PIECE | RESENT)} followed by call {following & ~(PIECE | RESENT)}"
+                )
             number = following
         call = self._frame(conn)
         return number, call if pieces is None or isinstance(call, DecodeError) else pieces.fill(call)

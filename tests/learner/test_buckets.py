@@ -4,10 +4,21 @@ unchanged: async with one learner is plain SGD, hardsync is SGD with batch μλ,
 changed after its buckets went (a callback's change before the optimizer step) is pushed whole and applied as
 changed."""
 
+import socket
+import threading
+
 import pytest
 import torch
 
+from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.shards import ShardPlan
+from lightning_rudra.core.update import Push
+from lightning_rudra.learner.buckets import Bucketing
+from lightning_rudra.learner.client import LearnerClient
+from lightning_rudra.learner.link import ServerLink
+from lightning_rudra.transport.frames import FrameLimits, recv_frame
+from lightning_rudra.transport.stream_pieces import ABANDONED, Assembly, PiecedCall
 from tests import rpc_harness as harness
 from tests.learner.test_rpc import check_ok, sgd_reference
 
@@ -118,3 +129,150 @@ def test_a_gradient_changed_after_its_buckets_went_is_pushed_whole_as_changed():
     # halving every gradient of momentum SGD is halving its rate
     for mine, expected in zip(result["params"], sgd_reference(steps, mu, lr=0.05)):
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
+
+
+def _fails_one_push_in_pieces(rank, clients, steps, mu, config, bucket_cap_mb):
+    """Async steps in which the push that would end the third step's call in pieces raises: the call is abandoned
+    (else it would hold the stream, every later push waiting behind it), and training goes on."""
+    from lightning_rudra.learner import client as client_module
+
+    _server_1_refused()
+    net, learner, wrapped = harness.start(rank, clients, config, bucket_cap_mb=bucket_cap_mb)
+    push, failed = client_module.LearnerClient.push, []
+
+    def failing(self, push_, pieces=None):
+        if pieces is not None and len(failed) < 1 and learner.bucketing.pieces >= 3 * 3:
+            failed.append(True)
+            raise RuntimeError("the test's failure")
+        return push(self, push_, pieces)
+
+    client_module.LearnerClient.push = failing
+    errors = []
+    for i in range(steps):
+        try:
+            wrapped.step(lambda: harness.closure(net, wrapped, torch.arange(i * mu, (i + 1) * mu)))
+        except RuntimeError as error:
+            errors.append(str(error))
+    learner.finish()
+    return {"errors": errors, "clocks": [client.stats().clock for client in clients]}
+
+
+def _server_1_refused():
+    from lightning_rudra.learner import link
+
+    mapped = link.MappedWeights
+
+    def refused(names, rank, what, *args):
+        if "parameter server 1" in what:
+            raise OSError("refused by the test, as another host's /dev/shm")
+        return mapped(names, rank, what, *args)
+
+    link.MappedWeights = refused
+
+
+def test_a_push_that_fails_after_its_buckets_went_abandons_them_and_the_stream_goes_on():
+    steps = 6
+    [result] = harness.run_learners(
+        1,
+        _fails_one_push_in_pieces,
+        num_servers=2,
+        config=ProtocolConfig(1, "async"),
+        steps=steps,
+        mu=4,
+        bucket_cap_mb=CAP_MB,
+    )
+    check_ok([result])
+    assert result["errors"] == ["the test's failure"]
+    # server 0 (shared memory, pushed first) took every step; server 1 all but the failed one, whose pieces it dropped
+    assert result["clocks"] == [steps, steps - 1]
+
+
+class _Stream:
+    """A push stream that keeps its calls in pieces (Bucketing driven by hand, in this process)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def call_in_pieces(self):
+        call = PiecedCall(threading.Condition(), "the test's server")
+        self.calls.append(call)
+        return call
+
+
+def _link(params):
+    """A link to one server over a push stream, owning all of ``params`` (one optimizer)."""
+    client = object.__new__(LearnerClient)
+    client.stream, client.rank, client.deltas = _Stream(), 0, None
+    plan = ShardPlan([p.shape for p in params], 1, True)
+    link = ServerLink(0, client, plan.views(0, [p.detach() for p in params]), [])
+    link.lay_out([plan.owned(0, list(range(len(params))))], [params])
+    return link
+
+
+def _served(call, push):
+    """What the server's Assembly makes of ``call``'s pieces and its push."""
+    assembly = Assembly(FrameLimits.for_model(1 << 20))
+    for frame in call.pieces:
+        assembly.add(_received(frame))
+    return assembly.fill(("push", push))[-1].grads
+
+
+def _received(frame):
+    left, right = socket.socketpair()
+    with left, right:
+        frame.send(left)
+        return recv_frame(right, FrameLimits.for_model(1 << 20))
+
+
+def _backward(bucketing, link, params, scale=1.0):
+    bucketing.begin(0, params, [link])
+    for p in params:
+        p.grad = None
+    sum((p * torch.linspace(-1, 1, p.numel()).view_as(p)).sum() * scale for p in params).backward()
+    for position in reversed(range(len(params))):  # the hooks, in the backward pass's order
+        bucketing.ready(0, position)
+
+
+def test_a_parameter_of_no_elements_sends_no_piece_and_the_gradient_arrives_whole():
+    params = [torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.randn(64))]
+    link = _link(params)
+    bucketing = Bucketing(64 * 4, None)
+    _backward(bucketing, link, params)
+    call, in_pieces = bucketing.end(link, 0)
+    assert in_pieces and len(call.pieces) == 1
+    push = Push(0, 0, None, torch.tensor([True, True]), 0, [{"lr": 0.1}], [], True)
+    [got] = _served(call, push)
+    assert torch.equal(got, torch.linspace(-1, 1, 64))
+
+
+def test_bf16_pieces_dropped_leave_no_rounding_error_behind():
+    """Error feedback keeps what rounding lost, to send later: for pieces the server dropped (the push carried the
+    gradient whole), what they lost is not owed, and the next step's buckets start from the errors before them."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(50)), torch.nn.Parameter(torch.randn(50))]
+    link = _link(params)
+    feedback = ErrorFeedback("bf16")
+    bucketing = Bucketing(50 * 4, feedback)  # a bucket per parameter
+    _backward(bucketing, link, params)
+    bucketing.end(link, 0)
+    bucketing.pushed(link)
+    kept = {key: [t.clone() for t in errors] for key, errors in feedback.residuals.items()}
+    assert len(kept) == 2  # the first step's buckets were applied: their errors are owed
+    _backward(bucketing, link, params, scale=0.3)
+    for p in params:  # as a callback in on_before_optimizer_step
+        p.grad.mul_(2.0)
+    call, in_pieces = bucketing.end(link, 0)
+    assert not in_pieces  # the push carries the gradient whole: the pieces are dropped
+    assert feedback.residuals.keys() == kept.keys()
+    assert all(torch.equal(feedback.residuals[key][0], errors[0]) for key, errors in kept.items())
+
+
+def test_a_call_in_pieces_a_failed_step_leaves_is_abandoned_and_runs_nothing():
+    params = [torch.nn.Parameter(torch.randn(8))]
+    link = _link(params)
+    bucketing = Bucketing(4, None)
+    _backward(bucketing, link, params)
+    call, _ = bucketing.end(link, 0)  # the push to this server then failed: it never ended the call
+    bucketing.abandon(RuntimeError("the step's push failed"))
+    assert call.error is not None and call.final is not None
+    assert _received(call.final) == ABANDONED

@@ -116,6 +116,7 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         (dict(bucket_cap_mb=0), "bucket_cap_mb=0 is not valid: expected a size in MiB > 0"),
         (dict(bucket_cap_mb="4"), "bucket_cap_mb='4' is not valid"),
         (dict(bucket_cap_mb=True), "bucket_cap_mb=True is not valid"),
+        (dict(bucket_cap_mb=float("inf")), "bucket_cap_mb=inf is not valid"),
         (dict(bucket_cap_mb=4, simulate=2), "bucket_cap_mb=4 is not available with simulate"),
     ],
 )

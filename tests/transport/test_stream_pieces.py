@@ -74,7 +74,9 @@ def test_a_push_that_carries_its_gradient_takes_it_and_the_pieces_are_dropped(se
     "pieces, why",
     [
         ([TensorPiece(0, 10, 0, torch.ones(5))], "tensor 0's pieces end at element 5 of 10"),
-        ([TensorPiece(0, 10, 0, torch.ones(6)), TensorPiece(0, 10, 5, torch.ones(5))], "gap or overlap"),
+        ([TensorPiece(0, 10, 0, torch.ones(6)), TensorPiece(0, 10, 5, torch.ones(5))], "they overlap"),
+        ([TensorPiece(0, 10, 0, torch.ones(5)), TensorPiece(0, 10, 6, torch.ones(4))], "gap or overlap at element 5"),
+        ([TensorPiece(0, 10, 0, torch.ones(0))], r"piece \(0, 10, 0\) of 0 elements"),
         ([TensorPiece(0, 10, 8, torch.ones(5))], "overruns its 10"),
         ([TensorPiece(1, 10, 0, torch.ones(10))], "not 0 to 0"),
         ([TensorPiece(0, 10, 0, torch.ones(5)), TensorPiece(0, 12, 5, torch.ones(7))], "disagree"),
@@ -159,3 +161,37 @@ def test_closing_a_client_whose_call_waits_for_pieces_ends_it(server):
     assert not client._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         call.future.wait()
+
+
+def test_pieces_that_write_one_element_over_and_over_are_refused_at_once_not_kept():
+    """Regression (review of issue 34): overlaps were found only when the call ended, each piece's span kept till
+    then: a client could make the server hold memory without bound."""
+    from lightning_rudra.transport.stream_pieces import Assembly
+
+    assembly = Assembly(LIMITS)
+    for _ in range(100):
+        assembly.add(TensorPiece(0, 10, 0, torch.ones(10)))
+    assert "overlap" in assembly.error and sum(map(len, assembly.spans.values())) == 1
+
+
+def test_a_call_of_more_pieces_than_a_learner_makes_is_refused(monkeypatch):
+    from lightning_rudra.transport import stream_pieces
+
+    monkeypatch.setattr(stream_pieces, "PIECES_LIMIT", 4)
+    assembly = stream_pieces.Assembly(LIMITS)
+    for start in range(6):
+        assembly.add(TensorPiece(0, 10, start, torch.ones(1)))
+    assert assembly.error == "more than 4 pieces" and assembly.pieces == 5
+
+
+def test_an_abandoned_call_runs_nothing_on_the_server_and_is_answered(server):
+    """The call that ends pieces never finished is answered with nothing, not an error, and runs nothing."""
+    _RUNS.clear()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        _prove(sock)
+        frames.Frame.encode(TensorPiece(0, 5, 0, torch.ones(5))).send(sock, 1 | PIECE)
+        _send_call(sock, 1, ("abandoned",))
+        assert recv_frame(sock, LIMITS) == ("ok", None)
+        _send_call(sock, 2, ("echo", "next"))
+        assert recv_frame(sock, LIMITS) == ("ok", ("next",))
+    assert _RUNS == []

@@ -51,6 +51,7 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     # the network phase's "1+s" layout: both learners on host 0, the servers on host 1, a server node
     "hardsync+server_node": ("hardsync", 1, [], {"server_nodes": 1}),
     "async+server_node": ("async", 1, [], {"server_nodes": 1}),
+    "hardsync+buckets+server_node": ("hardsync", 1, [], {"server_nodes": 1, "bucket_cap_mb": 4}),
     # issue 35's rounds that do not wait for the slowest learner (k, backup: lightning_rudra.core.rounds)
     "batchsync": ("batchsync", 1, [], {}),
     "hardsync+backup1": ("hardsync", 1, [], {"backup": 1}),
@@ -87,6 +88,7 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "hardsync+no_aggregation": "Rudra hardsync, node_aggregation=False",
     "hardsync+server_node": "Rudra hardsync, 2 learners on host 0, server_nodes=1 (host 1)",
     "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",
+    "hardsync+buckets+server_node": "Rudra hardsync, bucket_cap_mb=4, 2 learners on host 0, server_nodes=1 (host 1)",
     "batchsync": "Rudra K-batch-sync (K = λ)",
     "hardsync+backup1": "Rudra hardsync, backup=1",
     "async+ssp3": 'Rudra async, SSP (max_staleness=3, on_stale="block")',

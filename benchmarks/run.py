@@ -62,8 +62,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument(
         "--network",
         help="the network phase's configurations instead of the mode's, comma-separated: "
-        "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation "
-        "or 1gbit:1:1:ddp/hardsync:50M (PARAMS: the MLP's size, 10M without it); LEARNERS_PER_HOST 1+s: DDP with 1 "
+        "RATE:LEARNERS_PER_HOST:REPS[:STRATEGY/STRATEGY...][:PARAMS][:bμ], e.g. 1gbit:2:2:ddp/hardsync/hardsync+no_aggregation "
+        "or 1gbit:1:1:ddp/hardsync:50M:b256 (PARAMS: the MLP's size, 10M without it; μ: the batch per learner, 32 "
+        "without it); LEARNERS_PER_HOST 1+s: DDP with 1 "
         "learner per host and +server_node strategies with both on host 0 and a server node on host 1 "
         "(1gbit:1:2:ddp/hardsync,1gbit:1+s:2:ddp/hardsync+server_node)",
     )

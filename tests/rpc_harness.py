@@ -116,6 +116,21 @@ def start(  # 9 params: train's
     return net, learner, wrapped
 
 
+def refuse_shared_memory_of_server_1():
+    """In a learner's process: server 1's shared memory cannot be mapped, as one on another host's: its pushes and
+    their replies carry the tensors over the push stream; server 0's go through shared memory."""
+    from lightning_rudra.learner import link
+
+    mapped = link.MappedWeights
+
+    def refused(names, rank, what, *args):
+        if "parameter server 1" in what:
+            raise OSError("refused by the test, as another host's /dev/shm")
+        return mapped(names, rank, what, *args)
+
+    link.MappedWeights = refused
+
+
 def closure(net, wrapped, rows, after_backward=None):
     """A step's forward and backward pass, run by its optimizer (as Lightning's automatic optimization does)."""
     x, y = data()

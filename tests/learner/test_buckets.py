@@ -20,7 +20,7 @@ from lightning_rudra.learner.link import ServerLink
 from lightning_rudra.transport.frames import FrameLimits, recv_frame
 from lightning_rudra.transport.stream_pieces import ABANDONED, Assembly, PiecedCall
 from tests import rpc_harness as harness
-from tests.learner.test_rpc import check_ok, sgd_reference
+from tests.learner.test_rpc import check_ok, overlap_reference, sgd_reference
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,16 +30,10 @@ CAP_MB = 1e-5  # 10 bytes: the test model's part on server 1 (33 weights in 4 pa
 def _server_1_unmapped(rank, clients, **kwargs):
     """harness.train with server 1 reached as if on another host (its shared memory refused: the push stream carries
     the tensors), counting the pieces sent and the pushes that carried their gradient whole."""
-    from lightning_rudra.learner import link
     from lightning_rudra.transport import stream_pieces
 
-    mapped, add, finish = link.MappedWeights, stream_pieces.PiecedCall.add, stream_pieces.PiecedCall.finish
+    add, finish = stream_pieces.PiecedCall.add, stream_pieces.PiecedCall.finish
     counts = {"pieces": 0, "whole": 0, "in pieces": 0}
-
-    def refused(names, rank, what, *args):
-        if "parameter server 1" in what:
-            raise OSError("refused by the test, as another host's /dev/shm")
-        return mapped(names, rank, what, *args)
 
     def counted_add(self, piece):
         counts["pieces"] += 1
@@ -49,7 +43,7 @@ def _server_1_unmapped(rank, clients, **kwargs):
         counts["whole" if args[-1].grads is not None else "in pieces"] += 1
         return finish(self, method, *args)
 
-    link.MappedWeights = refused
+    harness.refuse_shared_memory_of_server_1()
     stream_pieces.PiecedCall.add, stream_pieces.PiecedCall.finish = counted_add, counted_finish
     return {**harness.train(rank, clients, **kwargs), **counts}
 
@@ -98,21 +92,7 @@ def test_overlap_with_buckets_computes_on_the_newest_weights_received():
     [result] = _run(1, "async", steps, mu, overlap=True)
     assert result["in pieces"] == steps
     assert result["stats"].staleness == {0: 1, 1: steps - 1}
-    master, probe = harness.model(), harness.model()
-    opt = torch.optim.SGD(master.parameters(), lr=0.1, momentum=0.9)
-    x, y = harness.data()
-    history = [[p.detach().clone() for p in master.parameters()]]
-    for step in range(steps):
-        for p, w in zip(probe.parameters(), history[max(step - 1, 0)]):
-            p.data.copy_(w)
-        probe.zero_grad()
-        rows = torch.arange(step * mu, (step + 1) * mu)
-        torch.nn.functional.mse_loss(probe(x[rows]), y[rows]).backward()
-        for p, q in zip(master.parameters(), probe.parameters()):
-            p.grad = q.grad.clone()
-        opt.step()
-        history.append([p.detach().clone() for p in master.parameters()])
-    for mine, expected in zip(result["params"], history[-1]):
+    for mine, expected in zip(result["params"], overlap_reference(steps, mu)):
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
 
 
@@ -136,7 +116,7 @@ def _fails_one_push_in_pieces(rank, clients, steps, mu, config, bucket_cap_mb):
     (else it would hold the stream, every later push waiting behind it), and training goes on."""
     from lightning_rudra.learner import client as client_module
 
-    _server_1_refused()
+    harness.refuse_shared_memory_of_server_1()
     net, learner, wrapped = harness.start(rank, clients, config, bucket_cap_mb=bucket_cap_mb)
     push, failed = client_module.LearnerClient.push, []
 
@@ -155,19 +135,6 @@ def _fails_one_push_in_pieces(rank, clients, steps, mu, config, bucket_cap_mb):
             errors.append(str(error))
     learner.finish()
     return {"errors": errors, "clocks": [client.stats().clock for client in clients]}
-
-
-def _server_1_refused():
-    from lightning_rudra.learner import link
-
-    mapped = link.MappedWeights
-
-    def refused(names, rank, what, *args):
-        if "parameter server 1" in what:
-            raise OSError("refused by the test, as another host's /dev/shm")
-        return mapped(names, rank, what, *args)
-
-    link.MappedWeights = refused
 
 
 def test_a_push_that_fails_after_its_buckets_went_abandons_them_and_the_stream_goes_on():

@@ -25,6 +25,25 @@ def sgd_reference(steps, batch, lr=0.1, momentum=0.9):
     return [p.detach() for p in net.parameters()]
 
 
+def overlap_reference(steps, mu, lr=0.1, momentum=0.9):
+    """One learner under overlap (Rudra-adv*): gradient k (k >= 1) comes from the weights before update k - 1."""
+    master, probe = harness.model(), harness.model()
+    opt = torch.optim.SGD(master.parameters(), lr=lr, momentum=momentum)
+    x, y = harness.data()
+    history = [[p.detach().clone() for p in master.parameters()]]
+    for step in range(steps):
+        for p, w in zip(probe.parameters(), history[max(step - 1, 0)]):
+            p.data.copy_(w)
+        probe.zero_grad()
+        rows = torch.arange(step * mu, (step + 1) * mu)
+        torch.nn.functional.mse_loss(probe(x[rows]), y[rows]).backward()
+        for p, q in zip(master.parameters(), probe.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()
+        history.append([p.detach().clone() for p in master.parameters()])
+    return history[-1]
+
+
 def check_ok(results):
     for result in results:
         assert isinstance(result, dict), result
@@ -96,16 +115,7 @@ def test_async_with_one_learner_is_plain_sgd(num_servers, no_shared_memory_left)
 def _one_server_unmapped(rank, clients, **kwargs):
     """harness.train, with server 1's shared memory refused (as one on another host): its pushes and their replies
     carry the tensors over the push stream, server 0's go through shared memory."""
-    from lightning_rudra.learner import link
-
-    mapped = link.MappedWeights
-
-    def refused(names, rank, what, *args):
-        if "parameter server 1" in what:
-            raise OSError("refused by the test, as another host's /dev/shm")
-        return mapped(names, rank, what, *args)
-
-    link.MappedWeights = refused
+    harness.refuse_shared_memory_of_server_1()
     return harness.train(rank, clients, **kwargs)
 
 
@@ -130,21 +140,7 @@ def test_overlap_computes_on_the_newest_weights_received(servers):
     check_ok([result])
     assert result["mapped"] == ([True] if num_servers == 1 else [True, False])
     assert result["stats"].staleness == {0: 1, 1: steps - 1}
-    master, probe = harness.model(), harness.model()
-    opt = torch.optim.SGD(master.parameters(), lr=lr, momentum=momentum)
-    x, y = harness.data()
-    history = [[p.detach().clone() for p in master.parameters()]]
-    for step in range(steps):
-        for p, w in zip(probe.parameters(), history[max(step - 1, 0)]):
-            p.data.copy_(w)
-        probe.zero_grad()
-        rows = torch.arange(step * mu, (step + 1) * mu)
-        torch.nn.functional.mse_loss(probe(x[rows]), y[rows]).backward()
-        for p, q in zip(master.parameters(), probe.parameters()):
-            p.grad = q.grad.clone()
-        opt.step()
-        history.append([p.detach().clone() for p in master.parameters()])
-    for mine, expected in zip(result["params"], history[-1]):
+    for mine, expected in zip(result["params"], overlap_reference(steps, mu, lr, momentum)):
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
 
 

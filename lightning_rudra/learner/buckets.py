@@ -16,6 +16,7 @@ accumulation window adds before it do not.
 """
 
 import threading
+import warnings
 from typing import Hashable, NamedTuple, Optional, Sequence
 
 import torch
@@ -102,11 +103,12 @@ class _Open:
 
 
 class Bucketing:
-    """A learner's pushes in buckets (``cap_bytes`` each), per step of one optimizer: :meth:`begin` before its
+    """A learner's pushes in buckets (``cap_mb`` MiB each), per step of one optimizer: :meth:`begin` before its
     backward pass, :meth:`ready` from each parameter's hook, :meth:`end` at its push, per link."""
 
-    def __init__(self, cap_bytes: int, feedback: Optional[ErrorFeedback]) -> None:
-        self.cap_bytes = cap_bytes
+    def __init__(self, cap_mb: float, feedback: Optional[ErrorFeedback]) -> None:
+        self.cap_mb = cap_mb
+        self.cap_bytes = int(cap_mb * 2**20)
         self.feedback = feedback
         # (server, optimizer): laid out at its first step (None: pushed whole)
         self._laid: dict[tuple[int, int], Optional[LinkBuckets]] = {}
@@ -116,6 +118,7 @@ class Bucketing:
         self._ready: set[int] = set()  # positions among its parameters whose gradient is final
         self._changed = False  # a gradient changed after its bucket went: the push carries it whole
         self._lock = threading.Lock()  # hooks may run on several autograd threads (a model over several devices)
+        self._told = False  # whether learner 0 said that no link takes buckets
         self.pieces = 0  # buckets sent, all steps together
         self.pushes = {"in pieces": 0, "whole": 0}  # pushes that ended calls in pieces, by what held the gradient
 
@@ -123,6 +126,9 @@ class Bucketing:
         """The step of optimizer ``index`` (of ``params``) runs its backward pass."""
         self.abandon(RuntimeError("a new step began before the push of the last"))
         self._index, self._params, self._ready, self._changed = index, params, set(), False
+        if not self._told:
+            self._told = True
+            self._tell_if_unused(links)
         for link in links:
             if bucketed(link) and link.owned[index]:
                 key = (link.server, index)
@@ -131,6 +137,17 @@ class Bucketing:
                     laid = self._laid[key] = lay_out_buckets(link, index, self.cap_bytes)
                 if laid is not None:
                     self._open[link.server] = _Open(laid)
+
+    def _tell_if_unused(self, links: Sequence[ServerLink]) -> None:
+        """Learner 0 warns, once, where no server takes its gradient in buckets (a run on one host): the option then
+        changes nothing, which its user would otherwise not see."""
+        if links and links[0].client.rank == 0 and not any(map(bucketed, links)):
+            warnings.warn(
+                f"lightning_rudra: bucket_cap_mb={self.cap_mb:g} changes nothing in this run: every server "
+                "shares memory with the learners on its host, and buckets go only to a server on another host, "
+                "over the push stream (not with shared_memory=False, nor a node's aggregated push). The gradient "
+                "goes after the backward pass."
+            )
 
     def ready(self, index: int, position: int) -> None:
         """The gradient of parameter ``position`` of optimizer ``index`` is final for this backward pass."""

@@ -90,7 +90,7 @@ class Learner:
         # gradients pushed in RPC messages, with their rounding errors (None: in full precision)
         self.feedback = ErrorFeedback(compression) if compression is not None else None
         # pushes to other hosts' servers in buckets during the backward pass (None: after it)
-        self.bucketing = Bucketing(int(bucket_cap_mb * 2**20), self.feedback) if bucket_cap_mb else None
+        self.bucketing = Bucketing(bucket_cap_mb, self.feedback) if bucket_cap_mb else None
         self._in_flight: Optional[Pushes] = None  # not yet settled
 
         self.params = list(module.parameters())

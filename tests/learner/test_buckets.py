@@ -203,7 +203,7 @@ def _backward(bucketing, link, params, scale=1.0):
 def test_a_parameter_of_no_elements_sends_no_piece_and_the_gradient_arrives_whole():
     params = [torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.randn(64))]
     link = _link(params)
-    bucketing = Bucketing(64 * 4, None)
+    bucketing = Bucketing(64 * 4 / 2**20, None)
     _backward(bucketing, link, params)
     call, in_pieces = bucketing.end(link, 0)
     assert in_pieces and len(call.pieces) == 1
@@ -219,7 +219,7 @@ def test_bf16_pieces_dropped_leave_no_rounding_error_behind():
     params = [torch.nn.Parameter(torch.randn(50)), torch.nn.Parameter(torch.randn(50))]
     link = _link(params)
     feedback = ErrorFeedback("bf16")
-    bucketing = Bucketing(50 * 4, feedback)  # a bucket per parameter
+    bucketing = Bucketing(50 * 4 / 2**20, feedback)  # a bucket per parameter
     _backward(bucketing, link, params)
     bucketing.end(link, 0)
     bucketing.pushed(link)
@@ -237,9 +237,37 @@ def test_bf16_pieces_dropped_leave_no_rounding_error_behind():
 def test_a_call_in_pieces_a_failed_step_leaves_is_abandoned_and_runs_nothing():
     params = [torch.nn.Parameter(torch.randn(8))]
     link = _link(params)
-    bucketing = Bucketing(4, None)
+    bucketing = Bucketing(4 / 2**20, None)
     _backward(bucketing, link, params)
     call, _ = bucketing.end(link, 0)  # the push to this server then failed: it never ended the call
     bucketing.abandon(RuntimeError("the step's push failed"))
     assert call.error is not None and call.final is not None
     assert _received(call.final) == ABANDONED
+
+
+def _on_one_host(rank, clients, **kwargs):
+    """harness.train, recording the warnings of the first step (every server shares memory with the learner)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = harness.train(rank, clients, **kwargs)
+    return {**result, "warnings": [str(w.message) for w in caught if "bucket_cap_mb" in str(w.message)]}
+
+
+def test_buckets_where_no_server_takes_them_say_so_once_on_learner_0_and_train_as_without():
+    steps, mu = 3, 4
+    results = harness.run_learners(
+        2,
+        _on_one_host,
+        config=ProtocolConfig(2, "hardsync"),
+        steps=steps,
+        mu=mu,
+        bucket_cap_mb=CAP_MB,
+    )
+    check_ok(results)
+    [told] = results[0]["warnings"]
+    assert "bucket_cap_mb=1e-05 changes nothing in this run" in told and results[1]["warnings"] == []
+    for result in results:
+        for mine, expected in zip(result["params"], sgd_reference(steps, mu * 2)):
+            torch.testing.assert_close(mine, expected, rtol=0, atol=1e-5)

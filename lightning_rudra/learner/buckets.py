@@ -110,8 +110,8 @@ class Bucketing:
         self.cap_mb = cap_mb
         self.cap_bytes = int(cap_mb * 2**20)
         self.feedback = feedback
-        # (server, optimizer): laid out at its first step (None: pushed whole)
-        self._laid: dict[tuple[int, int], Optional[LinkBuckets]] = {}
+        # (server, optimizer): the link laid out at its first step, and its buckets (None: pushed whole)
+        self._laid: dict[tuple[int, int], tuple[ServerLink, Optional[LinkBuckets]]] = {}
         self._open: dict[int, _Open] = {}  # server -> this step's push in pieces
         self._index: Optional[int] = None  # the optimizer whose step's backward pass runs
         self._params: Sequence[Tensor] = ()
@@ -132,9 +132,9 @@ class Bucketing:
         for link in links:
             if bucketed(link) and link.owned[index]:
                 key = (link.server, index)
-                laid = self._laid.get(key)
-                if key not in self._laid or (laid is not None and laid.link is not link):  # the cuts moved
-                    laid = self._laid[key] = lay_out_buckets(link, index, self.cap_bytes)
+                if key not in self._laid or self._laid[key][0] is not link:  # a new link: the cuts moved
+                    self._laid[key] = (link, lay_out_buckets(link, index, self.cap_bytes))
+                laid = self._laid[key][1]
                 if laid is not None:
                     self._open[link.server] = _Open(laid)
 
@@ -189,8 +189,10 @@ class Bucketing:
         return open_.call, True
 
     def pushed(self, link: ServerLink) -> None:
-        """The push to ``link`` ended its call in pieces."""
-        self._open.pop(link.server, None)
+        """The push to ``link`` ended its call in pieces (or abandoned it: its push could not be sent)."""
+        open_ = self._open.pop(link.server, None)
+        if open_ is not None and open_.call is not None and open_.call.error is not None:
+            self._drop_residuals(open_)
 
     def abandon(self, error: BaseException) -> None:
         """End every call in pieces not pushed (the step failed): the servers run none of them."""

@@ -50,13 +50,13 @@ class PiecedCall:
 
     def finish(self, method: str, *args: Any) -> Future:
         """The call itself, once its pieces are all added; its future."""
-        if self.final is not None:
-            raise RuntimeError(f"a call in pieces to {self.what} finished twice")
         try:
             final = Frame.encode((method, *args))
         except Exception as error:
             return self.abandon(RuntimeError(f"{method} cannot be sent to {self.what}: {error}"))
         with self.changed:
+            if self.final is not None:
+                raise RuntimeError(f"a call in pieces to {self.what} finished twice")
             self.method, self.final = method, final
             self.changed.notify_all()
         return self.future
@@ -97,7 +97,9 @@ class Assembly:
         self.limits = limits
         self.tensors: dict[int, Tensor] = {}
         self.spans: dict[int, list[tuple[int, int]]] = {}
-        self.covered: dict[int, int] = {}  # elements of each tensor its pieces hold: overlaps are refused at once
+        # elements of each tensor its pieces hold: pieces that hold more are refused at once (memory stays bounded),
+        # other overlaps and gaps once the call comes (_whole)
+        self.covered: dict[int, int] = {}
         self.pieces = 0
         self.allocated = 0
         self.error: Optional[str] = None

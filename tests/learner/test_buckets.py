@@ -14,7 +14,7 @@ from lightning_rudra.core.compression import ErrorFeedback
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.shards import ShardPlan
 from lightning_rudra.core.update import Push
-from lightning_rudra.learner.buckets import Bucketing
+from lightning_rudra.learner.buckets import Bucketing, lay_out_buckets
 from lightning_rudra.learner.client import LearnerClient
 from lightning_rudra.learner.link import ServerLink
 from lightning_rudra.transport.frames import FrameLimits, recv_frame
@@ -122,7 +122,7 @@ def _fails_one_push_in_pieces(rank, clients, steps, mu, config, bucket_cap_mb):
 
     def failing(self, push_, pieces=None):
         if pieces is not None and len(failed) < 1 and learner.bucketing.pieces >= 3 * 3:
-            failed.append(True)
+            failed.append(pieces)
             raise RuntimeError("the test's failure")
         return push(self, push_, pieces)
 
@@ -132,7 +132,8 @@ def _fails_one_push_in_pieces(rank, clients, steps, mu, config, bucket_cap_mb):
         try:
             wrapped.step(lambda: harness.closure(net, wrapped, torch.arange(i * mu, (i + 1) * mu)))
         except RuntimeError as error:
-            errors.append(str(error))
+            # abandoned at once, not by the next step: until then it would hold the stream
+            errors.append((str(error), failed[0].error is not None and failed[0].final is not None))
     learner.finish()
     return {"errors": errors, "clocks": [client.stats().clock for client in clients]}
 
@@ -149,7 +150,7 @@ def test_a_push_that_fails_after_its_buckets_went_abandons_them_and_the_stream_g
         bucket_cap_mb=CAP_MB,
     )
     check_ok([result])
-    assert result["errors"] == ["the test's failure"]
+    assert result["errors"] == [("the test's failure", True)]
     # server 0 (shared memory, pushed first) took every step; server 1 all but the failed one, whose pieces it dropped
     assert result["clocks"] == [steps, steps - 1]
 
@@ -232,6 +233,9 @@ def test_bf16_pieces_dropped_leave_no_rounding_error_behind():
     assert not in_pieces  # the push carries the gradient whole: the pieces are dropped
     assert feedback.residuals.keys() == kept.keys()
     assert all(torch.equal(feedback.residuals[key][0], errors[0]) for key, errors in kept.items())
+    _backward(bucketing, link, params, scale=0.7)
+    bucketing.abandon(RuntimeError("the step failed"))  # nor do the pieces of a step that failed
+    assert all(torch.equal(feedback.residuals[key][0], errors[0]) for key, errors in kept.items())
 
 
 def test_a_call_in_pieces_a_failed_step_leaves_is_abandoned_and_runs_nothing():
@@ -271,3 +275,34 @@ def test_buckets_where_no_server_takes_them_say_so_once_on_learner_0_and_train_a
     for result in results:
         for mine, expected in zip(result["params"], sgd_reference(steps, mu * 2)):
             torch.testing.assert_close(mine, expected, rtol=0, atol=1e-5)
+
+
+def test_a_dtype_whose_parameters_hold_no_element_is_pushed_whole():
+    """The server's gradient is one flat tensor per dtype, and pieces cannot make an empty one."""
+    params = [torch.nn.Parameter(torch.empty(0, dtype=torch.float16)), torch.nn.Parameter(torch.randn(8))]
+    link = _link(params)
+    assert lay_out_buckets(link, 0, 4) is None
+    bucketing = Bucketing(4 / 2**20, None)
+    _backward(bucketing, link, params)
+    assert bucketing.end(link, 0) is None and bucketing.pieces == 0
+
+
+def test_buckets_stay_fewer_than_the_pieces_a_call_may_hold(monkeypatch):
+    from lightning_rudra.learner import buckets
+
+    monkeypatch.setattr(buckets, "PIECES_LIMIT", 16)
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(100)]
+    laid = lay_out_buckets(_link(params), 0, 1)  # a byte: a bucket per parameter, but for the limit
+    assert len(laid.buckets) <= 16
+    assert sorted(i for bucket in laid.buckets for i in bucket.parts) == list(range(100))
+
+
+def test_a_call_in_pieces_finished_is_not_abandoned_and_is_not_finished_twice():
+    call = PiecedCall(threading.Condition(), "the test's server")
+    push = Push(0, 0, None, torch.tensor([True]), 0, [{"lr": 0.1}], [], True)
+    call.finish("push", push)
+    final = call.final
+    call.abandon(RuntimeError("too late"))
+    assert call.final is final and call.error is None
+    with pytest.raises(RuntimeError, match="finished twice"):
+        call.finish("push", push)

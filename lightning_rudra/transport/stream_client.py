@@ -261,6 +261,9 @@ class StreamClient:
             self._unanswered.append(_Call(number, call.method, call, call.future))
         while True:
             with self._lock:
+                # bounded by the learner: it finishes or abandons every call in pieces it began (a failed step or
+                # push abandons it, as does its next step or unwrap); a dead server ends it through the receiving
+                # thread (a break, or silence past the timeout), close() at once
                 self._to_send.wait_for(lambda: self._broken is not None or self._closing or call.next_frame())
                 if self._closing:
                     raise ConnectionError("this learner closed it")

@@ -300,7 +300,9 @@ class StreamServer:
         pieces = Assembly(self.limits) if number & PIECE else None
         while number & PIECE:
             pieces.add(self._frame(conn))  # type: ignore[union-attr]
-            following = recv_number(conn)  # patient: the learner's backward pass makes the next piece
+            # patient, as between calls: the learner's backward pass makes the next piece; a dead learner's host is
+            # noticed by the connection's TCP keepalive, which ends the connection and drops the pieces
+            following = recv_number(conn)
             if following & ~(PIECE | RESENT) != number & ~(PIECE | RESENT):  # RESENT: until the break's last piece
                 raise FrameError(
                     f"a piece of call {number & ~(PIECE | RESENT)} followed by call {following & ~(PIECE | RESENT)}"

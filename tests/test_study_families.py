@@ -6,12 +6,13 @@ import math
 import pytest
 import torch
 
+import examples.language_model as language
 import examples.study.families as families
 import examples.study.staleness as study
 from examples.study.compensation import read_rows
 
 
-@pytest.mark.parametrize("splits", [lambda seed: families.mnist1d_splits(seed, 200), families.language_splits])
+@pytest.mark.parametrize("splits", [lambda seed: families.mnist1d_splits(seed, 200), language.language_splits])
 def test_each_seed_has_its_own_sample_and_validation_is_held_out_of_training_and_disjoint_from_test(splits):
     data = splits(0)
     (x, _), (x_val, _), (x_test, _) = data["train"], data["val"], data["test"]
@@ -22,16 +23,16 @@ def test_each_seed_has_its_own_sample_and_validation_is_held_out_of_training_and
 
 
 def test_the_language_is_predictable_below_uniform_and_its_floor_is_the_chains_entropy_rate():
-    matrix = families.transitions(0)
-    assert torch.allclose(matrix.sum(1), torch.ones(families.VOCAB))
-    floor = families.entropy_rate(0)
-    assert 0.5 < floor < math.log(families.VOCAB) - 0.5
+    matrix = language.transitions(0)
+    assert torch.allclose(matrix.sum(1), torch.ones(language.VOCAB))
+    floor = language.entropy_rate(0)
+    assert 0.5 < floor < math.log(language.VOCAB) - 0.5
     # the true chain's own predictions score the floor on its sequences, up to the sample's noise
-    x, y = families.language_splits(0)["test"]
+    x, y = language.language_splits(0)["test"]
     true_loss = -matrix[x.reshape(-1), y.reshape(-1)].log().mean().item()
     assert true_loss == pytest.approx(floor, rel=0.03)
-    model = families.LanguageModel()
-    assert families.held_out_loss(model, x, y) == pytest.approx(math.log(families.VOCAB), rel=0.05)
+    model = language.LanguageModel()
+    assert language.held_out_loss(model, x, y) == pytest.approx(math.log(language.VOCAB), rel=0.05)
 
 
 @pytest.mark.parametrize("name", families.OPTIMIZERS)
@@ -54,7 +55,7 @@ def test_a_tiny_staleness_grid_trains_chooses_and_reports(tmp_path, monkeypatch)
     monkeypatch.setattr(study, "RULES", ("momentum", "none"))
     monkeypatch.setattr(study, "FAMILY_NAMES", ("lm",))
     monkeypatch.setattr(study, "OPTIMIZER_NAMES", ("sgd-clip",))
-    monkeypatch.setattr(families, "SEQUENCES", 200)
+    monkeypatch.setattr(language, "SEQUENCES", 200)
     study.main(["--out", str(tmp_path)])
     rows = [r for r in read_rows(tmp_path / "runs.jsonl")]
     # three rates swept on the tuning seed, then hardsync and one stale run per rule on the reported seed

@@ -4,11 +4,10 @@ A family is a model, its seeded data (train, validation and test splits) and its
 
 - ``cnn``: the MNIST-1D example CNN (``examples.mnist1d``), test error.
 - ``mlp``: a two-hidden-layer MLP (256 units) on the same MNIST-1D data, test error.
-- ``lm``: an LSTM language model (embedding 32, hidden 64, one layer) on a synthetic language whose entropy is
-  known: sequences of a first-order Markov chain over ``VOCAB`` tokens, each row of its transition matrix drawn
-  from a Dirichlet(``CONCENTRATION``) (seeded), the first token from the chain's stationary distribution. The measure
-  is the held-out loss in nats per predicted token; no model can go below the chain's entropy rate
-  (:func:`entropy_rate`, in the family's ``floor``), and predicting the uniform distribution costs ln ``VOCAB``.
+- ``lm``: the LSTM language model of ``examples.language_model`` (embedding 32, hidden 64, one layer) on its
+  synthetic language whose entropy is known. The measure is the held-out loss in nats per predicted token; no model
+  can go below the chain's entropy rate (the family's ``floor``), and predicting the uniform distribution costs
+  ln ``VOCAB``.
 
 An optimizer is one of ``OPTIMIZERS``: ``sgd`` (momentum 0.9), ``sgd-clip`` (plain SGD, gradients clipped to norm
 ``CLIP`` per update, the recipe of Lightning's LSTM demo and of the PyTorch word-language-model example it comes from),
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from examples.language_model import VOCAB, LanguageModel, entropy_rate, held_out_loss, language_splits, token_loss
 from examples.mnist1d import MNIST1DClassifier, generate_mnist1d
 from lightning_rudra.core.clipping import Clipping
 
@@ -31,10 +31,6 @@ Splits = dict[str, tuple[Tensor, Tensor]]
 NUM_SAMPLES = 4000  # MNIST-1D samples per seed
 TEST_FRACTION = 0.2
 VAL_FRACTION = 0.1  # of the training samples
-VOCAB = 24
-CONCENTRATION = 0.2  # of the language's transition rows: low, so that the next token is fairly predictable
-SEQUENCES = 3000  # of the language per seed: train, validation and test alike cut from them
-LENGTH = 33  # tokens per sequence: 32 predictions
 OPTIMIZERS = ("sgd", "sgd-clip", "adam", "adamw")
 CLIP = 0.25
 WEIGHT_DECAY = 0.01
@@ -77,66 +73,10 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(40, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def transitions(seed: int) -> Tensor:
-    """The language of ``seed``: its transition matrix, row i the distribution of the token after token i."""
-    generator = torch.Generator().manual_seed(10_000 + seed)
-    gamma = torch._standard_gamma(torch.full((VOCAB, VOCAB), CONCENTRATION), generator=generator)
-    return (gamma + 1e-12) / (gamma + 1e-12).sum(1, keepdim=True)
-
-
-def _stationary(matrix: Tensor) -> Tensor:
-    pi = torch.full((VOCAB,), 1.0 / VOCAB, dtype=torch.float64)
-    for _ in range(2000):
-        pi = pi @ matrix.double()
-    return pi / pi.sum()
-
-
-def entropy_rate(seed: int) -> float:
-    """The language's entropy per token in nats: the lowest loss any model can reach on it."""
-    matrix = transitions(seed).double()
-    rows = -(matrix * matrix.clamp_min(1e-300).log()).sum(1)
-    return float(_stationary(matrix) @ rows)
-
-
-def language_splits(seed: int) -> Splits:
-    """``SEQUENCES`` sequences of the seed's language, cut as MNIST-1D's samples are: the last ``TEST_FRACTION``
-    the test split, the last ``VAL_FRACTION`` of the rest the validation split. x: the tokens but the last, y: the
-    tokens but the first."""
-    matrix = transitions(seed)
-    generator = torch.Generator().manual_seed(20_000 + seed)
-    tokens = torch.empty(SEQUENCES, LENGTH, dtype=torch.long)
-    tokens[:, 0] = torch.multinomial(_stationary(matrix).float(), SEQUENCES, replacement=True, generator=generator)
-    for t in range(1, LENGTH):
-        tokens[:, t] = torch.multinomial(matrix[tokens[:, t - 1]], 1, generator=generator).squeeze(1)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    test = len(y) - int(len(y) * TEST_FRACTION)
-    return _cut(x[:test], y[:test], (x[test:], y[test:]))
-
-
-class LanguageModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, 32)
-        self.lstm = nn.LSTM(32, 64, batch_first=True)
-        self.head = nn.Linear(64, VOCAB)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.lstm(self.embedding(x))[0])  # [B, T, VOCAB]
-
-
-def _token_loss(output: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(output.reshape(-1, VOCAB), y.reshape(-1))
-
-
-def held_out_loss(model: nn.Module, x: Tensor, y: Tensor) -> float:
-    with torch.no_grad():
-        return _token_loss(model(x), y).item()
-
-
 FAMILIES = {
     "cnn": Family(mnist1d_splits, MNIST1DClassifier, F.cross_entropy, error),
     "mlp": Family(mnist1d_splits, _mlp, F.cross_entropy, error),
-    "lm": Family(language_splits, LanguageModel, _token_loss, held_out_loss, math.log(VOCAB), entropy_rate),
+    "lm": Family(language_splits, LanguageModel, token_loss, held_out_loss, math.log(VOCAB), entropy_rate),
 }
 
 

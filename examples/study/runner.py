@@ -8,7 +8,9 @@
 ``--straggler``: the last learner sleeps before every batch for an exponential time (seeded), of mean twice the
 median of its own first batches' times; ``--curve``: learner 0 measures the test error after every epoch
 (validation pulls the newest weights) and the result holds (seconds of training, error) per epoch.
-``--simulate`` trains the λ learners in this one process (``RudraStrategy(simulate=λ)``), their step times
+``--family lm`` trains the LSTM language model of ``examples.language_model`` instead (plain SGD at ``--lr``, clipped
+to ``--clip`` by norm as Lightning's ``gradient_clip_val``), measured by its held-out loss (nats per token) where
+MNIST-1D is by its error. ``--simulate`` trains the λ learners in this one process (``RudraStrategy(simulate=λ)``), their step times
 log-normal with ``--spread``.
 Otherwise the λ learners train under ``RudraStrategy`` with the ``popen`` launcher, which re-runs this
 module once per learner. After ``fit`` every learner holds the server's final weights; learner 0 then
@@ -22,13 +24,14 @@ import os
 import random
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from pytorch_lightning.callbacks import Callback
 
+from examples.language_model import LanguageDataModule, LanguageModule, held_out_loss
 from examples.mnist1d import MNIST1DClassifier, MNIST1DDataModule
 
 PROTOCOLS = ("single", "hardsync", "softsync", "async", "batchsync", "ddp")
@@ -62,10 +65,11 @@ class Straggler(Callback):
 
 
 class EpochErrors(Callback):
-    """Learner 0: the test error after every epoch (seconds of training by then, validation and this excluded)."""
+    """Learner 0: the test measure after every epoch (seconds of training by then, validation and this excluded):
+    the error, or the held-out loss of a language model (``measure``)."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, timer: "TrainTimer") -> None:
-        self.x, self.y, self.timer = x, y, timer
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, timer: "TrainTimer", measure: Callable) -> None:
+        self.x, self.y, self.timer, self.measure = x, y, timer, measure
         self.paused = 0.0
         self.began: Optional[float] = None
         self.curve: list[tuple[float, float]] = []
@@ -77,7 +81,7 @@ class EpochErrors(Callback):
         if self.began is None or self.timer.start is None or trainer.sanity_checking:
             return
         if trainer.is_global_zero:
-            error = evaluate(pl_module, self.x, self.y)[0]
+            error = self.measure(pl_module, self.x, self.y)
             pl_module.train()
             self.curve.append((round(self.began - self.timer.start - self.paused, 3), round(error, 4)))
         self.paused += time.perf_counter() - self.began
@@ -111,6 +115,8 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--protocol", choices=PROTOCOLS, required=True)
+    p.add_argument("--family", choices=("mnist1d", "lm"), default="mnist1d", help="the model and its data")
+    p.add_argument("--clip", type=float, default=None, help="gradient_clip_val (by norm)")
     p.add_argument("--n", type=int, default=1, help="softsync splitting parameter (ignored otherwise)")
     p.add_argument("--learners", type=int, default=1, help="λ")
     p.add_argument("--batch-size", type=int, required=True, help="μ, per learner")
@@ -145,8 +151,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit("--protocol single is the single-learner baseline: it needs --learners 1")
     pl.seed_everything(args.seed, verbose=False)
     # The data split is the datamodule's; validation is skipped (the study reports test error only).
-    dm = MNIST1DDataModule(num_samples=args.num_samples, seed=args.seed, batch_size=args.batch_size)
-    model = MNIST1DClassifier(lr=args.lr, momentum=args.momentum)
+    dm: Any
+    model: Any
+    if args.family == "lm":
+        dm, model = LanguageDataModule(seed=args.seed, batch_size=args.batch_size), LanguageModule(lr=args.lr)
+        measure: Callable = held_out_loss
+    else:
+        dm = MNIST1DDataModule(num_samples=args.num_samples, seed=args.seed, batch_size=args.batch_size)
+        model = MNIST1DClassifier(lr=args.lr, momentum=args.momentum)
+        measure = lambda m, x, y: evaluate(m, x, y)[0]  # noqa: E731
     if args.protocol in ("single", "ddp"):
         strategy: Any = "auto" if args.protocol == "single" else "ddp"
     else:
@@ -174,12 +187,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     assert dm.test_set is not None
     straggler = Straggler(args.seed, mean=args.straggler_mean) if args.straggler else None
     x_test, y_test = dm.test_set.tensors
-    errors = EpochErrors(x_test, y_test, timer) if args.curve else None
+    errors = EpochErrors(x_test, y_test, timer, measure) if args.curve else None
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1 if args.simulate else args.learners,
         strategy=strategy,
         max_epochs=args.epochs,
+        gradient_clip_val=args.clip,
         limit_val_batches=1 if args.curve else 0,  # validation pulls the newest weights: EpochErrors measures them
         num_sanity_val_steps=0,
         logger=False,
@@ -197,8 +211,11 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     test_x, test_y = dm.test_set.tensors
     train_x, train_y = dm.train_set.tensors
-    test_error, test_loss = evaluate(model, test_x, test_y)
-    _, train_loss = evaluate(model, train_x, train_y)
+    if args.family == "lm":
+        test_error, test_loss, train_loss = None, held_out_loss(model, test_x, test_y), None
+    else:
+        test_error, test_loss = evaluate(model, test_x, test_y)
+        _, train_loss = evaluate(model, train_x, train_y)
     samples = args.epochs * len(dm.train_set)  # what the learners processed together (one pass per epoch)
     stats = getattr(trainer.strategy, "stats", None)
     result = {
@@ -213,7 +230,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         "lr": args.lr,
         "test_error": test_error,
         "test_loss": test_loss if math.isfinite(test_loss) else None,
-        "train_loss": train_loss if math.isfinite(train_loss) else None,
+        "train_loss": train_loss if train_loss is not None and math.isfinite(train_loss) else None,
+        "family": args.family,
+        "clip": args.clip,
         "train_seconds": timer.seconds,
         "samples": samples,
         "samples_per_s": samples / timer.seconds if timer.seconds else None,

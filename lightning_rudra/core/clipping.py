@@ -23,7 +23,7 @@ over all of them (:class:`GlobalNorm`):
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -193,27 +193,79 @@ def clip(
     clippings: Sequence[Clipping],
     scale: float = 1.0,
     total_norm: Optional[float] = None,
+    sync: Optional[Callable[[], float]] = None,
 ) -> None:
     """Clip the gradients of ``params`` (one optimizer's, as the server holds them) in place, by each of
     ``clippings`` in turn, as Lightning applies successive ``clip_gradients`` calls. ``scale``: the mean factor the
     update's gradients were scaled by (``lr_modulation="per_gradient"``); the limit is scaled alike, so that a stale
     gradient is clipped as its learner would have clipped it and still modulated (exact for one gradient per update).
     A clipping by norm over several servers takes ``total_norm`` (the norm of the update's gradient over every part,
-    exchanged by the servers) or else the learner's :attr:`Clipping.norm`."""
+    exchanged by the servers) or else the learner's :attr:`Clipping.norm`. ``sync``: where a clipping by norm is by
+    a synchronous update's norm (:class:`SyncNorm`), what it returns for this update, taken once, at the first
+    clipping by norm."""
     grads = [p for p in params if p.grad is not None]
     if not grads:  # this server holds none of the optimizer's parameters, or none got a gradient
         return
+    ratio: Optional[float] = None
     for clipping in clippings:
         if clipping.algorithm == "value":
             torch.nn.utils.clip_grad_value_(grads, clipping.value * scale)
-        elif not clipping.global_norm:
+            continue
+        if sync is not None and ratio is None:
+            ratio = sync()
+        if not clipping.global_norm and ratio in (None, 1.0):
             torch.nn.utils.clip_grad_norm_(grads, clipping.value * scale)
-        else:
-            if total_norm is not None:  # of the update's gradient, as scaled
-                factor = clipping.value * scale / (total_norm + _EPS)
-            else:  # of the learner's gradient, before it was scaled: the same factor
-                assert clipping.norm is not None, "the learner sends its gradient's norm with a clipping by norm"
-                factor = clipping.value / (clipping.norm + _EPS)
-            if factor < 1.0:
-                for p in grads:
-                    p.grad.detach().mul_(factor)  # type: ignore[union-attr]  # grads: those with a gradient
+            continue
+        if not clipping.global_norm:  # of this server's gradient, as scaled
+            factor = clipping.value * scale / (_norm([p.grad for p in grads]) * (ratio or 1.0) + _EPS)
+        elif total_norm is not None:  # of the update's gradient, as scaled
+            factor = clipping.value * scale / (total_norm + _EPS)
+        else:  # of the learner's gradient, before it was scaled: the same factor
+            assert clipping.norm is not None, "the learner sends its gradient's norm with a clipping by norm"
+            factor = clipping.value / (clipping.norm * (ratio or 1.0) + _EPS)
+        if factor < 1.0:
+            for p in grads:
+                p.grad.detach().mul_(factor)  # type: ignore[union-attr]  # grads: those with a gradient
+
+
+def _norm(tensors: Iterable[Optional[Tensor]]) -> float:
+    """The norm of ``tensors`` together, in float64: a finite float32 gradient's norm cannot overflow."""
+    norms = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) for t in tensors if t is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+
+
+class SyncNorm:
+    """``syncnorm``: a stale protocol's update of c < λ gradients, clipped by norm, is clipped by the norm of the
+    synchronous update it stands for. Under the ``momentum`` rule λ/c such updates move as far as one synchronous
+    update (its rate is scaled by c/λ), and a synchronous update clips the mean of λ gradients. One update's own
+    gradient has the noise of c gradients: its norm is larger, so its own norm clips it more, and most where the
+    noise dominates (small μ, large λ); the sum of λ/c such updates then moves less than the synchronous update,
+    along the mean of unit vectors instead of the unit vector of the mean.
+
+    The synchronous update's norm is estimated by a running mean m of the updates' gradients (this server's part of
+    one optimizer's), m ← (1 − α)·m + α·g with α = 2c/(λ + c): its noise is that of a mean of λ gradients (an
+    exponential mean of weight α holds α/(2 − α) of one term's variance). The update is clipped as if its norm were
+    |g|·|m|/|g| = |m|, so a gradient whose norm the noise makes large is scaled less; never scaled up (a clipping
+    only shrinks). Since m holds α·g, one update moves at most (c/λ)/α = (λ + c)/(2λ) ≤ 1 of the synchronous
+    update's limit. With several servers, each scales by its part's |m|/|g| the learner's norm over every part (a
+    per-part estimate, as ``clip``'s). m starts at the first gradient (no change until it has seen others); a
+    gradient that is zero or not finite is not folded in and is clipped by its own norm. m is not saved in
+    checkpoints."""
+
+    def __init__(self) -> None:
+        self.means: dict[int, Tensor] = {}
+
+    def ratio(self, params: Sequence[Tensor], alpha: float) -> float:
+        """Fold the gradients of ``params`` (one update's) into the running mean with weight ``alpha``; returns
+        |m| / |g|, over the parameters that have a gradient."""
+        grads = {i: p.grad.detach() for i, p in enumerate(params) if p.grad is not None}
+        norm = _norm(grads.values())
+        if norm == 0 or not math.isfinite(norm):
+            return 1.0
+        for i, grad in grads.items():
+            mean = self.means.get(i)
+            if mean is None:
+                self.means[i] = grad.float().clone()
+            else:
+                mean.mul_(1 - alpha).add_(grad.float(), alpha=alpha)
+        return _norm(self.means[i] for i in grads) / norm

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from lightning_rudra.core.errors import ConfigurationError
 
-COMPENSATIONS = ("none", "momentum", "dc", "gap", "clip")
+COMPENSATIONS = ("none", "momentum", "dc", "gap", "clip", "syncnorm")
 DC_LAMBDA = 0.2
 DC_DECAY = 0.95
 GAP_DECAY = 0.9
@@ -103,6 +103,12 @@ def parse_compensation(compensation: str) -> tuple[str, ...]:
         raise ConfigurationError(
             f"compensation={compensation!r} is not supported: expected 'none' or one or more of "
             f"{', '.join(repr(r) for r in COMPENSATIONS[1:])} joined by '+' (e.g. 'momentum+dc')."
+        )
+    if "syncnorm" in rules and "momentum" not in rules:
+        raise ConfigurationError(
+            f"compensation={compensation!r}: 'syncnorm' clips a stale update by the norm of the synchronous update "
+            "that the 'momentum' rule scales its rate to a part of; without that scaling one update could move "
+            "(λ + 1)/2 times the clipping's limit. Use it with 'momentum' (e.g. 'momentum+clip+syncnorm')."
         )
     return () if rules == ("none",) else rules
 

@@ -13,7 +13,7 @@ from typing import AbstractSet, Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from lightning_rudra.core.clipping import GlobalNorm
+from lightning_rudra.core.clipping import GlobalNorm, SyncNorm
 from lightning_rudra.core.compensation import (
     NormWindow,
     StaleWeights,
@@ -103,6 +103,8 @@ class Server(Updating):
         )
         # clip: the recent stale updates' gradient norms, per optimizer
         self.norm_windows = [NormWindow() for _ in optimizers] if "clip" in self.rules else None
+        # syncnorm: the running mean of the updates' gradients a clipping by norm is scaled by, per optimizer
+        self.sync_norms = [SyncNorm() for _ in optimizers] if "syncnorm" in self.rules else None
         # the running means of dc and gap: per optimizer, per parameter (its order), beside its own state
         self.rules_states: list[list[dict[str, Tensor]]] = [[{} for _ in idx] for idx in self.optimizer_params]
         # hardsync rounds closed per optimizer, and the one whose clipping waits for the other servers' norms

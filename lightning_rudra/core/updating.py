@@ -3,12 +3,13 @@ rules decide when): each gradient's σ counted, a gradient staler than ``max_sta
 compensated and summed; then averaged, clipped, and stepped by the server's optimizer, the buffers averaged. Plain
 torch; words as in :mod:`lightning_rudra.core.protocol`."""
 
+from functools import partial
 from typing import Any, Optional, Sequence
 
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_rudra.core.clipping import GlobalNorm, clip, global_norm_step, squared_norm
+from lightning_rudra.core.clipping import GlobalNorm, SyncNorm, clip, global_norm_step, squared_norm
 from lightning_rudra.core.compensation import (
     NormWindow,
     StaleWeights,
@@ -45,6 +46,7 @@ class Updating:
     rules: Sequence[str]
     history: Optional[StaleWeights]
     norm_windows: Optional[list[NormWindow]]
+    sync_norms: Optional[list[SyncNorm]]
     rules_states: list[list[dict[str, Tensor]]]
     rounds: list[int]
     awaiting_norm: dict[int, tuple[GlobalNorm, Pending, float, float]]
@@ -141,8 +143,11 @@ class Updating:
         scale = sum(pending.scales) / len(pending.scales)
         # a server that holds none of the optimizer's parameters has no part of its norm: nobody waits for it
         step = global_norm_step(pending.clipping) if self.config.protocol == "hardsync" and params else None
+        sync = None
+        if self.sync_norms is not None and count < len(self.members):  # an update of fewer than λ gradients
+            sync = partial(self.sync_norms[optimizer].ratio, params, 2 * count / (len(self.members) + count))
         if step is None:  # one server's norm, by value, or the learner's norm (an update of one gradient)
-            clip(params, pending.clipping, scale)
+            clip(params, pending.clipping, scale, sync=sync)
             return self._step(optimizer, pending, lr_factor, rule_scale)
         clip(params, pending.clipping[:step], scale)
         servers = pending.clipping[step].servers

@@ -1,0 +1,124 @@
+"""``syncnorm``: a stale update clipped by norm is clipped by the norm of the synchronous update it stands for,
+estimated by a running mean of the updates' gradients (:class:`lightning_rudra.core.clipping.SyncNorm`)."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_rudra.core.clipping import Clipping, SyncNorm
+from lightning_rudra.core.errors import ConfigurationError
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.update import Push
+
+
+def with_grad(*values: list[float]) -> list[torch.Tensor]:
+    params = [torch.zeros(len(v)) for v in values]
+    for p, v in zip(params, values):
+        p.grad = torch.tensor(v)
+    return params
+
+
+def test_the_ratio_is_of_the_running_mean_to_the_gradient_and_starts_at_one():
+    sync = SyncNorm()
+    assert sync.ratio(with_grad([3.0], [4.0]), 0.5) == 1.0  # the first gradient is the mean
+    # mean: 0.5 [3, 4] + 0.5 [-3, 4] = [0, 4]; |g| = 5
+    assert sync.ratio(with_grad([-3.0], [4.0]), 0.5) == pytest.approx(4 / 5)
+    assert [m.tolist() for m in sync.means.values()] == [[0.0], [4.0]]
+
+
+@pytest.mark.parametrize("bad", [0.0, math.inf, math.nan])
+def test_a_zero_or_non_finite_gradient_is_not_folded_in(bad):
+    sync = SyncNorm()
+    sync.ratio(with_grad([3.0, 4.0]), 0.5)
+    assert sync.ratio(with_grad([bad, 0.0]), 0.5) == 1.0
+    assert sync.means[0].tolist() == [3.0, 4.0]
+
+
+def test_a_parameter_without_a_gradient_keeps_its_mean_and_is_left_out_of_the_norms():
+    sync = SyncNorm()
+    sync.ratio(with_grad([1.0], [10.0]), 0.5)
+    params = with_grad([3.0], [0.0])
+    params[1].grad = None
+    assert sync.ratio(params, 0.5) == pytest.approx(2 / 3)  # mean [2] of the first parameter, |g| = 3
+    assert sync.means[1].tolist() == [10.0]
+
+
+def server(learners: int, compensation: str, protocol: str = "async") -> Server:
+    w = torch.zeros(2)
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD([w], lr=0.1), [w])
+    config = ProtocolConfig(learners, protocol, compensation=compensation)
+    return Server(config, [w], [], [spec])
+
+
+def push(server: Server, learner: int, grad, timestamp: int, *clipping: Clipping):
+    return server.push(
+        Push(learner, 0, [torch.tensor(grad)], torch.tensor([True]), timestamp, [{"lr": 0.1}], [], clipping=clipping)
+    )
+
+
+def test_an_async_update_is_clipped_by_the_running_means_norm():
+    rule, old = server(2, "momentum+syncnorm"), server(2, "momentum")
+    for s in (rule, old):
+        push(s, 0, [3.0, 4.0], 0, Clipping(1.0))  # the first: by its own norm, [0.6, 0.8], the rate halved (c/λ)
+        assert s.params[0].tolist() == pytest.approx([-0.03, -0.04])
+        push(s, 1, [-3.0, 4.0], 0, Clipping(1.0))  # σ = 1
+    # α = 2c/(λ + c) = 2/3: mean [-1, 4], norm √17, not the gradient's 5; then the rate: 0.1 · 1/2 (c/λ, 1/(σ + 1))
+    factor = 1 / math.sqrt(17)
+    assert rule.params[0].tolist() == pytest.approx([-0.03 + 0.05 * 3 * factor, -0.04 - 0.05 * 4 * factor])
+    assert old.params[0].tolist() == pytest.approx([-0.03 + 0.05 * 0.6, -0.04 - 0.05 * 0.8], abs=1e-7)
+
+
+def test_a_gradient_far_above_the_mean_moves_at_most_the_synchronous_limit():
+    s = server(4, "momentum+syncnorm")
+    for t in range(20):
+        push(s, t % 4, [0.01, 0.0], t, Clipping(1.0))
+    before = s.params[0].clone()
+    push(s, 1, [1e6, 0.0], 20, Clipping(1.0))  # σ = 3
+    moved = (before - s.params[0]).norm().item()
+    # its rate 0.1 is scaled by 1/4 (c/λ) and the mean holds α = 2/5 of it: (λ + c)/(2λ) = 5/8 of the synchronous
+    # update's step at the limit (0.1 · 1.0), at most; by its own norm it would have moved 1/4 of it
+    assert 0.1 / 4 < moved <= 0.1 * 5 / 8 + 1e-7
+
+
+def test_one_learner_hardsync_clipping_by_value_and_no_clipping_are_unchanged():
+    pushes = [([3.0, 4.0], Clipping(1.0)), ([-3.0, 4.0], Clipping(1.0)), ([5.0, -2.0], Clipping(0.5, "value"))]
+    for learners, protocol in ((1, "async"), (2, "hardsync")):
+        rule, old = server(learners, "momentum+syncnorm", protocol), server(learners, "momentum", protocol)
+        for s in (rule, old):
+            for step, (grad, clipping) in enumerate(pushes):
+                for learner in range(learners):
+                    push(s, learner, grad, step, clipping)
+        assert torch.equal(rule.params[0], old.params[0])
+    rule, old = server(2, "momentum+syncnorm"), server(2, "momentum")
+    for s in (rule, old):
+        for step, (grad, clipping) in enumerate(pushes):
+            push(s, step % 2, grad, step, *([clipping] if clipping.algorithm == "value" else []))
+    assert torch.equal(rule.params[0], old.params[0])
+
+
+def test_syncnorm_without_momentum_is_refused_by_name():
+    with pytest.raises(ConfigurationError, match="'syncnorm' clips a stale update .* Use it with 'momentum'"):
+        server(2, "clip+syncnorm")
+
+
+def test_over_two_servers_each_scales_the_learners_norm_by_its_parts_ratio():
+    """Learner 1's gradient [[-3, 4], [0, 12]] over two servers, clipped to 1 by its norm over both parts: each server
+    scales that norm by its own part's |m|/|g|."""
+    servers = []
+    for first in ([0.0, 0.0], [0.0, 0.0]):
+        w = torch.tensor(first)
+        spec = OptimizerSpec.from_optimizer(torch.optim.SGD([w], lr=1.0), [w])
+        servers.append(Server(ProtocolConfig(2, "async", compensation="momentum+syncnorm"), [w], [], [spec]))
+    parts = ([[3.0, 4.0], [0.0, 12.0]], [[-3.0, 4.0], [0.0, 12.0]])
+    for learner, grads in enumerate(parts):
+        norm = math.sqrt(sum(x * x for part in grads for x in part))
+        for s, grad in zip(servers, grads):
+            push(s, learner, grad, 0, Clipping(1.0, servers=(0, 1), norm=norm))
+    norm = 13.0
+    first = [-0.05 * 3 / norm, -0.05 * 4 / norm]  # learner 0's: the rate 0.1 · 1/2, its own norm 13
+    ratio = math.sqrt(17) / 5  # server 0's part: mean [-1, 4] against [-3, 4]; server 1's: 1
+    expected0 = [first[0] + 0.05 * 3 / (norm * ratio), first[1] - 0.05 * 4 / (norm * ratio)]
+    assert servers[0].params[0].tolist() == pytest.approx(expected0)
+    assert servers[1].params[0].tolist() == pytest.approx([0.0, -0.05 * 12 / norm * 2])

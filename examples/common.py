@@ -92,7 +92,10 @@ class FitTestCLI(LightningCLI):
             return
         if stats is not None:
             print_staleness(stats)
-        print(f"final test accuracy: {results[0]['test_acc']:.3f}")
+        if "test_acc" in results[0]:
+            print(f"final test accuracy: {results[0]['test_acc']:.3f}")
+        else:  # a model without an accuracy, such as the language model: its loss
+            print(f"final test loss: {results[0]['test_loss']:.3f}")
 
 
 def run_cli(model_class: type, datamodule_class: type, args: Optional[list[str]] = None) -> FitTestCLI:

@@ -49,10 +49,10 @@ def run(name: str, seed: int) -> dict[str, Any]:
 
 
 def reached(curve: list[list[float]], target: float) -> Optional[int]:
-    """The first epoch (1-based) from which every loss of ``curve`` is at or below ``target``."""
+    """The first epoch (1-based) from which every loss of ``curve`` is at or below ``target`` (a NaN is not)."""
     first = None
     for epoch, (_, loss) in enumerate(curve, 1):
-        if loss > target:
+        if not loss <= target:
             first = None
         elif first is None:
             first = epoch

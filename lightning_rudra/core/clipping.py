@@ -211,18 +211,18 @@ def clip(
         if clipping.algorithm == "value":
             torch.nn.utils.clip_grad_value_(grads, clipping.value * scale)
             continue
-        if sync is not None and ratio is None:
-            ratio = sync()
-        if not clipping.global_norm and ratio in (None, 1.0):
+        if ratio is None:
+            ratio = 1.0 if sync is None else sync()
+        if not clipping.global_norm and ratio == 1.0:
             torch.nn.utils.clip_grad_norm_(grads, clipping.value * scale)
             continue
         if not clipping.global_norm:  # of this server's gradient, as scaled
-            factor = clipping.value * scale / (_norm([p.grad for p in grads]) * (ratio or 1.0) + _EPS)
+            factor = clipping.value * scale / (_norm([p.grad for p in grads]) * ratio + _EPS)
         elif total_norm is not None:  # of the update's gradient, as scaled
             factor = clipping.value * scale / (total_norm + _EPS)
         else:  # of the learner's gradient, before it was scaled: the same factor
             assert clipping.norm is not None, "the learner sends its gradient's norm with a clipping by norm"
-            factor = clipping.value / (clipping.norm * (ratio or 1.0) + _EPS)
+            factor = clipping.value / (clipping.norm * ratio + _EPS)
         if factor < 1.0:
             for p in grads:
                 p.grad.detach().mul_(factor)  # type: ignore[union-attr]  # grads: those with a gradient
@@ -246,26 +246,36 @@ class SyncNorm:
     one optimizer's), m ← (1 − α)·m + α·g with α = 2c/(λ + c): its noise is that of a mean of λ gradients (an
     exponential mean of weight α holds α/(2 − α) of one term's variance). The update is clipped as if its norm were
     |g|·|m|/|g| = |m|, so a gradient whose norm the noise makes large is scaled less; never scaled up (a clipping
-    only shrinks). Since m holds α·g, one update moves at most (c/λ)/α = (λ + c)/(2λ) ≤ 1 of the synchronous
-    update's limit. With several servers, each scales by its part's |m|/|g| the learner's norm over every part (a
-    per-part estimate, as ``clip``'s). m starts at the first gradient (no change until it has seen others); a
-    gradient that is zero or not finite is not folded in and is clipped by its own norm. m is not saved in
-    checkpoints."""
+    only shrinks). The ratio |m|/|g| is taken at least α (m holds α·g, unless older gradients cancel it), so one
+    update moves at most (c/λ)/α = (λ + c)/(2λ) ≤ 1 of the synchronous update's step at the limit. With several
+    servers, each scales by its part's |m|/|g| the learner's norm over every part (a per-part estimate, as
+    ``clip``'s). m starts at the first gradient (no change until it has seen others), in the gradient's dtype or
+    float32 if narrower; a gradient that is zero or not finite is not folded in and is clipped by its own norm; a
+    mean that overflows starts again. m is not saved in checkpoints."""
 
     def __init__(self) -> None:
         self.means: dict[int, Tensor] = {}
 
     def ratio(self, params: Sequence[Tensor], alpha: float) -> float:
         """Fold the gradients of ``params`` (one update's) into the running mean with weight ``alpha``; returns
-        |m| / |g|, over the parameters that have a gradient."""
+        |m| / |g| over the parameters that have a gradient, at least ``alpha``: where the mean cancels (gradients
+        that flip sign, as in an oscillation clipping is there to stop) the update is still clipped as if m held
+        only its α share of this gradient."""
         grads = {i: p.grad.detach() for i, p in enumerate(params) if p.grad is not None}
         norm = _norm(grads.values())
         if norm == 0 or not math.isfinite(norm):
             return 1.0
         for i, grad in grads.items():
             mean = self.means.get(i)
-            if mean is None:
-                self.means[i] = grad.float().clone()
+            # float64 gradients keep a float64 mean: a float32 one could overflow where they do not
+            dtype = torch.promote_types(grad.dtype, torch.float32)
+            if mean is None or mean.dtype != dtype or mean.shape != grad.shape:
+                self.means[i] = grad.to(dtype, copy=True)
             else:
-                mean.mul_(1 - alpha).add_(grad.float(), alpha=alpha)
-        return _norm(self.means[i] for i in grads) / norm
+                mean.mul_(1 - alpha).add_(grad.to(dtype), alpha=alpha)
+        mean_norm = _norm(self.means[i] for i in grads)
+        if not math.isfinite(mean_norm):  # the mean overflowed: start again from this gradient
+            for i, grad in grads.items():
+                self.means[i] = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
+            return 1.0
+        return max(mean_norm / norm, alpha)

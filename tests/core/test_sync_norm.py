@@ -70,27 +70,65 @@ def test_an_async_update_is_clipped_by_the_running_means_norm():
     assert old.params[0].tolist() == pytest.approx([-0.03 + 0.05 * 0.6, -0.04 - 0.05 * 0.8], abs=1e-7)
 
 
+def moved(s: Server, learner: int, grad, timestamp: int) -> float:
+    before = s.params[0].clone()
+    result = push(s, learner, grad, timestamp, Clipping(1.0))
+    assert result.update.staleness == (s.clock - 1 - timestamp,)
+    return (before - s.params[0]).norm().item()
+
+
 def test_a_gradient_far_above_the_mean_moves_at_most_the_synchronous_limit():
     s = server(4, "momentum+syncnorm")
     for t in range(20):
-        push(s, t % 4, [0.01, 0.0], t, Clipping(1.0))
-    before = s.params[0].clone()
-    push(s, 1, [1e6, 0.0], 20, Clipping(1.0))  # σ = 3
-    moved = (before - s.params[0]).norm().item()
-    # its rate 0.1 is scaled by 1/4 (c/λ) and the mean holds α = 2/5 of it: (λ + c)/(2λ) = 5/8 of the synchronous
-    # update's step at the limit (0.1 · 1.0), at most; by its own norm it would have moved 1/4 of it
-    assert 0.1 / 4 < moved <= 0.1 * 5 / 8 + 1e-7
+        push(s, t % 4, [0.01, 0.0], max(0, t - 3), Clipping(1.0))  # σ = 3 once the clock is at 3
+    # its rate 0.1 is scaled by 1/4 (c/λ, 1/(σ + 1)) and the mean holds α = 2/5 of it: (λ + c)/(2λ) = 5/8 of the
+    # synchronous update's step at the limit (0.1 · 1.0), at most; by its own norm it would have moved 1/4 of it
+    assert 0.1 / 4 < moved(s, 1, [1e6, 0.0], 17) <= 0.1 * 5 / 8 + 1e-7
 
 
-def test_one_learner_hardsync_clipping_by_value_and_no_clipping_are_unchanged():
+@pytest.mark.parametrize("flip", [1.0, 1.49, 1.5])
+def test_gradients_that_flip_sign_are_still_clipped_to_the_synchronous_limit(flip):
+    """A mean that cancels (g, then -1.5 g: α = 2/5 of it cancels the 3/5 of the first) would take the clipping
+    off; the ratio is held at α or more."""
+    s = server(4, "momentum+syncnorm")
+    moved(s, 0, [-1e6, 0.0], 0)
+    assert moved(s, 1, [flip * 1e6, 0.0], 0) <= 0.1 * 5 / 8 + 1e-7
+
+
+def test_a_float64_gradient_beyond_float32_is_clipped_and_training_goes_on():
+    w = torch.zeros(2, dtype=torch.float64)
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD([w], lr=0.1), [w])
+    s = Server(ProtocolConfig(2, "async", compensation="momentum+syncnorm"), [w], [], [spec])
+    for t, grad in enumerate([[1e39, 0.0]] + [[1.0, 1.0]] * 5):
+        before = s.params[0].clone()
+        s.push(
+            Push(t % 2, 0, [torch.tensor(grad, dtype=torch.float64)], torch.tensor([True]), t, [{"lr": 0.1}], [],
+                 clipping=(Clipping(1.0),))
+        )  # fmt: skip
+        assert 0 < (before - s.params[0]).norm().item() <= 0.1 + 1e-9, t
+    assert all(torch.isfinite(m).all() for m in s.sync_norms[0].means.values())
+
+
+def test_softsync_folds_each_update_of_c_gradients_with_its_own_weight():
+    # n = 1 would make c = 4 = λ: untouched; n = 2: c = 2
+    w = torch.zeros(2)
+    spec = OptimizerSpec.from_optimizer(torch.optim.SGD([w], lr=0.1), [w])
+    s = Server(ProtocolConfig(4, "softsync", n=2, compensation="momentum+syncnorm"), [w], [], [spec])
+    push(s, 0, [3.0, 4.0], 0, Clipping(1.0))
+    push(s, 1, [3.0, 4.0], 0, Clipping(1.0))
+    push(s, 2, [-3.0, 4.0], 1, Clipping(1.0))
+    push(s, 3, [-3.0, 4.0], 1, Clipping(1.0))
+    # α = 2c/(λ + c) = 2/3: the mean of [3, 4] and [-3, 4] as the second update's gradient is folded in
+    assert s.sync_norms[0].means[0].tolist() == pytest.approx([-1.0, 4.0])
+
+
+def test_one_learner_clipping_by_value_and_no_clipping_are_unchanged():
     pushes = [([3.0, 4.0], Clipping(1.0)), ([-3.0, 4.0], Clipping(1.0)), ([5.0, -2.0], Clipping(0.5, "value"))]
-    for learners, protocol in ((1, "async"), (2, "hardsync")):
-        rule, old = server(learners, "momentum+syncnorm", protocol), server(learners, "momentum", protocol)
-        for s in (rule, old):
-            for step, (grad, clipping) in enumerate(pushes):
-                for learner in range(learners):
-                    push(s, learner, grad, step, clipping)
-        assert torch.equal(rule.params[0], old.params[0])
+    rule, old = server(1, "momentum+syncnorm"), server(1, "momentum")
+    for s in (rule, old):
+        for step, (grad, clipping) in enumerate(pushes):
+            push(s, 0, grad, step, clipping)
+    assert torch.equal(rule.params[0], old.params[0]) and not rule.sync_norms[0].means  # never asked
     rule, old = server(2, "momentum+syncnorm"), server(2, "momentum")
     for s in (rule, old):
         for step, (grad, clipping) in enumerate(pushes):

@@ -149,3 +149,40 @@ def test_study_writes_results_and_resumes(tmp_path):
     rows_after = _csv_rows(out / "runs.csv")
     assert sorted(r["protocol"] for r in rows_after) == ["single", "softsync", "softsync"]
     assert rows_after[:2] == rows[1:]  # the other rows are untouched
+
+
+@pytest.mark.timeout(300)
+def test_the_language_model_example_trains_and_prints_its_test_loss(tmp_path):
+    """The LSTM example through its config, one process without the strategy (its RudraStrategy block is built
+    below): fit, test, and the loss in nats between the language's floor and far above uniform."""
+    proc = run_python(
+        [
+            "-m",
+            "examples.language_model",
+            "--config",
+            "examples/configs/language_model_async.yaml",
+            "--trainer.strategy=auto",
+            "--trainer.devices=1",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=4",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
+        ]
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    loss = re.search(r"^final test loss: (\d+\.\d+)$", proc.stdout, re.MULTILINE)
+    assert loss is not None and 1.5 < float(loss.group(1)) < 4.5, proc.stdout[-3000:]
+
+
+def test_the_language_model_config_builds_its_strategy():
+    import yaml
+    from jsonargparse import ArgumentParser
+
+    from lightning_rudra import RudraStrategy
+
+    config = yaml.safe_load((REPO / "examples" / "configs" / "language_model_async.yaml").read_text())
+    parser = ArgumentParser()
+    parser.add_subclass_arguments(RudraStrategy, "strategy")
+    built = parser.instantiate_classes(parser.parse_object({"strategy": config["trainer"]["strategy"]})).strategy
+    assert built.protocol == "async" and built.compensation == "momentum+clip+syncnorm"
+    assert config["trainer"]["gradient_clip_val"] == 0.25

@@ -1,6 +1,7 @@
 """The model families of the in-process studies (their splits, the language's entropy floor) and the staleness-rule
 study on a tiny grid, trained and reported."""
 
+import json
 import math
 
 import pytest
@@ -74,3 +75,26 @@ def test_a_tiny_staleness_grid_trains_chooses_and_reports(tmp_path, monkeypatch)
     (tmp_path / "runs.jsonl").write_text(lines[0] + "\n")
     study.main(["--out", str(tmp_path), "--report-only"])
     assert "0 reported runs (and 1 of the rate sweeps)" in (tmp_path / "findings.md").read_text()
+
+
+@pytest.mark.slow
+def test_the_runner_trains_the_language_model_and_measures_its_held_out_loss(tmp_path):
+    from examples.study import runner
+
+    result = tmp_path / "run.json"
+    runner.main(
+        ["--family", "lm", "--protocol", "single", "--batch-size", "64", "--lr", "4", "--clip", "0.25"]
+        + ["--epochs", "1", "--curve", "--seed", "0", "--result", str(result)]
+    )
+    row = json.loads(result.read_text())
+    assert (row["family"], row["clip"], row["test_error"]) == ("lm", 0.25, None)
+    assert len(row["curve"]) == 1 and row["curve"][0][1] < math.log(language.VOCAB)  # it learned something
+    assert row["test_loss"] == pytest.approx(row["curve"][0][1], rel=0.05)
+
+
+def test_a_run_reaches_a_target_from_the_first_epoch_it_stays_at_or_below_it_and_a_nan_never_does():
+    from examples.study.language_real import reached
+
+    assert reached([[1, 3.0], [2, 1.9], [3, 2.1], [4, 1.95], [5, 1.9]], 2.0) == 4
+    assert reached([[1, 3.0], [2, 1.9], [3, math.nan]], 2.0) is None
+    assert reached([[1, 1.0]], math.nan) is None

@@ -200,8 +200,10 @@ def choices(val: dict[tuple, list[float]], rules: list[str]) -> list[tuple[str, 
             if not common:
                 continue
             mean = {rule: statistics.mean(v for c in common for v in val[family, optimizer, c, rule]) for rule in rules}
-            for place, rule in enumerate(sorted(rules, key=mean.__getitem__), 1):
-                ranks[rule].append(place)
+            order = sorted(mean.values())
+            for rule in rules:  # rules of the same mean gap (one that changes nothing here) share their places
+                places = [place for place, m in enumerate(order, 1) if m == mean[rule]]
+                ranks[rule].append(statistics.mean(places))
                 means[rule].append(mean[rule])
         if all(ranks.values()):
             out.append((optimizer, ranks, means))

@@ -22,7 +22,7 @@ from lightning_rudra.transport.stream_pieces import ABANDONED, Assembly, PiecedC
 from tests import rpc_harness as harness
 from tests.learner.test_rpc import check_ok, overlap_reference, sgd_reference
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 CAP_MB = 1e-5  # 10 bytes: the test model's part on server 1 (33 weights in 4 parameters) goes in 3 buckets
 

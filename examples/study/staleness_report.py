@@ -1,5 +1,6 @@
 """``findings.md`` of the staleness-rule study (``python -m examples.study.staleness``), from its rows."""
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,8 @@ def choices(val: dict[tuple, list[float]], rules: list[str]) -> list[tuple[str, 
             if not common:
                 continue
             mean = {rule: statistics.mean(v for c in common for v in val[family, optimizer, c, rule]) for rule in rules}
+            # a NaN gap (a measure of finite weights that is not a number) ranks last, as an infinite one
+            mean = {rule: m if m == m else math.inf for rule, m in mean.items()}
             order = sorted(mean.values())
             for rule in rules:  # rules of the same mean gap (one that changes nothing here) share their places
                 places = [place for place, m in enumerate(order, 1) if m == mean[rule]]

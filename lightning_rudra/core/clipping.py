@@ -246,8 +246,10 @@ class SyncNorm:
     one optimizer's), m ← (1 − α)·m + α·g with α = 2c/(λ + c): its noise is that of a mean of λ gradients (an
     exponential mean of weight α holds α/(2 − α) of one term's variance). The update is clipped as if its norm were
     |g|·|m|/|g| = |m|, so a gradient whose norm the noise makes large is scaled less; never scaled up (a clipping
-    only shrinks). The ratio |m|/|g| is taken at least α (m holds α·g, unless older gradients cancel it), so one
-    update moves at most (c/λ)/α = (λ + c)/(2λ) ≤ 1 of the synchronous update's step at the limit. With several
+    only shrinks). The ratio |m|/|g| is held within [α, 1]: at least α (m holds α·g, unless older gradients cancel
+    it), so one update moves at most (c/λ)/α = (λ + c)/(2λ) ≤ 1 of the synchronous update's step at the limit; at
+    most 1, so the rule only ever clips less than the update's own norm would (a spike's share of m, or a mean that
+    lags shrinking gradients, cannot hold the next updates back). With several
     servers, each scales by its part's |m|/|g| the learner's norm over every part (a per-part estimate, as
     ``clip``'s). m starts at the first gradient (no change until it has seen others), in the gradient's dtype or
     float32 if narrower; a gradient that is zero or not finite is not folded in and is clipped by its own norm; a
@@ -258,9 +260,10 @@ class SyncNorm:
 
     def ratio(self, params: Sequence[Tensor], alpha: float) -> float:
         """Fold the gradients of ``params`` (one update's) into the running mean with weight ``alpha``; returns
-        |m| / |g| over the parameters that have a gradient, at least ``alpha``: where the mean cancels (gradients
-        that flip sign, as in an oscillation clipping is there to stop) the update is still clipped as if m held
-        only its α share of this gradient."""
+        |m| / |g| over the parameters that have a gradient, held within [``alpha``, 1]: where the mean cancels
+        (gradients that flip sign, as in an oscillation clipping is there to stop) the update is still clipped as if
+        m held only its α share of this gradient, and where the mean is larger than the gradient (it lags gradients
+        that shrink, or holds a spike's share) the update is clipped by its own norm, as without the rule."""
         grads = {i: p.grad.detach() for i, p in enumerate(params) if p.grad is not None}
         norm = _norm(grads.values())
         if norm == 0 or not math.isfinite(norm):
@@ -278,4 +281,4 @@ class SyncNorm:
             for i, grad in grads.items():
                 self.means[i] = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
             return 1.0
-        return max(mean_norm / norm, alpha)
+        return min(max(mean_norm / norm, alpha), 1.0)

@@ -45,8 +45,8 @@ per optimizer; they are not saved (after a resume the window fills again).
 ``syncnorm`` (with ``momentum``): a user's clipping by norm of an update of c < λ gradients clips it by the norm of
 the synchronous update it stands for, estimated by a running mean of the updates' gradients
 (:class:`~lightning_rudra.core.clipping.SyncNorm`), not by its own, noisier norm: clipped by its own, λ/c updates
-moved far less than one synchronous update where the noise dominates (at λ = 16 and 30 the staleness study's CNN
-and MLP with clipped SGD ended 4 to 7 points above hardsync; with it, 4 to 9 below).
+moved far less than one synchronous update where the noise dominates (the staleness study's CNN and MLP with
+clipped SGD ended up to 7.2 points above hardsync, 3 of 8 configurations more than 2; with it, 1.6 to 9.2 below).
 
 ``dc`` and ``gap`` need w_stale: the server keeps the weights of every clock a learner may still push from (the
 oldest is the oldest timestamp among the learners' last pushes), at most ``HISTORY_PER_LEARNER`` · λ + 1 copies of

@@ -42,9 +42,10 @@ from lightning_rudra.transport.node_board import (
 )
 
 if TYPE_CHECKING:
-    from lightning_rudra.learner.learner import InFlight, Learner
+    from lightning_rudra.learner.learner import Learner
+    from lightning_rudra.learner.pushing import InFlight
 
-STATUSES = ("accepted", "queued", "dropped", "rejected", "late")
+STATUSES = ("accepted", "queued", "dropped", "rejected", "late")  # a push's, from the best to the worst
 Send = Callable[[Push], Future]
 
 

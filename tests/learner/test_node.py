@@ -6,7 +6,7 @@ import pytest
 from torch.futures import Future
 
 from lightning_rudra import LearnerLostError
-from lightning_rudra.learner.learner import InFlight
+from lightning_rudra.learner.pushing import InFlight
 from lightning_rudra.learner.node import check_in_flight
 from lightning_rudra.transport.stream import ServerError
 

@@ -249,11 +249,11 @@ class SyncNorm:
     only shrinks). The ratio |m|/|g| is held within [α, 1]: at least α (m holds α·g, unless older gradients cancel
     it), so one update moves at most (c/λ)/α = (λ + c)/(2λ) ≤ 1 of the synchronous update's step at the limit; at
     most 1, so the rule only ever clips less than the update's own norm would (a spike's share of m, or a mean that
-    lags shrinking gradients, cannot hold the next updates back). With several
-    servers, each scales by its part's |m|/|g| the learner's norm over every part (a per-part estimate, as
-    ``clip``'s). m starts at the first gradient (no change until it has seen others), in the gradient's dtype or
-    float32 if narrower; a gradient that is zero or not finite is not folded in and is clipped by its own norm; a
-    mean that overflows starts again. m is not saved in checkpoints."""
+    lags shrinking gradients, cannot hold the next updates back). With several servers, each scales by its part's
+    |m|/|g| the learner's norm over every part (a per-part estimate, as ``clip``'s). m starts at the first gradient
+    (no change until it has seen others), in the gradient's dtype or float32 if narrower; a gradient that is zero
+    or not finite is not folded in and is clipped by its own norm; a mean that overflows starts again. m is not
+    saved in checkpoints."""
 
     def __init__(self) -> None:
         self.means: dict[int, Tensor] = {}

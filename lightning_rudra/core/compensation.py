@@ -2,8 +2,8 @@
 the synchronous run, with the optimizer and learning rate tuned for it. Plain torch.
 
 A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"``); the default,
-``DEFAULT_COMPENSATION``, is ``"momentum+clip+syncnorm"``. With σ = 0 (hardsync, one learner) every rule is the identity,
-so hardsync stays SGD with batch μλ and async with one learner plain SGD.
+``DEFAULT_COMPENSATION``, is ``"momentum+clip+syncnorm"``. With σ = 0 (hardsync, one learner) every rule is the
+identity, so hardsync stays SGD with batch μλ and async with one learner plain SGD.
 
 ``momentum`` (a step that stays stable under delay). A synchronous update averages λ gradients, a stale one
 c = ⌊λ/n⌋ (async: 1), so every optimizer's rate is scaled by c/λ (the paper's α0/⟨σ⟩ is c/λ in expectation, since
@@ -46,7 +46,7 @@ per optimizer; they are not saved (after a resume the window fills again).
 the synchronous update it stands for, estimated by a running mean of the updates' gradients
 (:class:`~lightning_rudra.core.clipping.SyncNorm`), not by its own, noisier norm: clipped by its own, λ/c updates
 moved far less than one synchronous update where the noise dominates (the staleness study's CNN and MLP with
-clipped SGD ended up to 7.2 points above hardsync, 3 of 8 configurations more than 2; with it, 1.6 to 9.2 below).
+clipped SGD ended up to 7.2 points above hardsync, 3 of 8 configurations more than 2; with it, 2.9 to 9.0 below).
 
 ``dc`` and ``gap`` need w_stale: the server keeps the weights of every clock a learner may still push from (the
 oldest is the oldest timestamp among the learners' last pushes), at most ``HISTORY_PER_LEARNER`` · λ + 1 copies of

@@ -10,8 +10,8 @@ median of its own first batches' times; ``--curve``: learner 0 measures the test
 (validation pulls the newest weights) and the result holds (seconds of training, error) per epoch.
 ``--family lm`` trains the LSTM language model of ``examples.language_model`` instead (plain SGD at ``--lr``, clipped
 to ``--clip`` by norm as Lightning's ``gradient_clip_val``), measured by its held-out loss (nats per token) where
-MNIST-1D is by its error. ``--simulate`` trains the λ learners in this one process (``RudraStrategy(simulate=λ)``), their step times
-log-normal with ``--spread``.
+MNIST-1D is by its error. ``--simulate`` trains the λ learners in this one process (``RudraStrategy(simulate=λ)``),
+their step times log-normal with ``--spread``.
 Otherwise the λ learners train under ``RudraStrategy`` with the ``popen`` launcher, which re-runs this
 module once per learner. After ``fit`` every learner holds the server's final weights; learner 0 then
 evaluates them on the whole test split itself (no second Trainer stage) and writes the result file.

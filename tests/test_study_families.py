@@ -98,3 +98,9 @@ def test_a_run_reaches_a_target_from_the_first_epoch_it_stays_at_or_below_it_and
     assert reached([[1, 3.0], [2, 1.9], [3, 2.1], [4, 1.95], [5, 1.9]], 2.0) == 4
     assert reached([[1, 3.0], [2, 1.9], [3, math.nan]], 2.0) is None
     assert reached([[1, 1.0]], math.nan) is None
+
+
+def test_the_real_runs_target_is_a_share_of_ddps_loss_or_a_margin_over_its_error():
+    from examples.study.language_real import SETUPS
+
+    assert SETUPS["lm"].target(2.0) == pytest.approx(2.04) and SETUPS["cnn"].target(0.17) == pytest.approx(0.18)

@@ -213,6 +213,7 @@ def test_with_comeback_a_run_that_lost_every_learner_waits_and_takes_them_back(m
     assert [e["event"] for e in ps.core.stats.events] == ["lost", "lost", "rejoined"]
 
 
+@pytest.mark.slow  # waits for seconds
 def test_with_comeback_a_run_whose_learners_do_not_come_back_in_time_ends_saying_so(monkeypatch):
     ps = parameter_server(monkeypatch, "async", 2, min_learners=2)
     ps.membership.rejoin_wait = 0.2
@@ -314,6 +315,7 @@ class BrokenStderr:
         raise BrokenPipeError(32, "Broken pipe")
 
 
+@pytest.mark.slow  # waits for seconds
 def test_a_server_whose_stderr_is_broken_releases_the_survivors_and_watches_on(monkeypatch, server_logging):
     """The server announces a loss on its stderr (its own handler, as a server process has): with that stderr
     broken, the learners left are released all the same, and the watch goes on to see the next loss."""

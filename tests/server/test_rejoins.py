@@ -184,6 +184,7 @@ def test_a_launchers_late_report_about_an_earlier_process_does_not_count_its_suc
     assert ps.membership.lost == {1: "ended before training did (exit code 1, as its launcher saw)"}
 
 
+@pytest.mark.slow  # waits for seconds
 def test_the_popen_launcher_names_the_process_it_saw_end(tmp_path):
     from lightning_fabric.plugins.environments import LightningEnvironment
 

@@ -40,6 +40,7 @@ def test_a_process_for_a_lost_learner_takes_a_new_incarnation(store):
     assert _incarnation(store, 1, "here") == 2  # each process its own: a name and RPC rank no process had
 
 
+@pytest.mark.slow  # waits for seconds
 def test_a_process_for_a_live_learner_is_refused(store, monkeypatch):
     monkeypatch.setattr(world, "_COUNTING_S", 0.0)  # refused once the server had rpc_timeout (2 s) to count it
     store.mark(1, "alive", json.dumps(["another-machine", 4321]))

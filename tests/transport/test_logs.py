@@ -48,6 +48,7 @@ def logged(caplog, text: str) -> str:
     raise AssertionError(f"nothing logged with {text!r}: {[r.getMessage() for r in caplog.records]}")
 
 
+@pytest.mark.slow  # waits for seconds
 def test_with_the_switch_the_server_logs_each_long_wait_with_what_and_whom(monkeypatch, caplog, watched):
     monkeypatch.setenv(logs.WAITS, "0.3")
     caplog.set_level(logging.WARNING, logger="lightning_rudra")
@@ -71,6 +72,7 @@ def test_with_the_switch_the_server_logs_each_long_wait_with_what_and_whom(monke
     assert all(p.done() for p in pushed)
 
 
+@pytest.mark.slow  # waits for seconds
 def test_without_the_switch_nothing_is_logged_of_waits(monkeypatch, caplog, watched):
     monkeypatch.delenv(logs.WAITS, raising=False)
     caplog.set_level(logging.DEBUG, logger="lightning_rudra")

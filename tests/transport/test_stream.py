@@ -533,6 +533,7 @@ def test_the_unpickler_allows_the_wire_s_types_only():
         frames._Unpickler(memoryview(frames.Frame.encode(torch.ones(3)).head[frames._HEADER.size :]), 11).load()
 
 
+@pytest.mark.slow  # waits for seconds
 def test_a_member_beyond_the_connections_a_run_needs_is_told_so(monkeypatch):
     # a connection beyond max_peers waits for a slot as long as a handshake may take (a lost learner's may free):
     # 2 s here, not the 10 s of a run
@@ -666,6 +667,7 @@ def test_a_reconnect_that_runs_out_of_time_is_reported_as_a_timeout(monkeypatch)
         listener.close()
 
 
+@pytest.mark.slow  # waits for seconds
 def test_closing_while_a_connect_hangs_ends_the_client_s_thread(server, monkeypatch):
     """Review (issue 32): close() waited its 5 s for a connect that took rpc_timeout, and returned with the thread
     still trying."""
@@ -867,6 +869,7 @@ def _throttled_proxy(port, rate):
     return listener
 
 
+@pytest.mark.slow  # waits for seconds
 def test_a_call_slower_to_send_than_the_timeout_is_not_taken_for_a_silent_connection():
     """Review (issue 34): with a thread reading replies, the wait for a reply began as the call began to go out, so a
     push whose upload took longer than ``rpc_timeout`` (each piece of it moving) failed as a half-open connection.
@@ -886,6 +889,7 @@ def test_a_call_slower_to_send_than_the_timeout_is_not_taken_for_a_silent_connec
         server.close()
 
 
+@pytest.mark.slow  # waits for seconds
 def test_a_client_that_reads_no_answers_is_not_read_either():
     """Review (issue 34): the server read and ran every call while its answers piled up unsent (a proven client that
     never reads grew the server by about 9 MiB/s). The reading waits for the answers to go: TCP holds the client."""
@@ -919,6 +923,7 @@ def test_a_client_that_reads_no_answers_is_not_read_either():
         quiet.close()
 
 
+@pytest.mark.slow  # waits for seconds
 def test_a_refusal_that_comes_while_a_call_goes_out_ends_that_call_and_the_next_ones():
     """Review (issue 34): a server full of peers refuses a connection with an error frame and closes it; the
     replies' thread took that frame for the reply to a call still going out, went idle, and the sending thread

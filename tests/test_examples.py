@@ -72,20 +72,27 @@ def test_the_quickstart_config_trains_through_the_cli(tmp_path):
     assert list((tmp_path / "logs").rglob("metrics.csv")), "the CSVLogger did not write under the given save_dir"
 
 
-@pytest.mark.parametrize("config", MNIST1D_CONFIGS)
-def test_every_mnist1d_config_builds_its_strategy(config):
-    """Each config's strategy block builds (the Quickstart's also trains above, and hardsync by its registered
-    name)."""
+def built_strategy(config: str) -> tuple[dict, object]:
+    """A config's YAML and the strategy its ``trainer.strategy`` block builds, as LightningCLI builds it."""
     import yaml
     from jsonargparse import ArgumentParser
 
     from lightning_rudra import RudraStrategy
 
-    strategy = yaml.safe_load((REPO / "examples" / "configs" / config).read_text())["trainer"]["strategy"]
+    loaded = yaml.safe_load((REPO / "examples" / "configs" / config).read_text())
     parser = ArgumentParser()
     parser.add_subclass_arguments(RudraStrategy, "strategy")
-    built = parser.instantiate_classes(parser.parse_object({"strategy": strategy})).strategy
-    assert isinstance(built, RudraStrategy) and built.protocol == strategy["init_args"]["protocol"]
+    built = parser.instantiate_classes(parser.parse_object({"strategy": loaded["trainer"]["strategy"]})).strategy
+    assert isinstance(built, RudraStrategy)
+    return loaded, built
+
+
+@pytest.mark.parametrize("config", MNIST1D_CONFIGS)
+def test_every_mnist1d_config_builds_its_strategy(config):
+    """Each config's strategy block builds (the Quickstart's also trains above, and hardsync by its registered
+    name)."""
+    loaded, built = built_strategy(config)
+    assert built.protocol == loaded["trainer"]["strategy"]["init_args"]["protocol"]
     assert len(MNIST1D_CONFIGS) >= 4, MNIST1D_CONFIGS
 
 
@@ -175,14 +182,6 @@ def test_the_language_model_example_trains_and_prints_its_test_loss(tmp_path):
 
 
 def test_the_language_model_config_builds_its_strategy():
-    import yaml
-    from jsonargparse import ArgumentParser
-
-    from lightning_rudra import RudraStrategy
-
-    config = yaml.safe_load((REPO / "examples" / "configs" / "language_model_async.yaml").read_text())
-    parser = ArgumentParser()
-    parser.add_subclass_arguments(RudraStrategy, "strategy")
-    built = parser.instantiate_classes(parser.parse_object({"strategy": config["trainer"]["strategy"]})).strategy
+    config, built = built_strategy("language_model_async.yaml")
     assert built.protocol == "async" and built.compensation == "momentum+clip+syncnorm"
     assert config["trainer"]["gradient_clip_val"] == 0.25

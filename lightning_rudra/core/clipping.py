@@ -193,7 +193,7 @@ def clip(
     clippings: Sequence[Clipping],
     scale: float = 1.0,
     total_norm: Optional[float] = None,
-    sync: Optional[Callable[[], float]] = None,
+    sync: Optional[Callable[[float], float]] = None,
 ) -> None:
     """Clip the gradients of ``params`` (one optimizer's, as the server holds them) in place, by each of
     ``clippings`` in turn, as Lightning applies successive ``clip_gradients`` calls. ``scale``: the mean factor the
@@ -201,8 +201,8 @@ def clip(
     gradient is clipped as its learner would have clipped it and still modulated (exact for one gradient per update).
     A clipping by norm over several servers takes ``total_norm`` (the norm of the update's gradient over every part,
     exchanged by the servers) or else the learner's :attr:`Clipping.norm`. ``sync``: where a clipping by norm is by
-    a synchronous update's norm (:class:`SyncNorm`), what it returns for this update, taken once, at the first
-    clipping by norm."""
+    a synchronous update's norm (:class:`SyncNorm`), what it returns for this update given this server's gradient's
+    norm, taken once, at the first clipping by norm."""
     grads = [p for p in params if p.grad is not None]
     if not grads:  # this server holds none of the optimizer's parameters, or none got a gradient
         return
@@ -211,13 +211,18 @@ def clip(
         if clipping.algorithm == "value":
             torch.nn.utils.clip_grad_value_(grads, clipping.value * scale)
             continue
+        own = None  # this server's gradient's norm, where the rule took it for this clipping
         if ratio is None:
-            ratio = 1.0 if sync is None else sync()
+            ratio = 1.0
+            if sync is not None:
+                own = norm64([p.grad for p in grads])
+                ratio = sync(own)
         if not clipping.global_norm and ratio == 1.0:
             torch.nn.utils.clip_grad_norm_(grads, clipping.value * scale)
             continue
         if not clipping.global_norm:  # of this server's gradient, as scaled
-            factor = clipping.value * scale / (_norm([p.grad for p in grads]) * ratio + _EPS)
+            own = norm64([p.grad for p in grads]) if own is None else own
+            factor = clipping.value * scale / (own * ratio + _EPS)
         elif total_norm is not None:  # of the update's gradient, as scaled
             factor = clipping.value * scale / (total_norm + _EPS)
         else:  # of the learner's gradient, before it was scaled: the same factor
@@ -228,7 +233,7 @@ def clip(
                 p.grad.detach().mul_(factor)  # type: ignore[union-attr]  # grads: those with a gradient
 
 
-def _norm(tensors: Iterable[Optional[Tensor]]) -> float:
+def norm64(tensors: Iterable[Optional[Tensor]]) -> float:
     """The norm of ``tensors`` together, in float64: a finite float32 gradient's norm cannot overflow."""
     norms = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) for t in tensors if t is not None]
     return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
@@ -258,27 +263,27 @@ class SyncNorm:
     def __init__(self) -> None:
         self.means: dict[int, Tensor] = {}
 
-    def ratio(self, params: Sequence[Tensor], alpha: float) -> float:
-        """Fold the gradients of ``params`` (one update's) into the running mean with weight ``alpha``; returns
-        |m| / |g| over the parameters that have a gradient, held within [``alpha``, 1]: where the mean cancels
-        (gradients that flip sign, as in an oscillation clipping is there to stop) the update is still clipped as if
-        m held only its α share of this gradient, and where the mean is larger than the gradient (it lags gradients
-        that shrink, or holds a spike's share) the update is clipped by its own norm, as without the rule."""
+    def ratio(self, params: Sequence[Tensor], alpha: float, norm: float) -> float:
+        """Fold the gradients of ``params`` (one update's, of norm ``norm``) into the running mean with weight
+        ``alpha``; returns |m| / |g| over the parameters that have a gradient, held within [``alpha``, 1]: where the
+        mean cancels (gradients that flip sign, as in an oscillation clipping is there to stop) the update is still
+        clipped as if m held only its α share of this gradient, and where the mean is larger than the gradient (it
+        lags gradients that shrink, or holds a spike's share) the update is clipped by its own norm, as without the
+        rule."""
         grads = {i: p.grad.detach() for i, p in enumerate(params) if p.grad is not None}
-        norm = _norm(grads.values())
         if norm == 0 or not math.isfinite(norm):
             return 1.0
         for i, grad in grads.items():
             mean = self.means.get(i)
             # float64 gradients keep a float64 mean: a float32 one could overflow where they do not
-            dtype = torch.promote_types(grad.dtype, torch.float32)
-            if mean is None or mean.dtype != dtype or mean.shape != grad.shape:
-                self.means[i] = grad.to(dtype, copy=True)
+            wide = grad.to(torch.promote_types(grad.dtype, torch.float32))
+            if mean is None or mean.dtype != wide.dtype or mean.shape != grad.shape:
+                self.means[i] = wide.clone()
             else:
-                mean.mul_(1 - alpha).add_(grad.to(dtype), alpha=alpha)
-        mean_norm = _norm(self.means[i] for i in grads)
+                mean.mul_(1 - alpha).add_(wide, alpha=alpha)
+        mean_norm = norm64(self.means[i] for i in grads)
         if not math.isfinite(mean_norm):  # the mean overflowed: start again from this gradient
-            for i, grad in grads.items():
-                self.means[i] = grad.to(torch.promote_types(grad.dtype, torch.float32), copy=True)
-            return 1.0
+            for i in grads:
+                del self.means[i]
+            return self.ratio(params, alpha, norm)
         return min(max(mean_norm / norm, alpha), 1.0)

@@ -66,6 +66,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_rudra.core.clipping import norm64
 from lightning_rudra.core.errors import ConfigurationError
 
 COMPENSATIONS = ("none", "momentum", "dc", "gap", "clip", "syncnorm")
@@ -255,9 +256,7 @@ class NormWindow:
         if not grads:  # this server holds none of the optimizer's gradients
             return 1.0
         # in float64: a finite float32 gradient's norm cannot overflow to inf and escape the clip
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
-        ).item()
+        norm = norm64(grads)
         # a zero gradient says nothing of the size of a step (and a zero median would zero every stale update); a
         # non-finite one is the nonfinite option's to refuse or apply, as without this rule
         if norm == 0 or not math.isfinite(norm):

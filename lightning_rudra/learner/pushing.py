@@ -71,7 +71,7 @@ class Pushing:
     bucketing: Optional[Bucketing]
     sends_norm: bool
     on_push: Optional[Callable[[int, str, int, float], None]]
-    _in_flight: Optional["Pushes"]
+    _in_flight: Optional[Pushes]
 
     def _timestamps(self) -> tuple[int, ...]:
         return tuple(client.timestamp for client in self.clients)

@@ -83,10 +83,11 @@ def test_hardsync_clipped_equals_sgd_with_batch_mu_lambda_clipped(algorithm):
     assert (hardsync(clipping, clip_on_learners=True) - expected).abs().max() > 0.04
 
 
-def one_weight_server(protocol: str, learners: int, lr_modulation: str = "none") -> Server:
+def one_weight_server(protocol: str, learners: int, lr_modulation: str = "none", compensation: str = "none") -> Server:
     w = torch.zeros(2)
     spec = OptimizerSpec.from_optimizer(torch.optim.SGD([w], lr=0.1), [w])
-    return Server(ProtocolConfig(learners, protocol, lr_modulation=lr_modulation), [w], [], [spec])
+    config = ProtocolConfig(learners, protocol, lr_modulation=lr_modulation, compensation=compensation)
+    return Server(config, [w], [], [spec])
 
 
 def push(server: Server, learner: int, grad, timestamp: int, *clipping):

@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from lightning_rudra.core.clipping import Clipping, SyncNorm
+from lightning_rudra.core.clipping import Clipping, SyncNorm, norm64
 from lightning_rudra.core.errors import ConfigurationError
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.update import Push
+from tests.core.test_clipping import one_weight_server, push
 
 
 def with_grad(*values: list[float]) -> list[torch.Tensor]:
@@ -20,46 +21,41 @@ def with_grad(*values: list[float]) -> list[torch.Tensor]:
     return params
 
 
+def fold(sync: SyncNorm, params: list[torch.Tensor], alpha: float) -> float:
+    """As ``clip`` asks: with the norm of the gradients."""
+    return sync.ratio(params, alpha, norm64([p.grad for p in params]))
+
+
 def test_the_ratio_is_of_the_running_mean_to_the_gradient_and_starts_at_one():
     sync = SyncNorm()
-    assert sync.ratio(with_grad([3.0], [4.0]), 0.5) == 1.0  # the first gradient is the mean
+    assert fold(sync, with_grad([3.0], [4.0]), 0.5) == 1.0  # the first gradient is the mean
     # mean: 0.5 [3, 4] + 0.5 [-3, 4] = [0, 4]; |g| = 5
-    assert sync.ratio(with_grad([-3.0], [4.0]), 0.5) == pytest.approx(4 / 5)
+    assert fold(sync, with_grad([-3.0], [4.0]), 0.5) == pytest.approx(4 / 5)
     assert [m.tolist() for m in sync.means.values()] == [[0.0], [4.0]]
 
 
 @pytest.mark.parametrize("bad", [0.0, math.inf, math.nan])
 def test_a_zero_or_non_finite_gradient_is_not_folded_in(bad):
     sync = SyncNorm()
-    sync.ratio(with_grad([3.0, 4.0]), 0.5)
-    assert sync.ratio(with_grad([bad, 0.0]), 0.5) == 1.0
+    fold(sync, with_grad([3.0, 4.0]), 0.5)
+    assert fold(sync, with_grad([bad, 0.0]), 0.5) == 1.0
     assert sync.means[0].tolist() == [3.0, 4.0]
 
 
 def test_a_parameter_without_a_gradient_keeps_its_mean_and_is_left_out_of_the_norms():
     sync = SyncNorm()
-    sync.ratio(with_grad([1.0], [10.0]), 0.5)
+    fold(sync, with_grad([1.0], [10.0]), 0.5)
     params = with_grad([3.0], [0.0])
     params[1].grad = None
-    assert sync.ratio(params, 0.5) == pytest.approx(2 / 3)  # mean [2] of the first parameter, |g| = 3
+    assert fold(sync, params, 0.5) == pytest.approx(2 / 3)  # mean [2] of the first parameter, |g| = 3
     assert sync.means[1].tolist() == [10.0]
 
 
-def server(learners: int, compensation: str, protocol: str = "async") -> Server:
-    w = torch.zeros(2)
-    spec = OptimizerSpec.from_optimizer(torch.optim.SGD([w], lr=0.1), [w])
-    config = ProtocolConfig(learners, protocol, compensation=compensation)
-    return Server(config, [w], [], [spec])
-
-
-def push(server: Server, learner: int, grad, timestamp: int, *clipping: Clipping):
-    return server.push(
-        Push(learner, 0, [torch.tensor(grad)], torch.tensor([True]), timestamp, [{"lr": 0.1}], [], clipping=clipping)
-    )
-
-
 def test_an_async_update_is_clipped_by_the_running_means_norm():
-    rule, old = server(2, "momentum+syncnorm"), server(2, "momentum")
+    rule, old = (
+        one_weight_server("async", 2, compensation="momentum+syncnorm"),
+        one_weight_server("async", 2, compensation="momentum"),
+    )
     for s in (rule, old):
         push(s, 0, [3.0, 4.0], 0, Clipping(1.0))  # the first: by its own norm, [0.6, 0.8], the rate halved (c/λ)
         assert s.params[0].tolist() == pytest.approx([-0.03, -0.04])
@@ -78,7 +74,7 @@ def moved(s: Server, learner: int, grad, timestamp: int) -> float:
 
 
 def test_a_gradient_far_above_the_mean_moves_at_most_the_synchronous_limit():
-    s = server(4, "momentum+syncnorm")
+    s = one_weight_server("async", 4, compensation="momentum+syncnorm")
     for t in range(20):
         push(s, t % 4, [0.01, 0.0], max(0, t - 3), Clipping(1.0))  # σ = 3 once the clock is at 3
     # its rate 0.1 is scaled by 1/4 (c/λ, 1/(σ + 1)) and the mean holds α = 2/5 of it: (λ + c)/(2λ) = 5/8 of the
@@ -90,7 +86,7 @@ def test_a_gradient_far_above_the_mean_moves_at_most_the_synchronous_limit():
 def test_gradients_that_flip_sign_are_still_clipped_to_the_synchronous_limit(flip):
     """A mean that cancels (g, then -1.5 g: α = 2/5 of it cancels the 3/5 of the first) would take the clipping
     off; the ratio is held at α or more."""
-    s = server(4, "momentum+syncnorm")
+    s = one_weight_server("async", 4, compensation="momentum+syncnorm")
     moved(s, 0, [-1e6, 0.0], 0)
     assert moved(s, 1, [flip * 1e6, 0.0], 0) <= 0.1 * 5 / 8 + 1e-7
 
@@ -134,12 +130,18 @@ def test_softsync_folds_each_update_of_c_gradients_with_its_own_weight():
 
 def test_one_learner_clipping_by_value_and_no_clipping_are_unchanged():
     pushes = [([3.0, 4.0], Clipping(1.0)), ([-3.0, 4.0], Clipping(1.0)), ([5.0, -2.0], Clipping(0.5, "value"))]
-    rule, old = server(1, "momentum+syncnorm"), server(1, "momentum")
+    rule, old = (
+        one_weight_server("async", 1, compensation="momentum+syncnorm"),
+        one_weight_server("async", 1, compensation="momentum"),
+    )
     for s in (rule, old):
         for step, (grad, clipping) in enumerate(pushes):
             push(s, 0, grad, step, clipping)
     assert torch.equal(rule.params[0], old.params[0]) and not rule.sync_norms[0].means  # never asked
-    rule, old = server(2, "momentum+syncnorm"), server(2, "momentum")
+    rule, old = (
+        one_weight_server("async", 2, compensation="momentum+syncnorm"),
+        one_weight_server("async", 2, compensation="momentum"),
+    )
     for s in (rule, old):
         for step, (grad, clipping) in enumerate(pushes):
             push(s, step % 2, grad, step, *([clipping] if clipping.algorithm == "value" else []))
@@ -148,7 +150,7 @@ def test_one_learner_clipping_by_value_and_no_clipping_are_unchanged():
 
 def test_syncnorm_without_momentum_is_refused_by_name():
     with pytest.raises(ConfigurationError, match="'syncnorm' clips a stale update .* Use it with 'momentum'"):
-        server(2, "clip+syncnorm")
+        one_weight_server("async", 2, compensation="clip+syncnorm")
 
 
 def test_over_two_servers_each_scales_the_learners_norm_by_its_parts_ratio():

@@ -59,6 +59,7 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "async+ssp3": ("async", 1, [], {"max_staleness": 3, "on_stale": "block"}),
     # issue 33: stale gradients clipped to the median norm of the recent ones
     "async+clip": ("async", 1, [], {"compensation": "momentum+clip"}),
+    "async+syncnorm": ("async", 1, [], {"compensation": "momentum+clip+syncnorm"}),
     # issue 33: hivemind.Optimizer's peers beside them (benchmarks.peers; pip install -e ".[peers]")
     "hivemind": ("hivemind", 1, [], {}),
 }
@@ -93,6 +94,7 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "hardsync+backup1": "Rudra hardsync, backup=1",
     "async+ssp3": 'Rudra async, SSP (max_staleness=3, on_stale="block")',
     "async+clip": 'Rudra async, compensation="momentum+clip"',
+    "async+syncnorm": 'Rudra async, compensation="momentum+clip+syncnorm" (the default before dana)',
     "hivemind": "hivemind.Optimizer 1.1.12 (peers in a torch loop, gradients averaged every μ·λ samples)",
 }
 

@@ -183,5 +183,5 @@ def test_the_language_model_example_trains_and_prints_its_test_loss(tmp_path):
 
 def test_the_language_model_config_builds_its_strategy():
     config, built = built_strategy("language_model_async.yaml")
-    assert built.protocol == "async" and built.compensation == "momentum+clip+syncnorm"
+    assert built.protocol == "async" and built.compensation == "momentum+clip+syncnorm+dana"
     assert config["trainer"]["gradient_clip_val"] == 0.25

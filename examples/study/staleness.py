@@ -32,9 +32,10 @@ STALE_EPOCHS = 30
 SEEDS = (0, 1, 2)
 HARDSYNC_LEARNERS = 4
 STALE = (("async", 4, 1), ("async", 16, 1), ("softsync", 16, 4), ("async", 30, 1))
-RULES = ("momentum", "none", "momentum+dc", "momentum+clip", "momentum+clip+syncnorm")  # the old defaults first
+RULES = ("momentum", "none", "momentum+dc", "momentum+clip", "momentum+clip+syncnorm", "momentum+clip+syncnorm+dana")
+# (the old defaults first)
 # configurations that train only some rules (time): λ = 30, μ = 4 (μλ = 120), the old defaults and the new one
-STALE_RULES = {("async", 30, 1): ("momentum", "momentum+clip", "momentum+clip+syncnorm")}
+STALE_RULES = {("async", 30, 1): ("momentum", "momentum+clip", "momentum+clip+syncnorm", "momentum+clip+syncnorm+dana")}
 RATES = {
     "sgd": (0.05, 0.1, 0.2),
     "sgd-clip": (0.25, 1.0, 4.0),

@@ -2,7 +2,7 @@
 the synchronous run, with the optimizer and learning rate tuned for it. Plain torch.
 
 A rule is one of ``COMPENSATIONS``, or several joined by ``+`` (``"momentum+dc"``); the default,
-``DEFAULT_COMPENSATION``, is ``"momentum+clip+syncnorm"``. With σ = 0 (hardsync, one learner) every rule is the
+``DEFAULT_COMPENSATION``, is ``"momentum+clip+syncnorm+dana"``. With σ = 0 (hardsync, one learner) every rule is the
 identity, so hardsync stays SGD with batch μλ and async with one learner plain SGD.
 
 ``momentum`` (a step that stays stable under delay). A synchronous update averages λ gradients, a stale one
@@ -68,8 +68,9 @@ from torch import Tensor
 
 from lightning_rudra.core.clipping import norm64
 from lightning_rudra.core.errors import ConfigurationError
+from lightning_rudra.core.lookahead import keeps_momentum
 
-COMPENSATIONS = ("none", "momentum", "dc", "gap", "clip", "syncnorm")
+COMPENSATIONS = ("none", "momentum", "dc", "gap", "clip", "syncnorm", "dana")
 DC_LAMBDA = 0.2
 DC_DECAY = 0.95
 GAP_DECAY = 0.9
@@ -82,7 +83,7 @@ _SIGN_BASED = ("Rprop",)
 
 
 # chosen across model families and optimizers: docs/study/staleness/findings.md
-DEFAULT_COMPENSATION = "momentum+clip+syncnorm"
+DEFAULT_COMPENSATION = "momentum+clip+syncnorm+dana"
 # where an optimizer's state dict carries the rules' running means (position -> {name: tensor})
 RULES_STATE = "rudra_compensation"
 # where the first releases kept them: in the optimizer's own entries (read from older checkpoints)
@@ -117,6 +118,11 @@ def parse_compensation(compensation: str) -> tuple[str, ...]:
             "that the 'momentum' rule scales its rate to a part of; without that scaling one update could move "
             "(λ + 1)/2 times the clipping's limit. Use it with 'momentum' (e.g. 'momentum+clip+syncnorm')."
         )
+    if "dana" in rules and "momentum" not in rules:
+        raise ConfigurationError(
+            f"compensation={compensation!r}: 'dana' keeps momentum SGD's momentum per learner where the 'momentum' "
+            "rule would switch it off, at the rate that rule scales. Use it with 'momentum' (e.g. 'momentum+dana')."
+        )
     return () if rules == ("none",) else rules
 
 
@@ -137,14 +143,18 @@ def momentum_hyperparameters(
     num_learners: int,
     mean_staleness: float,
     update_staleness: float,
+    dana: bool = False,
 ) -> float:
     """The ``momentum`` rule on one parameter group of an ``optimizer`` (its lr and momentum as the learner sent
     them), in place: ``mean_staleness`` is the run's ⟨σ⟩ of this optimizer's gradients, ``update_staleness`` the
-    mean σ of the gradients this update averages. Returns the factor its rate was multiplied by."""
+    mean σ of the gradients this update averages; ``dana``: SGD's momentum kept as a look-ahead
+    (:mod:`lightning_rudra.core.lookahead`) instead of switched off. Returns the factor its rate was multiplied by."""
     scale = gradients_per_update / num_learners
     if mean_staleness > 0 and issubclass(optimizer, torch.optim.SGD):
         scale = min(scale, 1 / (update_staleness + 1))
-        if group.get("momentum", 0):
+        if dana and keeps_momentum(group):
+            group["nesterov"] = True
+        elif group.get("momentum", 0):
             scale *= (1 - group.get("dampening", 0)) / (1 - group["momentum"])
             group["momentum"] = 0.0
             group["nesterov"] = False

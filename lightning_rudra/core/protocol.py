@@ -98,6 +98,7 @@ class Server(Updating):
         self.last_updates: list[Optional[Update]] = [None] * len(optimizers)
         # hardsync and batchsync apply no stale gradient: no rule (they stay SGD with batch μλ, Kμ)
         self.rules = parse_compensation(config.compensation) if config.protocol in ("softsync", "async") else ()
+        self.dana = "dana" in self.rules  # momentum SGD: each learner's momentum (core/lookahead.py)
         self.history = (
             StaleWeights(config.num_learners, self.clock, self.flat_params) if {"dc", "gap"} & set(self.rules) else None
         )

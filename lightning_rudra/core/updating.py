@@ -7,7 +7,7 @@ from functools import partial
 from typing import Any, Optional, Sequence
 
 from torch import Tensor
-from torch.optim import Optimizer
+from torch.optim import SGD, Optimizer
 
 from lightning_rudra.core.clipping import GlobalNorm, SyncNorm, clip, global_norm_step, squared_norm
 from lightning_rudra.core.compensation import (
@@ -19,6 +19,7 @@ from lightning_rudra.core.compensation import (
 )
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
+from lightning_rudra.core.lookahead import step_with_learner_momenta
 from lightning_rudra.core.optimizers import hyperparameters
 from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
@@ -44,6 +45,7 @@ class Updating:
     clocks: OptimizerClocks
     last_updates: list[Optional[Update]]
     rules: Sequence[str]
+    dana: bool
     history: Optional[StaleWeights]
     norm_windows: Optional[list[NormWindow]]
     sync_norms: Optional[list[SyncNorm]]
@@ -172,7 +174,15 @@ class Updating:
         indices = self.optimizer_params[optimizer]
         self.store.begin()
         try:
-            self.optimizers[optimizer].step()
+            if self._looks_ahead(optimizer):
+                step_with_learner_momenta(
+                    self.optimizers[optimizer],
+                    [self.params[i] for i in indices],
+                    self.rules_states[optimizer],
+                    pending.learners,
+                )
+            else:
+                self.optimizers[optimizer].step()
             for master, total in zip(self.flat_buffers, pending.buffers):
                 master.copy_(total.div_(count) if total.is_floating_point() else total)
             self.stats.clock += 1
@@ -190,6 +200,11 @@ class Updating:
         update = Update(optimizer, self.clock, tuple(pending.staleness), lr_factor, tuple(pending.scales), rule_scale)
         self.last_updates[optimizer] = update
         return update
+
+    def _looks_ahead(self, optimizer: int) -> bool:
+        """``dana`` steps this optimizer on its learners' own momenta: SGD, once its gradients are stale (as the
+        ``momentum`` rule switches momentum off)."""
+        return self.dana and isinstance(self.optimizers[optimizer], SGD) and self.stats.mean_staleness_of(optimizer) > 0
 
     def _set_hyperparameters(
         self,
@@ -212,7 +227,7 @@ class Updating:
             if "momentum" in self.rules:
                 rule_scales.append(
                     momentum_hyperparameters(
-                        group, type(opt), count, len(self.members), mean_staleness, update_staleness
+                        group, type(opt), count, len(self.members), mean_staleness, update_staleness, self.dana
                     )
                 )
         return rule_scales[0] if rule_scales else 1.0

@@ -296,7 +296,7 @@ def test_the_rate_reported_is_the_rate_the_server_applied_after_the_rule():
 
 
 def test_defaults_and_refusals():
-    assert staleness_options(None, None) == ("none", "momentum+clip+syncnorm")
+    assert staleness_options(None, None) == ("none", "momentum+clip+syncnorm+dana")
     assert staleness_options("mean", None) == ("mean", "none")
     assert staleness_options("none", None) == ("none", "none")  # a config that names its rule keeps it
     assert parse_compensation("none") == () and parse_compensation("gap+momentum") == ("gap", "momentum")

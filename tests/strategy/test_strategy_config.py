@@ -48,7 +48,7 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         "softsync",
         1,
         "none",
-        "momentum+clip+syncnorm",
+        "momentum+clip+syncnorm+dana",
         None,
     )
     # the paper's modulation alone, as before compensation existed; or both, where they do not overlap

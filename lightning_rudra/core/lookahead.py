@@ -1,0 +1,73 @@
+"""``dana``: momentum SGD kept under staleness, one momentum per learner and the weights a look-ahead (DANA-Zero:
+Hakimi, Barkai, Gabel, Schuster, "Taming Momentum in a Distributed Asynchronous Environment", 2019). Plain torch.
+
+Heavy-ball momentum with one buffer for every learner's gradients turns unstable under a delay of τ updates once
+step × curvature exceeds about π/(2τ + 1) (the ``momentum`` rule therefore switches it off and pays with the
+curvatures between that edge and the synchronous run's, which ``clip`` holds). DANA keeps a buffer v_i per learner
+and hands every learner the point the weights are about to reach, θ − η·β·Σ_j v_j: each learner's next update moves
+them by its momentum part η·β·v_j before anything else, so a gradient taken there is stale only by the other
+learners' gradient parts, not by the momentum that dominates a step. Kept as that look-ahead point Θ itself (as
+Bengio's form of Nesterov's momentum), learner i's update is v_i ← β·v_i + g, Θ ← Θ − η·(g + β·v_i): Nesterov's
+step of torch's SGD on learner i's own buffer. So the server's weights stay the weights it hands out, and the
+optimizer's own step does the arithmetic (weight decay, foreach, maximize as it does them).
+
+An update of c gradients (n-softsync) steps on the mean of its learners' buffers with their mean gradient ḡ
+(torch's step adds the weight decay to it), and each of them then holds β·v_i + ḡ: Θ moves as the c learners'
+own steps would together, only the part of ḡ each holds is shared. The buffers live in the rules' running means
+(``rules_states``, under ``momentum_<learner>``), so checkpoints keep them, cut as the server's parts. With a rate of
+lr·c/λ per update the learners' buffers together move λ/c updates as far as the synchronous run's one step.
+"""
+
+from typing import Any, Collection, Sequence
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+def keeps_momentum(group: dict[str, Any]) -> bool:
+    """Whether ``dana`` keeps the momentum of this parameter group (its learner's hyper-parameters): a momentum,
+    and no dampening (Nesterov's form is the look-ahead only without it)."""
+    return bool(group.get("momentum", 0)) and not group.get("dampening", 0)
+
+
+def key(learner: int) -> str:
+    return f"momentum_{learner}"
+
+
+def step_with_learner_momenta(
+    optimizer: Optimizer,
+    params: Sequence[Tensor],
+    states: Sequence[dict[str, Tensor]],
+    learners: Collection[int],
+) -> None:
+    """``optimizer.step()`` (its groups set to Nesterov's momentum where ``keeps_momentum``) on the buffers of
+    ``learners``, the authors of this update: per parameter of ``params`` (the optimizer's, in its order, with
+    ``states`` their rules' running means) its learner's own, or for several their mean."""
+    position = {id(p): i for i, p in enumerate(params)}
+    lent: list[tuple[dict[str, Tensor], Tensor, Tensor, float]] = []  # several learners: (state, param, mean, β)
+    for group in optimizer.param_groups:
+        if not (group.get("nesterov") and keeps_momentum(group)):
+            continue
+        for p in group["params"]:
+            if p.grad is None or id(p) not in position:
+                continue
+            state = states[position[id(p)]]
+            own = [state[key(i)] for i in learners if key(i) in state]
+            if len(learners) == 1:
+                # the learner's buffer itself: torch's step updates it in place (none yet: torch makes it)
+                optimizer.state[p]["momentum_buffer"] = own[0] if own else None
+                lent.append((state, p, p.grad, 0.0))
+            else:
+                mean = sum(own[1:], own[0].clone()).div_(len(learners)) if own else p.grad.new_zeros(p.shape)
+                optimizer.state[p]["momentum_buffer"] = mean.clone()
+                lent.append((state, p, mean, group["momentum"]))
+    optimizer.step()
+    for state, p, mean, beta in lent:
+        buffer = optimizer.state[p]["momentum_buffer"]
+        if len(learners) == 1:
+            state[key(next(iter(learners)))] = buffer
+            continue
+        gradient = buffer - mean.mul_(beta)  # ḡ with its weight decay: the step's buffer is β·mean + ḡ
+        for i in learners:
+            own_buffer = state.get(key(i))
+            state[key(i)] = gradient.clone() if own_buffer is None else own_buffer.mul_(beta).add_(gradient)

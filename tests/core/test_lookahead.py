@@ -1,0 +1,119 @@
+"""``dana`` on scripted pushes: each learner's momentum kept on the server and Nesterov's step taken on it, by hand;
+softsync's shared part; the identity where nothing is stale; its buffers in the checkpoint; the refusals."""
+
+import copy
+
+import pytest
+import torch
+
+from lightning_rudra.core.compensation import RULES_STATE, parse_compensation
+from lightning_rudra.core.optimizers import OptimizerSpec
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.stats import Stats
+from tests.core.test_compensation import push, scalar_server, weight
+
+
+def momenta(server):
+    return {k: v.item() for k, v in server.optimizer_state(0)["state"].get(RULES_STATE, {}).get(0, {}).items()}
+
+
+def test_each_learner_keeps_its_own_momentum_and_the_server_steps_nesterov_on_it():
+    server, opt = scalar_server("momentum+dana", momentum=0.9)
+    push(server, opt, 0, 1.0, 0)  # σ = 0, ⟨σ⟩ = 0: nothing stale yet, the rate · c/λ = 0.05 and torch's momentum
+    assert weight(server) == pytest.approx(0.95) and momenta(server) == {}
+    push(server, opt, 1, 2.0, 0)  # σ = 1: learner 1's buffer 2, step 0.05 · (2 + 0.9 · 2)
+    assert weight(server) == pytest.approx(0.95 - 0.05 * 3.8)
+    push(server, opt, 0, 1.0, 1)  # learner 0's own buffer (the shared one before staleness is not its): 1
+    assert weight(server) == pytest.approx(0.76 - 0.05 * 1.9)
+    push(server, opt, 1, 1.0, 2)  # learner 1: 0.9 · 2 + 1 = 2.8, step 0.05 · (1 + 0.9 · 2.8)
+    assert weight(server) == pytest.approx(0.665 - 0.05 * 3.52)
+    assert momenta(server) == {"momentum_0": pytest.approx(1.0), "momentum_1": pytest.approx(2.8)}
+    group = server.optimizers[0].param_groups[0]
+    assert group["momentum"] == 0.9 and group["nesterov"] and not opt.param_groups[0]["nesterov"]
+
+
+def test_a_softsync_update_steps_on_its_learners_mean_buffer_and_each_keeps_its_own_decay():
+    server, opt = scalar_server("momentum+dana", "softsync", learners=4, n=2, momentum=0.5)  # c = 2, c/λ = 1/2
+    for learner, grad in ((0, 1.0), (1, 3.0)):  # σ = 0: torch's own momentum
+        push(server, opt, learner, grad, 0)
+    assert weight(server) == pytest.approx(1 - 0.05 * 2.0)
+    for learner, grad in ((2, 2.0), (3, 4.0)):  # σ = 1: mean gradient 3 on no buffers yet, step 0.05 · (3 + 0.5 · 3)
+        push(server, opt, learner, grad, 0)
+    assert weight(server) == pytest.approx(0.9 - 0.05 * 4.5)
+    assert momenta(server) == {"momentum_2": pytest.approx(3.0), "momentum_3": pytest.approx(3.0)}
+    for learner, grad, timestamp in ((2, 1.0, 1), (0, 3.0, 0)):  # σ = 1, 2: mean buffer (3 + 0) / 2, ḡ = 2
+        push(server, opt, learner, grad, timestamp)
+    step = 2.0 + 0.5 * (0.5 * 1.5 + 2.0)  # ḡ + β · (β · mean + ḡ)
+    assert server.last_updates[0].rule_scale == pytest.approx(1 / 2.5)  # min(c/λ, 1/(mean σ + 1))
+    assert weight(server) == pytest.approx(0.675 - 0.1 / 2.5 * step)
+    # each holds β · its own + ḡ: learner 2's 0.5 · 3 + 2, learner 0's 0 + 2
+    assert momenta(server) == {
+        "momentum_0": pytest.approx(2.0),
+        "momentum_2": pytest.approx(3.5),
+        "momentum_3": pytest.approx(3.0),
+    }
+
+
+@pytest.mark.parametrize("protocol", ["async", "hardsync"])
+def test_nothing_stale_is_plain_sgd(protocol):
+    """One async learner (σ = 0 always) and hardsync: every update is the optimizer's own."""
+    learners = 1 if protocol == "async" else 2
+    server, opt = scalar_server("momentum+dana", protocol, learners=learners, momentum=0.9, nesterov=True)
+    w = torch.ones(1, requires_grad=True)
+    plain = torch.optim.SGD([w], lr=0.1, momentum=0.9, nesterov=True)
+    for step, grad in enumerate([1.0, -2.0, 0.5, 3.0]):
+        for learner in range(learners):
+            push(server, opt, learner, grad, step)
+        w.grad = torch.tensor([grad])
+        plain.step()
+        assert weight(server) == w.item()
+
+
+def test_what_it_does_not_keep_is_the_momentum_rules():
+    """Dampening (no look-ahead in Nesterov's form), no momentum, and Adam: as under ``momentum`` alone."""
+    for options in ({"momentum": 0.9, "dampening": 0.5}, {"momentum": 0.0}):
+        weights = []
+        for rule in ("momentum", "momentum+dana"):
+            server, opt = scalar_server(rule, **options)
+            for learner, grad, timestamp in ((0, 1.0, 0), (1, 2.0, 0), (0, -1.0, 1), (1, 0.5, 2)):
+                push(server, opt, learner, grad, timestamp)
+            weights.append(weight(server))
+            assert momenta(server) == {}
+        assert weights[0] == weights[1], options
+    weights = []
+    for rule in ("momentum", "momentum+dana"):
+        server, opt = scalar_server(rule, optimizer=torch.optim.Adam)
+        for learner, grad, timestamp in ((0, 1.0, 0), (1, 2.0, 0), (0, -1.0, 1)):
+            push(server, opt, learner, grad, timestamp)
+        weights.append(weight(server))
+    assert weights[0] == weights[1]
+
+
+def test_the_learners_momenta_are_saved_and_resume_exactly():
+    server, opt = scalar_server("momentum+dana", momentum=0.9)
+    for learner, grad, timestamp in ((0, 1.0, 0), (1, 2.0, 0), (0, -1.0, 1)):
+        push(server, opt, learner, grad, timestamp)
+    saved = copy.deepcopy(server.optimizer_state(0))
+    assert set(saved["state"][RULES_STATE][0]) == {"momentum_0", "momentum_1"}
+    params = [p.clone() for p in server.params]
+    again = Server(
+        server.config,
+        params,
+        [],
+        [OptimizerSpec.from_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), params)],
+        Stats.from_dict(server.stats.to_dict()),
+    )
+    again.load_optimizer_state(0, saved)
+    for s in (server, again):
+        clock = s.clock
+        for learner, grad, timestamp in ((1, 0.5, clock - 1), (0, 2.0, clock), (1, -1.0, clock + 1)):
+            push(s, opt, learner, grad, timestamp)
+    assert weight(server) == weight(again) and momenta(server) == momenta(again)
+
+
+def test_dana_needs_the_momentum_rule():
+    assert parse_compensation("momentum+clip+dana") == ("momentum", "clip", "dana")
+    with pytest.raises(ValueError, match=r"compensation='clip\+dana': 'dana' keeps momentum SGD's momentum"):
+        parse_compensation("clip+dana")
+    with pytest.raises(ValueError, match="is not supported"):
+        ProtocolConfig(2, "async", compensation="momentum+dana+dana")

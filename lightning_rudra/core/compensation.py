@@ -27,6 +27,15 @@ theirs that averages more than one gradient (n-softsync) is capped at 1/(2⟨σ�
 lets Adam's normalized step grow towards its full rate, and without the cap 4-softsync at λ = 16 ended 18 points
 above hardsync under ``momentum+clip`` on the staleness study's CNN (docs/study/staleness/findings.md).
 
+``dana`` (with ``momentum``): momentum SGD keeps its momentum under staleness, one buffer per learner on the server,
+and the server's weights are the look-ahead point the learners' momenta are about to reach, so a gradient is stale
+by the others' gradients only, not by the momentum that dominates a step (DANA-Zero: Hakimi et al., 2019; as
+Nesterov's step of torch's SGD on the pushing learner's own buffer, :mod:`lightning_rudra.core.lookahead`). The rate
+is the one ``momentum`` scales, lr · min(c/λ, 1/(σ + 1)), without the 1/(1 − β). Without ``clip`` some runs still
+blew up (the staleness study's CNN, 4-softsync and async λ = 30); with it, the study's CNN reached hardsync's error
+in fewer epochs than hardsync (docs/study/staleness/findings.md). Other optimizers, a dampened momentum and plain
+SGD are ``momentum``'s.
+
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with
 g ⊙ g standing for the Hessian's diagonal; MS is the running mean of g ⊙ g (0.95), λ0 = ``DC_LAMBDA``.

@@ -9,7 +9,8 @@ them by its momentum part η·β·v_j before anything else, so a gradient taken 
 learners' gradient parts, not by the momentum that dominates a step. Kept as that look-ahead point Θ itself (as
 Bengio's form of Nesterov's momentum), learner i's update is v_i ← β·v_i + g, Θ ← Θ − η·(g + β·v_i): Nesterov's
 step of torch's SGD on learner i's own buffer. So the server's weights stay the weights it hands out, and the
-optimizer's own step does the arithmetic (weight decay, foreach, maximize as it does them).
+optimizer's own step does the arithmetic (weight decay, foreach, maximize as it does them). The cost: a copy of the server's
+part of the weights per learner, in memory and in every checkpoint. A learner that rejoins goes on with its buffer.
 
 An update of c gradients (n-softsync) steps on the mean of its learners' buffers with their mean gradient ḡ
 (torch's step adds the weight decay to it), and each of them then holds β·v_i + ḡ: Θ moves as the c learners'
@@ -18,7 +19,7 @@ own steps would together, only the part of ḡ each holds is shared. The buffers
 lr·c/λ per update the learners' buffers together move λ/c updates as far as the synchronous run's one step.
 """
 
-from typing import Any, Collection, Sequence
+from typing import Any, Sequence
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -38,11 +39,13 @@ def step_with_learner_momenta(
     optimizer: Optimizer,
     params: Sequence[Tensor],
     states: Sequence[dict[str, Tensor]],
-    learners: Collection[int],
+    learners: Sequence[int],
 ) -> None:
     """``optimizer.step()`` (its groups set to Nesterov's momentum where ``keeps_momentum``) on the buffers of
-    ``learners``, the authors of this update: per parameter of ``params`` (the optimizer's, in its order, with
-    ``states`` their rules' running means) its learner's own, or for several their mean."""
+    ``learners``, whose gradients this update sums (a learner twice if two of its gradients are in it; never one
+    refused or dropped): per parameter of ``params`` (the optimizer's, in its order, with ``states`` their rules'
+    running means) its learner's own, or for several their mean, each of them then holding β·v_i + ḡ once per
+    gradient of its in the update."""
     position = {id(p): i for i, p in enumerate(params)}
     lent: list[tuple[dict[str, Tensor], Tensor, Tensor, float]] = []  # several learners: (state, param, mean, β)
     for group in optimizer.param_groups:
@@ -52,7 +55,7 @@ def step_with_learner_momenta(
             if p.grad is None or id(p) not in position:
                 continue
             state = states[position[id(p)]]
-            own = [state[key(i)] for i in learners if key(i) in state]
+            own = [state[key(i)] for i in learners if key(i) in state]  # none yet: zero
             if len(learners) == 1:
                 # the learner's buffer itself: torch's step updates it in place (none yet: torch makes it)
                 optimizer.state[p]["momentum_buffer"] = own[0] if own else None
@@ -65,7 +68,7 @@ def step_with_learner_momenta(
     for state, p, mean, beta in lent:
         buffer = optimizer.state[p]["momentum_buffer"]
         if len(learners) == 1:
-            state[key(next(iter(learners)))] = buffer
+            state[key(learners[0])] = buffer
             continue
         gradient = buffer - mean.mul_(beta)  # ḡ with its weight decay: the step's buffer is β·mean + ḡ
         for i in learners:

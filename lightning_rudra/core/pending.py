@@ -22,6 +22,7 @@ class Gradient:
     timestamp: int
     count: int = 1  # learners whose gradients it sums (a node's push)
     own: Optional[OwnSteps] = None  # its learner's steps that are no staleness to it
+    learners: tuple[int, ...] = ()  # whose gradients it sums (``count`` of them)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Pending:
     staleness: list[int] = field(default_factory=list)  # of the gradients summed
     scales: list[float] = field(default_factory=list)
     learners: set[int] = field(default_factory=set)  # who pushed (hardsync: one gradient each)
+    authors: list[int] = field(default_factory=list)  # whose gradients are summed (not refused, not dropped)
     # the learner whose own push closed this update of its gradients alone: no staleness to its other optimizers'
     # gradients pushed after (core/staleness.py); None for any other update
     author: Optional[int] = None
@@ -52,9 +54,11 @@ class Pending:
         sigma: int,
         scale: float,
         count: int = 1,
+        learners: Sequence[int] = (),
     ) -> None:
         """Sum an admitted gradient (scaled by ``scale``) and its buffers in place, and count its σ; ``count``: the
-        learners whose gradients (and floating-point buffers) it already sums, each counted in the average."""
+        learners whose gradients (and floating-point buffers) it already sums, each counted in the average;
+        ``learners``: who they are."""
         if self.grads is None:
             self.grads = [_accumulator(g, scale) for g in grads]
             self.has_grad = has_grad
@@ -68,6 +72,7 @@ class Pending:
                 total.add_(b) if total.is_floating_point() else total.copy_(b)
         self.staleness += [sigma] * count
         self.scales += [scale] * count
+        self.authors += learners
 
 
 def _accumulator(t: Tensor, scale: float) -> Tensor:

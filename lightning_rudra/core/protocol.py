@@ -284,7 +284,8 @@ class Server(Updating):
         pending.received += count
         pending.hparams = list(push.hparams)
         pending.clipping = tuple(push.clipping)
-        gradient = Gradient(push.grads, push.has_grad, push.buffers, push.timestamp, count, own)
+        learners = tuple(who for who in (push.learner, *push.members) if who not in push.refused)
+        gradient = Gradient(push.grads, push.has_grad, push.buffers, push.timestamp, count, own, learners)
         if self._defer:
             pending.waiting.append(gradient)
             self.clocks.queued(push.optimizer, push.timestamp)

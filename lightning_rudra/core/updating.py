@@ -105,7 +105,9 @@ class Updating:
                 self.rules_states[optimizer],
             )
         scale = 1.0 / max(1, sigma) if self.config.lr_modulation == "per_gradient" else 1.0
-        pending.add(gradient.grads, gradient.has_grad, gradient.buffers, sigma, scale, gradient.count)
+        pending.add(
+            gradient.grads, gradient.has_grad, gradient.buffers, sigma, scale, gradient.count, gradient.learners
+        )
         self.stats.count_staleness(optimizer, sigma, gradient.count)
         return "accepted"
 
@@ -179,7 +181,7 @@ class Updating:
                     self.optimizers[optimizer],
                     [self.params[i] for i in indices],
                     self.rules_states[optimizer],
-                    pending.learners,
+                    pending.authors,
                 )
             else:
                 self.optimizers[optimizer].step()

@@ -67,8 +67,8 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         n: softsync's splitting parameter, 1 <= n <= λ; the mean staleness is about n.
         lr_modulation: the paper's rules, ``"mean"``, ``"per_gradient"`` or ``"none"``; set alone, no compensation.
         compensation: the server's rule for stale gradients (:mod:`lightning_rudra.core.compensation`):
-            ``"momentum"``, ``"dc"``, ``"gap"``, ``"clip"``, ``"syncnorm"``, several joined by ``+`` (the
-            default: ``"momentum+clip+syncnorm"``), or ``"none"``.
+            ``"momentum"``, ``"dc"``, ``"gap"``, ``"clip"``, ``"syncnorm"``, ``"dana"``, several joined by ``+`` (the
+            default: ``"momentum+clip+syncnorm+dana"``), or ``"none"``.
         max_staleness: gradients more than this many updates stale are dropped and counted; None keeps all.
         on_stale: ``"drop"`` (a gradient staler than ``max_staleness`` is dropped and counted) or ``"block"`` (Stale
             Synchronous Parallel: the server holds back the pushes that would make one so, until the lagging

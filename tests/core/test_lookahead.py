@@ -89,6 +89,41 @@ def test_what_it_does_not_keep_is_the_momentum_rules():
     assert weights[0] == weights[1]
 
 
+def test_a_refused_gradient_moves_neither_the_weights_nor_its_learners_buffer():
+    """Its learner pushed a NaN (skipped), but nothing of it is in the update: the next is the other learner's alone."""
+    w = torch.ones(1)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    config = ProtocolConfig(2, "async", compensation="momentum+dana", nonfinite="skip")
+    server = Server(config, [w], [], [OptimizerSpec.from_optimizer(opt, [w])])
+    push(server, opt, 0, 1.0, 0)
+    push(server, opt, 1, 2.0, 0)  # σ = 1: learner 1's buffer 2
+    push(server, opt, 0, 1.0, 1)  # learner 0's: 1
+    before, buffers = weight(server), momenta(server)
+    assert push(server, opt, 1, float("nan"), 3).status == "rejected"
+    assert momenta(server) == buffers
+    push(server, opt, 0, 1.0, 3)  # learner 0's own: 0.9 · 1 + 1, step lr · min(1/2, 1/1) · (1 + 0.9 · 1.9)
+    assert weight(server) == pytest.approx(before - 0.05 * 2.71)
+    assert momenta(server) == {"momentum_0": pytest.approx(1.9), "momentum_1": pytest.approx(2.0)}
+
+
+def test_a_dropped_gradient_is_not_in_its_updates_mean_buffer():
+    """Softsync (c = 2): a gradient staler than max_staleness is dropped; the update it would have been part of
+    applies the other gradient alone, on its learner's buffer alone."""
+    w = torch.ones(1)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.5)
+    config = ProtocolConfig(4, "softsync", n=2, max_staleness=1, compensation="momentum+dana")
+    server = Server(config, [w], [], [OptimizerSpec.from_optimizer(opt, [w])])
+    for learner, grad, timestamp in ((0, 1.0, 0), (1, 3.0, 0), (2, 2.0, 0), (3, 4.0, 0), (2, 1.0, 2), (0, 1.0, 2)):
+        push(server, opt, learner, grad, timestamp)
+    before, buffers = weight(server), momenta(server)
+    assert buffers["momentum_3"] == pytest.approx(3.0)
+    assert push(server, opt, 2, 5.0, 0).status == "dropped"  # σ = 3
+    push(server, opt, 3, 1.0, 3)  # σ = 0, one gradient: its learner's 0.5 · 3 + 1, step 0.1 · 1/4 · (1 + 0.5 · 2.5)
+    assert server.last_updates[0].staleness == (0,)
+    assert weight(server) == pytest.approx(before - 0.025 * 2.25)
+    assert momenta(server) == {**buffers, "momentum_3": pytest.approx(2.5)}
+
+
 def test_the_learners_momenta_are_saved_and_resume_exactly():
     server, opt = scalar_server("momentum+dana", momentum=0.9)
     for learner, grad, timestamp in ((0, 1.0, 0), (1, 2.0, 0), (0, -1.0, 1)):

@@ -124,6 +124,20 @@ def test_a_dropped_gradient_is_not_in_its_updates_mean_buffer():
     assert momenta(server) == {**buffers, "momentum_3": pytest.approx(2.5)}
 
 
+def test_a_learner_with_two_gradients_in_an_update_counts_twice():
+    """Softsync (c = 2), learner 2's two gradients in one update: its buffer twice in the mean, and twice
+    β·v + ḡ after."""
+    server, opt = scalar_server("momentum+dana", "softsync", learners=4, n=2, momentum=0.5)
+    for learner, grad, timestamp in ((0, 1.0, 0), (1, 3.0, 0), (2, 2.0, 0), (3, 4.0, 0)):
+        push(server, opt, learner, grad, timestamp)
+    before = weight(server)
+    assert momenta(server) == {"momentum_2": pytest.approx(3.0), "momentum_3": pytest.approx(3.0)}
+    push(server, opt, 2, 1.0, 2)
+    push(server, opt, 2, 3.0, 2)  # σ = 0, 0: lr 0.1 · 1/2, mean buffer 3, ḡ = 2: step 2 + 0.5 · (0.5 · 3 + 2)
+    assert weight(server) == pytest.approx(before - 0.05 * 3.75)
+    assert momenta(server) == {"momentum_2": pytest.approx(3.75), "momentum_3": pytest.approx(3.0)}
+
+
 def test_the_learners_momenta_are_saved_and_resume_exactly():
     server, opt = scalar_server("momentum+dana", momentum=0.9)
     for learner, grad, timestamp in ((0, 1.0, 0), (1, 2.0, 0), (0, -1.0, 1)):

@@ -104,3 +104,22 @@ def test_the_real_runs_target_is_a_share_of_ddps_loss_or_a_margin_over_its_error
     from examples.study.language_real import SETUPS
 
     assert SETUPS["lm"].target(2.0) == pytest.approx(2.04) and SETUPS["cnn"].target(0.17) == pytest.approx(0.18)
+
+
+def test_the_epochs_to_target_are_those_after_which_a_stale_run_stays_within_the_target_of_hardsync():
+    from examples.study.staleness_report import epochs_to_target, gaps
+
+    def row(protocol, errors, rule="momentum", seed=0):
+        return dict(family="cnn", optimizer="sgd", protocol=protocol, learners=4, n=1, rule=rule, seed=seed,
+                    errors=errors)  # fmt: skip
+
+    hard = row("hardsync", [0.5] * (study.EPOCHS - 1) + [0.30])
+    late = [0.9, 0.5, 0.31, 0.40, 0.315] + [0.31] * (study.STALE_EPOCHS - 5)  # within 2 points from epoch 5 on
+    ends_out = [0.30] * (study.STALE_EPOCHS - 1) + [0.33]
+    rows = [hard, row("async", late), row("async", ends_out, "none"), row("async", [0.1] * study.STALE_EPOCHS, "clip")]
+    reach = epochs_to_target(rows)
+    assert reach["cnn", "sgd", "async λ=4", "momentum"] == [5.0]
+    assert reach["cnn", "sgd", "async λ=4", "none"] == [math.inf]
+    assert reach["cnn", "sgd", "async λ=4", "clip"] == [1.0]
+    at_hardsyncs = gaps(rows, "errors", study.EPOCHS)
+    assert at_hardsyncs["cnn", "sgd", "async λ=4", "momentum"] == [pytest.approx(1.0)]

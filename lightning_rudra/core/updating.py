@@ -11,6 +11,8 @@ from torch.optim import SGD, Optimizer
 
 from lightning_rudra.core.clipping import GlobalNorm, SyncNorm, clip, global_norm_step, squared_norm
 from lightning_rudra.core.compensation import (
+    CLIP_PERCENTILE,
+    LOOKAHEAD_CLIP_PERCENTILE,
     NormWindow,
     StaleWeights,
     compensate,
@@ -19,7 +21,7 @@ from lightning_rudra.core.compensation import (
 )
 from lightning_rudra.core.config import ProtocolConfig
 from lightning_rudra.core.flat import FlatLayout, WeightsStore
-from lightning_rudra.core.lookahead import step_with_learner_momenta
+from lightning_rudra.core.lookahead import keeps_momentum, step_with_learner_momenta
 from lightning_rudra.core.optimizers import hyperparameters
 from lightning_rudra.core.pending import Gradient, Pending
 from lightning_rudra.core.staleness import OptimizerClocks, OwnSteps
@@ -142,7 +144,8 @@ class Updating:
             self.params[i].grad = grad if has else None
         params = [self.params[i] for i in indices]
         if self.norm_windows is not None and any(pending.staleness):  # clip: stale updates only
-            if self.norm_windows[optimizer].clip([p.grad for p in params if p.grad is not None]) < 1:
+            percentile = LOOKAHEAD_CLIP_PERCENTILE if self._looks_ahead(optimizer) else CLIP_PERCENTILE
+            if self.norm_windows[optimizer].clip([p.grad for p in params if p.grad is not None], percentile) < 1:
                 self.stats.clipped += 1
         scale = sum(pending.scales) / len(pending.scales)
         # a server that holds none of the optimizer's parameters has no part of its norm: nobody waits for it
@@ -204,9 +207,15 @@ class Updating:
         return update
 
     def _looks_ahead(self, optimizer: int) -> bool:
-        """``dana`` steps this optimizer on its learners' own momenta: SGD, once its gradients are stale (as the
-        ``momentum`` rule switches momentum off)."""
-        return self.dana and isinstance(self.optimizers[optimizer], SGD) and self.stats.mean_staleness_of(optimizer) > 0
+        """``dana`` steps this optimizer on its learners' own momenta: SGD with a momentum it keeps, once its
+        gradients are stale (as the ``momentum`` rule switches momentum off)."""
+        opt = self.optimizers[optimizer]
+        return (
+            self.dana
+            and isinstance(opt, SGD)
+            and self.stats.mean_staleness_of(optimizer) > 0
+            and any(keeps_momentum(group) for group in opt.param_groups)
+        )
 
     def _set_hyperparameters(
         self,

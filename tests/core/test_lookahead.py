@@ -166,3 +166,28 @@ def test_dana_needs_the_momentum_rule():
         parse_compensation("clip+dana")
     with pytest.raises(ValueError, match="is not supported"):
         ProtocolConfig(2, "async", compensation="momentum+dana+dana")
+
+
+def test_clip_takes_only_the_outliers_of_updates_that_keep_their_momentum(monkeypatch):
+    """The ``clip`` rule's limit: the 90th percentile of the recent stale norms for dana's updates, the median for
+    the others (momentum switched off, or none to keep)."""
+    from lightning_rudra.core.compensation import NormWindow
+
+    window = NormWindow()
+    norms = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
+    for norm in norms:
+        window.clip([torch.tensor([norm])])
+    assert window.clip([torch.tensor([8.5])], percentile=90) == 1.0  # the 90th of (1..10, 8.5) is 10
+    assert window.clip([torch.tensor([8.5])]) == pytest.approx(7.0 / 8.5)  # the median of 12 norms (index 6): 7
+    asked = []
+    monkeypatch.setattr(NormWindow, "clip", lambda self, grads, percentile=50: asked.append(percentile) or 1.0)
+    for rule, momentum, expected in (
+        ("momentum+clip+dana", 0.9, 90),
+        ("momentum+clip+dana", 0.0, 50),
+        ("momentum+clip", 0.9, 50),
+    ):
+        asked.clear()
+        server, opt = scalar_server(rule, momentum=momentum)
+        for learner, timestamp in ((0, 0), (1, 0), (0, 1)):  # the first is fresh: not clipped
+            push(server, opt, learner, 1.0, timestamp)
+        assert asked == [expected, expected], (rule, momentum)

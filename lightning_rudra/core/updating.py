@@ -144,7 +144,7 @@ class Updating:
             self.params[i].grad = grad if has else None
         params = [self.params[i] for i in indices]
         if self.norm_windows is not None and any(pending.staleness):  # clip: stale updates only
-            percentile = LOOKAHEAD_CLIP_PERCENTILE if self._looks_ahead(optimizer) else CLIP_PERCENTILE
+            percentile = self._clip_percentile(optimizer)
             if self.norm_windows[optimizer].clip([p.grad for p in params if p.grad is not None], percentile) < 1:
                 self.stats.clipped += 1
         scale = sum(pending.scales) / len(pending.scales)
@@ -216,6 +216,13 @@ class Updating:
             and self.stats.mean_staleness_of(optimizer) > 0
             and any(keeps_momentum(group) for group in opt.param_groups)
         )
+
+    def _clip_percentile(self, optimizer: int) -> int:
+        """``clip``'s limit for this update (after ``_set_hyperparameters``): the outliers only where every group
+        whose gradients this server holds takes dana's step; the median where any takes the ``momentum`` rule's."""
+        held = [g for g in self.optimizers[optimizer].param_groups if any(p.grad is not None for p in g["params"])]
+        dana_only = self._looks_ahead(optimizer) and all(keeps_momentum(g) for g in held)
+        return LOOKAHEAD_CLIP_PERCENTILE if dana_only else CLIP_PERCENTILE
 
     def _set_hyperparameters(
         self,

@@ -10,6 +10,7 @@ from lightning_rudra.core.compensation import RULES_STATE, parse_compensation
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
+from lightning_rudra.core.update import Push
 from tests.core.test_compensation import push, scalar_server, weight
 
 
@@ -177,7 +178,7 @@ def test_clip_takes_only_the_outliers_of_updates_that_keep_their_momentum(monkey
     norms = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
     for norm in norms:
         window.clip([torch.tensor([norm])])
-    assert window.clip([torch.tensor([8.5])], percentile=90) == 1.0  # the 90th of (1..10, 8.5) is 10
+    assert window.clip([torch.tensor([8.5])], percentile=90) == 1.0  # the 90th of (1..10, 8.5): index 9, 9
     assert window.clip([torch.tensor([8.5])]) == pytest.approx(7.0 / 8.5)  # the median of 12 norms (index 6): 7
     asked = []
     monkeypatch.setattr(NormWindow, "clip", lambda self, grads, percentile=50: asked.append(percentile) or 1.0)
@@ -191,3 +192,23 @@ def test_clip_takes_only_the_outliers_of_updates_that_keep_their_momentum(monkey
         for learner, timestamp in ((0, 0), (1, 0), (0, 1)):  # the first is fresh: not clipped
             push(server, opt, learner, 1.0, timestamp)
         assert asked == [expected, expected], (rule, momentum)
+
+
+@pytest.mark.parametrize("other, expected", [({"momentum": 0.9}, 90), ({"momentum": 0.9, "dampening": 0.5}, 50)])
+def test_an_update_with_a_group_that_takes_the_momentum_rules_step_is_clipped_at_the_median(
+    monkeypatch, other, expected
+):
+    """One norm per update: the outliers only if every group with a gradient takes dana's step."""
+    from lightning_rudra.core.compensation import NormWindow
+
+    asked = []
+    monkeypatch.setattr(NormWindow, "clip", lambda self, grads, percentile=50: asked.append(percentile) or 1.0)
+    params = [torch.ones(1), torch.ones(1)]
+    opt = torch.optim.SGD([{"params": [params[0]], "momentum": 0.9}, {"params": [params[1]], **other}], lr=0.1)
+    config = ProtocolConfig(2, "async", compensation="momentum+clip+dana")
+    server = Server(config, params, [], [OptimizerSpec.from_optimizer(opt, params)])
+    hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    for learner, timestamp in ((0, 0), (1, 0), (0, 1)):
+        packed = server.grad_layouts[0].pack([torch.ones(1), torch.ones(1)])
+        server.push(Push(learner, 0, packed, torch.tensor([True, True]), timestamp, hparams, []))
+    assert asked == [expected, expected]

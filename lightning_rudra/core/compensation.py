@@ -33,9 +33,9 @@ by the others' gradients only, not by the momentum that dominates a step (DANA-Z
 Nesterov's step of torch's SGD on the pushing learner's own buffer, :mod:`lightning_rudra.core.lookahead`). The rate
 is the one ``momentum`` scales, lr · min(c/λ, 1/(σ + 1)), without the 1/(1 − β). Without ``clip`` some runs still
 blew up (the staleness study's CNN, 4-softsync and async λ = 30); with it, the study's CNN stayed within 2 points
-of hardsync's error after 14–16 epochs against hardsync's 20 (docs/study/staleness/findings.md). As its steps are
-the synchronous run's, ``clip`` limits dana's updates to the ``LOOKAHEAD_CLIP_PERCENTILE``-th percentile of the
-recent norms, the outliers only. Other optimizers, a dampened momentum and plain
+of hardsync's error after 14–16 epochs against hardsync's 20 (docs/study/staleness/findings.md; measured with the
+median clip). As its steps are the synchronous run's, ``clip`` limits dana's updates to the
+``LOOKAHEAD_CLIP_PERCENTILE``-th percentile of the recent norms, the outliers only. Other optimizers, a dampened momentum and plain
 SGD are ``momentum``'s.
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
@@ -48,7 +48,8 @@ of C, the running mean of one update's |Δw| (0.9).
 
 ``clip`` (percentile clipping of stale gradients, as AutoClip: Seetharaman et al., 2020): the gradient of an update
 that applies a stale gradient is scaled down to at most the median norm of the last ``CLIP_WINDOW`` such updates'
-gradients (``CLIP_PERCENTILE``; none is clipped before ``CLIP_WARMUP`` of them). A stale gradient taken at a rate
+gradients (``CLIP_PERCENTILE``; none is clipped before ``CLIP_WARMUP`` of them), or, where every group with a
+gradient takes ``dana``'s step, to the ``LOOKAHEAD_CLIP_PERCENTILE``-th percentile. A stale gradient taken at a rate
 tuned to the edge of the synchronous run's stability can start a blow-up that the synchronous run never sees; the
 median of recent norms caps it without a rate of its own. Its norms are of this server's part of the gradient, kept
 per optimizer; they are not saved (after a resume the window fills again).
@@ -87,8 +88,8 @@ DC_DECAY = 0.95
 GAP_DECAY = 0.9
 HISTORY_PER_LEARNER = 2
 CLIP_PERCENTILE = 50
-# dana's updates keep the synchronous run's momentum and step, so clip catches outliers only (at the median it held
-# the stale runs a tenth behind hardsync's error per epoch at the synchronous rate: docs/study.md)
+# dana's updates keep the synchronous run's momentum and step, so clip catches outliers only: at the median, real
+# async learners trailed DDP's accuracy at half its epochs (benchmarks/results/accuracy.md, docs/study.md)
 LOOKAHEAD_CLIP_PERCENTILE = 90
 CLIP_WINDOW = 1000
 CLIP_WARMUP = 10

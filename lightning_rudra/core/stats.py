@@ -25,7 +25,7 @@ class Stats:
     rejected: int = 0
     late: int = 0
     held: int = 0  # on_stale="block": pushes held back until another learner's gradient came
-    clipped: int = 0  # compensation "clip": stale updates scaled down to the median norm
+    clipped: int = 0  # compensation "clip": stale updates scaled down to a percentile of the recent norms
     staleness: dict[int, int] = field(default_factory=dict)
     optimizer_staleness: dict[int, dict[int, int]] = field(default_factory=dict)
     batches: dict[int, int] = field(default_factory=dict)

@@ -57,6 +57,29 @@ def epochs_to_target(rows: list[dict[str, Any]]) -> dict[tuple, list[float]]:
     return out
 
 
+def _cells(
+    gap: dict[tuple, list[float]], rules: list[str], epochs: dict[tuple, list[float]]
+) -> tuple[dict[tuple, list[str]], dict[str, list[int]]]:
+    """Per (family, optimizer, configuration) of ``gap``, a table row's cells, one per rule: its mean gap ± sd, bold
+    where within the target, with the median of ``epochs`` in brackets where it has them; and per rule, [cells
+    within the target, cells]."""
+    rows: dict[tuple, list[str]] = {}
+    met = {rule: [0, 0] for rule in rules}
+    for family, optimizer, config in dict.fromkeys(k[:3] for k in gap):
+        cells = []
+        for rule in rules:
+            values = gap.get((family, optimizer, config, rule), [])
+            good = bool(values) and statistics.mean(values) <= study.TARGET
+            met[rule][0] += good
+            met[rule][1] += bool(values)
+            reached = epochs.get((family, optimizer, config, rule))
+            median = statistics.median(reached) if reached else None
+            text = _mean(values) + ("" if median is None else f" ({'∞' if math.isinf(median) else f'{median:g}'})")
+            cells.append(f"**{text}**" if good else text)
+        rows[family, optimizer, config] = cells
+    return rows, met
+
+
 def write_report(
     rows: list[dict[str, Any]], chosen: dict[tuple[str, str], dict[str, Any]], swept: int, out: Path
 ) -> None:
@@ -95,16 +118,9 @@ def write_report(
         "| family | optimizer | hardsync | configuration | " + " | ".join(rules) + " |",
         "|---|---|---|---|" + "---|" * len(rules),
     ]
-    met = {rule: [0, 0] for rule in rules}
-    for family, optimizer, config in dict.fromkeys(k[:3] for k in test):
+    table, met = _cells(test, rules, {})
+    for (family, optimizer, config), cells in table.items():
         sync = hard.get((family, optimizer), [])
-        cells = []
-        for rule in rules:
-            values = test.get((family, optimizer, config, rule), [])
-            good = bool(values) and statistics.mean(values) <= study.TARGET
-            met[rule][0] += good
-            met[rule][1] += bool(values)
-            cells.append(f"**{_mean(values)}**" if good else _mean(values))
         sync_text = f"{statistics.mean(sync):.3f}" if sync else "–"
         lines.append(f"| {family} | {optimizer} | {sync_text} | {config} | " + " | ".join(cells) + " |")
     lines += ["", "Target met: " + ", ".join(f"{rule} {m}/{n}" for rule, (m, n) in met.items()) + "."]
@@ -120,18 +136,8 @@ def write_report(
         "| family | optimizer | configuration | " + " | ".join(rules) + " |",
         "|---|---|---|" + "---|" * len(rules),
     ]
-    same_met = {rule: [0, 0] for rule in rules}
-    for family, optimizer, config in dict.fromkeys(k[:3] for k in same):
-        cells = []
-        for rule in rules:
-            values = same.get((family, optimizer, config, rule), [])
-            good = bool(values) and statistics.mean(values) <= study.TARGET
-            same_met[rule][0] += good
-            same_met[rule][1] += bool(values)
-            epochs = reach.get((family, optimizer, config, rule))
-            median = statistics.median(epochs) if epochs else None
-            text = _mean(values) + ("" if median is None else f" ({'∞' if math.isinf(median) else f'{median:g}'})")
-            cells.append(f"**{text}**" if good else text)
+    table, same_met = _cells(same, rules, reach)
+    for (family, optimizer, config), cells in table.items():
         lines.append(f"| {family} | {optimizer} | {config} | " + " | ".join(cells) + " |")
     lines += [
         "",

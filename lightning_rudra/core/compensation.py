@@ -31,12 +31,11 @@ above hardsync under ``momentum+clip`` on the staleness study's CNN (docs/study/
 and the server's weights are the look-ahead point the learners' momenta are about to reach, so a gradient is stale
 by the others' gradients only, not by the momentum that dominates a step (DANA-Zero: Hakimi et al., 2019; as
 Nesterov's step of torch's SGD on the pushing learner's own buffer, :mod:`lightning_rudra.core.lookahead`). The rate
-is the one ``momentum`` scales, lr · min(c/λ, 1/(σ + 1)), without the 1/(1 − β). Without ``clip`` some runs still
-blew up (the staleness study's CNN, 4-softsync and async λ = 30); with it, the study's CNN stayed within 2 points
-of hardsync's error after 14–16 epochs against hardsync's 20 (docs/study/staleness/findings.md; measured with the
-median clip). As its steps are the synchronous run's, ``clip`` limits dana's updates to the
-``LOOKAHEAD_CLIP_PERCENTILE``-th percentile of the recent norms, the outliers only. Other optimizers, a dampened momentum and plain
-SGD are ``momentum``'s.
+is the one ``momentum`` scales, lr · min(c/λ, 1/(σ + 1)), without the 1/(1 − β). As its steps are the synchronous
+run's, ``clip`` limits dana's updates to the ``LOOKAHEAD_CLIP_PERCENTILE``-th percentile of the recent norms, the
+outliers only; without ``clip`` some runs still blew up (the staleness study's CNN, 4-softsync and async λ = 30).
+With it, the study's CNN stays within 2 points of hardsync's error after 13–16 epochs against hardsync's 20
+(docs/study/staleness/findings.md). Other optimizers, a dampened momentum and plain SGD are ``momentum``'s.
 
 ``dc`` (delay compensation, DC-ASGD-a: Zheng et al., ICML 2017): a gradient computed on weights w_stale and
 applied at w_now becomes g + λ0 · g ⊙ g / sqrt(MS) ⊙ (w_now − w_stale), the first-order Taylor correction with

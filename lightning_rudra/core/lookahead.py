@@ -9,8 +9,9 @@ them by its momentum part η·β·v_j before anything else, so a gradient taken 
 learners' gradient parts, not by the momentum that dominates a step. Kept as that look-ahead point Θ itself (as
 Bengio's form of Nesterov's momentum), learner i's update is v_i ← β·v_i + g, Θ ← Θ − η·(g + β·v_i): Nesterov's
 step of torch's SGD on learner i's own buffer. So the server's weights stay the weights it hands out, and the
-optimizer's own step does the arithmetic (weight decay, foreach, maximize as it does them). The cost: a copy of the server's
-part of the weights per learner, in memory and in every checkpoint. A learner that rejoins goes on with its buffer.
+optimizer's own step does the arithmetic (weight decay, foreach, maximize as it does them). The cost: a copy of the
+server's part of the weights per learner, in memory and in every checkpoint. A learner that rejoins goes on with its
+buffer.
 
 An update of c gradients (n-softsync) steps on the mean of its learners' buffers with their mean gradient ḡ
 (torch's step adds the weight decay to it), and each of them then holds β·v_i + ḡ: Θ moves as the c learners'

@@ -19,14 +19,19 @@ def _mean(values: list[float]) -> str:
     return compensation._mean(values, "+.1f")
 
 
-def gaps(rows: list[dict[str, Any]], split: str, epoch: int = 0) -> dict[tuple, list[float]]:
-    """(family, optimizer, configuration, rule) -> the gap of each seed's stale run to that seed's hardsync, on the
-    ``split`` measure (``errors``: test, ``val_errors``: validation), after ``epoch`` epochs (0: its last)."""
-    sync = {
+def _hardsync(rows: list[dict[str, Any]], split: str) -> dict[tuple, float]:
+    """(family, optimizer, seed) -> hardsync's ``split`` measure after its epochs."""
+    return {
         (r["family"], r["optimizer"], r["seed"]): r[split][study.EPOCHS - 1]
         for r in rows
         if r["protocol"] == "hardsync" and r["seed"] in study.SEEDS and len(r[split]) >= study.EPOCHS
     }
+
+
+def gaps(rows: list[dict[str, Any]], split: str, epoch: int = 0) -> dict[tuple, list[float]]:
+    """(family, optimizer, configuration, rule) -> the gap of each seed's stale run to that seed's hardsync, on the
+    ``split`` measure (``errors``: test, ``val_errors``: validation), after ``epoch`` epochs (0: its last)."""
+    sync = _hardsync(rows, split)
     out: dict[tuple, list[float]] = {}
     for r in rows:
         base = sync.get((r["family"], r["optimizer"], r["seed"]))
@@ -40,11 +45,7 @@ def gaps(rows: list[dict[str, Any]], split: str, epoch: int = 0) -> dict[tuple, 
 def epochs_to_target(rows: list[dict[str, Any]]) -> dict[tuple, list[float]]:
     """(family, optimizer, configuration, rule) -> per seed, the epochs after which a stale run's test measure stays
     within the target of that seed's hardsync after its epochs (inf: it is not within it at the end)."""
-    sync = {
-        (r["family"], r["optimizer"], r["seed"]): r["errors"][study.EPOCHS - 1]
-        for r in rows
-        if r["protocol"] == "hardsync" and r["seed"] in study.SEEDS and len(r["errors"]) >= study.EPOCHS
-    }
+    sync = _hardsync(rows, "errors")
     out: dict[tuple, list[float]] = {}
     for r in rows:
         base = sync.get((r["family"], r["optimizer"], r["seed"]))

@@ -32,7 +32,7 @@ def keeps_momentum(group: dict[str, Any]) -> bool:
     return bool(group.get("momentum", 0)) and not group.get("dampening", 0)
 
 
-def key(learner: int) -> str:
+def _buffer_key(learner: int) -> str:
     return f"momentum_{learner}"
 
 
@@ -56,7 +56,7 @@ def step_with_learner_momenta(
             if p.grad is None or id(p) not in position:
                 continue
             state = states[position[id(p)]]
-            own = [state[key(i)] for i in learners if key(i) in state]  # none yet: zero
+            own = [state[_buffer_key(i)] for i in learners if _buffer_key(i) in state]  # none yet: zero
             if len(learners) == 1:
                 # the learner's buffer itself: torch's step updates it in place (none yet: torch makes it)
                 optimizer.state[p]["momentum_buffer"] = own[0] if own else None
@@ -69,9 +69,9 @@ def step_with_learner_momenta(
     for state, p, mean, beta in lent:
         buffer = optimizer.state[p]["momentum_buffer"]
         if len(learners) == 1:
-            state[key(learners[0])] = buffer
+            state[_buffer_key(learners[0])] = buffer
             continue
         gradient = buffer - mean.mul_(beta)  # ḡ with its weight decay: the step's buffer is β·mean + ḡ
         for i in learners:
-            own_buffer = state.get(key(i))
-            state[key(i)] = gradient.clone() if own_buffer is None else own_buffer.mul_(beta).add_(gradient)
+            own_buffer = state.get(_buffer_key(i))
+            state[_buffer_key(i)] = gradient.clone() if own_buffer is None else own_buffer.mul_(beta).add_(gradient)

@@ -143,8 +143,9 @@ class Updating:
         for i, grad, has in zip(indices, layout.unpack(flat_grads), pending.has_grad.tolist()):
             self.params[i].grad = grad if has else None
         params = [self.params[i] for i in indices]
+        ahead = self._looks_ahead(optimizer)  # after _set_hyperparameters: the groups hold this update's momentum
         if self.norm_windows is not None and any(pending.staleness):  # clip: stale updates only
-            percentile = self._clip_percentile(optimizer)
+            percentile = self._clip_percentile(optimizer, ahead)
             if self.norm_windows[optimizer].clip([p.grad for p in params if p.grad is not None], percentile) < 1:
                 self.stats.clipped += 1
         scale = sum(pending.scales) / len(pending.scales)
@@ -155,7 +156,7 @@ class Updating:
             sync = partial(self.sync_norms[optimizer].ratio, params, 2 * count / (len(self.members) + count))
         if step is None:  # one server's norm, by value, or the learner's norm (an update of one gradient)
             clip(params, pending.clipping, scale, sync=sync)
-            return self._step(optimizer, pending, lr_factor, rule_scale)
+            return self._step(optimizer, pending, lr_factor, rule_scale, ahead)
         clip(params, pending.clipping[:step], scale)
         servers = pending.clipping[step].servers
         wait = GlobalNorm(step, servers, squared_norm(params), self.rounds[optimizer])
@@ -170,16 +171,17 @@ class Updating:
         params = [self.params[i] for i in self.optimizer_params[optimizer]]
         scale = sum(pending.scales) / len(pending.scales)
         clip(params, pending.clipping[wait.step :], scale, total_norm)
-        return self._step(optimizer, pending, lr_factor, rule_scale)
+        return self._step(optimizer, pending, lr_factor, rule_scale, ahead=False)  # hardsync: no rule
 
-    def _step(self, optimizer: int, pending: Pending, lr_factor: float, rule_scale: float) -> Update:
-        """The optimizer steps with the gradients set on the parameters; the update's buffers are averaged."""
+    def _step(self, optimizer: int, pending: Pending, lr_factor: float, rule_scale: float, ahead: bool) -> Update:
+        """The optimizer steps with the gradients set on the parameters (``ahead``: on the learners' own momenta,
+        ``dana``); the update's buffers are averaged."""
         assert pending.buffers is not None  # set with the first gradient summed
         count = len(pending.staleness)
         indices = self.optimizer_params[optimizer]
         self.store.begin()
         try:
-            if self._looks_ahead(optimizer):
+            if ahead:
                 step_with_learner_momenta(
                     self.optimizers[optimizer],
                     [self.params[i] for i in indices],
@@ -217,11 +219,11 @@ class Updating:
             and any(keeps_momentum(group) for group in opt.param_groups)
         )
 
-    def _clip_percentile(self, optimizer: int) -> int:
-        """``clip``'s limit for this update (after ``_set_hyperparameters``): the outliers only where every group
-        whose gradients this server holds takes dana's step; the median where any takes the ``momentum`` rule's."""
+    def _clip_percentile(self, optimizer: int, ahead: bool) -> int:
+        """``clip``'s limit for this update (``ahead``: it steps on the learners' own momenta): the outliers only where
+        every group whose gradients this server holds takes dana's step; the median where any takes ``momentum``'s."""
         held = [g for g in self.optimizers[optimizer].param_groups if any(p.grad is not None for p in g["params"])]
-        dana_only = self._looks_ahead(optimizer) and all(keeps_momentum(g) for g in held)
+        dana_only = ahead and all(keeps_momentum(g) for g in held)
         return LOOKAHEAD_CLIP_PERCENTILE if dana_only else CLIP_PERCENTILE
 
     def _set_hyperparameters(

@@ -7,6 +7,7 @@ has staleness σ = i - j (with several optimizers, of the updates that changed i
 :mod:`lightning_rudra.core.staleness`).
 """
 
+import copy
 from dataclasses import replace
 from typing import AbstractSet, Any, Optional, Sequence, Union
 
@@ -333,8 +334,10 @@ class Server(Updating):
         return self.config.gradients_per_update
 
     def optimizer_state(self, optimizer: int) -> dict[str, Any]:
-        """The optimizer's state dict, with the compensation rules' state of its parameters."""
-        return with_rules_state(self.optimizers[optimizer].state_dict(), self.rules_states[optimizer])
+        """A copy of the optimizer's state dict, with the compensation rules' state of its parameters: torch's
+        ``state_dict`` holds the live buffers, which the next update changes in place, so a checkpoint written
+        after the server's lock was let go would mix clocks."""
+        return copy.deepcopy(with_rules_state(self.optimizers[optimizer].state_dict(), self.rules_states[optimizer]))
 
     def load_optimizer_state(self, optimizer: int, state: dict[str, Any]) -> None:
         own, self.rules_states[optimizer] = without_rules_state(state, len(self.optimizer_params[optimizer]))

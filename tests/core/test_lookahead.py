@@ -161,6 +161,36 @@ def test_the_learners_momenta_are_saved_and_resume_exactly():
     assert weight(server) == weight(again) and momenta(server) == momenta(again)
 
 
+def _tensors(state, path=()):
+    """(path, tensor) for every tensor of a state dict."""
+    if isinstance(state, torch.Tensor):
+        yield path, state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from _tensors(v, (*path, k))
+    elif isinstance(state, (list, tuple)):
+        for k, v in enumerate(state):
+            yield from _tensors(v, (*path, k))
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam])
+def test_a_saved_state_is_a_copy_that_later_updates_leave_as_it_was(optimizer):
+    """A checkpoint is written after the server's lock is let go, while the other learners' pushes go on: the state
+    it holds must be its clock's, not the live buffers that torch's step and dana's change in place."""
+    options = {"momentum": 0.9} if optimizer is torch.optim.SGD else {}
+    server, opt = scalar_server("momentum+dana", optimizer=optimizer, **options)
+    for learner, grad, timestamp in ((0, 1.0, 0), (1, 2.0, 0), (0, -1.0, 1)):
+        push(server, opt, learner, grad, timestamp)
+    saved = server.optimizer_state(0)
+    kept = dict(_tensors(copy.deepcopy(saved)))
+    push(server, opt, 1, 3.0, 1)
+    now = dict(_tensors(server.optimizer_state(0)))
+    held = dict(_tensors(saved))
+    assert held.keys() == kept.keys() and len(held) >= 2
+    assert all(torch.equal(held[k], kept[k]) for k in kept)
+    assert any(not torch.equal(now[k], kept[k]) for k in kept if k in now)  # the update did change them
+
+
 def test_dana_needs_the_momentum_rule():
     assert parse_compensation("momentum+clip+dana") == ("momentum", "clip", "dana")
     with pytest.raises(ValueError, match=r"compensation='clip\+dana': 'dana' keeps momentum SGD's momentum"):

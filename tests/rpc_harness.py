@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
+from lightning_rudra.core.lookahead import OwnSteps
 from lightning_rudra.core.update import Push
 from lightning_rudra.learner.world import join, leave
 from lightning_rudra.learner.learner import Learner
@@ -163,12 +164,16 @@ def train(
     delays=None,
     bucket_cap_mb=None,
     after_backward=None,
+    own_steps=False,
 ):
     """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler).
     ``delays``: rank -> seconds that learner sleeps before each step (a straggler). With ``bucket_cap_mb``, the
-    backward pass runs in the step's closure (as Lightning's), then ``after_backward(net)`` if given."""
+    backward pass runs in the step's closure (as Lightning's), then ``after_backward(net)`` if given. ``own_steps``:
+    the learner takes its own steps under overlap (:class:`OwnSteps`, as the strategy sets them with dana)."""
     net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer, bucket_cap_mb)
     lam = config.num_learners
+    if own_steps:
+        learner.own_steps = OwnSteps(1 / lam)
     pushes = []
     learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
     for i in range(steps):

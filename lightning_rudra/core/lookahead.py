@@ -18,12 +18,19 @@ An update of c gradients (n-softsync) steps on the mean of its learners' buffers
 own steps would together, only the part of ḡ each holds is shared. The buffers live in the rules' running means
 (``rules_states``, under ``momentum_<learner>``), so checkpoints keep them, cut as the server's parts. With a rate of
 lr·c/λ per update the learners' buffers together move λ/c updates as far as the synchronous run's one step.
+
+With ``overlap`` a learner computes its next gradient before the reply to its last push comes: on weights without
+its own last update, the momentum-dominated step the look-ahead exists to hand out. :class:`OwnSteps` takes that step
+on the learner's weights while the push is in flight, from a mirror of its buffer on the server, at its share of the
+update's rate, lr/λ; the reply replaces them with the server's at the next push.
 """
 
 from typing import Any, Sequence
 
+import torch
 from torch import Tensor
-from torch.optim import Optimizer
+from torch.optim import SGD, Optimizer
+from torch.optim.sgd import sgd
 
 
 def keeps_momentum(group: dict[str, Any]) -> bool:
@@ -75,3 +82,39 @@ def step_with_learner_momenta(
         for i in learners:
             own_buffer = state.get(_buffer_key(i))
             state[_buffer_key(i)] = gradient.clone() if own_buffer is None else own_buffer.mul_(beta).add_(gradient)
+
+
+class OwnSteps:
+    """``overlap`` with ``dana`` (learner side): after its push goes, the learner takes its own gradient's step on
+    the weights it holds, as the server's update will (Nesterov's torch SGD step on its own buffer, v ← β·v + g), at
+    ``share`` of the rate (1/λ: an update of c gradients applies lr·c/λ to their mean). Groups dana does not keep
+    momentum for are left as they are; the buffers mirror the server's, one per parameter, from the first step."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.momenta: dict[int, Tensor] = {}  # id of the parameter -> its buffer
+
+    @torch.no_grad()
+    def step(self, optimizer: Optimizer, grads: dict[int, Tensor]) -> None:
+        """The step of ``optimizer``'s parameters by ``grads`` (id of the parameter -> its dense gradient; one
+        without a gradient does not move), if it is SGD."""
+        if not isinstance(optimizer, SGD):
+            return
+        for group in optimizer.param_groups:
+            params = [p for p in group["params"] if id(p) in grads]
+            if not keeps_momentum(group) or not params:
+                continue
+            buffers: list[Any] = [self.momenta.get(id(p)) for p in params]
+            sgd(
+                params,
+                [grads[id(p)] for p in params],
+                buffers,
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=float(group["lr"]) * self.share,
+                dampening=0.0,
+                nesterov=True,
+                maximize=group["maximize"],
+                foreach=False,  # the one that leaves the gradients as they are (the learner's, not a copy)
+            )
+            self.momenta.update((id(p), buffer) for p, buffer in zip(params, buffers))

@@ -18,8 +18,9 @@ from pytorch_lightning.trainer.states import RunningStage, TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_rudra.core.compensation import staleness_options
+from lightning_rudra.core.compensation import parse_compensation, staleness_options
 from lightning_rudra.core.compression import compression_option
+from lightning_rudra.core.lookahead import OwnSteps
 from lightning_rudra.core.config import validate_options, validate_rounds
 from lightning_rudra.core.node_plan import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
@@ -281,6 +282,8 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
             check_trainer_clipping(trainer, self._check_clipping, len(self.optimizers))
             if self._training.learner is not None:  # hardsync's servers exchange their parts of the norm
                 self._training.learner.sends_norm = self.protocol != "hardsync"
+                if self.overlap and "dana" in parse_compensation(self.compensation):  # (overlap: async, softsync)
+                    self._training.learner.own_steps = OwnSteps(1 / self.num_learners)
             clip_on_the_server(self.precision_plugin, self._check_clipping)  # the server clips what it applies, as DDP
 
     def _check_clipping(self, value: float, algorithm: str, optimizer: int) -> None:

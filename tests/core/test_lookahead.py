@@ -242,3 +242,41 @@ def test_an_update_with_a_group_that_takes_the_momentum_rules_step_is_clipped_at
         packed = server.grad_layouts[0].pack([torch.ones(1), torch.ones(1)])
         server.push(Push(learner, 0, packed, torch.tensor([True, True]), timestamp, hparams, []))
     assert asked == [expected, expected]
+
+
+def test_own_steps_take_nesterovs_step_at_the_learners_share_on_a_mirror_of_its_buffer():
+    """``overlap``: the learner's own step on its weights while its push is in flight, as the server's dana update
+    (Nesterov on the learner's buffer, v ← β·v + g + wd·w) at 1/λ of the rate; the gradient is left as it was."""
+    from lightning_rudra.core.lookahead import OwnSteps
+
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    frozen = torch.nn.Parameter(torch.tensor([5.0]))  # no gradient: does not move
+    opt = torch.optim.SGD([w, frozen], lr=0.1, momentum=0.9, weight_decay=0.01)
+    steps = OwnSteps(share=0.25)
+    g = torch.tensor([1.0, 2.0])
+    steps.step(opt, {id(w): g})
+    d = g + 0.01 * torch.tensor([1.0, -2.0])  # v = d: the first buffer is the gradient
+    expected = torch.tensor([1.0, -2.0]) - 0.025 * (d + 0.9 * d)
+    torch.testing.assert_close(w.detach(), expected)
+    steps.step(opt, {id(w): g})
+    v = 0.9 * d + (g + 0.01 * expected)
+    torch.testing.assert_close(w.detach(), expected - 0.025 * (g + 0.01 * expected + 0.9 * v))
+    torch.testing.assert_close(steps.momenta[id(w)], v)
+    assert torch.equal(g, torch.tensor([1.0, 2.0])) and frozen.item() == 5.0 and set(steps.momenta) == {id(w)}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.Adam(ps, lr=0.1),  # dana is SGD's
+        lambda ps: torch.optim.SGD(ps, lr=0.1),  # no momentum: the server steps with the momentum rule
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),  # dampened: the same
+    ],
+)
+def test_own_steps_leave_what_dana_does_not_step_as_it_was(make):
+    from lightning_rudra.core.lookahead import OwnSteps
+
+    w = torch.nn.Parameter(torch.ones(2))
+    steps = OwnSteps(share=0.5)
+    steps.step(make([w]), {id(w): torch.ones(2)})
+    assert torch.equal(w.detach(), torch.ones(2)) and not steps.momenta

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from lightning_rudra.core.epoch import EpochPlan
-from lightning_rudra.core.protocol import ProtocolConfig
+from lightning_rudra.core.lookahead import OwnSteps
+from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+from lightning_rudra.core.protocol import ProtocolConfig, Server
+from lightning_rudra.core.update import Push
 from lightning_rudra.transport.shm import SHM_DIR
 from tests import rpc_harness as harness
 
@@ -142,6 +145,48 @@ def test_overlap_computes_on_the_newest_weights_received(servers):
     assert result["stats"].staleness == {0: 1, 1: steps - 1}
     for mine, expected in zip(result["params"], overlap_reference(steps, mu, lr, momentum)):
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
+
+
+def own_steps_reference(steps, mu, lr, momentum, own_steps=True):
+    """One learner under overlap with dana's own steps, against the protocol's own server in this process: gradient
+    k (k >= 1) comes from the weights before update k - 1, less the learner's own step of gradient k - 1 (without
+    ``own_steps``: not less it)."""
+    model, probe = harness.model(), harness.model()
+    params = list(model.parameters())
+    optimizer, probe_optimizer = (torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in (model, probe))
+    server = Server(
+        ProtocolConfig(1, "async"), [p.detach() for p in params], [], [OptimizerSpec.from_optimizer(optimizer, params)]
+    )
+    hparams = [hyperparameters(g) for g in optimizer.param_groups]
+    own, (x, y) = OwnSteps(1.0), harness.data()
+    weights, _, timestamp = server.pull()
+    torch.nn.utils.vector_to_parameters(weights[0], probe.parameters())
+    for k in range(steps):
+        probe.zero_grad()
+        rows = torch.arange(k * mu, (k + 1) * mu)
+        torch.nn.functional.mse_loss(probe(x[rows]), y[rows]).backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])
+        weights, _, now = server.pull()  # the reply to push k - 1: loaded as push k goes
+        server.push(Push(0, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, []))
+        torch.nn.utils.vector_to_parameters(weights[0], probe.parameters())
+        if own_steps:
+            own.step(probe_optimizer, {id(p): p.grad for p in probe.parameters()})
+        timestamp = now
+    return [p.detach() for p in server.params]
+
+
+def test_overlap_with_own_steps_computes_on_the_newest_weights_less_its_own_step(no_shared_memory_left):
+    """dana's own steps (the strategy's with overlap): between its push and the reply, the learner steps its own
+    gradient on the weights it holds; the reply then replaces them. One learner, so that the order is known."""
+    steps, mu, lr, momentum = 6, 4, 0.1, 0.9
+    options = dict(steps=steps, mu=mu, lr=lr, momentum=momentum, overlap=True)
+    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), own_steps=True, **options)
+    check_ok([result])
+    assert result["stats"].staleness == {0: 1, 1: steps - 1}
+    reference, without = (own_steps_reference(steps, mu, lr, momentum, own) for own in (True, False))
+    for mine, expected, other in zip(result["params"], reference, without):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
+        assert not torch.allclose(mine, other, atol=1e-4)  # the own steps changed what was computed
 
 
 def test_shared_memory_that_cannot_be_allocated_falls_back_to_rpc(monkeypatch, no_shared_memory_left):

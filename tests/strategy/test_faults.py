@@ -204,11 +204,11 @@ def test_with_min_learners_a_killed_learner_0_leaves_the_others_training_to_the_
     caught: list[BaseException] = []
     with pytest.warns(UserWarning, match=r"learner 0's process ended with signal SIGKILL \(min_learners=1"):
         error, alive, _, _ = run_with_fault(
-            tmp_path, monkeypatch, "learner0", signal.SIGKILL, min_learners=1, max_epochs=20, caught=caught
+            tmp_path, monkeypatch, "learner0", signal.SIGKILL, min_learners=1, max_epochs=8, caught=caught
         )
     assert error is not None and "learner 0's process ended with signal SIGKILL and was not restarted" in error, error
     assert isinstance(caught[0], LearnerLostError), repr(caught[0])
-    assert (tmp_path / "finished1").read_text() == "20"  # learner 1 trained every epoch (the loop counts past the last)
+    assert (tmp_path / "finished1").read_text() == "8"  # learner 1 trained every epoch (the loop counts past the last)
     assert not (tmp_path / "finished0").exists()
     assert alive == []
 
@@ -324,7 +324,7 @@ def test_with_too_few_learners_left_the_run_ends_saying_so(tmp_path, monkeypatch
 
 def test_with_min_learners_a_stalled_learner_is_lost_and_ended_once_training_is_over(tmp_path, monkeypatch):
     error, alive, model, stats = run_with_fault(
-        tmp_path, monkeypatch, "learner1", signal.SIGSTOP, protocol="softsync", min_learners=1, max_epochs=25
+        tmp_path, monkeypatch, "learner1", signal.SIGSTOP, protocol="softsync", min_learners=1, max_epochs=16
     )
     assert error is None and alive == []
     assert list(stats.lost) == [1] and "has not been heard from for more than 5 s" in stats.lost[1]

@@ -173,7 +173,7 @@ def train(
     net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer, bucket_cap_mb)
     lam = config.num_learners
     if own_steps:
-        learner.own_steps = OwnSteps(1 / lam)
+        learner.own_steps = OwnSteps(config.gradients_per_update, lam)
     pushes = []
     learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
     for i in range(steps):

@@ -20,12 +20,12 @@ own steps would together, only the part of ḡ each holds is shared. The buffers
 lr·c/λ per update the learners' buffers together move λ/c updates as far as the synchronous run's one step.
 
 With ``overlap`` a learner computes its next gradient before the reply to its last push comes: on weights without
-its own last update, the momentum-dominated step the look-ahead exists to hand out. :class:`OwnSteps` takes that step
-on the learner's weights while the push is in flight, from a mirror of its buffer on the server, at its share of the
-update's rate, lr/λ; the reply replaces them with the server's at the next push.
+its own last update, the momentum-dominated step the look-ahead exists to hand out. :class:`OwnSteps` takes an
+estimate of that step on the learner's weights while the push is in flight, from an estimate of its buffer on the
+server, at the rate the server applied to its last push; the reply replaces them with the server's at the next push.
 """
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -85,26 +85,49 @@ def step_with_learner_momenta(
 
 
 class OwnSteps:
-    """``overlap`` with ``dana`` (learner side): after its push goes, the learner takes its own gradient's step on
-    the weights it holds, as the server's update will (Nesterov's torch SGD step on its own buffer, v ← β·v + g), at
-    ``share`` of the rate (1/λ: an update of c gradients applies lr·c/λ to their mean). Groups dana does not keep
-    momentum for are left as they are; the buffers mirror the server's, one per parameter, from the first step."""
+    """``overlap`` with ``dana`` (learner side): after its push goes, the learner takes an estimate of its own
+    gradient's step on the weights it holds, as the server's update takes it (Nesterov's torch SGD step on the
+    learner's buffer, v ← β·v + g), at the rate the server applied to its last push: the reply's ``lr_scale`` over
+    the ``per_update`` gradients an update averages (1/λ before the first reply). The buffers, one per optimizer and
+    parameter, estimate the server's: they start once a reply says the gradients are stale (where dana starts), and a
+    push the server dropped or refused is taken out again; they differ from the server's by what only the server
+    sees (``clip``, softsync's shared part, compression), a difference the reply's weights replace at the next push.
+    Groups dana does not keep momentum for are left as they are."""
 
-    def __init__(self, share: float) -> None:
-        self.share = share
-        self.momenta: dict[int, Tensor] = {}  # id of the parameter -> its buffer
+    def __init__(self, per_update: int, num_learners: int) -> None:
+        self.per_update = per_update
+        self.share = 1 / num_learners  # c/λ over c, until a reply says the rate the server applied
+        self.stale = False  # a reply said σ > 0: dana's updates have started
+        self.momenta: dict[tuple[int, int], Tensor] = {}  # (optimizer, id of the parameter) -> its buffer
+        self._undo: dict[int, dict[tuple[int, int], Optional[Tensor]]] = {}  # optimizer -> buffers before its step
+
+    def settled(self, index: int, status: str, staleness: int, lr_scale: float) -> None:
+        """The reply to optimizer ``index``'s last push: what became of it, its σ, and the rate applied."""
+        undo = self._undo.pop(index, {})
+        if status in ("dropped", "rejected", "late"):  # not in the server's buffer: not in its estimate either
+            for key, buffer in undo.items():
+                if buffer is None:
+                    self.momenta.pop(key, None)
+                else:
+                    self.momenta[key] = buffer
+            return
+        self.stale = self.stale or staleness > 0
+        self.share = lr_scale / self.per_update
 
     @torch.no_grad()
-    def step(self, optimizer: Optimizer, grads: dict[int, Tensor]) -> None:
-        """The step of ``optimizer``'s parameters by ``grads`` (id of the parameter -> its dense gradient; one
-        without a gradient does not move), if it is SGD."""
-        if not isinstance(optimizer, SGD):
+    def step(self, index: int, optimizer: Optimizer, grads: dict[int, Tensor]) -> None:
+        """The step of optimizer ``index`` (``optimizer``) by ``grads`` (id of the parameter -> its dense gradient;
+        one without a gradient does not move), if it is SGD and its pushes are stale."""
+        if not self.stale or not isinstance(optimizer, SGD):
             return
+        undo = self._undo.setdefault(index, {})
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if id(p) in grads]
             if not keeps_momentum(group) or not params:
                 continue
-            buffers: list[Any] = [self.momenta.get(id(p)) for p in params]
+            keys = [(index, id(p)) for p in params]
+            buffers: list[Any] = [self.momenta.get(key) for key in keys]
+            undo.update((key, None if buffer is None else buffer.clone()) for key, buffer in zip(keys, buffers))
             sgd(
                 params,
                 [grads[id(p)] for p in params],
@@ -117,4 +140,4 @@ class OwnSteps:
                 maximize=group["maximize"],
                 foreach=False,  # the one that leaves the gradients as they are (the learner's, not a copy)
             )
-            self.momenta.update((id(p), buffer) for p, buffer in zip(params, buffers))
+            self.momenta.update(zip(keys, buffers))

@@ -120,7 +120,7 @@ class Pushing:
         if not self.overlap:
             self.wait_for_replies()
         elif ahead and self.own_steps is not None and (all_finite(grads) if finite is None else finite):
-            self.own_steps.step(optimizer, {id(p): g for p, g in zip(params, grads) if p.grad is not None})
+            self.own_steps.step(index, optimizer, {id(p): g for p, g in zip(params, grads) if p.grad is not None})
 
     def _gradient_timestamps(self, index: int) -> tuple[int, ...]:
         """The timestamps (one per server) of the weights the gradient of optimizer ``index`` came from (no hook saw
@@ -223,13 +223,12 @@ class Pushing:
             return
         in_flight, self._in_flight = self._in_flight, None
         replies = [self._load(p, in_flight.pushed) for p in in_flight.pushed]
+        status = max((reply.status for reply in replies), key=STATUSES.index)  # the worst of the servers'
+        staleness, lr_scale = max(reply.staleness for reply in replies), min(reply.lr_scale for reply in replies)
+        if self.own_steps is not None:
+            self.own_steps.settled(in_flight.optimizer, status, staleness, lr_scale)
         if self.on_push is not None:
-            self.on_push(
-                in_flight.optimizer,
-                max((reply.status for reply in replies), key=STATUSES.index),  # the worst of the servers'
-                max(reply.staleness for reply in replies),
-                min(reply.lr_scale for reply in replies),
-            )
+            self.on_push(in_flight.optimizer, status, staleness, lr_scale)
 
     def _receive(self, link: ServerLink, future: Optional[Future], pushed: list[InFlight]) -> PushReply:
         if link.node is None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_rudra.core.compensation import RULES_STATE, parse_compensation
+from lightning_rudra.core.lookahead import OwnSteps
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
@@ -244,25 +245,76 @@ def test_an_update_with_a_group_that_takes_the_momentum_rules_step_is_clipped_at
     assert asked == [expected, expected]
 
 
-def test_own_steps_take_nesterovs_step_at_the_learners_share_on_a_mirror_of_its_buffer():
+def test_own_steps_take_nesterovs_step_at_the_rate_the_server_applied_on_an_estimate_of_its_buffer():
     """``overlap``: the learner's own step on its weights while its push is in flight, as the server's dana update
-    (Nesterov on the learner's buffer, v ← β·v + g + wd·w) at 1/λ of the rate; the gradient is left as it was."""
-    from lightning_rudra.core.lookahead import OwnSteps
-
+    (Nesterov on the learner's buffer, v ← β·v + g + wd·w) at the rate of its last reply over c; the gradient is left
+    as it was, and nothing moves before a reply says the gradients are stale."""
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     frozen = torch.nn.Parameter(torch.tensor([5.0]))  # no gradient: does not move
     opt = torch.optim.SGD([w, frozen], lr=0.1, momentum=0.9, weight_decay=0.01)
-    steps = OwnSteps(share=0.25)
+    steps = OwnSteps(per_update=2, num_learners=4)
     g = torch.tensor([1.0, 2.0])
-    steps.step(opt, {id(w): g})
+    steps.step(0, opt, {id(w): g})  # no reply yet: dana has not started
+    assert torch.equal(w.detach(), torch.tensor([1.0, -2.0])) and not steps.momenta and steps.share == 0.25
+    steps.settled(0, "accepted", 1, 0.5)  # an update of c = 2 gradients at 0.5 · lr: each gradient's share 0.25
+    steps.step(0, opt, {id(w): g})
     d = g + 0.01 * torch.tensor([1.0, -2.0])  # v = d: the first buffer is the gradient
     expected = torch.tensor([1.0, -2.0]) - 0.025 * (d + 0.9 * d)
     torch.testing.assert_close(w.detach(), expected)
-    steps.step(opt, {id(w): g})
+    steps.settled(0, "accepted", 2, 0.2)  # a staler push: the server's rate fell
+    steps.step(0, opt, {id(w): g})
     v = 0.9 * d + (g + 0.01 * expected)
-    torch.testing.assert_close(w.detach(), expected - 0.025 * (g + 0.01 * expected + 0.9 * v))
-    torch.testing.assert_close(steps.momenta[id(w)], v)
-    assert torch.equal(g, torch.tensor([1.0, 2.0])) and frozen.item() == 5.0 and set(steps.momenta) == {id(w)}
+    torch.testing.assert_close(w.detach(), expected - 0.01 * (g + 0.01 * expected + 0.9 * v))
+    torch.testing.assert_close(steps.momenta[0, id(w)], v)
+    assert torch.equal(g, torch.tensor([1.0, 2.0])) and frozen.item() == 5.0 and set(steps.momenta) == {(0, id(w))}
+
+
+def test_a_push_the_server_dropped_leaves_the_buffer_as_before_it_and_each_optimizer_has_its_own():
+    w = torch.nn.Parameter(torch.zeros(1))
+    first, second = (torch.optim.SGD([w], lr=0.1, momentum=0.9) for _ in range(2))  # two optimizers, one parameter
+    steps = OwnSteps(per_update=1, num_learners=2)
+    steps.settled(0, "accepted", 1, 0.5)
+    steps.step(0, first, {id(w): torch.ones(1)})
+    steps.step(1, second, {id(w): -5 * torch.ones(1)})
+    assert steps.momenta[0, id(w)].item() == 1.0 and steps.momenta[1, id(w)].item() == -5.0
+    steps.settled(0, "accepted", 1, 0.5)
+    steps.step(0, first, {id(w): torch.ones(1)})
+    assert steps.momenta[0, id(w)].item() == pytest.approx(1.9)
+    steps.settled(0, "dropped", 4, 0.5)  # staler than max_staleness: not in the server's buffer
+    assert steps.momenta[0, id(w)].item() == pytest.approx(1.0)
+    steps.settled(1, "rejected", 0, 0.5)  # not finite: the first buffer goes, as the server never had it
+    assert (1, id(w)) not in steps.momenta
+
+
+def test_own_steps_bring_a_learner_under_overlap_near_the_weights_its_reply_will_bring():
+    """One learner under overlap and the default rule, against the protocol's server: after each own step, the
+    weights it computes on are far nearer the next reply's than the weights it holds without the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    config = ProtocolConfig(1, "async", compensation="momentum+clip+syncnorm+dana")
+    server = Server(config, [p.detach().clone() for p in params], [], [OptimizerSpec.from_optimizer(opt, params)])
+    hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    steps, ratios = OwnSteps(per_update=1, num_learners=1), []
+    held, timestamp, result = server.pull()[0][0], 0, None
+    torch.nn.utils.vector_to_parameters(held, params)
+    for k in range(12):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x[k * 4 : k * 4 + 4]), y[k * 4 : k * 4 + 4]).backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in params])
+        held, _, now = server.pull()  # the reply to push k - 1, loaded as push k goes
+        pushed = server.push(Push(0, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, []))
+        if result is not None:
+            steps.settled(0, result.status, result.staleness, result.update.lr_scale)
+        result, timestamp = pushed, now
+        torch.nn.utils.vector_to_parameters(held[0].clone(), params)  # (its views otherwise)
+        steps.step(0, opt, {id(p): p.grad for p in params})
+        if k >= 3:  # the next reply: the weights after this push's update
+            ahead, reply = torch.nn.utils.parameters_to_vector(params), server.pull()[0][0]
+            ratios.append(((ahead - reply).norm() / (held[0] - reply).norm()).item())
+    assert max(ratios) < 0.5 and max(ratios[-4:]) < 0.2, ratios
 
 
 @pytest.mark.parametrize(
@@ -274,9 +326,8 @@ def test_own_steps_take_nesterovs_step_at_the_learners_share_on_a_mirror_of_its_
     ],
 )
 def test_own_steps_leave_what_dana_does_not_step_as_it_was(make):
-    from lightning_rudra.core.lookahead import OwnSteps
-
     w = torch.nn.Parameter(torch.ones(2))
-    steps = OwnSteps(share=0.5)
-    steps.step(make([w]), {id(w): torch.ones(2)})
+    steps = OwnSteps(per_update=1, num_learners=2)
+    steps.settled(0, "accepted", 1, 0.5)
+    steps.step(0, make([w]), {id(w): torch.ones(2)})
     assert torch.equal(w.detach(), torch.ones(2)) and not steps.momenta

@@ -147,18 +147,19 @@ def test_overlap_computes_on_the_newest_weights_received(servers):
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
 
 
+DANA = ProtocolConfig(1, "async", compensation="momentum+clip+syncnorm+dana")  # the strategy's default
+
+
 def own_steps_reference(steps, mu, lr, momentum, own_steps=True):
     """One learner under overlap with dana's own steps, against the protocol's own server in this process: gradient
-    k (k >= 1) comes from the weights before update k - 1, less the learner's own step of gradient k - 1 (without
-    ``own_steps``: not less it)."""
+    k (k >= 1) comes from the weights before update k - 1, less the learner's own step of gradient k - 1 at the rate
+    of the reply to push k - 2 (without ``own_steps``: not less it)."""
     model, probe = harness.model(), harness.model()
     params = list(model.parameters())
     optimizer, probe_optimizer = (torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in (model, probe))
-    server = Server(
-        ProtocolConfig(1, "async"), [p.detach() for p in params], [], [OptimizerSpec.from_optimizer(optimizer, params)]
-    )
+    server = Server(DANA, [p.detach() for p in params], [], [OptimizerSpec.from_optimizer(optimizer, params)])
     hparams = [hyperparameters(g) for g in optimizer.param_groups]
-    own, (x, y) = OwnSteps(1.0), harness.data()
+    own, (x, y), result = OwnSteps(1, 1), harness.data(), None
     weights, _, timestamp = server.pull()
     torch.nn.utils.vector_to_parameters(weights[0], probe.parameters())
     for k in range(steps):
@@ -167,20 +168,23 @@ def own_steps_reference(steps, mu, lr, momentum, own_steps=True):
         torch.nn.functional.mse_loss(probe(x[rows]), y[rows]).backward()
         grad = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])
         weights, _, now = server.pull()  # the reply to push k - 1: loaded as push k goes
-        server.push(Push(0, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, []))
+        pushed = server.push(Push(0, 0, [grad], torch.ones(len(params), dtype=torch.bool), timestamp, hparams, []))
+        if result is not None:
+            own.settled(0, result.status, result.staleness, result.update.lr_scale)
+        result, timestamp = pushed, now
         torch.nn.utils.vector_to_parameters(weights[0], probe.parameters())
         if own_steps:
-            own.step(probe_optimizer, {id(p): p.grad for p in probe.parameters()})
-        timestamp = now
+            own.step(0, probe_optimizer, {id(p): p.grad for p in probe.parameters()})
     return [p.detach() for p in server.params]
 
 
 def test_overlap_with_own_steps_computes_on_the_newest_weights_less_its_own_step(no_shared_memory_left):
     """dana's own steps (the strategy's with overlap): between its push and the reply, the learner steps its own
-    gradient on the weights it holds; the reply then replaces them. One learner, so that the order is known."""
-    steps, mu, lr, momentum = 6, 4, 0.1, 0.9
+    gradient on the weights it holds, at the rate its last reply said; the reply then replaces them. One learner, so
+    that the order is known."""
+    steps, mu, lr, momentum = 8, 4, 0.1, 0.9
     options = dict(steps=steps, mu=mu, lr=lr, momentum=momentum, overlap=True)
-    [result] = harness.run_learners(1, harness.train, config=ProtocolConfig(1, "async"), own_steps=True, **options)
+    [result] = harness.run_learners(1, harness.train, config=DANA, own_steps=True, **options)
     check_ok([result])
     assert result["stats"].staleness == {0: 1, 1: steps - 1}
     reference, without = (own_steps_reference(steps, mu, lr, momentum, own) for own in (True, False))

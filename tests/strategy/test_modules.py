@@ -120,7 +120,7 @@ def test_sparse_gradients_float64_and_parametrized_weights_train_exactly(tmp_pat
 def test_a_module_compiled_in_configure_model_trains_exactly():
     """Hardsync equals SGD with batch μλ with torch.compile in configure_model."""
     module = Compiled()
-    trainer = quiet_trainer(RudraStrategy(protocol="hardsync", start_method="spawn", rpc_timeout=60), 2, max_epochs=2)
+    trainer = quiet_trainer(RudraStrategy(protocol="hardsync", start_method=START, rpc_timeout=60), 2, max_epochs=2)
     trainer.fit(module, loader(8))
     torch.testing.assert_close(flat(module.parameters()), single_process_sgd(2, 16), rtol=0, atol=1e-5)
     assert trainer.strategy.stats.clock == 2 * 256 // 16

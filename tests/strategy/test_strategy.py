@@ -364,7 +364,7 @@ def test_a_port_in_use_is_reported_clearly(monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
-        trainer = quiet_trainer(RudraStrategy(start_method="spawn", rpc_timeout=10), 1, max_epochs=1)
+        trainer = quiet_trainer(RudraStrategy(start_method=START, rpc_timeout=10), 1, max_epochs=1)
         with pytest.raises(Exception, match=f"port {busy.getsockname()[1]} on 127.0.0.1 is already in use"):
             trainer.fit(Regression(), loader(8))
 

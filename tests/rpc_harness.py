@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
-from lightning_rudra.core.lookahead import OwnSteps
+from lightning_rudra.core.lookahead import StepAhead
 from lightning_rudra.core.update import Push
 from lightning_rudra.learner.world import join, leave
 from lightning_rudra.learner.learner import Learner
@@ -164,16 +164,16 @@ def train(
     delays=None,
     bucket_cap_mb=None,
     after_backward=None,
-    own_steps=False,
+    step_ahead=False,
 ):
     """μ samples per learner per step, rank r taking rows r, r+λ, ... of each μλ block (as DistributedSampler).
     ``delays``: rank -> seconds that learner sleeps before each step (a straggler). With ``bucket_cap_mb``, the
-    backward pass runs in the step's closure (as Lightning's), then ``after_backward(net)`` if given. ``own_steps``:
-    the learner takes its own steps under overlap (:class:`OwnSteps`, as the strategy sets them with dana)."""
+    backward pass runs in the step's closure (as Lightning's), then ``after_backward(net)`` if given. ``step_ahead``:
+    the learner takes its own steps under overlap (:class:`StepAhead`, as the strategy sets them with dana)."""
     net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer, bucket_cap_mb)
     lam = config.num_learners
-    if own_steps:
-        learner.own_steps = OwnSteps(config.gradients_per_update, lam)
+    if step_ahead:
+        learner.step_ahead = StepAhead(config.gradients_per_update)
     pushes = []
     learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
     for i in range(steps):

@@ -20,7 +20,7 @@ own steps would together, only the part of ḡ each holds is shared. The buffers
 lr·c/λ per update the learners' buffers together move λ/c updates as far as the synchronous run's one step.
 
 With ``overlap`` a learner computes its next gradient before the reply to its last push comes: on weights without
-its own last update, the momentum-dominated step the look-ahead exists to hand out. :class:`OwnSteps` takes an
+its own last update, the momentum-dominated step the look-ahead exists to hand out. :class:`StepAhead` takes an
 estimate of that step on the learner's weights while the push is in flight, from an estimate of its buffer on the
 server, at the rate the server applied to its last push; the reply replaces them with the server's at the next push.
 """
@@ -84,20 +84,20 @@ def step_with_learner_momenta(
             state[_buffer_key(i)] = gradient.clone() if own_buffer is None else own_buffer.mul_(beta).add_(gradient)
 
 
-class OwnSteps:
+class StepAhead:
     """``overlap`` with ``dana`` (learner side): after its push goes, the learner takes an estimate of its own
     gradient's step on the weights it holds, as the server's update takes it (Nesterov's torch SGD step on the
-    learner's buffer, v ← β·v + g), at the rate the server applied to its last push: the reply's ``lr_scale`` over
-    the ``per_update`` gradients an update averages (1/λ before the first reply). The buffers, one per optimizer and
-    parameter, estimate the server's: they start once a reply says the gradients are stale (where dana starts), and a
-    push the server dropped or refused is taken out again; they differ from the server's by what only the server
+    learner's buffer, v ← β·v + g), at the rate the server applied to its optimizer's last push: the reply's
+    ``lr_scale`` over the ``per_update`` gradients an update averages. The buffers, one per optimizer and parameter,
+    estimate the server's: they start once a reply says the gradients are stale (one push after dana starts: the
+    first stale gradient's own part is missed), and a push the server dropped or refused is taken out again; they differ from the server's by what only the server
     sees (``clip``, softsync's shared part, compression), a difference the reply's weights replace at the next push.
     Groups dana does not keep momentum for are left as they are."""
 
-    def __init__(self, per_update: int, num_learners: int) -> None:
+    def __init__(self, per_update: int) -> None:
         self.per_update = per_update
-        self.share = 1 / num_learners  # c/λ over c, until a reply says the rate the server applied
-        self.stale = False  # a reply said σ > 0: dana's updates have started
+        self.shares: dict[int, float] = {}  # optimizer -> the rate its last reply applied, over c
+        self.stale: set[int] = set()  # the optimizers whose replies said σ > 0: dana's updates have started
         self.momenta: dict[tuple[int, int], Tensor] = {}  # (optimizer, id of the parameter) -> its buffer
         self._undo: dict[int, dict[tuple[int, int], Optional[Tensor]]] = {}  # optimizer -> buffers before its step
 
@@ -111,16 +111,17 @@ class OwnSteps:
                 else:
                     self.momenta[key] = buffer
             return
-        self.stale = self.stale or staleness > 0
-        self.share = lr_scale / self.per_update
+        if staleness > 0:
+            self.stale.add(index)
+        self.shares[index] = lr_scale / self.per_update
 
     @torch.no_grad()
     def step(self, index: int, optimizer: Optimizer, grads: dict[int, Tensor]) -> None:
         """The step of optimizer ``index`` (``optimizer``) by ``grads`` (id of the parameter -> its dense gradient;
         one without a gradient does not move), if it is SGD and its pushes are stale."""
-        if not self.stale or not isinstance(optimizer, SGD):
+        if index not in self.stale or not isinstance(optimizer, SGD):
             return
-        undo = self._undo.setdefault(index, {})
+        undo = self._undo[index] = {}
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if id(p) in grads]
             if not keeps_momentum(group) or not params:
@@ -134,7 +135,7 @@ class OwnSteps:
                 buffers,
                 weight_decay=group["weight_decay"],
                 momentum=group["momentum"],
-                lr=float(group["lr"]) * self.share,
+                lr=float(group["lr"]) * self.shares[index],
                 dampening=0.0,
                 nesterov=True,
                 maximize=group["maximize"],

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_rudra.core.clipping import Clipping
 from lightning_rudra.core.compression import ErrorFeedback
-from lightning_rudra.core.lookahead import OwnSteps
+from lightning_rudra.core.lookahead import StepAhead
 from lightning_rudra.core.optimizers import OptimizerSpec, sharing_parameters
 from lightning_rudra.core.protocol import ProtocolConfig
 from lightning_rudra.core.registration import Registration
@@ -69,7 +69,7 @@ class Learner(Pushing):
         # several servers then takes the norm the learner sends; hardsync's servers exchange their parts of it
         self.sends_norm = True
         # overlap with dana: the learner's own step on its weights while its push is in flight (None: none)
-        self.own_steps: Optional[OwnSteps] = None
+        self.step_ahead: Optional[StepAhead] = None
 
     def wrap(self, optimizers: Sequence[Optimizer]) -> list[Optimizer]:
         """The learner's optimizers, each wrapped in a :class:`LearnerOptimizer` that stands in for it (in a

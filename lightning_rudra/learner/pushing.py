@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_rudra.core.clipping import Clipping, across_servers
 from lightning_rudra.core.compression import ErrorFeedback
-from lightning_rudra.core.lookahead import OwnSteps
+from lightning_rudra.core.lookahead import StepAhead
 from lightning_rudra.core.optimizers import hyperparameters
 from lightning_rudra.core.push_checks import all_finite
 from lightning_rudra.core.shards import parts
@@ -72,7 +72,7 @@ class Pushing:
     bucketing: Optional[Bucketing]
     sends_norm: bool
     on_push: Optional[Callable[[int, str, int, float], None]]
-    own_steps: Optional[OwnSteps]
+    step_ahead: Optional[StepAhead]
     _in_flight: Optional[Pushes]
 
     def _timestamps(self) -> tuple[int, ...]:
@@ -84,7 +84,7 @@ class Pushing:
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
         finite = None if len(self.links) == 1 else all_finite(grads)
         # overlap with dana: the learner's own step while its push is in flight, unless the server clips or refuses it
-        ahead = self.overlap and self.own_steps is not None and not clipping
+        ahead = self.overlap and self.step_ahead is not None and not clipping
         holders = [link.server for link in self.links if link.owned[index]]
         # the norm where an update applies this gradient alone; none for a gradient the servers refuse (not finite)
         clipping = across_servers(clipping, holders, grads, index, norm=self.sends_norm and finite is not False)
@@ -119,8 +119,8 @@ class Pushing:
         self._in_flight = Pushes(pushed, index)
         if not self.overlap:
             self.wait_for_replies()
-        elif ahead and self.own_steps is not None and (all_finite(grads) if finite is None else finite):
-            self.own_steps.step(index, optimizer, {id(p): g for p, g in zip(params, grads) if p.grad is not None})
+        elif ahead and self.step_ahead is not None and (all_finite(grads) if finite is None else finite):
+            self.step_ahead.step(index, optimizer, {id(p): g for p, g in zip(params, grads) if p.grad is not None})
 
     def _gradient_timestamps(self, index: int) -> tuple[int, ...]:
         """The timestamps (one per server) of the weights the gradient of optimizer ``index`` came from (no hook saw
@@ -225,8 +225,8 @@ class Pushing:
         replies = [self._load(p, in_flight.pushed) for p in in_flight.pushed]
         status = max((reply.status for reply in replies), key=STATUSES.index)  # the worst of the servers'
         staleness, lr_scale = max(reply.staleness for reply in replies), min(reply.lr_scale for reply in replies)
-        if self.own_steps is not None:
-            self.own_steps.settled(in_flight.optimizer, status, staleness, lr_scale)
+        if self.step_ahead is not None:
+            self.step_ahead.settled(in_flight.optimizer, status, staleness, lr_scale)
         if self.on_push is not None:
             self.on_push(in_flight.optimizer, status, staleness, lr_scale)
 

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_rudra.core.compensation import parse_compensation, staleness_options
 from lightning_rudra.core.compression import compression_option
-from lightning_rudra.core.lookahead import OwnSteps
+from lightning_rudra.core.lookahead import StepAhead
 from lightning_rudra.core.config import validate_options, validate_rounds
 from lightning_rudra.core.node_plan import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
@@ -284,7 +284,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
                 self._training.learner.sends_norm = self.protocol != "hardsync"
                 if self.overlap and "dana" in parse_compensation(self.compensation):  # (overlap: async, softsync)
                     per_update = self._options.protocol_config(self.num_learners).gradients_per_update
-                    self._training.learner.own_steps = OwnSteps(per_update, self.num_learners)
+                    self._training.learner.step_ahead = StepAhead(per_update)
             clip_on_the_server(self.precision_plugin, self._check_clipping)  # the server clips what it applies, as DDP
 
     def _check_clipping(self, value: float, algorithm: str, optimizer: int) -> None:

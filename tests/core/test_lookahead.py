@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_rudra.core.compensation import RULES_STATE, parse_compensation
-from lightning_rudra.core.lookahead import OwnSteps
+from lightning_rudra.core.lookahead import StepAhead
 from lightning_rudra.core.optimizers import OptimizerSpec
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.stats import Stats
@@ -245,17 +245,19 @@ def test_an_update_with_a_group_that_takes_the_momentum_rules_step_is_clipped_at
     assert asked == [expected, expected]
 
 
-def test_own_steps_take_nesterovs_step_at_the_rate_the_server_applied_on_an_estimate_of_its_buffer():
+def test_the_step_ahead_takes_nesterovs_step_at_the_rate_the_server_applied_on_an_estimate_of_its_buffer():
     """``overlap``: the learner's own step on its weights while its push is in flight, as the server's dana update
     (Nesterov on the learner's buffer, v ← β·v + g + wd·w) at the rate of its last reply over c; the gradient is left
     as it was, and nothing moves before a reply says the gradients are stale."""
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     frozen = torch.nn.Parameter(torch.tensor([5.0]))  # no gradient: does not move
     opt = torch.optim.SGD([w, frozen], lr=0.1, momentum=0.9, weight_decay=0.01)
-    steps = OwnSteps(per_update=2, num_learners=4)
+    steps = StepAhead(per_update=2)
     g = torch.tensor([1.0, 2.0])
     steps.step(0, opt, {id(w): g})  # no reply yet: dana has not started
-    assert torch.equal(w.detach(), torch.tensor([1.0, -2.0])) and not steps.momenta and steps.share == 0.25
+    steps.settled(0, "accepted", 0, 0.5)  # nor when a reply says σ = 0
+    steps.step(0, opt, {id(w): g})
+    assert torch.equal(w.detach(), torch.tensor([1.0, -2.0])) and not steps.momenta
     steps.settled(0, "accepted", 1, 0.5)  # an update of c = 2 gradients at 0.5 · lr: each gradient's share 0.25
     steps.step(0, opt, {id(w): g})
     d = g + 0.01 * torch.tensor([1.0, -2.0])  # v = d: the first buffer is the gradient
@@ -272,10 +274,13 @@ def test_own_steps_take_nesterovs_step_at_the_rate_the_server_applied_on_an_esti
 def test_a_push_the_server_dropped_leaves_the_buffer_as_before_it_and_each_optimizer_has_its_own():
     w = torch.nn.Parameter(torch.zeros(1))
     first, second = (torch.optim.SGD([w], lr=0.1, momentum=0.9) for _ in range(2))  # two optimizers, one parameter
-    steps = OwnSteps(per_update=1, num_learners=2)
+    steps = StepAhead(per_update=1)
     steps.settled(0, "accepted", 1, 0.5)
+    steps.settled(1, "accepted", 1, 0.1)  # each optimizer at the rate its own reply said
     steps.step(0, first, {id(w): torch.ones(1)})
+    assert w.item() == pytest.approx(-0.1 * 0.5 * 1.9)
     steps.step(1, second, {id(w): -5 * torch.ones(1)})
+    assert w.item() == pytest.approx(-0.1 * 0.5 * 1.9 + 0.1 * 0.1 * 5 * 1.9, abs=1e-7)
     assert steps.momenta[0, id(w)].item() == 1.0 and steps.momenta[1, id(w)].item() == -5.0
     steps.settled(0, "accepted", 1, 0.5)
     steps.step(0, first, {id(w): torch.ones(1)})
@@ -286,7 +291,7 @@ def test_a_push_the_server_dropped_leaves_the_buffer_as_before_it_and_each_optim
     assert (1, id(w)) not in steps.momenta
 
 
-def test_own_steps_bring_a_learner_under_overlap_near_the_weights_its_reply_will_bring():
+def test_the_step_ahead_brings_a_learner_under_overlap_near_the_weights_its_reply_will_bring():
     """One learner under overlap and the default rule, against the protocol's server: after each own step, the
     weights it computes on are far nearer the next reply's than the weights it holds without the step."""
     torch.manual_seed(0)
@@ -297,7 +302,7 @@ def test_own_steps_bring_a_learner_under_overlap_near_the_weights_its_reply_will
     server = Server(config, [p.detach().clone() for p in params], [], [OptimizerSpec.from_optimizer(opt, params)])
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     x, y = torch.randn(64, 8), torch.randn(64, 1)
-    steps, ratios = OwnSteps(per_update=1, num_learners=1), []
+    steps, ratios = StepAhead(per_update=1), []
     held, timestamp, result = server.pull()[0][0], 0, None
     torch.nn.utils.vector_to_parameters(held, params)
     for k in range(12):
@@ -325,9 +330,9 @@ def test_own_steps_bring_a_learner_under_overlap_near_the_weights_its_reply_will
         lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),  # dampened: the same
     ],
 )
-def test_own_steps_leave_what_dana_does_not_step_as_it_was(make):
+def test_the_step_ahead_leaves_what_dana_does_not_step_as_it_was(make):
     w = torch.nn.Parameter(torch.ones(2))
-    steps = OwnSteps(per_update=1, num_learners=2)
+    steps = StepAhead(per_update=1)
     steps.settled(0, "accepted", 1, 0.5)
     steps.step(0, make([w]), {id(w): torch.ones(2)})
     assert torch.equal(w.detach(), torch.ones(2)) and not steps.momenta

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_rudra.core.epoch import EpochPlan
-from lightning_rudra.core.lookahead import OwnSteps
+from lightning_rudra.core.lookahead import StepAhead
 from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.update import Push
@@ -150,16 +150,16 @@ def test_overlap_computes_on_the_newest_weights_received(servers):
 DANA = ProtocolConfig(1, "async", compensation="momentum+clip+syncnorm+dana")  # the strategy's default
 
 
-def own_steps_reference(steps, mu, lr, momentum, own_steps=True):
+def step_ahead_reference(steps, mu, lr, momentum, step_ahead=True):
     """One learner under overlap with dana's own steps, against the protocol's own server in this process: gradient
     k (k >= 1) comes from the weights before update k - 1, less the learner's own step of gradient k - 1 at the rate
-    of the reply to push k - 2 (without ``own_steps``: not less it)."""
+    of the reply to push k - 2 (without ``step_ahead``: not less it)."""
     model, probe = harness.model(), harness.model()
     params = list(model.parameters())
     optimizer, probe_optimizer = (torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in (model, probe))
     server = Server(DANA, [p.detach() for p in params], [], [OptimizerSpec.from_optimizer(optimizer, params)])
     hparams = [hyperparameters(g) for g in optimizer.param_groups]
-    own, (x, y), result = OwnSteps(1, 1), harness.data(), None
+    own, (x, y), result = StepAhead(1), harness.data(), None
     weights, _, timestamp = server.pull()
     torch.nn.utils.vector_to_parameters(weights[0], probe.parameters())
     for k in range(steps):
@@ -173,21 +173,21 @@ def own_steps_reference(steps, mu, lr, momentum, own_steps=True):
             own.settled(0, result.status, result.staleness, result.update.lr_scale)
         result, timestamp = pushed, now
         torch.nn.utils.vector_to_parameters(weights[0], probe.parameters())
-        if own_steps:
+        if step_ahead:
             own.step(0, probe_optimizer, {id(p): p.grad for p in probe.parameters()})
     return [p.detach() for p in server.params]
 
 
-def test_overlap_with_own_steps_computes_on_the_newest_weights_less_its_own_step(no_shared_memory_left):
+def test_overlap_with_step_ahead_computes_on_the_newest_weights_less_its_own_step(no_shared_memory_left):
     """dana's own steps (the strategy's with overlap): between its push and the reply, the learner steps its own
     gradient on the weights it holds, at the rate its last reply said; the reply then replaces them. One learner, so
     that the order is known."""
     steps, mu, lr, momentum = 8, 4, 0.1, 0.9
     options = dict(steps=steps, mu=mu, lr=lr, momentum=momentum, overlap=True)
-    [result] = harness.run_learners(1, harness.train, config=DANA, own_steps=True, **options)
+    [result] = harness.run_learners(1, harness.train, config=DANA, step_ahead=True, **options)
     check_ok([result])
     assert result["stats"].staleness == {0: 1, 1: steps - 1}
-    reference, without = (own_steps_reference(steps, mu, lr, momentum, own) for own in (True, False))
+    reference, without = (step_ahead_reference(steps, mu, lr, momentum, own) for own in (True, False))
     for mine, expected, other in zip(result["params"], reference, without):
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
         assert not torch.allclose(mine, other, atol=1e-4)  # the own steps changed what was computed

@@ -90,9 +90,9 @@ class StepAhead:
     learner's buffer, v ← β·v + g), at the rate the server applied to its optimizer's last push: the reply's
     ``lr_scale`` over the ``per_update`` gradients an update averages. The buffers, one per optimizer and parameter,
     estimate the server's: they start once a reply says the gradients are stale (one push after dana starts: the
-    first stale gradient's own part is missed), and a push the server dropped or refused is taken out again; they differ from the server's by what only the server
-    sees (``clip``, softsync's shared part, compression), a difference the reply's weights replace at the next push.
-    Groups dana does not keep momentum for are left as they are."""
+    first stale gradient's part is missed), a push the server dropped or refused is taken out again, and they miss
+    what only the server sees (``clip``, softsync's shared part, compression), which the reply's weights replace at
+    the next push. Groups dana does not keep momentum for are left as they are."""
 
     def __init__(self, per_update: int) -> None:
         self.per_update = per_update

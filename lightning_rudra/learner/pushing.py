@@ -84,7 +84,7 @@ class Pushing:
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
         finite = None if len(self.links) == 1 else all_finite(grads)
         # overlap with dana: the learner's own step while its push is in flight, unless the server clips or refuses it
-        ahead = self.overlap and self.step_ahead is not None and not clipping
+        ahead = self.step_ahead if self.overlap and not clipping else None
         holders = [link.server for link in self.links if link.owned[index]]
         # the norm where an update applies this gradient alone; none for a gradient the servers refuse (not finite)
         clipping = across_servers(clipping, holders, grads, index, norm=self.sends_norm and finite is not False)
@@ -119,8 +119,8 @@ class Pushing:
         self._in_flight = Pushes(pushed, index)
         if not self.overlap:
             self.wait_for_replies()
-        elif ahead and self.step_ahead is not None and (all_finite(grads) if finite is None else finite):
-            self.step_ahead.step(index, optimizer, {id(p): g for p, g in zip(params, grads) if p.grad is not None})
+        elif ahead is not None and (all_finite(grads) if finite is None else finite):
+            ahead.step(index, optimizer, {id(p): g for p, g in zip(params, grads) if p.grad is not None})
 
     def _gradient_timestamps(self, index: int) -> tuple[int, ...]:
         """The timestamps (one per server) of the weights the gradient of optimizer ``index`` came from (no hook saw

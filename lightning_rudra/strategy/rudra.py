@@ -20,8 +20,8 @@ from typing_extensions import override
 
 from lightning_rudra.core.compensation import parse_compensation, staleness_options
 from lightning_rudra.core.compression import compression_option
-from lightning_rudra.core.lookahead import StepAhead
 from lightning_rudra.core.config import validate_options, validate_rounds
+from lightning_rudra.core.lookahead import StepAhead
 from lightning_rudra.core.node_plan import wanted as node_wanted
 from lightning_rudra.core.stats import Stats
 from lightning_rudra.core.timing import Homogeneous, TimingModel
@@ -282,7 +282,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
             check_trainer_clipping(trainer, self._check_clipping, len(self.optimizers))
             if self._training.learner is not None:  # hardsync's servers exchange their parts of the norm
                 self._training.learner.sends_norm = self.protocol != "hardsync"
-                if self.overlap and "dana" in parse_compensation(self.compensation):  # (overlap: async, softsync)
+                if self.overlap and "dana" in parse_compensation(self.compensation):  # overlap: stale protocols only
                     per_update = self._options.protocol_config(self.num_learners).gradients_per_update
                     self._training.learner.step_ahead = StepAhead(per_update)
             clip_on_the_server(self.precision_plugin, self._check_clipping)  # the server clips what it applies, as DDP

@@ -218,6 +218,8 @@ def test_lightning_cli_takes_a_registered_name_on_the_command_line():
         ],
     )
     assert isinstance(cli.trainer.strategy, RudraStrategy) and cli.trainer.strategy.protocol == "hardsync"
+    # the config LightningCLI saves beside the logs (its SaveConfigCallback writes this dump) records the name
+    assert "strategy: rudra_hardsync" in cli.parser.dump(cli.config, skip_none=False)
 
 
 def test_the_package_exports_its_public_api():

@@ -173,7 +173,7 @@ def train(
     net, learner, wrapped = start(rank, clients, config, lr, momentum, overlap, shared_memory, optimizer, bucket_cap_mb)
     lam = config.num_learners
     if step_ahead:
-        learner.step_ahead = StepAhead(config.gradients_per_update)
+        learner.step_ahead = StepAhead(config.gradients_per_update, undo=config.max_staleness is not None)
     pushes = []
     learner.on_push = lambda optimizer, status, sigma, lr_scale: pushes.append((status, sigma))
     for i in range(steps):

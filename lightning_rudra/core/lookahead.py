@@ -92,10 +92,12 @@ class StepAhead:
     estimate the server's: they start once a reply says the gradients are stale (one push after dana starts: the
     first stale gradient's part is missed), a push the server dropped or refused is taken out again, and they miss
     what only the server sees (``clip``, softsync's shared part, compression), which the reply's weights replace at
-    the next push. Groups dana does not keep momentum for are left as they are."""
+    the next push. Groups dana does not keep momentum for are left as they are. ``undo``: the server may drop a push
+    (``max_staleness``), so each step keeps the buffers it changed until its reply says (a copy per push)."""
 
-    def __init__(self, per_update: int) -> None:
+    def __init__(self, per_update: int, undo: bool) -> None:
         self.per_update = per_update
+        self.undo = undo
         self.shares: dict[int, float] = {}  # optimizer -> the rate its last reply applied, over c
         self.stale: set[int] = set()  # the optimizers whose replies said σ > 0: dana's updates have started
         self.momenta: dict[tuple[int, int], Tensor] = {}  # (optimizer, id of the parameter) -> its buffer
@@ -128,7 +130,8 @@ class StepAhead:
                 continue
             keys = [(index, id(p)) for p in params]
             buffers: list[Any] = [self.momenta.get(key) for key in keys]
-            undo.update((key, None if buffer is None else buffer.clone()) for key, buffer in zip(keys, buffers))
+            if self.undo:
+                undo.update((key, None if buffer is None else buffer.clone()) for key, buffer in zip(keys, buffers))
             sgd(
                 params,
                 [grads[id(p)] for p in params],

@@ -283,8 +283,9 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
             if self._training.learner is not None:  # hardsync's servers exchange their parts of the norm
                 self._training.learner.sends_norm = self.protocol != "hardsync"
                 if self.overlap and "dana" in parse_compensation(self.compensation):  # overlap: stale protocols only
-                    per_update = self._options.protocol_config(self.num_learners).gradients_per_update
-                    self._training.learner.step_ahead = StepAhead(per_update)
+                    config = self._options.protocol_config(self.num_learners)
+                    ahead = StepAhead(config.gradients_per_update, undo=config.max_staleness is not None)
+                    self._training.learner.step_ahead = ahead
             clip_on_the_server(self.precision_plugin, self._check_clipping)  # the server clips what it applies, as DDP
 
     def _check_clipping(self, value: float, algorithm: str, optimizer: int) -> None:

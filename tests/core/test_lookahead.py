@@ -252,7 +252,7 @@ def test_the_step_ahead_takes_nesterovs_step_at_the_rate_the_server_applied_on_a
     w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     frozen = torch.nn.Parameter(torch.tensor([5.0]))  # no gradient: does not move
     opt = torch.optim.SGD([w, frozen], lr=0.1, momentum=0.9, weight_decay=0.01)
-    steps = StepAhead(per_update=2)
+    steps = StepAhead(per_update=2, undo=False)
     g = torch.tensor([1.0, 2.0])
     steps.step(0, opt, {id(w): g})  # no reply yet: dana has not started
     steps.settled(0, "accepted", 0, 0.5)  # nor when a reply says σ = 0
@@ -274,7 +274,7 @@ def test_the_step_ahead_takes_nesterovs_step_at_the_rate_the_server_applied_on_a
 def test_a_push_the_server_dropped_leaves_the_buffer_as_before_it_and_each_optimizer_has_its_own():
     w = torch.nn.Parameter(torch.zeros(1))
     first, second = (torch.optim.SGD([w], lr=0.1, momentum=0.9) for _ in range(2))  # two optimizers, one parameter
-    steps = StepAhead(per_update=1)
+    steps = StepAhead(per_update=1, undo=True)  # (max_staleness set: the server may drop a push)
     steps.settled(0, "accepted", 1, 0.5)
     steps.settled(1, "accepted", 1, 0.1)  # each optimizer at the rate its own reply said
     steps.step(0, first, {id(w): torch.ones(1)})
@@ -302,7 +302,7 @@ def test_the_step_ahead_brings_a_learner_under_overlap_near_the_weights_its_repl
     server = Server(config, [p.detach().clone() for p in params], [], [OptimizerSpec.from_optimizer(opt, params)])
     hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     x, y = torch.randn(64, 8), torch.randn(64, 1)
-    steps, ratios = StepAhead(per_update=1), []
+    steps, ratios = StepAhead(per_update=1, undo=False), []
     held, timestamp, result = server.pull()[0][0], 0, None
     torch.nn.utils.vector_to_parameters(held, params)
     for k in range(12):
@@ -332,7 +332,7 @@ def test_the_step_ahead_brings_a_learner_under_overlap_near_the_weights_its_repl
 )
 def test_the_step_ahead_leaves_what_dana_does_not_step_as_it_was(make):
     w = torch.nn.Parameter(torch.ones(2))
-    steps = StepAhead(per_update=1)
+    steps = StepAhead(per_update=1, undo=False)
     steps.settled(0, "accepted", 1, 0.5)
     steps.step(0, make([w]), {id(w): torch.ones(2)})
     assert torch.equal(w.detach(), torch.ones(2)) and not steps.momenta

@@ -159,7 +159,7 @@ def step_ahead_reference(steps, mu, lr, momentum, step_ahead=True):
     optimizer, probe_optimizer = (torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in (model, probe))
     server = Server(DANA, [p.detach() for p in params], [], [OptimizerSpec.from_optimizer(optimizer, params)])
     hparams = [hyperparameters(g) for g in optimizer.param_groups]
-    own, (x, y), result = StepAhead(1), harness.data(), None
+    own, (x, y), result = StepAhead(1, undo=False), harness.data(), None
     weights, _, timestamp = server.pull()
     torch.nn.utils.vector_to_parameters(weights[0], probe.parameters())
     for k in range(steps):

@@ -4,6 +4,7 @@
     python -m benchmarks.profile train   [--strategy async|hardsync|softsync|ddp] [--seconds 6]
     python -m benchmarks.profile network [--strategy async|hardsync|...] [--link 1gbit] [--params 10000000]
                                          [--epochs 8] [--delay 20] [--seconds 10]
+    python -m benchmarks.profile timeline [--strategy ...] [--link 1gbit] [--params ...] [--epochs 8] [--per-host 1]
 
 ``push``: learner 0 pushes (``Learner.push``: pack, RPC, async update on the server, weights back, load) in a
 loop, learner 1 too with ``--both``. ``train``: the end-to-end job of ``benchmarks.run``. ``network`` (root, ``ip``
@@ -18,6 +19,10 @@ every thread all the time (``--threads --idle``): the shares are of wall time, o
 95 % of the time or more: the heartbeat, the server's watchers), which the last line names with the number of
 samples. A server runs Python only for part of each push (the rest is TensorPipe's C++), so its samples are few.
 Needs ``py-spy`` on PATH (``pip install py-spy``).
+
+``timeline``: the ``network`` job (``--per-host`` learners on each host; 2: hardsync aggregates on the node) run whole
+with ``RUDRA_TIMELINE`` set, then each learner's step, part by part (``benchmarks.timeline``): where a push's time
+goes, on the wire and off it. No py-spy.
 """
 
 import argparse
@@ -31,7 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import timeline
 from benchmarks.pool import Pool
+from lightning_rudra.transport.timeline import TIMELINE
 from lightning_rudra.transport.rpc_world import free_port
 
 
@@ -120,6 +127,7 @@ def _network(args: argparse.Namespace) -> None:
         raise SystemExit(f"network: {why}")
     strategy, n, protos, options = STRATEGIES[args.strategy]
     steps = 6  # per learner and epoch, as the network phase
+    per_host = args.per_host
     kwargs = {
         **MODEL_TRAINING,
         "strategy": strategy,
@@ -130,17 +138,27 @@ def _network(args: argparse.Namespace) -> None:
         "lr": TRAINING["lr"],
         "momentum": TRAINING["momentum"],
         "mlp_params": args.params,
-        "num_learners": 2,
+        "num_learners": 2 * per_host,
         "num_nodes": 2,
-        "num_samples": steps * MODEL_TRAINING["batch_size"] * 2,
+        "num_samples": steps * MODEL_TRAINING["batch_size"] * 2 * per_host,
         "max_epochs": args.epochs,
-        "sleep_s": [0.0, 0.0],
+        "sleep_s": [0.0] * 2 * per_host,
     }
     out_dir = tempfile.mkdtemp(prefix="rudra-profile-")
+    timeline_dir = os.path.join(out_dir, "timeline")
+    if args.what == "timeline":  # the workers, and the servers they start, inherit it
+        os.environ[TIMELINE] = timeline_dir
     with two_hosts(args.link) as hosts:
-        pool = Pool("profile-network", size=2, preload=TRAINING_PRELOAD, hosts=hosts)
+        pool = Pool("profile-network", size=2 * per_host, preload=TRAINING_PRELOAD, hosts=hosts)
         try:
             pool.wait_ready()
+            if args.what == "timeline":
+                pool.run("benchmarks.training:train", 900, **kwargs)
+                print(f"{args.strategy}, {per_host} learner(s) per host, link {args.link}, {args.params} parameters")
+                print("times in ms, medians over the steps (benchmarks.timeline)\n")
+                print(timeline.table(timeline.breakdown(timeline.read(timeline_dir))))
+                print(f"\nthe timeline: {timeline_dir}")
+                return
             outcome: dict[str, Any] = {}
             job = threading.Thread(
                 target=lambda: outcome.setdefault("result", pool.run("benchmarks.training:train", 900, **kwargs))
@@ -163,7 +181,7 @@ def _network(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("push", "train", "network"))
+    parser.add_argument("what", choices=("push", "train", "network", "timeline"))
     parser.add_argument("--numel", type=int, default=10_000_000)
     parser.add_argument("--both", action="store_true", help="push: both learners push at once")
     parser.add_argument("--strategy", default="async")
@@ -174,8 +192,9 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=10_000_000, help="network: the MLP's parameters")
     parser.add_argument("--epochs", type=int, default=8, help="network: epochs of 6 steps per learner")
     parser.add_argument("--delay", type=float, default=20.0, help="network: seconds before sampling starts")
+    parser.add_argument("--per-host", type=int, default=1, choices=(1, 2), help="network, timeline: learners per host")
     args = parser.parse_args()
-    if args.what == "network":
+    if args.what in ("network", "timeline"):
         args.seconds = args.seconds or 10.0
         _network(args)
         return

@@ -62,6 +62,7 @@ class LearnerClient:
         self.timeout = timeout
         self.server_host = server_host
         self.server = server_name(server)  # its RPC name
+        self.index = server
         self.what = "the parameter server" if server == 0 else f"parameter server {server}"
         # named by the server if this learner is lost
         self.address = address_towards(rendezvous or server_host) or "an unknown address"
@@ -214,6 +215,7 @@ class LearnerClient:
         what = f"{self.what} (on {offer.address})"
         try:
             self.stream = StreamClient(offer, self.timeout, what)
+            self.stream.timeline_numbers = (self.rank, self.index)
         except OSError as error:
             raise RuntimeError(
                 f"learner {self.rank} could not connect to {what} at port {offer.port} for its pushes: {error}. A "

@@ -24,6 +24,7 @@ from lightning_rudra.learner.link import ServerLink
 from lightning_rudra.learner.node import STATUSES, check_in_flight
 from lightning_rudra.learner.server_client import ServerClient
 from lightning_rudra.transport.stream_pieces import PiecedCall
+from lightning_rudra.transport import timeline
 
 CPU = torch.device("cpu")
 
@@ -79,6 +80,7 @@ class Pushing:
         return tuple(client.timestamp for client in self.clients)
 
     def _push(self, index: int, optimizer: Optimizer, clipping: Sequence[Clipping]) -> None:
+        timeline.mark("push", _whose(self.clients[0]), index)
         params = self.optimizer_params[index]
         grads = _dense(params)
         # one decision for the whole gradient: each server would otherwise refuse or apply its part alone
@@ -111,6 +113,7 @@ class Pushing:
                 finite,
                 clipping=clipping,
             )
+            timeline.mark("sent", push.learner, link.server)
             pushed.append(InFlight(link, self._send(link, push, pushed, pieces and pieces[0]), buffers))
             if pieces:
                 assert self.bucketing is not None
@@ -160,6 +163,7 @@ class Pushing:
             return p.reply
         reply = self._receive(p.link, p.future, pushed)
         p.link.load_reply(reply.params, reply.buffers, p.buffers if self.overlap else None)
+        timeline.mark("loaded", _whose(p.link.client), p.link.server)
         return reply
 
     def _push_order(self) -> list[ServerLink]:

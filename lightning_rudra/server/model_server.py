@@ -37,6 +37,7 @@ from lightning_rudra.server.shared_epochs import SharedEpochs
 from lightning_rudra.server.shared_side import SharedSide
 from lightning_rudra.core.registration import Registration
 from lightning_rudra.core.weights import Snapshot
+from lightning_rudra.transport import timeline
 from lightning_rudra.transport.logs import SlowWaits, waits_after
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class ModelServer:
         Returns:
             a future of the :class:`PushReply`, which a hardsync round resolves once it closes.
         """
+        timeline.mark("received", self.server, push.learner)
         with self.lock:
             self._check_alive()
             core = self._protocol()
@@ -194,6 +196,8 @@ class ModelServer:
         if not (in_round or held):
             reply = Future()
             reply.set_result(push_reply(result.status, result.staleness, scale, weights))
+        if timeline.enabled():
+            reply.add_done_callback(lambda _: timeline.mark("answered", self.server, learner))
         return reply
 
     def _release_paced(self) -> Outcomes:

@@ -19,6 +19,7 @@ from lightning_rudra.transport.frames import (
     FrameError,
     recv_frame,
 )
+from lightning_rudra.transport import timeline
 from lightning_rudra.transport.stream_pieces import PIECE, PiecedCall
 from lightning_rudra.transport.stream import (
     IN_FLIGHT,
@@ -96,6 +97,9 @@ class StreamClient:
         self._sent_through = 0  # the last call sent whole on the current connection: its reply may be read
         self._receiving: Optional[socket.socket] = None  # the connection the receiving thread reads
         self._receiver = self._receive_on(self.sock)
+        # (learner, server): the timeline's ``reply`` event is marked as a push's reply arrives, before its future
+        # wakes the learner (a callback of the future would run after)
+        self.timeline_numbers: Optional[tuple[int, int]] = None
         self._thread = threading.Thread(target=self._run, name="rudra-stream-client", daemon=True)
         self._thread.start()
 
@@ -389,6 +393,8 @@ class StreamClient:
                         reply = RuntimeError(f"the reply of {self.what} to {method} could not be decoded: {error}")
                 if not isinstance(reply, BaseException):
                     reply = self._value(method, reply)
+                if self.timeline_numbers is not None and method in ("push", "push_deltas"):
+                    timeline.mark("reply", *self.timeline_numbers)
                 with self._lock:
                     self._unanswered.popleft()
                     self._broken_since = None

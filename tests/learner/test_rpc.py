@@ -1,5 +1,6 @@
 """The engine over real RPC: learner processes, a server process, no Lightning."""
 
+import collections
 import os
 
 import pytest
@@ -11,6 +12,8 @@ from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
 from lightning_rudra.core.protocol import ProtocolConfig, Server
 from lightning_rudra.core.update import Push
 from lightning_rudra.transport.shm import SHM_DIR
+from lightning_rudra.transport.timeline import TIMELINE
+from benchmarks import timeline
 from tests import rpc_harness as harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -86,6 +89,26 @@ def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, 
     assert stats.clock == steps and stats.gradients == steps * learners
     assert stats.staleness == {0: steps * learners}
     assert all(sigma == 0 for r in results for _, sigma in r["pushes"])
+
+
+def test_the_timeline_of_a_real_run_has_every_push_on_both_sides(monkeypatch, tmp_path, no_shared_memory_left):
+    """``RUDRA_TIMELINE``: the learners and the server processes they start each write their events; every push of
+    every learner to every server is sent, received, answered, replied to and loaded once, in that order."""
+    directory = tmp_path / "timeline"
+    monkeypatch.setenv(TIMELINE, str(directory))
+    learners, steps = 2, 5
+    _hardsync(learners, steps, 4, num_servers=2)
+    events = timeline.read(str(directory))
+    assert len(os.listdir(directory)) == learners + 2  # each process its own file
+    counts = collections.Counter(event for _, event, _ in events)
+    assert counts["push"] == learners * steps
+    assert {counts[e] for e in timeline.EVENTS} == {learners * steps * 2}
+    result = timeline.breakdown(events, warmup=0)
+    assert sorted(result) == [0, 1]
+    for row in result.values():
+        assert row["steps"] == steps - 1 and row["compute"] >= 0
+        for parts in row["servers"].values():
+            assert all(parts[part] >= 0 for part in timeline.PARTS)  # one clock: each event after the one before
 
 
 def test_hardsync_over_servers_cut_between_parameters_one_of_them_empty(no_shared_memory_left):

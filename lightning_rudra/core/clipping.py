@@ -233,9 +233,22 @@ def clip(
                 p.grad.detach().mul_(factor)  # type: ignore[union-attr]  # grads: those with a gradient
 
 
+# elements per piece of a float64 norm: the float64 copy of a piece stays in the cache, where the copy of a whole
+# 5 M-element tensor took 23 ms against 4 ms in pieces (its 40 MB fresh from the OS, a page fault every 4 KiB)
+NORM_PIECE = 1 << 18
+
+
 def norm64(tensors: Iterable[Optional[Tensor]]) -> float:
-    """The norm of ``tensors`` together, in float64: a finite float32 gradient's norm cannot overflow."""
-    norms = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) for t in tensors if t is not None]
+    """The norm of ``tensors`` together, in float64 (a finite float32 gradient's norm cannot overflow), a piece of
+    ``NORM_PIECE`` elements at a time (a sparse tensor whole)."""
+    norms = [
+        torch.linalg.vector_norm(piece, dtype=torch.float64)
+        for t in tensors
+        if t is not None
+        for piece in (
+            (t.detach(),) if t.is_sparse or t.numel() <= NORM_PIECE else t.detach().reshape(-1).split(NORM_PIECE)
+        )
+    ]
     return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
 
 

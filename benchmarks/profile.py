@@ -4,7 +4,7 @@
     python -m benchmarks.profile train   [--strategy async|hardsync|softsync|ddp] [--seconds 6]
     python -m benchmarks.profile network [--strategy async|hardsync|...] [--link 1gbit] [--params 10000000]
                                          [--epochs 8] [--delay 20] [--seconds 10]
-    python -m benchmarks.profile timeline [--strategy ...] [--link 1gbit] [--params ...] [--epochs 8] [--per-host 1]
+    python -m benchmarks.profile timeline [--strategy ...] [--link 1gbit|none] [--params ...] [--epochs 8] [--per-host 1]
 
 ``push``: learner 0 pushes (``Learner.push``: pack, RPC, async update on the server, weights back, load) in a
 loop, learner 1 too with ``--both``. ``train``: the end-to-end job of ``benchmarks.run``. ``network`` (root, ``ip``
@@ -20,13 +20,14 @@ every thread all the time (``--threads --idle``): the shares are of wall time, o
 samples. A server runs Python only for part of each push (the rest is TensorPipe's C++), so its samples are few.
 Needs ``py-spy`` on PATH (``pip install py-spy``).
 
-``timeline``: the ``network`` job (``--per-host`` learners on each host; 2: hardsync aggregates on the node) run whole
-with ``RUDRA_TIMELINE`` set, then each learner's step, part by part (``benchmarks.timeline``): where a push's time
+``timeline``: the ``network`` job (``--per-host`` learners on each host; 2: hardsync aggregates on the node; with
+``--link none`` its learners on this host, no link) run whole with ``RUDRA_TIMELINE`` set, then each learner's step, part by part (``benchmarks.timeline``): where a push's time
 goes, on the wire and off it. No py-spy.
 """
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import subprocess
@@ -122,7 +123,10 @@ def _network(args: argparse.Namespace) -> None:
     from benchmarks.config import MODEL_TRAINING, STRATEGIES, TRAINING, TRAINING_PRELOAD
     from benchmarks.hosts import two_hosts, why_no_hosts
 
-    why = why_no_hosts(shaped=True)
+    one_host = args.link == "none"  # timeline: the same job on this host, no link
+    if one_host and args.what == "network":
+        raise SystemExit("network: --link none is the timeline's (one host); py-spy's network mode needs a link")
+    why = None if one_host else why_no_hosts(shaped=True)
     if why is not None:
         raise SystemExit(f"network: {why}")
     strategy, n, protos, options = STRATEGIES[args.strategy]
@@ -139,7 +143,7 @@ def _network(args: argparse.Namespace) -> None:
         "momentum": TRAINING["momentum"],
         "mlp_params": args.params,
         "num_learners": 2 * per_host,
-        "num_nodes": 2,
+        "num_nodes": 1 if one_host else 2,
         "num_samples": steps * MODEL_TRAINING["batch_size"] * 2 * per_host,
         "max_epochs": args.epochs,
         "sleep_s": [0.0] * 2 * per_host,
@@ -148,13 +152,14 @@ def _network(args: argparse.Namespace) -> None:
     timeline_dir = os.path.join(out_dir, "timeline")
     if args.what == "timeline":  # the workers, and the servers they start, inherit it
         os.environ[TIMELINE] = timeline_dir
-    with two_hosts(args.link) as hosts:
+    with contextlib.nullcontext([]) if one_host else two_hosts(args.link) as hosts:
         pool = Pool("profile-network", size=2 * per_host, preload=TRAINING_PRELOAD, hosts=hosts)
         try:
             pool.wait_ready()
             if args.what == "timeline":
                 pool.run("benchmarks.training:train", 900, **kwargs)
-                print(f"{args.strategy}, {per_host} learner(s) per host, link {args.link}, {args.params} parameters")
+                where = "one host" if one_host else f"{per_host} learner(s) per host, link {args.link}"
+                print(f"{args.strategy}, {2 * per_host} learners, {where}, {args.params} parameters")
                 print("times in ms, medians over the steps (benchmarks.timeline)\n")
                 print(timeline.table(timeline.breakdown(timeline.read(timeline_dir))))
                 print(f"\nthe timeline: {timeline_dir}")
@@ -188,7 +193,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=None, help="how long py-spy samples (6 s; network: 10 s)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--rate", type=int, default=200, help="py-spy's samples per second")
-    parser.add_argument("--link", default="1gbit", help="network: the link's rate, in tc's units")
+    parser.add_argument(
+        "--link", default="1gbit", help="network, timeline: the link's rate, in tc's units (timeline: none, one host)"
+    )
     parser.add_argument("--params", type=int, default=10_000_000, help="network: the MLP's parameters")
     parser.add_argument("--epochs", type=int, default=8, help="network: epochs of 6 steps per learner")
     parser.add_argument("--delay", type=float, default=20.0, help="network: seconds before sampling starts")

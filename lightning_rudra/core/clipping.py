@@ -239,15 +239,13 @@ NORM_PIECE = 1 << 18
 
 
 def norm64(tensors: Iterable[Optional[Tensor]]) -> float:
-    """The norm of ``tensors`` together, in float64 (a finite float32 gradient's norm cannot overflow), a piece of
-    ``NORM_PIECE`` elements at a time (a sparse tensor whole)."""
+    """The norm of dense ``tensors`` together, in float64 (a finite float32 gradient's norm cannot overflow), a piece
+    of ``NORM_PIECE`` elements at a time."""
     norms = [
         torch.linalg.vector_norm(piece, dtype=torch.float64)
         for t in tensors
         if t is not None
-        for piece in (
-            (t.detach(),) if t.is_sparse or t.numel() <= NORM_PIECE else t.detach().reshape(-1).split(NORM_PIECE)
-        )
+        for piece in ((t.detach(),) if t.numel() <= NORM_PIECE else t.detach().reshape(-1).split(NORM_PIECE))
     ]
     return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
 

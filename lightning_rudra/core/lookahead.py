@@ -72,7 +72,7 @@ def step_with_learner_momenta(
                 mean = sum(own[1:], own[0].clone()).div_(len(learners)) if own else p.grad.new_zeros(p.shape)
                 optimizer.state[p]["momentum_buffer"] = mean.clone()
                 lent.append((state, p, mean, group["momentum"]))
-    optimizer.step()
+    _step_in_place(optimizer)
     for state, p, mean, beta in lent:
         buffer = optimizer.state[p]["momentum_buffer"]
         if len(learners) == 1:
@@ -82,6 +82,24 @@ def step_with_learner_momenta(
         for i in learners:
             own_buffer = state.get(_buffer_key(i))
             state[_buffer_key(i)] = gradient.clone() if own_buffer is None else own_buffer.mul_(beta).add_(gradient)
+
+
+def _step_in_place(optimizer: Optimizer) -> None:
+    """``optimizer.step()``; torch's SGD by its foreach path, which adds β·v to the gradient in place (the server's
+    own, which nothing reads after the step), where its single-tensor path makes g + β·v a new tensor: past 32 MB
+    one fresh from the OS each step, a page fault every 4 KiB (37 ms against 10 ms for 10 M elements). The same
+    arithmetic, element by element."""
+    if type(optimizer) is not SGD:
+        optimizer.step()
+        return
+    chosen = [group.get("foreach") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["foreach"] = True
+    try:
+        optimizer.step()
+    finally:
+        for group, foreach in zip(optimizer.param_groups, chosen):
+            group["foreach"] = foreach
 
 
 class StepAhead:

@@ -336,3 +336,51 @@ def test_the_step_ahead_leaves_what_dana_does_not_step_as_it_was(make):
     steps.settled(0, "accepted", 1, 0.5)
     steps.step(0, make([w]), {id(w): torch.ones(2)})
     assert torch.equal(w.detach(), torch.ones(2)) and not steps.momenta
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_the_servers_nesterov_step_is_torchs_element_by_element_without_a_new_tensor_for_it(weight_decay):
+    """dana's step goes by torch's foreach path, which adds β·v to the server's own gradient in place instead of
+    making g + β·v a new tensor (single-tensor path): the same weights and buffers bit for bit, the optimizer's
+    own ``foreach`` setting left as it was, and another optimizer class stepped as it steps."""
+    from lightning_rudra.core.lookahead import step_with_learner_momenta
+
+    def stepped(make, **extra):
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(300, generator=generator)) for _ in range(2)]
+        opt = make(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=weight_decay, **extra)
+        states = [{}, {}]
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn(300, generator=generator)
+            step_with_learner_momenta(opt, params, states, [step % 2])
+        return opt, params, states
+
+    opt, params, states = stepped(torch.optim.SGD, foreach=False)
+    assert all(group["foreach"] is False for group in opt.param_groups)  # the user's setting kept
+    # torch's single-tensor steps, by hand: the same three steps
+    generator = torch.Generator().manual_seed(0)
+    mine = [torch.randn(300, generator=generator) for _ in range(2)]
+    buffers: dict[tuple[int, int], torch.Tensor] = {}
+    for step in range(3):
+        grads = [torch.randn(300, generator=generator) for _ in range(2)]
+        for i, (w, g) in enumerate(zip(mine, grads)):
+            g = g.add(w, alpha=weight_decay) if weight_decay else g
+            key = (step % 2, i)
+            buffers[key] = g.clone() if key not in buffers else buffers[key].mul_(0.9).add_(g)
+            w.add_(g.add(buffers[key], alpha=0.9), alpha=-0.1)
+    for p, w in zip(params, mine):
+        assert torch.equal(p.detach(), w)
+    assert torch.equal(states[0]["momentum_1"], buffers[(1, 0)])
+    if not weight_decay:  # the step's direction g + β·v was made in the gradient itself
+        assert torch.equal(params[0].grad, grads[0].add(buffers[(0, 0)], alpha=0.9))
+
+    class OwnSGD(torch.optim.SGD):  # a subclass steps as its own step says: not switched to foreach
+        seen: list = []
+
+        def step(self, closure=None):
+            self.seen.append([group["foreach"] for group in self.param_groups])
+            return super().step(closure)
+
+    stepped(OwnSGD)
+    assert OwnSGD.seen == [[None]] * 3

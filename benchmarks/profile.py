@@ -4,6 +4,7 @@
     python -m benchmarks.profile train   [--strategy async|hardsync|softsync|ddp] [--seconds 6]
     python -m benchmarks.profile network [--strategy async|hardsync|...] [--link 1gbit] [--params 10000000]
                                          [--epochs 8] [--delay 20] [--seconds 10]
+    python -m benchmarks.profile update   [--numel 10000000]
     python -m benchmarks.profile timeline [--strategy ...] [--link 1gbit|none] [--params ...] [--epochs 8] [--per-host 1]
 
 ``push``: learner 0 pushes (``Learner.push``: pack, RPC, async update on the server, weights back, load) in a
@@ -20,6 +21,8 @@ every thread all the time (``--threads --idle``): the shares are of wall time, o
 samples. A server runs Python only for part of each push (the rest is TensorPipe's C++), so its samples are few.
 Needs ``py-spy`` on PATH (``pip install py-spy``).
 
+``update``: the server's update of one push alone, per compensation rule (no py-spy, no processes).
+
 ``timeline``: the ``network`` job (``--per-host`` learners on each host; 2: hardsync aggregates on the node; with
 ``--link none`` its learners on this host, no link) run whole with ``RUDRA_TIMELINE`` set, then each learner's step, part by part (``benchmarks.timeline``): where a push's time
 goes, on the wire and off it. No py-spy.
@@ -30,6 +33,7 @@ import collections
 import contextlib
 import os
 import re
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -119,6 +123,37 @@ def _host_processes(host: Any) -> dict[str, int]:
     return found
 
 
+def _update(numel: int, pushes: int = 30, warmup: int = 6) -> None:
+    """The server's update alone, in this process (one thread, as a server's): async with 2 learners taking turns,
+    momentum SGD on one parameter of ``numel`` elements, each compensation rule; the median time of a push."""
+    import torch
+
+    from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
+    from lightning_rudra.core.optimizers import OptimizerSpec, hyperparameters
+    from lightning_rudra.core.protocol import ProtocolConfig, Server
+    from lightning_rudra.core.update import Push
+
+    torch.set_num_threads(1)
+    print(f"a push's update on the server, {numel} elements, async, 2 learners (median of {pushes - warmup} pushes)")
+    for protocol, rule in [("hardsync", DEFAULT_COMPENSATION)] + [
+        ("async", rule) for rule in ("none", "momentum", "momentum+clip", "momentum+dana", DEFAULT_COMPENSATION)
+    ]:
+        params = [torch.randn(numel)]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.5)
+        config = ProtocolConfig(2, protocol, compensation=rule)
+        server = Server(config, params, [], [OptimizerSpec.from_optimizer(opt, params)])
+        hparams = [hyperparameters(group) for group in opt.param_groups]
+        grads = server.grad_layouts[0].pack([torch.randn(numel)])
+        timestamps, times = [0, 0], []
+        for i in range(pushes):
+            learner, packed = i % 2, [g.clone() for g in grads]
+            start = time.perf_counter()
+            server.push(Push(learner, 0, packed, torch.ones(1, dtype=torch.bool), timestamps[learner], hparams, []))
+            times.append(time.perf_counter() - start)
+            timestamps[learner] = server.clock
+        print(f"{protocol:9} {rule:30} {1000 * statistics.median(times[warmup:]):6.1f} ms")
+
+
 def _network(args: argparse.Namespace) -> None:
     from benchmarks.config import MODEL_TRAINING, STRATEGIES, TRAINING, TRAINING_PRELOAD
     from benchmarks.hosts import two_hosts, why_no_hosts
@@ -186,7 +221,7 @@ def _network(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("push", "train", "network", "timeline"))
+    parser.add_argument("what", choices=("push", "train", "network", "timeline", "update"))
     parser.add_argument("--numel", type=int, default=10_000_000)
     parser.add_argument("--both", action="store_true", help="push: both learners push at once")
     parser.add_argument("--strategy", default="async")
@@ -204,6 +239,9 @@ def main() -> None:
     if args.what in ("network", "timeline"):
         args.seconds = args.seconds or 10.0
         _network(args)
+        return
+    if args.what == "update":
+        _update(args.numel)
         return
     args.seconds = args.seconds or 6.0
 

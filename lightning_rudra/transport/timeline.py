@@ -42,8 +42,16 @@ def _open() -> None:
         os.makedirs(_directory, exist_ok=True)
         _file = open(os.path.join(_directory, name), "a", buffering=1)
     except OSError as error:
-        warnings.warn(f"lightning_rudra: {TIMELINE}={_directory!r}: cannot write the timeline there ({error}); off.")
-        _directory = ""
+        directory, _directory = _directory, ""  # off before the warning, which may be an error (-W error)
+        _warn(f"{TIMELINE}={directory!r}: cannot write the timeline there ({error}); off.")
+
+
+def _warn(message: str) -> None:
+    """Warn; never raise, also where warnings are errors (``-W error``): a timeline does not end a run."""
+    try:
+        warnings.warn(f"lightning_rudra: {message}")
+    except Exception:
+        pass
 
 
 def enabled() -> bool:
@@ -66,18 +74,20 @@ def mark(event: str, *numbers: int) -> None:
             _open()
         if _file is None:
             return
+        failed = None
         try:
             _file.write(" ".join([f"{now:.6f}", event, *map(str, numbers)]) + "\n")
+            _lines += 1
         except OSError as error:  # a full disk ends the timeline, not the run
-            warnings.warn(f"lightning_rudra: {TIMELINE}: writing the timeline failed ({error}); off.")
-            _lines = LIMIT
-        _lines += 1
+            failed, _lines = error, LIMIT
         if _lines >= LIMIT:
             try:
                 _file.close()
             except OSError:
                 pass
             _directory, _file = "", None
+        if failed is not None:
+            _warn(f"{TIMELINE}: writing the timeline failed ({failed}); off.")
 
 
 def _reset() -> None:

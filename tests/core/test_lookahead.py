@@ -384,3 +384,41 @@ def test_the_servers_nesterov_step_is_torchs_element_by_element_without_a_new_te
 
     stepped(OwnSGD)
     assert OwnSGD.seen == [[None]] * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_servers_nesterov_step_in_half_precision_is_torchs_single_tensor_step(dtype):
+    """foreach rounds β·v otherwise in half precision: there the step stays torch's single-tensor one, bit for bit."""
+    from lightning_rudra.core.lookahead import step_with_learner_momenta
+
+    def stepped(step):
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(300, generator=generator).to(dtype)) for _ in range(2)]
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(300, generator=generator).to(dtype)
+            step(opt, params)
+        return params
+
+    states: list[dict] = [{}, {}]  # learner 0's buffers, kept from step to step
+    dana = stepped(lambda opt, params: step_with_learner_momenta(opt, params, states, [0]))
+    single = stepped(lambda opt, params: opt.step())  # foreach=None: the single-tensor path on CPU
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(dana, single))
+
+
+def test_the_foreach_setting_is_restored_when_the_step_fails():
+    from lightning_rudra.core.lookahead import step_with_learner_momenta
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9, nesterov=True)
+    w.grad = torch.ones(3)
+
+    def fails():
+        assert opt.param_groups[0]["foreach"] is True  # the step runs by the foreach path
+        raise RuntimeError("the step failed")
+
+    opt.step = fails
+    with pytest.raises(RuntimeError, match="the step failed"):
+        step_with_learner_momenta(opt, [w], [{}], [0])
+    assert opt.param_groups[0]["foreach"] is None

@@ -93,20 +93,31 @@ def test_hardsync_equals_single_process_sgd_with_batch_mu_lambda(shared_memory, 
 
 def test_the_timeline_of_a_real_run_has_every_push_on_both_sides(monkeypatch, tmp_path, no_shared_memory_left):
     """``RUDRA_TIMELINE``: the learners and the server processes they start each write their events; every push of
-    every learner to every server is sent, received, answered, replied to and loaded once, in that order."""
+    every learner to every server is sent, received, answered, replied to and loaded once, in that order, each
+    server's events naming it and the learner; a hardsync round is answered once its last push came."""
     directory = tmp_path / "timeline"
     monkeypatch.setenv(TIMELINE, str(directory))
-    learners, steps = 2, 5
-    _hardsync(learners, steps, 4, num_servers=2)
+    learners, servers, steps = 3, 2, 5
+    _hardsync(learners, steps, 4, num_servers=servers)
     events = timeline.read(str(directory))
-    assert len(os.listdir(directory)) == learners + 2  # each process its own file
+    assert len(os.listdir(directory)) == learners + servers  # each process its own file
     counts = collections.Counter(event for _, event, _ in events)
     assert counts["push"] == learners * steps
-    assert {counts[e] for e in timeline.EVENTS} == {learners * steps * 2}
+    assert {counts[e] for e in timeline.EVENTS} == {learners * steps * servers}
+    at = collections.defaultdict(list)  # (event, server, learner) -> times
+    for t, event, numbers in events:
+        if event in ("received", "answered"):
+            at[(event, *numbers)].append(t)
+    pairs = {(s, r) for s in range(servers) for r in range(learners)}
+    assert {key[1:] for key in at} == pairs and all(len(times) == steps for times in at.values())
+    for s in range(servers):
+        for k in range(steps):
+            last_push = max(at["received", s, r][k] for r in range(learners))
+            assert min(at["answered", s, r][k] for r in range(learners)) >= last_push
     result = timeline.breakdown(events, warmup=0)
-    assert sorted(result) == [0, 1]
+    assert sorted(result) == list(range(learners))
     for row in result.values():
-        assert row["steps"] == steps - 1 and row["compute"] >= 0
+        assert row["steps"] == steps - 1 and row["compute"] >= 0 and sorted(row["servers"]) == [0, 1]
         for parts in row["servers"].values():
             assert all(parts[part] >= 0 for part in timeline.PARTS)  # one clock: each event after the one before
 

@@ -75,8 +75,42 @@ def test_a_directory_that_cannot_be_written_warns_once_and_the_run_goes_on(monke
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         timeline.mark("push", 0, 1)  # off: no second warning, no error
-    assert not timeline.enabled()
+        assert not timeline.enabled()
+        timeline._reset()
+        timeline.mark("push", 0, 2)  # where warnings are errors (-W error), the first one too: off, no error
+        assert not timeline.enabled() and timeline._file is None
     timeline._reset()
+
+
+def test_a_write_that_fails_turns_the_timeline_off_with_one_warning(switch):
+    """A full disk: the event is lost, the timeline is off, the run goes on; also where warnings are errors."""
+    timeline.mark("push", 0, 0)
+
+    class Full:
+        closed = False
+
+        def write(self, line):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            self.closed = True
+
+    full = Full()
+    timeline._file.close()
+    timeline._file = full
+    with pytest.warns(UserWarning, match="writing the timeline failed"):
+        timeline.mark("push", 0, 1)
+    assert full.closed and not timeline.enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timeline.mark("push", 0, 2)
+    timeline._reset()
+    timeline._file = full  # and with warnings as errors, the first failure too
+    timeline._directory = str(switch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timeline.mark("push", 0, 3)
+    assert not timeline.enabled()
 
 
 def _events(*rows):

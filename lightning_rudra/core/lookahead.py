@@ -88,8 +88,8 @@ def _step_in_place(optimizer: Optimizer) -> None:
     """``optimizer.step()``; torch's SGD by its foreach path, which adds β·v to the gradient in place (the server's
     own, which nothing reads after the step), where its single-tensor path makes g + β·v a new tensor: past 32 MB
     one fresh from the OS each step, a page fault every 4 KiB (37 ms against 10 ms for 10 M elements). The same
-    arithmetic, element by element, for float32 and float64 parameters; with any other, the single-tensor path."""
-    # (float16 and bfloat16 round β·v otherwise by the foreach path: theirs stays the single-tensor one)
+    arithmetic, element by element, for float32 and float64 parameters; float16 and bfloat16, which the foreach path
+    rounds otherwise, take the single-tensor one."""
     exact = all(p.dtype in (torch.float32, torch.float64) for g in optimizer.param_groups for p in g["params"])
     if type(optimizer) is not SGD or not exact:
         optimizer.step()

@@ -54,6 +54,13 @@ def _dense(params: list[Tensor]) -> list[Tensor]:
     ]
 
 
+def _unordered(link: ServerLink) -> bool:
+    """Whether ``link``'s server may run a learner's pushes in another order than it sent them: pushes through RPC,
+    whose calls run on a pool of threads (the push stream runs them in order, a node's leader waits for each
+    round)."""
+    return isinstance(link.client, LearnerClient) and link.client.stream is None and link.node is None
+
+
 def _whose(client: ServerClient) -> int:
     """The learner whose step pushes through ``client``: simulated learners share one client (it says whose step
     runs now)."""
@@ -94,6 +101,10 @@ class Pushing:
         timestamps = self._gradient_timestamps(index)
         hparams = [hyperparameters(g) for g in optimizer.param_groups]
         all_buffers = self._packed_buffers()
+        if any(map(_unordered, self.links)):
+            # the reply in flight first: RPC may run this push on the server before the last one, whose older
+            # buffers (BatchNorm's statistics, a count) would then replace this one's
+            self.wait_for_replies()
         pushed: list[InFlight] = []
         for link in self._push_order():
             owned = link.owned[index]

@@ -181,6 +181,50 @@ def test_overlap_computes_on_the_newest_weights_received(servers):
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
 
 
+def _counting_pushes_in_flight(rank, clients, **kwargs):
+    """``harness.train``, recording how many of this learner's pushes were unanswered as each push went out."""
+    from lightning_rudra.learner.client import LearnerClient
+
+    unanswered, at_each_push = [0], []
+    push, receive = LearnerClient.push, LearnerClient.receive
+
+    def counted_push(self, *args, **options):
+        at_each_push.append(unanswered[0])
+        unanswered[0] += 1
+        return push(self, *args, **options)
+
+    def counted_receive(self, pushed):
+        unanswered[0] -= 1
+        return receive(self, pushed)
+
+    LearnerClient.push, LearnerClient.receive = counted_push, counted_receive
+    return {**harness.train(rank, clients, **kwargs), "in flight": at_each_push}
+
+
+def test_overlap_over_rpc_sends_a_push_once_the_last_is_answered(no_shared_memory_left):
+    """RPC runs a learner's calls on a pool of threads: a push sent while the last is unanswered could be applied
+    before it, and the last one's older buffers (BatchNorm's count) would then replace its own. Through RPC
+    (``shared_memory=False``: no stream) a push goes out once the last is answered; overlap keeps its arithmetic
+    (the gradient still comes from the weights before the last update)."""
+    steps, mu, lr, momentum = 6, 4, 0.1, 0.9
+    [result] = harness.run_learners(
+        1,
+        _counting_pushes_in_flight,
+        config=ProtocolConfig(1, "async"),
+        steps=steps,
+        mu=mu,
+        lr=lr,
+        momentum=momentum,
+        overlap=True,
+        shared_memory=False,
+    )
+    check_ok([result])
+    assert result["in flight"] == [0] * steps and not result["shared_memory"]
+    assert result["stats"].staleness == {0: 1, 1: steps - 1}
+    for mine, expected in zip(result["params"], overlap_reference(steps, mu, lr, momentum)):
+        torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
+
+
 DANA = ProtocolConfig(1, "async", compensation="momentum+clip+syncnorm+dana")  # the strategy's default
 
 

@@ -156,31 +156,6 @@ def _one_server_unmapped(rank, clients, **kwargs):
     return harness.train(rank, clients, **kwargs)
 
 
-@pytest.mark.parametrize("servers", ["one, mapped", "two, one over the stream"])
-def test_overlap_computes_on_the_newest_weights_received(servers):
-    """Rudra-adv*: with one learner, gradient k (k >= 1) comes from the weights before update k - 1 (σ = 1). With a
-    server whose shared memory the learner cannot map, its next push goes out over the stream while the reply to
-    the last still comes back (issue 34): the arithmetic is the same."""
-    steps, mu, lr, momentum = 6, 4, 0.1, 0.9
-    target, num_servers = (harness.train, 1) if servers == "one, mapped" else (_one_server_unmapped, 2)
-    [result] = harness.run_learners(
-        1,
-        target,
-        num_servers=num_servers,
-        config=ProtocolConfig(1, "async"),
-        steps=steps,
-        mu=mu,
-        lr=lr,
-        momentum=momentum,
-        overlap=True,
-    )
-    check_ok([result])
-    assert result["mapped"] == ([True] if num_servers == 1 else [True, False])
-    assert result["stats"].staleness == {0: 1, 1: steps - 1}
-    for mine, expected in zip(result["params"], overlap_reference(steps, mu, lr, momentum)):
-        torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)
-
-
 def _counting_pushes_in_flight(rank, clients, **kwargs):
     """``harness.train``, recording how many of this learner's pushes were unanswered as each push went out."""
     from lightning_rudra.learner.client import LearnerClient
@@ -201,25 +176,35 @@ def _counting_pushes_in_flight(rank, clients, **kwargs):
     return {**harness.train(rank, clients, **kwargs), "in flight": at_each_push}
 
 
-def test_overlap_over_rpc_sends_a_push_once_the_last_is_answered(no_shared_memory_left):
-    """RPC runs a learner's calls on a pool of threads: a push sent while the last is unanswered could be applied
-    before it, and the last one's older buffers (BatchNorm's count) would then replace its own. Through RPC
-    (``shared_memory=False``: no stream) a push goes out once the last is answered; overlap keeps its arithmetic
-    (the gradient still comes from the weights before the last update)."""
+@pytest.mark.parametrize("servers", ["one, mapped", "two, one over the stream", "one, through RPC"])
+def test_overlap_computes_on_the_newest_weights_received(servers, no_shared_memory_left):
+    """Rudra-adv*: with one learner, gradient k (k >= 1) comes from the weights before update k - 1 (σ = 1). With a
+    server whose shared memory the learner cannot map, its next push goes out over the stream while the reply to
+    the last still comes back (issue 34): the arithmetic is the same. Through RPC (``shared_memory=False``: no
+    stream), whose pool of threads could apply a push before the last one (whose older buffers, BatchNorm's count,
+    would then replace its own), a push goes out once the last is answered: the same arithmetic again."""
     steps, mu, lr, momentum = 6, 4, 0.1, 0.9
+    target, num_servers = {
+        "one, mapped": (harness.train, 1),
+        "two, one over the stream": (_one_server_unmapped, 2),
+        "one, through RPC": (_counting_pushes_in_flight, 1),
+    }[servers]
     [result] = harness.run_learners(
         1,
-        _counting_pushes_in_flight,
+        target,
+        num_servers=num_servers,
         config=ProtocolConfig(1, "async"),
         steps=steps,
         mu=mu,
         lr=lr,
         momentum=momentum,
         overlap=True,
-        shared_memory=False,
+        shared_memory=servers != "one, through RPC",
     )
     check_ok([result])
-    assert result["in flight"] == [0] * steps and not result["shared_memory"]
+    assert result["mapped"] == {1: [servers == "one, mapped"], 2: [True, False]}[num_servers]
+    if servers == "one, through RPC":
+        assert result["in flight"] == [0] * steps  # each push once the last was answered
     assert result["stats"].staleness == {0: 1, 1: steps - 1}
     for mine, expected in zip(result["params"], overlap_reference(steps, mu, lr, momentum)):
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-6)

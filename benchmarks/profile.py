@@ -5,7 +5,8 @@
     python -m benchmarks.profile network [--strategy async|hardsync|...] [--link 1gbit] [--params 10000000]
                                          [--epochs 8] [--delay 20] [--seconds 10]
     python -m benchmarks.profile update   [--numel 10000000]
-    python -m benchmarks.profile timeline [--strategy ...] [--link 1gbit|none] [--params ...] [--epochs 8] [--per-host 1]
+    python -m benchmarks.profile timeline [--strategy ...] [--link 1gbit|none] [--params ...] [--epochs 8]
+                                         [--per-host 1]
 
 ``push``: learner 0 pushes (``Learner.push``: pack, RPC, async update on the server, weights back, load) in a
 loop, learner 1 too with ``--both``. ``train``: the end-to-end job of ``benchmarks.run``. ``network`` (root, ``ip``
@@ -21,11 +22,12 @@ every thread all the time (``--threads --idle``): the shares are of wall time, o
 samples. A server runs Python only for part of each push (the rest is TensorPipe's C++), so its samples are few.
 Needs ``py-spy`` on PATH (``pip install py-spy``).
 
-``update``: the server's update of one push alone, per compensation rule (no py-spy, no processes).
+``update``: the server's update of one push alone, hardsync's and async's under each compensation rule (no py-spy,
+no processes).
 
 ``timeline``: the ``network`` job (``--per-host`` learners on each host; 2: hardsync aggregates on the node; with
-``--link none`` its learners on this host, no link) run whole with ``RUDRA_TIMELINE`` set, then each learner's step, part by part (``benchmarks.timeline``): where a push's time
-goes, on the wire and off it. No py-spy.
+``--link none`` its learners on this host, no link) run whole with ``RUDRA_TIMELINE`` set, then each learner's step,
+part by part (``benchmarks.timeline``): where a push's time goes, on the wire and off it. No py-spy.
 """
 
 import argparse
@@ -124,8 +126,9 @@ def _host_processes(host: Any) -> dict[str, int]:
 
 
 def _update(numel: int, pushes: int = 30, warmup: int = 6) -> None:
-    """The server's update alone, in this process (one thread, as a server's): async with 2 learners taking turns,
-    momentum SGD on one parameter of ``numel`` elements, each compensation rule; the median time of a push."""
+    """The server's update alone, in this process (one thread, as a server's): 2 learners taking turns, momentum SGD
+    on one parameter of ``numel`` elements, hardsync, and async under each compensation rule; the median time of a
+    push (hardsync's: half of them close a round)."""
     import torch
 
     from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
@@ -134,7 +137,7 @@ def _update(numel: int, pushes: int = 30, warmup: int = 6) -> None:
     from lightning_rudra.core.update import Push
 
     torch.set_num_threads(1)
-    print(f"a push's update on the server, {numel} elements, async, 2 learners (median of {pushes - warmup} pushes)")
+    print(f"a push's update on the server, {numel} elements, 2 learners (median of {pushes - warmup} pushes)")
     for protocol, rule in [("hardsync", DEFAULT_COMPENSATION)] + [
         ("async", rule) for rule in ("none", "momentum", "momentum+clip", "momentum+dana", DEFAULT_COMPENSATION)
     ]:
@@ -231,8 +234,8 @@ def main() -> None:
     parser.add_argument(
         "--link", default="1gbit", help="network, timeline: the link's rate, in tc's units (timeline: none, one host)"
     )
-    parser.add_argument("--params", type=int, default=10_000_000, help="network: the MLP's parameters")
-    parser.add_argument("--epochs", type=int, default=8, help="network: epochs of 6 steps per learner")
+    parser.add_argument("--params", type=int, default=10_000_000, help="network, timeline: the MLP's parameters")
+    parser.add_argument("--epochs", type=int, default=8, help="network, timeline: epochs of 6 steps per learner")
     parser.add_argument("--delay", type=float, default=20.0, help="network: seconds before sampling starts")
     parser.add_argument("--per-host", type=int, default=1, choices=(1, 2), help="network, timeline: learners per host")
     args = parser.parse_args()

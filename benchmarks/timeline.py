@@ -49,7 +49,8 @@ def _median(values: list[float]) -> Optional[float]:
 
 def breakdown(events: list[tuple[float, str, tuple[int, ...]]], warmup: int = 2) -> dict[int, dict[str, Any]]:
     """Per learner: ``steps`` (counted), ``step`` and ``compute`` (median s), ``path`` (the server whose reply arrived
-    last in most steps) and ``servers``: per server, the median s of each part of :data:`PARTS` (None where never seen)."""
+    last in most steps) and ``servers``: per server, the median s of each part of :data:`PARTS` (None where never
+    seen)."""
     pushes: dict[int, list[float]] = collections.defaultdict(list)
     # (learner, server) -> the times of each event, in order
     of: dict[str, dict[tuple[int, int], list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))

@@ -64,7 +64,8 @@ def enabled() -> bool:
 
 
 def mark(event: str, *numbers: int) -> None:
-    """Append ``event`` and its ``numbers`` (which learner, server or optimizer) at the time now, if the switch is on."""
+    """Append ``event`` and its ``numbers`` (which learner, server or optimizer) at the time now, if the switch is
+    on."""
     global _directory, _file, _lines
     if _directory == "":
         return

@@ -27,7 +27,7 @@ import statistics
 from typing import Any, Optional
 
 PARTS = ("pack", "push", "server", "reply", "load")
-EVENTS = ("sent", "received", "answered", "reply", "loaded")  # a push's, per learner and server, in order
+EVENTS = ("sent", "received", "answered", "reply", "loaded")  # a push's, per learner and server, in order: PARTS end
 
 
 def read(directory: str) -> list[tuple[float, str, tuple[int, ...]]]:
@@ -74,14 +74,8 @@ def breakdown(events: list[tuple[float, str, tuple[int, ...]]], warmup: int = 2)
                 at = {event: of[event][key][k] if k < len(of[event][key]) else None for event in EVENTS}
                 if at["sent"] is None:
                     continue
-                spans = {
-                    "pack": (begin, at["sent"]),
-                    "push": (at["sent"], at["received"]),
-                    "server": (at["received"], at["answered"]),
-                    "reply": (at["answered"], at["reply"]),
-                    "load": (at["reply"], at["loaded"]),
-                }
-                for part, (start, stop) in spans.items():
+                marks = [begin] + [at[event] for event in EVENTS]  # each part runs from one mark to the next
+                for part, start, stop in zip(PARTS, marks, marks[1:]):
                     if start is not None and stop is not None:
                         parts[s][part].append(stop - start)
                 if at["loaded"] is not None:

@@ -47,6 +47,12 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     "async+overlap+buckets": ("async", 1, [], {"overlap": True, "bucket_cap_mb": 4}),
     "hardsync+buckets+bf16": ("hardsync", 1, [], {"bucket_cap_mb": 4, "compression": "bf16"}),
     "async+overlap+buckets+bf16": ("async", 1, [], {"overlap": True, "bucket_cap_mb": 4, "compression": "bf16"}),
+    # issue 34: 4 servers per host (server s on host s mod 2): every server's round and reply its own, so the replies
+    # of the first ones come back while the pushes to the others still go
+    "hardsync+buckets+8servers": ("hardsync", 1, [], {"bucket_cap_mb": 4, "num_servers": 8}),
+    "hardsync+8servers": ("hardsync", 1, [], {"num_servers": 8}),
+    "async+buckets+8servers": ("async", 1, [], {"bucket_cap_mb": 4, "num_servers": 8}),
+    "async+overlap+buckets+8servers": ("async", 1, [], {"overlap": True, "bucket_cap_mb": 4, "num_servers": 8}),
     "hardsync+no_aggregation": ("hardsync", 1, [], {"node_aggregation": False}),
     # the network phase's "1+s" layout: both learners on host 0, the servers on host 1, a server node
     "hardsync+server_node": ("hardsync", 1, [], {"server_nodes": 1}),
@@ -89,6 +95,10 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "hardsync+no_aggregation": "Rudra hardsync, node_aggregation=False",
     "hardsync+server_node": "Rudra hardsync, 2 learners on host 0, server_nodes=1 (host 1)",
     "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",
+    "hardsync+buckets+8servers": "Rudra hardsync, bucket_cap_mb=4, num_servers=8",
+    "hardsync+8servers": "Rudra hardsync, num_servers=8",
+    "async+buckets+8servers": "Rudra async, bucket_cap_mb=4, num_servers=8",
+    "async+overlap+buckets+8servers": "Rudra async, overlap=True, bucket_cap_mb=4, num_servers=8",
     "hardsync+buckets+server_node": "Rudra hardsync, bucket_cap_mb=4, 2 learners on host 0, server_nodes=1 (host 1)",
     "batchsync": "Rudra K-batch-sync (K = λ)",
     "hardsync+backup1": "Rudra hardsync, backup=1",

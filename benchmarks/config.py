@@ -51,6 +51,7 @@ STRATEGIES = {  # key -> (strategy, n, prototype changes, more RudraStrategy opt
     # of the first ones come back while the pushes to the others still go
     "hardsync+buckets+8servers": ("hardsync", 1, [], {"bucket_cap_mb": 4, "num_servers": 8}),
     "hardsync+8servers": ("hardsync", 1, [], {"num_servers": 8}),
+    "hardsync+buckets+4servers": ("hardsync", 1, [], {"bucket_cap_mb": 4, "num_servers": 4}),
     "async+buckets+8servers": ("async", 1, [], {"bucket_cap_mb": 4, "num_servers": 8}),
     "async+overlap+buckets+8servers": ("async", 1, [], {"overlap": True, "bucket_cap_mb": 4, "num_servers": 8}),
     "hardsync+no_aggregation": ("hardsync", 1, [], {"node_aggregation": False}),
@@ -97,6 +98,7 @@ STRATEGY_LABELS = {  # key -> how the report names it
     "async+server_node": "Rudra async, 2 learners on host 0, server_nodes=1 (host 1)",
     "hardsync+buckets+8servers": "Rudra hardsync, bucket_cap_mb=4, num_servers=8",
     "hardsync+8servers": "Rudra hardsync, num_servers=8",
+    "hardsync+buckets+4servers": "Rudra hardsync, bucket_cap_mb=4, num_servers=4",
     "async+buckets+8servers": "Rudra async, bucket_cap_mb=4, num_servers=8",
     "async+overlap+buckets+8servers": "Rudra async, overlap=True, bucket_cap_mb=4, num_servers=8",
     "hardsync+buckets+server_node": "Rudra hardsync, bucket_cap_mb=4, 2 learners on host 0, server_nodes=1 (host 1)",

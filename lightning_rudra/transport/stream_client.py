@@ -1,7 +1,6 @@
 """The learner's side of the stream (:mod:`lightning_rudra.transport.stream`): calls sent in order on a thread of
 their own while their replies come in on another, through broken connections, each answered once."""
 
-import hmac
 import logging
 import secrets
 import socket
@@ -21,31 +20,13 @@ from lightning_rudra.transport.frames import (
 )
 from lightning_rudra.transport import timeline
 from lightning_rudra.transport.stream_pieces import PIECE, PiecedCall
-from lightning_rudra.transport.stream import (
-    IN_FLIGHT,
-    MAGIC,
-    NONCE,
-    PROOF_SIZE,
-    RESENT,
-    SESSION,
-    ServerError,
-    StreamOffer,
-    keep_alive,
-    keepalive_interval,
-    handshake_proof,
-    read_exactly,
-    shut,
-)
+from lightning_rudra.transport.stream import IN_FLIGHT, RESENT, SESSION, ServerError, StreamOffer, shut
+from lightning_rudra.transport.stream_dialer import GaveUp, Refused, StreamDialer
 
 log = logging.getLogger(__name__)
 
 
-_CONNECT_S = 2.0  # the longest a try at connecting takes
 _SMALL = 64 << 10  # a call of at most these bytes (a push's control) has its reply awaited as it goes out
-
-
-class _Refused(ConnectionError):
-    """A connection the other side turned down for good (a proof refused or not given): trying again cannot help."""
 
 
 class _Call(NamedTuple):
@@ -55,15 +36,6 @@ class _Call(NamedTuple):
     method: str
     frame: Union[Frame, PiecedCall]
     future: Future
-
-
-class _GaveUp(ConnectionError):
-    """The stream broke and could not be opened again: ``timed_out`` when time ran out (the host may be cut off),
-    rather than a server that no longer listens or refuses."""
-
-    def __init__(self, message: str, timed_out: bool) -> None:
-        super().__init__(message)
-        self.timed_out = timed_out
 
 
 class StreamClient:
@@ -82,8 +54,8 @@ class StreamClient:
         self.offer = offer
         self.session = secrets.token_bytes(SESSION)
         self._closing = False
-        self._opening: Optional[socket.socket] = None  # the connection being opened, if one is
-        self.sock = self._open(time.monotonic() + timeout)
+        self._dialer = StreamDialer(offer, timeout, self.session, what)
+        self.sock = self._dialer.open(time.monotonic() + timeout)
         self._sent = 0  # calls sent in this session: each goes with its number
         # guards what both threads and callers share: the calls to send, those unanswered, what broke
         self._lock = threading.Lock()
@@ -102,57 +74,6 @@ class StreamClient:
         self.timeline_numbers: Optional[tuple[int, int]] = None
         self._thread = threading.Thread(target=self._run, name="rudra-stream-client", daemon=True)
         self._thread.start()
-
-    def _open(self, deadline: float) -> socket.socket:
-        """A proven connection, tried every half second until ``deadline`` (a link down, the server's handshake
-        slots taken by strangers); at once an error where no retry can help (nobody listens, a refused proof)."""
-        while True:
-            if self._closing:
-                raise ConnectionError("this learner closed it")
-            try:
-                # a connect in short tries: close() cannot cut one short, and a link still down answers none
-                sock = self._connect(max(0.1, min(_CONNECT_S, self.timeout, deadline - time.monotonic())))
-                log.debug("stream to %s at %s:%d opened", self.what, self.offer.address, self.offer.port)
-                return sock
-            except ConnectionRefusedError as error:
-                raise _GaveUp(f"nobody listens there any more ({error})", timed_out=False) from error
-            except _Refused:
-                raise
-            except OSError as error:
-                if time.monotonic() + 0.5 >= deadline:
-                    raise _GaveUp(
-                        f"could not open it within {self.timeout:g} s (rpc_timeout): {error}", timed_out=True
-                    ) from error
-                time.sleep(0.5)
-
-    def _connect(self, timeout: float) -> socket.socket:
-        sock = socket.create_connection((self.offer.address, self.offer.port), timeout=timeout)
-        self._opening = sock  # close() shuts it too, rather than wait for its handshake's timeout
-        try:
-            if self._closing:
-                raise ConnectionError("this learner closed it")
-            sock.settimeout(self.timeout)
-            keep_alive(sock, keepalive_interval(self.timeout))
-            self._handshake(sock)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    def _handshake(self, sock: socket.socket) -> None:
-        said = read_exactly(sock, len(MAGIC) + NONCE)
-        if said[: len(MAGIC)] != MAGIC:
-            raise _Refused(f"what listens there is not the stream of {self.what}")
-        challenge, answer = said[len(MAGIC) :], secrets.token_bytes(NONCE) + self.session
-        sock.sendall(MAGIC + answer + handshake_proof(self.offer.secret, b"learner", challenge, answer))
-        try:
-            shown = read_exactly(sock, PROOF_SIZE)
-        except (ConnectionResetError, ConnectionAbortedError):  # broken, not refused: worth another try
-            raise
-        except ConnectionError as error:  # closed without a word: the proof was refused
-            raise _Refused(f"{self.what} refused this learner's proof that it belongs to the run") from error
-        if not hmac.compare_digest(shown, handshake_proof(self.offer.secret, b"server", answer, challenge)):
-            raise _Refused(f"what listens there could not prove it is {self.what} (it does not know the secret)")
 
     def call(self, method: str, *args: Any) -> Future:
         future: Future = Future()
@@ -206,7 +127,7 @@ class StreamClient:
                 "connection: a dropped NAT entry, a firewall that lets RPC through but not the stream's port?)"
             )
             timed_out = True
-        except _GaveUp as error:
+        except GaveUp as error:
             why, timed_out = str(error), error.timed_out  # timed out: the host may be cut off, not the server gone
         except BaseException as error:
             why = str(error) or type(error).__name__
@@ -309,7 +230,7 @@ class StreamClient:
                 raise broken
             # ended first: it must not take a reply the new connection brings
             if not self._stop_receiving(self.timeout):
-                raise _GaveUp(f"it broke ({broken}) and its replies' thread did not stop", timed_out=False) from broken
+                raise GaveUp(f"it broke ({broken}) and its replies' thread did not stop", timed_out=False) from broken
             now = time.monotonic()
             with self._lock:
                 if self._broken_since is None:
@@ -317,7 +238,7 @@ class StreamClient:
                 deadline = self._broken_since + self.timeout
             if now > self._broken_since:  # broken again: not at once, and never past the deadline
                 if now + 0.5 >= deadline:
-                    raise _GaveUp(
+                    raise GaveUp(
                         f"it broke ({broken}) again and again for {self.timeout:g} s (rpc_timeout)", timed_out=True
                     ) from broken
                 time.sleep(0.5)
@@ -342,11 +263,11 @@ class StreamClient:
         log.info("the stream to %s broke (%s): opening it again", self.what, broken)
         self.sock.close()
         try:
-            self.sock = self._open(deadline)
-        except _GaveUp as error:
-            raise _GaveUp(f"it broke ({broken}) and {error}", error.timed_out) from error
-        except _Refused as error:
-            raise _GaveUp(f"it broke ({broken}) and {error}", timed_out=False) from error
+            self.sock = self._dialer.open(deadline)
+        except GaveUp as error:
+            raise GaveUp(f"it broke ({broken}) and {error}", error.timed_out) from error
+        except Refused as error:
+            raise GaveUp(f"it broke ({broken}) and {error}", timed_out=False) from error
         if self._closing:  # close() shut the old socket while this one was being opened
             self.sock.close()
             raise ConnectionError("this learner closed it")
@@ -422,8 +343,8 @@ class StreamClient:
     def close(self) -> None:
         """Stop: the calls in progress fail (the socket is shut), later ones too."""
         self._closing = True
-        for sock in (self.sock, self._opening):
-            shut(sock)
+        self._dialer.stop()
+        shut(self.sock)
         self.sock.close()
         with self._lock:
             self._queue.append(None)

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Optional
 
 from lightning_rudra.core.runtime.prediction import Prediction
+from lightning_rudra.core.runtime.records import Records
 from lightning_rudra.core.runtime.resources import ARRIVE, COMPUTED, REPLY, SHARD, Resources
 from lightning_rudra.core.runtime.scenario import Scenario
 from lightning_rudra.core.runtime.ssp_gate import SspGate
@@ -86,15 +87,8 @@ class Simulation(Resources):
         self.state = _State(handed={r: 0 for r in range(self.learners)})
         self.active = set(range(self.learners))
         self.ready: dict[int, list[int]] = {}  # node aggregation: per host, learners whose gradient is summed
-        self.applied = self.wasted = self.inflight = self.updates = 0
-        self.epoch_ends: list[float] = []
-        self.batch_ends: list[list[float]] = [[] for _ in range(self.learners)]
-        self.takes: list[tuple[float, int, int, int]] = []  # time, learner, timestamp, σ
-        self.wastes: list[float] = []
-        self.arrivals: list[list[float]] = [[] for _ in range(self.learners)]
-        self.starts: list[list[float]] = [[] for _ in range(self.learners)]
-        self.held_s = 0.0
-        self.update_times: list[float] = []
+        self.applied = self.inflight = 0
+        self.records = Records(self.learners)
         self.held_since: dict[int, float] = {}
         bound = self.proto.max_staleness
         per_update = self.proto.gradients_per_update(self.learners)
@@ -114,7 +108,7 @@ class Simulation(Resources):
     def run(self) -> Prediction:
         for _ in range(self.s.epochs):
             self._epoch()
-        return self._prediction()
+        return self.records.prediction(self.s, self.server_busy, self.parts)
 
     def _epoch(self) -> None:
         self.applied = self.inflight = 0
@@ -126,7 +120,7 @@ class Simulation(Resources):
         while self.events:
             self.now, _, _, _, call, args = heapq.heappop(self.events)
             call(*args)
-        self.epoch_ends.append(self.now)
+        self.records.epoch_ends.append(self.now)
 
     # a learner's loop
     def _start(self, learner: int) -> None:
@@ -134,7 +128,7 @@ class Simulation(Resources):
             self._finish(learner)
             return
         self.inflight += 1
-        self.starts[learner].append(self.now)
+        self.records.starts[learner].append(self.now)
         step = self.step_times[learner]
         duration = self._draw(learner) + self.learner_codec[learner]
         self.drawn.pop(learner, None)
@@ -201,14 +195,16 @@ class Simulation(Resources):
     # the protocol
     def _arrive(self, push: _Push) -> None:
         for r in push.members:
-            self.arrivals[r].append(self.now)
+            self.records.arrivals[r].append(self.now)
             if self.paced:
                 self._computes(r, None)
         self.inflight -= len(push.members)
         name, st = self.proto.name, self.state
         if name in ("hardsync", "batchsync") and push.timestamp < st.clock:
-            self.wasted += len(push.members)  # late for its round, or computed on old weights: its batch is dealt again
-            self.wastes.append(self.now)
+            self.records.wasted += len(
+                push.members
+            )  # late for its round, or computed on old weights: its batch is dealt again
+            self.records.wastes.append(self.now)
             self._answer(push)
             self._wake()
             self._release_if_short()
@@ -226,7 +222,7 @@ class Simulation(Resources):
         st = self.state
         sigma = st.clock - push.timestamp
         for r in push.members:
-            self.takes.append((self.now, r, push.timestamp, sigma))
+            self.records.takes.append((self.now, r, push.timestamp, sigma))
         self.applied += len(push.members)
         st.received += len(push.members)
         st.members.update(push.members)
@@ -247,8 +243,8 @@ class Simulation(Resources):
         """An update closes: each server steps its part; the pushes that wait get the new weights once it is done."""
         st = self.state
         st.clock += 1
-        self.updates += 1
-        self.update_times.append(self.now)
+        self.records.updates += 1
+        self.records.update_times.append(self.now)
         st.received = 0
         st.members = set()
         waiting, st.waiting = st.waiting, []
@@ -288,7 +284,7 @@ class Simulation(Resources):
         for r in reply.members:
             if self.reads_latest[r]:  # read from shared memory now: the newest weights
                 self.timestamp[r] = self.state.clock
-            self.batch_ends[r].append(self.now)
+            self.records.batch_ends[r].append(self.now)
             self._start(r)
 
     def _finish(self, learner: int) -> None:
@@ -393,48 +389,8 @@ class Simulation(Resources):
                 return
             st.held.remove(ready)
             self._enter(ready.members[0])
-            self.held_s += self.now - self.held_since.pop(ready.members[0], self.now)
+            self.records.held_s += self.now - self.held_since.pop(ready.members[0], self.now)
             self._take(ready)
-
-    # the outcome
-    def _prediction(self) -> Prediction:
-        warm = self.s.warmup
-        ends = self.batch_ends
-        begin = max((e[warm - 1] if len(e) >= warm else 0.0) for e in ends) if warm else 0.0
-        end = self.epoch_ends[-1] if self.epoch_ends else 0.0
-        span = end - begin
-        if span <= 0:  # too few batches to leave the warm-up: count the whole run
-            begin, span = 0.0, end
-        counted = sum(1 for e in ends for t in e if begin < t <= end)
-        applied = [(r, ts, sigma) for t, r, ts, sigma in self.takes if begin < t <= end]
-        wasted = sum(1 for t in self.wastes if begin < t <= end)
-        staleness: dict[int, int] = {}
-        for _, _, sigma in applied:
-            staleness[sigma] = staleness.get(sigma, 0) + 1
-        run_staleness: dict[int, int] = {}
-        for _, _, _, sigma in self.takes:
-            run_staleness[sigma] = run_staleness.get(sigma, 0) + 1
-        rate = 1 / span if span > 0 else 0.0
-        total_wasted = self.wasted
-        return Prediction(
-            protocol=str(self.proto),
-            learners=self.learners,
-            samples_per_s=counted * self.s.batch_size * rate,
-            applied_per_s=len(applied) * rate,
-            computed_per_s=(len(applied) + wasted) * rate,
-            staleness=dict(sorted(staleness.items())),
-            wasted=total_wasted / (len(self.takes) + total_wasted) if self.takes or total_wasted else 0.0,
-            epoch_s=end / len(self.epoch_ends) if self.epoch_ends else 0.0,
-            updates=self.updates,
-            server_utilisation=[b / end if end else 0.0 for b in self.server_busy]
-            * (self.s.cluster.num_servers // self.parts),
-            push_order=[(r, ts) for _, r, ts, _ in self.takes],
-            arrivals=self.arrivals,
-            round_starts=self.starts if self.proto.name == "hardsync" else [[] for _ in self.starts],
-            held_s=self.held_s,
-            update_times=self.update_times,
-            run_staleness=dict(sorted(run_staleness.items())),
-        )
 
 
 def simulate(scenario: Scenario) -> Prediction:

@@ -36,11 +36,13 @@ class Refused(Exception):
 NAMES = {
     "hardsync": "hardsync",
     "async": "async",
-    "hardsync+rpc": "hardsync without shared memory",
-    "async+rpc": "async without shared memory",
+    "hardsync+rpc": "hardsync via RPC",
+    "async+rpc": "async via RPC",
     "ddp+fp16": "DDP fp16",
     "hardsync+bf16": "hardsync bf16",
     "async+bf16": "async bf16",
+    "hardsync+8servers": "4 servers per host",
+    "hardsync+buckets+8servers": "and `bucket_cap_mb=4`",
 }
 
 
@@ -143,16 +145,6 @@ def _rounds(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     return rows
 
 
-def _transport(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
-    what = "push+pull, 10 M, 2 learners / gloo all-reduce"
-    one = s.get("transport", {}).get("rudra", {}).get(str(10 * M))
-    if one is None:
-        return [(what, None)]
-    two = s["transport"].get("servers", {}).get("2", {}).get(str(10 * M), {})
-    measured = _x(one.get("both_vs_gloo")) + (f", 2 servers {_x(two['both_vs_gloo'])}" if "both_vs_gloo" in two else "")
-    return [(what, [what, measured, "–", "–"])]
-
-
 def _models(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     keys = ("hardsync", "async", "hardsync+rpc", "async+rpc")
     what = "10 M MLP, 2 learners, samples/s"
@@ -187,6 +179,16 @@ def _network(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     return out
 
 
+def _network_servers(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
+    """The 50 M model across two hosts, one server per host against four (issue 34)."""
+    keys = ("hardsync", "hardsync+8servers", "hardsync+buckets+8servers")
+    what = "2 hosts, 1 Gbit/s, 50 M MLP, 1 learner per host, samples/s"
+    c = _find(s.get("network", []), rate="1gbit", learners_per_host=1, target_params=50 * M, server_node=False)
+    if c is None:
+        return [(what, None)]
+    return [(what, [what, _each(c["runs"], keys, "vs_ddp"), "–", _jobs(c["runs"], keys)])]
+
+
 def _simulation(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     sim = s.get("simulation")
     what = "simulated learners in one process, time / one process"
@@ -201,9 +203,9 @@ ROWS: list[tuple[str, Callable[[dict[str, Any]], list[tuple[str, Optional[Row]]]
     ("epochs", _epochs),
     ("accuracy", _accuracy),
     ("rounds", _rounds),
-    ("transport-models", _transport),
     ("transport-models", _models),
     ("network", _network),
+    ("network-servers-50m", _network_servers),
     ("simulation", _simulation),
 ]
 
@@ -256,8 +258,8 @@ def study_row() -> tuple[str, Optional[Row], str]:
     from lightning_rudra.core.compensation import DEFAULT_COMPENSATION
 
     what = (
-        f"simulated learners, 3 model families, default compensation: stale runs within {study.TARGET:g} points "
-        f"(LM: {study.TARGET:g} %) of hardsync at 1.5× its epochs"
+        f"3 model families, simulated, default compensation: stale runs within {study.TARGET:g} points (LM "
+        f"{study.TARGET:g} %) of hardsync at 1.5× its epochs"
     )
     text = committed(STUDY)
     if text is None:
@@ -298,7 +300,9 @@ def study_row() -> tuple[str, Optional[Row], str]:
         + "–".join(map(str, sorted({counts[0], counts[-1]})))
         + " seeds)"
     )
-    commits = ", ".join(sorted({str(r.get("commit"))[:7] for r in rows if r["seed"] in study.SEEDS}))
+    # the study's commits are many: its findings.md names each; the row, how many
+    trained = sorted({str(r.get("commit"))[:7] for r in rows if r["seed"] in study.SEEDS})
+    commits = trained[0] if len(trained) == 1 else f"at {len(trained)} commits"
     return what, [what, cells, f"{len(mean)} of {len(mean)}", "–"], commits
 
 
@@ -329,8 +333,8 @@ def table() -> str:
         lines.append("| " + " | ".join(cells + [f"[study](docs/study/staleness/findings.md) {commits}"]) + " |")
     lines += [
         "",
-        "Made by `python -m benchmarks.readme`; *ideal*: without overhead; *job wall time*: the whole job, start-up "
-        "included, in the order of the strategies before it; each results file names its command.",
+        "Made by `python -m benchmarks.readme`; *ideal*: without overhead; *job wall time*: start-up included, per "
+        "strategy in order; each results file names its command.",
     ]
     if missing:
         lines += ["", "Not measured: " + "; ".join(missing) + "."]

@@ -41,8 +41,7 @@ NAMES = {
     "ddp+fp16": "DDP fp16",
     "hardsync+bf16": "hardsync bf16",
     "async+bf16": "async bf16",
-    "hardsync+8servers": "4 servers per host",
-    "hardsync+buckets+8servers": "and `bucket_cap_mb=4`",
+    "hardsync+buckets+8servers": "4 servers per host, `bucket_cap_mb=4`",
 }
 
 
@@ -181,7 +180,7 @@ def _network(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
 
 def _network_servers(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
     """The 50 M model across two hosts, one server per host against four (issue 34)."""
-    keys = ("hardsync", "hardsync+8servers", "hardsync+buckets+8servers")
+    keys = ("hardsync", "hardsync+buckets+8servers")
     what = "2 hosts, 1 Gbit/s, 50 M MLP, 1 learner per host, samples/s"
     c = _find(s.get("network", []), rate="1gbit", learners_per_host=1, target_params=50 * M, server_node=False)
     if c is None:
@@ -302,7 +301,7 @@ def study_row() -> tuple[str, Optional[Row], str]:
     )
     # the study's commits are many: its findings.md names each; the row, how many
     trained = sorted({str(r.get("commit"))[:7] for r in rows if r["seed"] in study.SEEDS})
-    commits = trained[0] if len(trained) == 1 else f"at {len(trained)} commits"
+    commits = f"at {len(trained)} commits" if len(trained) > 1 else "".join(trained)
     return what, [what, cells, f"{len(mean)} of {len(mean)}", "–"], commits
 
 

@@ -608,6 +608,12 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     network = {"rate": "1gbit", "learners_per_host": 1, "target_params": 10**7, "server_node": False}
     network["runs"] = {"ddp": {"vs_ddp": 1.0}, "ddp+fp16": {"vs_ddp": 1.2}, "hardsync+bf16": bf16}
     _results(root, "network", {"network": [network]})
+    fifty = {**network, "target_params": 5 * 10**7}
+    fifty["runs"] = {
+        "hardsync": {"vs_ddp": 0.73, "job_vs_ddp": 1.48},
+        "hardsync+buckets+8servers": {"vs_ddp": 1.02, "job_vs_ddp": 1.54},
+    }
+    _results(root, "network-servers-50m", {"network": [fifty]})
     never = {"tta_vs_ddp": None, "tta_s_reps": [None, None], "job_vs_ddp": 1.5}
     calm = [{"learners": 4, "slowdown": 1, "runs": {"async": {"tta_vs_ddp": 1.15, "job_vs_ddp": 1.46}}}]
     _results(root, "accuracy", {"accuracy": [*calm, {"learners": 2, "slowdown": 1, "runs": {"async": never}}]})
@@ -641,6 +647,10 @@ def test_the_readmes_table_is_made_from_the_results_files_of_commits_in_the_hist
     )
     assert "one 3× slower (not in `benchmarks/results/accuracy.json`)" in text
     assert "2 learners per host, samples/s (not in" in text
+    assert (
+        "| 2 hosts, 1 Gbit/s, 50 M MLP, 1 learner per host, samples/s | hardsync 0.73×, 4 servers per host, "
+        "`bucket_cap_mb=4` 1.02× | – | 1.48×, 1.54× | [network-servers-50m](benchmarks/results/network-servers-50m.md)"
+    ) in text
 
     (root / "README.md").write_text(text.replace("0.63×", "0.60×"))  # edited by hand
     assert readme.main(["--check"]) == 1
@@ -717,6 +727,13 @@ def test_the_readmes_study_row_counts_the_default_rules_configurations_within_ta
         "2 of 4 (sgd 1/3, adam 1/1; worst cnn sgd async λ=30 +inf; mean of 2–3 seeds)"
     ), row
     assert row[2] == "4 of 4" and commits == commit[:7]
+    # runs trained at several commits: the row says how many (findings.md names them)
+    later = [dict(r, commit=sweep_commit) if r.get("learners") == 16 else r for r in rows]
+    path.write_text("".join(json.dumps(r) + "\n" for r in later))
+    _commit(root, path)
+    assert readme.study_row()[2] == "at 2 commits"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _commit(root, path)
     stray = {**rows[2], "lr": 0.2, "errors": [0.1] * full}
     path.write_text(path.read_text() + json.dumps(stray) + "\n")
     _commit(root, path)

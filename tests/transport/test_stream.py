@@ -20,7 +20,7 @@ from lightning_rudra.core.compression import WeightMessage
 from lightning_rudra.core.optimizers import hyperparameters
 from lightning_rudra.core.update import Push, PushReply
 from lightning_rudra.learner.client import _CONNECTION_LOST, _TIMED_OUT, LearnerClient
-from lightning_rudra.transport import frames, stream, stream_client, stream_server
+from lightning_rudra.transport import frames, stream, stream_dialer, stream_server
 from lightning_rudra.transport.elastic import LearnerId
 from lightning_rudra.transport.frames import FrameLimits, recv_frame, send_frame
 from lightning_rudra.transport.stream import ServerError, StreamOffer
@@ -678,7 +678,7 @@ def test_closing_while_a_connect_hangs_ends_the_client_s_thread(server, monkeypa
         time.sleep(timeout)
         raise socket.timeout("timed out")
 
-    monkeypatch.setattr(stream_client.socket, "create_connection", unanswered)
+    monkeypatch.setattr(stream_dialer.socket, "create_connection", unanswered)
     client.sock.shutdown(socket.SHUT_RDWR)
     pending = client.call("echo", 2)
     time.sleep(0.2)
@@ -686,6 +686,30 @@ def test_closing_while_a_connect_hangs_ends_the_client_s_thread(server, monkeypa
     assert not client._thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         pending.wait()
+
+
+def test_closing_while_a_reconnect_s_handshake_hangs_shuts_it_at_once(server, monkeypatch):
+    """Review (session 32): the connection being opened is the dialer's; close() must shut it, not leave the
+    handshake to its timeout."""
+    mute = socket.create_server(("127.0.0.1", 0))  # takes connections and says nothing: the handshake waits
+    client = _client(server, timeout=30.0)
+    try:
+        assert client.call("echo", 1).wait() == (1,)
+        monkeypatch.setattr(client._dialer, "offer", client.offer._replace(port=mute.getsockname()[1]))
+        client.sock.shutdown(socket.SHUT_RDWR)
+        pending = client.call("echo", 2)
+        mute.settimeout(10)
+        taken, _ = mute.accept()  # the reconnect: its handshake now waits for the listener's first bytes
+        time.sleep(0.2)
+        start = time.monotonic()
+        client.close()
+        assert time.monotonic() - start < 2 and not client._thread.is_alive()
+        with pytest.raises(RuntimeError, match="closed: .*this learner closed it"):
+            pending.wait()
+        taken.close()
+    finally:
+        client.close()
+        mute.close()
 
 
 def test_a_call_whose_every_new_connection_breaks_ends_within_the_timeout():

@@ -201,9 +201,8 @@ class Simulation(Resources):
         self.inflight -= len(push.members)
         name, st = self.proto.name, self.state
         if name in ("hardsync", "batchsync") and push.timestamp < st.clock:
-            self.records.wasted += len(
-                push.members
-            )  # late for its round, or computed on old weights: its batch is dealt again
+            # late for its round, or computed on old weights: its batch is dealt again
+            self.records.wasted += len(push.members)
             self.records.wastes.append(self.now)
             self._answer(push)
             self._wake()

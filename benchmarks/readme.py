@@ -179,7 +179,7 @@ def _network(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
 
 
 def _network_servers(s: dict[str, Any]) -> list[tuple[str, Optional[Row]]]:
-    """The 50 M model across two hosts, one server per host against four (issue 34)."""
+    """The 50 M model across two hosts: one server per host, and four per host with buckets (issue 34)."""
     keys = ("hardsync", "hardsync+buckets+8servers")
     what = "2 hosts, 1 Gbit/s, 50 M MLP, 1 learner per host, samples/s"
     c = _find(s.get("network", []), rate="1gbit", learners_per_host=1, target_params=50 * M, server_node=False)

@@ -701,9 +701,8 @@ def test_closing_while_a_reconnect_s_handshake_hangs_shuts_it_at_once(server, mo
         mute.settimeout(10)
         taken, _ = mute.accept()  # the reconnect: its handshake now waits for the listener's first bytes
         time.sleep(0.2)
-        start = time.monotonic()
-        client.close()
-        assert time.monotonic() - start < 2 and not client._thread.is_alive()
+        client.close()  # joins its thread for 5 s at most: without the shut, the handshake waits its 30
+        assert not client._thread.is_alive()
         with pytest.raises(RuntimeError, match="closed: .*this learner closed it"):
             pending.wait()
         taken.close()

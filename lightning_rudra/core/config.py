@@ -44,6 +44,12 @@ def validate_options(  # 7 params: the rule's options as the user gave them
     _choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ConfigurationError(f"n={n!r} is not valid: the softsync splitting parameter must be an integer >= 1.")
+    if n > 1 and protocol != "softsync":
+        # the default protocol was 1-softsync in 0.1.0: RudraStrategy(n=2) would otherwise be async without a word
+        raise ConfigurationError(
+            f"n={n} is softsync's splitting parameter, and protocol={protocol!r} has none. For n-softsync, pass "
+            f"protocol='softsync', n={n} (the default protocol is 'async')."
+        )
     if max_staleness is not None and (
         isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
     ):
@@ -156,7 +162,7 @@ class ProtocolConfig:
     """What the server needs to know to decide when and how to apply updates."""
 
     num_learners: int
-    protocol: str = "softsync"
+    protocol: str = "async"
     n: int = 1
     lr_modulation: str = "none"
     max_staleness: Optional[int] = None

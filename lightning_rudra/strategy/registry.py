@@ -8,9 +8,7 @@ from lightning_rudra.core.config import PROTOCOLS
 
 
 def register_strategies(strategy_registry: Any, strategy: type) -> None:
-    strategy_registry.register(
-        "rudra", strategy, description="Rudra parameter server (default: 1-softsync)", override=True
-    )
+    strategy_registry.register("rudra", strategy, description="Rudra parameter server (default: async)", override=True)
     for protocol in PROTOCOLS:
         strategy_registry.register(
             f"rudra_{protocol}",

@@ -61,11 +61,12 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
     full, with what it costs and what it refuses: ``docs/options.md``.
 
     Args:
-        protocol: ``"hardsync"`` (wait for every learner, average, one update: SGD with batch μλ), ``"softsync"``
-            (an update after any ⌊λ/n⌋ gradients), ``"async"`` (every gradient applied on arrival) or
-            ``"batchsync"`` (K-batch-sync: an update after the first ``k`` gradients of the current weights, from
-            any learners; a later one is not applied and its batch is dealt again).
-        n: softsync's splitting parameter, 1 <= n <= λ; the mean staleness is about n.
+        protocol: ``"async"`` (the default: every gradient applied on arrival), ``"hardsync"`` (wait for every
+            learner, average, one update: SGD with batch μλ), ``"softsync"`` (an update after any ⌊λ/n⌋
+            gradients) or ``"batchsync"`` (K-batch-sync: an update after the first ``k`` gradients of the current
+            weights, from any learners; a later one is not applied and its batch is dealt again).
+        n: softsync's splitting parameter, 1 <= n <= λ; the mean staleness is about n. Refused above 1 under the
+            other protocols.
         lr_modulation: the paper's rules, ``"mean"``, ``"per_gradient"`` or ``"none"``; set alone, no compensation.
         compensation: the server's rule for stale gradients (:mod:`lightning_rudra.core.compensation`):
             ``"momentum"``, ``"dc"``, ``"gap"``, ``"clip"``, ``"syncnorm"``, ``"dana"``, several joined by ``+`` (the
@@ -108,7 +109,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
     # 28 params: the user's arguments, each typed for LightningCLI (as DDPStrategy's); kept in one StrategyOptions
     def __init__(
         self,
-        protocol: Literal["hardsync", "softsync", "async", "batchsync"] = "softsync",
+        protocol: Literal["hardsync", "softsync", "async", "batchsync"] = "async",
         n: int = 1,
         lr_modulation: Optional[Literal["none", "mean", "per_gradient"]] = None,
         compensation: Optional[str] = None,

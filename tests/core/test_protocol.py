@@ -348,7 +348,9 @@ def pushed(grad=(1.0, 1.0), **fields):
     [
         (dict(protocol="bulksync"), "protocol='bulksync'"),
         (dict(n=0), "n=0"),
-        (dict(n=3), "n=3 is larger than the number of learners λ=2"),
+        (dict(protocol="softsync", n=3), "n=3 is larger than the number of learners λ=2"),
+        (dict(n=2), "n=2 is softsync's splitting parameter, and protocol='async' has none"),
+        (dict(protocol="hardsync", n=2), "protocol='softsync', n=2"),
         (dict(max_staleness=-1), "max_staleness=-1"),
         (dict(lr_modulation="sqrt"), "lr_modulation='sqrt'"),
         (dict(nonfinite="ignore"), "nonfinite='ignore'"),

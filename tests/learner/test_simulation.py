@@ -116,8 +116,8 @@ def test_simulated_learners_run_in_one_process():
     with pytest.raises(ValueError, match="simulate=4 trains every learner in this one process: use Trainer"):
         quiet_trainer(RudraStrategy(simulate=4), devices=2)
     with pytest.raises(ValueError, match="n=5 is larger than the number of learners λ=4"):
-        quiet_trainer(RudraStrategy(n=5, simulate=4), devices=1)
-    strategy = quiet_trainer(RudraStrategy(n=4, simulate=4), devices=1).strategy
+        quiet_trainer(RudraStrategy(protocol="softsync", n=5, simulate=4), devices=1)
+    strategy = quiet_trainer(RudraStrategy(protocol="softsync", n=4, simulate=4), devices=1).strategy
     assert strategy.num_learners == 4 and strategy._launcher is None and strategy.sampling == "static"
     assert isinstance(strategy.timing, Homogeneous)
 
@@ -268,7 +268,9 @@ def predicted_staleness(n: int, learners: int, pushes: int) -> Counter:
 def test_softsync_staleness_of_homogeneous_learners_is_what_the_protocol_predicts(n):
     learners = 6
     _, trainer = fit(
-        RudraStrategy(protocol="softsync" if n < learners else "async", n=n, simulate=learners),
+        RudraStrategy(
+            **(dict(protocol="softsync", n=n) if n < learners else dict(protocol="async")), simulate=learners
+        ),
         data=loader(4, num_samples=240),
         max_epochs=1,
     )

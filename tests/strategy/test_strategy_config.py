@@ -28,7 +28,7 @@ def trainer(strategy, devices=2, **kwargs):
 @pytest.mark.parametrize(
     "name, protocol",
     [
-        ("rudra", "softsync"),
+        ("rudra", "async"),
         ("rudra_hardsync", "hardsync"),
         ("rudra_softsync", "softsync"),
         ("rudra_async", "async"),
@@ -45,7 +45,7 @@ def test_importing_the_package_registers_the_names(name, protocol):
 def test_defaults_are_the_papers_and_arguments_read_back():
     default = RudraStrategy()
     assert (default.protocol, default.n, default.lr_modulation, default.compensation, default.max_staleness) == (
-        "softsync",
+        "async",
         1,
         "none",
         "momentum+clip+syncnorm+dana",
@@ -58,8 +58,8 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         RudraStrategy(compensation="dc").lr_modulation,
     ) == ("mean", "none")
     strategy = RudraStrategy(
-        protocol="async",
-        n=3,
+        protocol="softsync",
+        n=2,
         lr_modulation="per_gradient",
         max_staleness=4,
         nonfinite="raise",
@@ -78,7 +78,7 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         strategy.rpc_timeout,
         strategy.start_method,
         strategy.overlap,
-    ) == ("async", 3, "per_gradient", 4, "raise", 30.0, "forkserver", True)
+    ) == ("softsync", 2, "per_gradient", 4, "raise", 30.0, "forkserver", True)
     launcher = trainer(strategy).strategy._launcher
     assert isinstance(launcher, _MultiProcessingLauncher) and launcher._start_method == "forkserver"
     assert (default.sampling, default.shared_memory) == ("shared", True)
@@ -104,7 +104,10 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         (dict(protocol="hardsync", overlap=True), "overlap=True is not available with protocol='hardsync'"),
         (dict(sampling="dynamic"), "sampling='dynamic' is not supported: expected 'shared', 'static' or None"),
         (dict(protocol="hardsync", sampling="shared"), "sampling='shared' is not available with protocol='hardsync'"),
-        (dict(node_aggregation=True), "node_aggregation=True cannot be used with protocol='softsync'"),
+        (dict(node_aggregation=True), "node_aggregation=True cannot be used with protocol='async'"),
+        (dict(protocol="softsync", node_aggregation=True), "cannot be used with protocol='softsync'"),
+        # the default protocol was 1-softsync: n alone must not silently become async's
+        (dict(n=2), "n=2 is softsync's splitting parameter, and protocol='async' has none. For n-softsync, pass"),
         (dict(protocol="hardsync", node_aggregation=True, min_learners=1), "cannot be used with min_learners=1"),
         (dict(protocol="hardsync", node_aggregation=True, simulate=2), "cannot be used with simulate=2"),
         (dict(node_aggregation="yes"), "node_aggregation='yes' is not valid"),
@@ -150,7 +153,7 @@ def test_n_larger_than_the_learners_is_refused_when_the_trainer_is_built():
     with pytest.raises(ValueError, match="n=3 is larger than the number of learners λ=2") as refused:
         trainer(RudraStrategy(protocol="softsync", n=3))
     assert isinstance(refused.value, ConfigurationError)
-    trainer(RudraStrategy(protocol="async", n=3))  # n only matters to softsync
+    trainer(RudraStrategy(protocol="async", n=1))  # n = 1 (the default) is every protocol's
 
 
 def test_on_stale_defaults_to_drop_reads_back_and_a_bound_too_small_for_the_learners_is_refused():

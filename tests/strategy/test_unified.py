@@ -26,7 +26,7 @@ unified_trainer = functools.partial(quiet_trainer, trainer_class=L.Trainer)
 
 
 @pytest.mark.parametrize(
-    "name, protocol", [("rudra", "softsync"), ("rudra_hardsync", "hardsync"), ("rudra_async", "async")]
+    "name, protocol", [("rudra", "async"), ("rudra_hardsync", "hardsync"), ("rudra_async", "async")]
 )
 def test_each_flavour_has_its_strategy_under_the_registered_names(name, protocol):
     strategy = unified_trainer(name, 2).strategy

@@ -1,7 +1,7 @@
 """lightning_rudra: parameter-server training for PyTorch Lightning (Rudra, ICDM 2016).
 
-Importing the package registers the strategy names "rudra", "rudra_hardsync", "rudra_softsync" and
-"rudra_async" in Lightning's StrategyRegistry.
+Importing the package registers the strategy names "rudra" (async), "rudra_hardsync", "rudra_softsync",
+"rudra_async" and "rudra_batchsync" in Lightning's StrategyRegistry.
 """
 
 from lightning_rudra.core.errors import ConfigurationError, LearnerLostError, RudraError, ServerLostError

@@ -5,7 +5,7 @@
 
     trainer = L.Trainer(strategy=RudraStrategy(protocol="async"), devices=4)
 
-Importing this module registers "rudra", "rudra_hardsync", "rudra_softsync" and "rudra_async" in
+Importing this module registers "rudra", "rudra_hardsync", "rudra_softsync", "rudra_async" and "rudra_batchsync" in
 ``lightning.pytorch``'s StrategyRegistry, as importing ``lightning_rudra`` does in ``pytorch_lightning``'s.
 
 One implementation, two flavours: the package's Lightning layer (``lightning_rudra/strategy/``: the strategy, its

@@ -47,8 +47,9 @@ def validate_options(  # 7 params: the rule's options as the user gave them
     if n > 1 and protocol != "softsync":
         # the default protocol was 1-softsync in 0.1.0: RudraStrategy(n=2) would otherwise be async without a word
         raise ConfigurationError(
-            f"n={n} is softsync's splitting parameter, and protocol={protocol!r} has none. For n-softsync, pass "
-            f"protocol='softsync', n={n} (the default protocol is 'async')."
+            f"n={n} is softsync's splitting parameter, and protocol={protocol!r} has none. For {n}-softsync, pass "
+            f"protocol='softsync', n={n}; for {protocol}, leave n unset (the default protocol is 'async'; it was "
+            "1-softsync in 0.1.0)."
         )
     if max_staleness is not None and (
         isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
@@ -143,17 +144,18 @@ def validate_blocking(protocol: str, n: int, max_staleness: Optional[int], on_st
             f"max_staleness={max_staleness} with on_stale='block' cannot be kept by {rule} with λ={num_learners} "
             f"learners: each update applies c={ProtocolConfig(num_learners, protocol, n).gradients_per_update} "
             f"gradient(s), and the learners' gradients computed on the same or older weights wait before the newest, "
-            f"so σ reaches {least} whatever the server holds back. Use max_staleness >= {least}, fewer learners or a "
-            "smaller n, or on_stale='drop'."
+            f"so σ reaches {least} whatever the server holds back. Use max_staleness >= {least}, fewer learners, "
+            + ("protocol='softsync' (1-softsync needs max_staleness >= 1)" if protocol == "async" else "a smaller n")
+            + ", or on_stale='drop'."
         )
 
 
 def validate_n(protocol: str, n: int, num_learners: int) -> None:
-    """n-softsync needs 1 <= n <= λ; the other protocols ignore n."""
+    """n-softsync needs 1 <= n <= λ (the other protocols refuse n > 1: :func:`validate_options`)."""
     if protocol == "softsync" and n > num_learners:
         raise ConfigurationError(
             f"n={n} is larger than the number of learners λ={num_learners}: n-softsync needs 1 <= n <= λ "
-            f"(it applies an update every ⌊λ/n⌋ gradients). Use n <= {num_learners}, or protocol='async'."
+            f"(it applies an update every ⌊λ/n⌋ gradients). Use n <= {num_learners}, or protocol='async' without n."
         )
 
 

@@ -9,6 +9,7 @@ learner pulls or pushes, and every learner takes back its parameter groups (the 
 import os
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
+from pytorch_lightning.utilities import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_rudra.learner.learner import Learner
@@ -35,7 +36,8 @@ class Checkpoints:
     snapshot of the server while a checkpoint is written, and the states of the checkpoint a stage resumes from
     until the server has them."""
 
-    def __init__(self) -> None:
+    def __init__(self, protocol: str, n: int) -> None:
+        self.protocol = {"protocol": protocol, "n": n}  # the run's, written beside the statistics it explains
         self.snapshot: Optional[Snapshot] = None
         self.resume_stats: Optional[Stats] = None
         self.resume_optimizer_states: Optional[list[dict[str, Any]]] = None
@@ -62,7 +64,7 @@ class Checkpoints:
         """Adds the statistics to learner 0's checkpoint and writes it with ``write`` (the checkpoint IO's)."""
         stats = self.snapshot.stats if self.snapshot is not None else stats
         if is_global_zero and stats is not None:
-            checkpoint["rudra"] = {"stats": stats.to_dict()}
+            checkpoint["rudra"] = {"stats": stats.to_dict(), "protocol": self.protocol}
         self.snapshot = None
         if not is_global_zero or "://" in str(filepath):
             write(checkpoint, filepath, storage_options)  # writes nothing / a remote store's way
@@ -78,7 +80,15 @@ class Checkpoints:
 
     def loaded(self, checkpoint: Mapping[str, Any]) -> None:
         """On resume, learner 0 hands the server these optimizer states and statistics with the weights, before
-        any learner pulls or pushes."""
+        any learner pulls or pushes. A checkpoint of another protocol is warned of: a deliberate change goes on, but a
+        run resumed with the default may not know that the default changed (it was 1-softsync in 0.1.0)."""
+        saved = checkpoint.get("rudra", {}).get("protocol")
+        if saved is not None and saved != self.protocol:
+            rank_zero_warn(
+                f"This checkpoint was written under {saved}, and the run resumes under {self.protocol}: the "
+                "statistics (clock, staleness) go on from the saved ones. Pass the saved protocol and n to "
+                "RudraStrategy to resume as it trained."
+            )
         if "rudra" in checkpoint:
             self.resume_stats = Stats.from_dict(checkpoint["rudra"]["stats"])
         self.resume_optimizer_states = checkpoint.get("optimizer_states")

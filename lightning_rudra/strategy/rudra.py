@@ -184,7 +184,7 @@ class RudraStrategy(ServerParallelStrategy, StrategyArguments):
         self.stats: Optional[Stats] = None
         # the RPC world of a stage (empty outside one: spawn pickles the strategy)
         self._servers = StageServers(self.rpc_timeout, min_learners, max_restarts)
-        self._checkpoints = Checkpoints()
+        self._checkpoints = Checkpoints(protocol, n)
         self._push_metrics = PushMetrics()
         self._training = LearnerFit()  # one fit's learner, loop and rejoining
         self._failed: Optional[str] = None  # this stage failed on this learner: why

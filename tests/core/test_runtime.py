@@ -166,6 +166,7 @@ def test_its_timing_orders_the_simulated_learners_as_predicted(protocol):
         (lambda: StepTime(mean=math.nan), "StepTime mean=nan"),
         (lambda: Protocol("bsp"), "protocol='bsp'"),
         (lambda: Protocol("async", backup=1), "backup=1"),
+        (lambda: Protocol("async", n=4), "n=4 is for protocol='softsync'"),
         (lambda: run(Protocol("hardsync", backup=4), learners=4), "backup=4"),
         (lambda: run(Protocol("async", max_staleness=1), learners=4), "max_staleness=1"),
         (lambda: Scenario(Protocol(), Cluster(), StepTime(), Payload(1), batches=0), "batches=0"),

@@ -4,6 +4,7 @@ The push order and staleness are checked against hand-computed cases; exactness 
 async with one learner = plain SGD) and the data each learner reads through the Trainer, in-process.
 """
 
+import warnings
 from collections import Counter
 
 import pytest
@@ -353,6 +354,34 @@ def test_a_resumed_simulated_hardsync_run_equals_an_uninterrupted_one(tmp_path):
     trainer.fit(resumed, loader(8), ckpt_path=str(tmp_path / "last.ckpt"))
     assert torch.allclose(flat(resumed.parameters()), flat(whole.parameters()), atol=1e-6)
     assert trainer.strategy.stats.clock == 16 and trainer.strategy.stats.batches == {r: 16 for r in range(4)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_checkpoint_keeps_its_protocol_and_resuming_under_another_warns_naming_both(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    fit(
+        RudraStrategy(protocol="softsync", n=2, simulate=4),
+        max_epochs=1,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["rudra"]["protocol"]
+    assert saved == {"protocol": "softsync", "n": 2}
+    trainer = quiet_trainer(RudraStrategy(protocol="softsync", n=2, simulate=4), devices=1, max_epochs=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Regression(), loader(8), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert trainer.strategy.stats.clock > 0
+    assert not [w for w in caught if "This checkpoint was written under" in str(w.message)]
+    # the default protocol changed (0.1.0's was 1-softsync): a run resumed with the default must hear of it
+    trainer = quiet_trainer(RudraStrategy(simulate=4), devices=1, max_epochs=2)
+    with pytest.warns(
+        UserWarning,
+        match="written under {'protocol': 'softsync', 'n': 2}, and the run resumes under {'protocol': 'async', 'n': 1}",
+    ):
+        trainer.fit(Regression(), loader(8), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert trainer.strategy.stats.clock > 0
 
 
 @pytest.mark.slow

@@ -107,7 +107,7 @@ def test_defaults_are_the_papers_and_arguments_read_back():
         (dict(node_aggregation=True), "node_aggregation=True cannot be used with protocol='async'"),
         (dict(protocol="softsync", node_aggregation=True), "cannot be used with protocol='softsync'"),
         # the default protocol was 1-softsync: n alone must not silently become async's
-        (dict(n=2), "n=2 is softsync's splitting parameter, and protocol='async' has none. For n-softsync, pass"),
+        (dict(n=2), "n=2 is softsync's splitting parameter, and protocol='async' has none. For 2-softsync, pass"),
         (dict(protocol="hardsync", node_aggregation=True, min_learners=1), "cannot be used with min_learners=1"),
         (dict(protocol="hardsync", node_aggregation=True, simulate=2), "cannot be used with simulate=2"),
         (dict(node_aggregation="yes"), "node_aggregation='yes' is not valid"),
@@ -166,6 +166,9 @@ def test_on_stale_defaults_to_drop_reads_back_and_a_bound_too_small_for_the_lear
     ) as refused:
         trainer(RudraStrategy(protocol="async", max_staleness=1, on_stale="block"), devices=3)
     assert isinstance(refused.value, ConfigurationError) and "Use max_staleness >= 2" in str(refused.value)
+    assert "protocol='softsync' (1-softsync needs max_staleness >= 1)" in str(refused.value)  # async has no n
+    with pytest.raises(ValueError, match="fewer learners, a smaller n, or on_stale='drop'"):
+        trainer(RudraStrategy(protocol="softsync", n=2, max_staleness=1, on_stale="block"), devices=3)
 
 
 @pytest.mark.parametrize("protocol", ["hardsync", "softsync", "async", "batchsync"])

@@ -36,6 +36,8 @@ class Protocol:
             raise ConfigurationError(
                 f"backup={self.backup} is for protocol='hardsync', not {self.name!r}: expected backup=0."
             )
+        if self.n > 1 and self.name != "softsync":  # as the strategy: n alone must not mean another protocol
+            raise ConfigurationError(f"n={self.n} is for protocol='softsync', not {self.name!r}: expected n=1.")
         if self.k is not None and self.name != "batchsync":
             raise ConfigurationError(f"k={self.k} is for protocol='batchsync', not {self.name!r}: expected k=None.")
         if self.max_staleness is not None and self.name not in ("softsync", "async"):

@@ -45,24 +45,36 @@ def report() -> None:
     softsync = rows(HERE / "runs.jsonl") + [
         dict(r, optimizer="sgd") for r in rows(SGD) if not r["patched"] and r["n"] == 1
     ]
-    hard = {
-        (r["family"], r["optimizer"], r["seed"]): r["errors"][-1]
+    synchronous = [
+        r
         for r in study
         if r["protocol"] == "hardsync" and r["epochs"] == 20 and r["lr"] == lr.get((r["family"], r["optimizer"]))
-    }
-    asynchronous = [r for r in study if r["protocol"] == "async" and r["rule"] == RULE]
+    ]
+    hard = {(r["family"], r["optimizer"], r["seed"]): r["errors"][-1] for r in synchronous}
+    assert len(hard) == len(synchronous), "one hardsync run per family, optimizer and seed"
+    asynchronous = [r for r in study if r["protocol"] == "async" and r["rule"] == RULE and r["epochs"] == 30]
     print("| family | optimizer | λ | 1-softsync | async |\n|---|---|---|---|---|")
+    gaps = []  # per cell: ((1-softsync after 30, after 20), (async after 30, after 20))
     for f in FAMILIES:
         for o in OPTIMIZERS:
             for lam in LEARNERS:
 
                 def cell(runs):
                     picked = [r for r in runs if (r["family"], r["optimizer"], r["learners"]) == (f, o, lam)]
-                    picked = [r for r in picked if r["seed"] in SEEDS]
-                    at = [[gap(f, r["errors"][e], hard[f, o, r["seed"]]) for r in picked] for e in (-1, 19)]
-                    return f"{statistics.mean(at[0]):+.1f} ({statistics.mean(at[1]):+.1f})"
+                    picked = [r for r in picked if r["seed"] in SEEDS and r.get("lr", lr[f, o]) == lr[f, o]]
+                    assert sorted(r["seed"] for r in picked) == list(SEEDS), (f, o, lam)
+                    return [
+                        statistics.mean(gap(f, r["errors"][e], hard[f, o, r["seed"]]) for r in picked) for e in (-1, 19)
+                    ]
 
-                print(f"| {f} | {o} | {lam} | {cell(softsync)} | {cell(asynchronous)} |")
+                gaps.append((cell(softsync), cell(asynchronous)))
+                print(f"| {f} | {o} | {lam} | " + " | ".join("{:+.1f} ({:+.1f})".format(*g) for g in gaps[-1]) + " |")
+    for e, after in ((0, 30), (1, 20)):
+        met = [sum(g[p][e] <= 2 for g in gaps) for p in (0, 1)]
+        lower = sum(g[1][e] < g[0][e] for g in gaps)
+        print(
+            f"after {after} epochs: within 2: 1-softsync {met[0]}, async {met[1]} of {len(gaps)}; async lower in {lower}"
+        )
 
 
 if __name__ == "__main__":

@@ -139,14 +139,15 @@ class Bucketing:
                     self._open[link.server] = _Open(laid)
 
     def _tell_if_unused(self, links: Sequence[ServerLink]) -> None:
-        """Learner 0 warns, once, where no server takes its gradient in buckets (a run on one host): the option then
-        changes nothing, which its user would otherwise not see."""
+        """Learner 0 warns, once, where no server takes its gradient in buckets (on one host, the option then changes
+        nothing, which its user would otherwise not see). It says what it knows: its own pushes (a learner on another
+        host may still send buckets to a server on this one)."""
         if links and links[0].client.rank == 0 and not any(map(bucketed, links)):
             warnings.warn(
-                f"lightning_rudra: bucket_cap_mb={self.cap_mb:g} changes nothing in this run: every server "
-                "shares memory with the learners on its host, and buckets go only to a server on another host, "
-                "over the push stream (not with shared_memory=False, nor a node's aggregated push). The gradient "
-                "goes after the backward pass."
+                f"lightning_rudra: bucket_cap_mb={self.cap_mb:g} changes nothing for learner 0's pushes: every "
+                "server it pushes to shares memory with it, and buckets go only to a server on another host, over "
+                "the push stream (not with shared_memory=False, nor a node's aggregated push); its gradient goes "
+                "after the backward pass. Learners on another host than their servers' still send buckets."
             )
 
     def ready(self, index: int, position: int) -> None:

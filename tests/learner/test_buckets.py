@@ -271,7 +271,7 @@ def test_buckets_where_no_server_takes_them_say_so_once_on_learner_0_and_train_a
     )
     check_ok(results)
     [told] = results[0]["warnings"]
-    assert "bucket_cap_mb=1e-05 changes nothing in this run" in told and results[1]["warnings"] == []
+    assert "bucket_cap_mb=1e-05 changes nothing for learner 0's pushes" in told and results[1]["warnings"] == []
     for result in results:
         for mine, expected in zip(result["params"], sgd_reference(steps, mu * 2)):
             torch.testing.assert_close(mine, expected, rtol=0, atol=1e-5)

@@ -7,7 +7,8 @@ each training step sleeps (0), rpc_timeout (20), the hidden layer's width (16, t
 compression (none), node-local aggregation (auto, on or off), a learner that kills itself (RANK:STEP, none) and
 the number of server nodes (0; a server node prints "SERVER NODE DONE" when its fit returns) and "again" (after
 fit, validate, then fit one more epoch with a second Trainer; learner 0 prints "AGAIN" with its validation loss and
-the second fit's clock), then ``bucket_cap_mb`` (none; learner 0's result then counts the buckets it sent).
+the second fit's clock), then ``bucket_cap_mb`` (none; learner 0's result then counts the buckets it sent) and
+``num_servers`` (none).
 """
 
 import json
@@ -58,9 +59,10 @@ class Sleepy(Wide):
 
 if __name__ == "__main__":
     num_nodes, devices, epochs = (int(arg) for arg in sys.argv[1:4])
-    protocol, sleep, timeout, width, compression, aggregation, die, server_nodes, again, buckets = (
-        sys.argv[4:] + ["hardsync", "0", "20", "16", "none", "auto", "none", "0", "no", "none"][len(sys.argv[4:]) :]
-    )[:10]
+    protocol, sleep, timeout, width, compression, aggregation, die, server_nodes, again, buckets, servers = (
+        sys.argv[4:]
+        + ["hardsync", "0", "20", "16", "none", "auto", "none", "0", "no", "none", "none"][len(sys.argv[4:]) :]
+    )[:11]
     node_aggregation = {"auto": None, "on": True, "off": False}[aggregation]
 
     def strategy():
@@ -71,6 +73,7 @@ if __name__ == "__main__":
             node_aggregation=node_aggregation,
             server_nodes=int(server_nodes),
             bucket_cap_mb=None if buckets == "none" else float(buckets),
+            num_servers=None if servers == "none" else int(servers),
         )
 
     trainer = quiet_trainer(strategy(), devices, num_nodes=num_nodes, max_epochs=epochs)

@@ -61,8 +61,9 @@ def test_compressed_pushes_cross_the_link_in_fewer_bytes_and_hardsync_without_th
 
 
 def test_torchrun_on_two_hosts(tmp_path):
-    """With pushes during the backward pass (``bucket_cap_mb``: every parameter's part its own bucket): each
-    learner's part for the other host's server goes in pieces; hardsync is still exactly SGD with batch μλ."""
+    """With pushes during the backward pass (``bucket_cap_mb``: every parameter's part its own bucket) and 2 servers
+    per host (``num_servers=4``, server s on host s mod 2): each learner's parts for the other host's 2 servers go in
+    pieces, each server its own round; hardsync is still exactly SGD with batch μλ."""
     with two_hosts() as hosts:
         commands = [
             [
@@ -83,15 +84,15 @@ def test_torchrun_on_two_hosts(tmp_path):
                 "2",
                 "1",
                 str(EPOCHS),
-                *["hardsync", "0", "20", "16", "none", "auto", "none", "0", "no", "1e-5"],
+                *["hardsync", "0", "20", "16", "none", "auto", "none", "0", "no", "1e-5", "4"],
             ]
             for i in range(2)
         ]
         codes, logs, left = run_on_hosts(hosts, commands, [host_env(), host_env()], tmp_path)
     assert_hardsync_over(2, codes, logs, left)
     steps = EPOCHS * 256 // (8 * 2)
-    buckets = result_of(codes, logs, left)["buckets"]  # learner 0's, to server 1: 3 parameters' parts, 3 buckets
-    assert buckets == {"pieces": 3 * steps, "in pieces": steps, "whole": 0}
+    buckets = result_of(codes, logs, left)["buckets"]  # learner 0's, to servers 1 and 3: 3 parameters' parts in all
+    assert buckets == {"pieces": 3 * steps, "in pieces": 2 * steps, "whole": 0}
 
 
 def test_slurm_on_two_hosts(tmp_path):

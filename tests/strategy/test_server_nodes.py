@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.hosts import two_hosts, why_no_hosts
 from tests.scripts.hosts_fit import Wide
-from tests.hosts_harness import EPOCHS, SCRIPT, WIDTH, assert_hardsync_over, lightning_envs, run_on_hosts
+from tests.hosts_harness import EPOCHS, SCRIPT, WIDTH, assert_hardsync_over, lightning_envs, result_of, run_on_hosts
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,3 +39,16 @@ def test_two_learners_on_host_0_train_hardsync_exactly_with_their_server_on_a_se
     model_bytes = 4 * sum(p.numel() for p in Wide(WIDTH).parameters())
     steps = (EPOCHS + 1) * 256 // (8 * 2)  # both fits
     assert 2 * steps * model_bytes <= crossed < 3 * steps * model_bytes, (crossed, model_bytes)
+
+
+def test_one_async_learner_pushing_in_buckets_to_a_server_node_is_plain_sgd(tmp_path):
+    """Its gradient crosses the link in pieces during the backward pass (``bucket_cap_mb``: every parameter its own
+    bucket), one push per step; with one learner async is plain SGD all the same."""
+    with two_hosts() as hosts:
+        command = [sys.executable, SCRIPT, "1", "1", str(EPOCHS), "async", "0", "20", "16", "none", "auto"]
+        command += ["none", "1", "no", "1e-5"]  # no learner kills itself; one server node; buckets
+        codes, logs, left = run_on_hosts(hosts, [command, command], lightning_envs(hosts), tmp_path, timeout=150.0)
+    assert_hardsync_over(1, codes, logs, left)
+    steps = EPOCHS * 256 // 8
+    buckets = result_of(codes, logs, left)["buckets"]  # the model's 3 parameters, each its own bucket, every step
+    assert buckets == {"pieces": 3 * steps, "in pieces": steps, "whole": 0}

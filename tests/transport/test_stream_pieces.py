@@ -3,8 +3,10 @@ gets the gradient the pieces make, bit for bit, whatever their order; a push tha
 pieces that do not make a gradient fail their call alone, the connection in step; a call never finished runs
 nothing; a break while pieces go sends them again, and the call runs once."""
 
+import multiprocessing
 import socket
 import time
+import types
 
 import pytest
 import torch
@@ -195,3 +197,32 @@ def test_an_abandoned_call_runs_nothing_on_the_server_and_is_answered(server):
         _send_call(sock, 2, ("echo", "next"))
         assert recv_frame(sock, LIMITS) == ("ok", ("next",))
     assert _RUNS == []
+
+
+def _serve_until_killed(ports, secret):
+    server = StreamServer("127.0.0.1", _answer, secret, LIMITS, timeout=3.0, max_peers=4)
+    ports.put(server.port)
+    time.sleep(120)  # killed first
+
+
+@pytest.mark.slow  # a server process of its own: torch's import, seconds
+def test_a_server_killed_between_pieces_fails_the_push_naming_it():
+    """The learner's backward pass goes on after its server died: the next piece or the push notices, and the push
+    fails saying why, not waits."""
+    context = multiprocessing.get_context("spawn")
+    ports = context.Queue()
+    process = context.Process(
+        target=_serve_until_killed, args=(ports, SECRET), daemon=True
+    )  # a new import draws another
+    process.start()
+    client = _client(types.SimpleNamespace(port=ports.get(timeout=50)), timeout=3.0)
+    try:
+        call = client.call_in_pieces()
+        call.add(TensorPiece(0, 10, 0, torch.ones(5)))
+        process.kill()
+        process.join()
+        call.add(TensorPiece(0, 10, 5, torch.ones(5)))
+        with pytest.raises(RuntimeError, match="the stream to the test's server closed: .* nobody listens there"):
+            call.finish("push", _push()).wait()
+    finally:
+        client.close()
